@@ -1,0 +1,31 @@
+"""fluxcompile: a torch.compile backend that fuses tensor-parallel collectives with their matmuls.
+
+model = torch.compile(model, backend="fluxcompile")   # or fluxcompile.enable() before a framework compiles
+print(fluxcompile.explain(model, x))                  # what fused, what did not, and why
+"""
+
+__version__ = "0.1.0"
+
+from . import ops
+from .backend import disable, enable, explain, fluxcompile_backend
+from .config import config
+from .fx_passes.report import collect as collect_reports
+from .fx_passes.report import reports
+
+
+def _register_backend() -> None:
+    """Make backend="fluxcompile" work without the entry point too (a source checkout on PYTHONPATH)."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends import registry
+
+    if "fluxcompile" in registry._COMPILER_FNS:
+        return
+    if any(ep.name == "fluxcompile" for ep in entry_points(group="torch_dynamo_backends")):
+        return  # Dynamo loads it through the entry point (registering here too would clash)
+    registry.register_backend(fluxcompile_backend, name="fluxcompile")
+
+
+_register_backend()
+
+__all__ = ["collect_reports", "config", "disable", "enable", "explain", "fluxcompile_backend", "ops", "reports"]

@@ -1,0 +1,121 @@
+"""all_gather -> mm (one gather feeding one or more matmuls) => fluxcompile.all_gather_matmul.
+
+Matched forms, after ``wait_tensor(all_gather_into_tensor(shard))``:
+  * gather on dim 0: the waited tensor itself;
+  * gather on dim d > 0: ``cat(split(waited, rows, dim=0), dim=d)`` — what DTensor and
+    ``all_gather_tensor`` emit — with the chunks in rank order;
+then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+from torch.fx import Graph, Node
+
+from .. import ops
+from ..config import Config
+from .graph_utils import aten, is_call, shape, single_wait, static_int
+from .matmuls import Consumers, find_consumers
+from .report import Entry
+from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
+
+PATTERN = "all_gather_matmul"
+
+
+@dataclasses.dataclass
+class AllGatherMatmulMatch:
+    collective: Node
+    shard: Node
+    gathered: Node  # the full N-D gathered tensor (the wait, or the cat of the dim>0 form)
+    layout_nodes: list[Node]  # wait, split, getitems, cat: erased on rewrite
+    gather_dim: int
+    group_size: int
+    group_name: str
+    consumers: Consumers
+
+    def fused_args(self) -> tuple:
+        mms = self.consumers.matmuls
+        return (
+            self.shard,
+            [mm.b for mm in mms],
+            [mm.bias for mm in mms],
+            self.gather_dim,
+            self.group_size,
+            self.group_name,
+        )
+
+
+def gathered_form(wait: Node, group_size: int) -> tuple[Node, int, list[Node]] | str:
+    """(gathered tensor, gather dim, nodes between) for the dim-0 and the split/cat forms."""
+    users = list(wait.users)
+    if not (len(users) == 1 and is_call(users[0], aten.split.Tensor, aten.split_with_sizes.default)):
+        return wait, 0, [wait]
+    split = users[0]
+    split_dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if split_dim != 0:
+        return wait, 0, [wait]
+    getitems = sorted(split.users, key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
+    cats = {u for g in getitems for u in g.users}
+    if not all(is_call(g, operator.getitem) and len(g.users) == 1 for g in getitems) or len(cats) != 1:
+        return wait, 0, [wait]
+    (cat,) = cats
+    if not is_call(cat, aten.cat.default):
+        return wait, 0, [wait]
+    if len(getitems) != group_size:
+        return f"gathered tensor split into {len(getitems)} chunks but the group has {group_size} ranks"
+    if list(cat.args[0]) != getitems:
+        return "cat reorders the gathered chunks"
+    ndim = len(shape(cat) or ())
+    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % max(ndim, 1)
+    return cat, dim, [wait, split, *getitems, cat]
+
+
+def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
+    if why := disabled_reason(cfg, PATTERN):
+        return why
+    shard, group_size, group_name = node.args[0], node.args[1], node.args[2]
+    wait = single_wait(node)
+    if wait is None:
+        return "the gather is not waited on by a single wait_tensor"
+    form = gathered_form(wait, group_size)
+    if isinstance(form, str):
+        return form
+    gathered, dim, layout = form
+    gshape = shape(gathered)
+    if gshape is None or len(gshape) < 2:
+        return "gathered tensor is not at least 2-D"
+    if dim == len(gshape) - 1:
+        return "gather dim is the matmul's contraction (last) dim"
+    consumers = find_consumers(gathered)
+    if not consumers.matmuls:
+        reasons = "; ".join(r for _, r in consumers.others) or "no users"
+        return f"no mm consumes the gathered tensor as its left operand ({reasons})"
+    m, k = rows(gshape), gshape[-1]
+    for mm in consumers.matmuls:
+        if why := size_reason(cfg, m, (shape(mm.b) or (0, 0))[-1], k):
+            return why
+    return AllGatherMatmulMatch(node, shard, gathered, layout, dim, group_size, group_name, consumers)
+
+
+def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
+    found = match(node, cfg)
+    group = str(node.args[2])
+    if isinstance(found, str):
+        return Entry(node.name, "all_gather_into_tensor", group, None, found)
+    rewrite_consumers(
+        graph, node, ops.op(PATTERN), found.fused_args(), found.gathered, found.consumers, found.layout_nodes
+    )
+    mms = ", ".join(mm.node.name for mm in found.consumers.matmuls)
+    kept = (
+        f"; gathered tensor also kept for {len(found.consumers.others)} other user(s)" if found.consumers.others else ""
+    )
+    m = static_int(rows(shape(found.gathered)))
+    return Entry(
+        node.name,
+        "all_gather_into_tensor",
+        group,
+        PATTERN,
+        f"gather dim {found.gather_dim}, {len(found.consumers.matmuls)} matmul(s) [{mms}], M={m}{kept}",
+    )

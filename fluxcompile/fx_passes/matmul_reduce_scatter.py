@@ -1,0 +1,115 @@
+"""mm (or a sum of mms) -> reduce_scatter => fluxcompile.matmul_reduce_scatter.
+
+Matched forms of the collective's input:
+  * scatter on dim 0: the (reshaped) matmul output itself;
+  * scatter on dim d > 0: ``cat(split(x, rows, dim=d), dim=0)`` — what DTensor emits for a
+    sequence-parallel ``RowwiseParallel(output_layouts=Shard(1))`` — with the chunks in order;
+and ``x`` made of ``mm``/``addmm`` outputs through reshapes and ``add`` (the backward's ``add(mm, mm)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+from torch.fx import Graph, Node
+
+from .. import ops
+from ..config import Config
+from .graph_utils import aten, is_call, shape, single_wait
+from .matmuls import Producers, find_producers
+from .report import Entry
+from .rewrite import disabled_reason, rewrite_producers, rows, size_reason
+
+PATTERN = "matmul_reduce_scatter"
+
+
+@dataclasses.dataclass
+class MatmulReduceScatterMatch:
+    collective: Node
+    wait: Node
+    source: Node  # the N-D tensor whose scatter dim is reduce-scattered
+    layout_nodes: list[Node]  # cat, getitems, split of the dim>0 form
+    scatter_dim: int
+    reduce_op: str
+    group_size: int
+    group_name: str
+    producers: Producers
+
+    def fused_args(self) -> tuple:
+        terms = self.producers.terms
+        return (
+            [t.a for t in terms],
+            [t.b for t in terms],
+            self.producers.bias,
+            list(shape(self.source)),
+            self.scatter_dim,
+            self.reduce_op,
+            self.group_size,
+            self.group_name,
+        )
+
+
+def scattered_form(inp: Node, group_size: int) -> tuple[Node, int, list[Node]] | str:
+    """(tensor being scattered, scatter dim, nodes between) for the dim-0 and split/cat forms."""
+    if not (is_call(inp, aten.cat.default) and len(inp.users) == 1):
+        return inp, 0, []
+    cat_dim = inp.args[1] if len(inp.args) > 1 else inp.kwargs.get("dim", 0)
+    parts = list(inp.args[0])
+    if cat_dim != 0 or not all(is_call(p, operator.getitem) for p in parts):
+        return inp, 0, []
+    split = parts[0].args[0]
+    if not is_call(split, aten.split.Tensor, aten.split_with_sizes.default):
+        return inp, 0, []
+    if any(p.args[0] is not split or len(p.users) != 1 for p in parts) or len(split.users) != len(parts):
+        return inp, 0, []
+    if len(parts) != group_size:
+        return f"input split into {len(parts)} chunks but the group has {group_size} ranks"
+    if [p.args[1] for p in parts] != list(range(len(parts))):
+        return "cat reorders the chunks before the reduce_scatter"
+    source = split.args[0]
+    ndim = len(shape(source) or ())
+    dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % max(ndim, 1)
+    return source, dim, [inp, *parts, split]
+
+
+def match(node: Node, cfg: Config) -> MatmulReduceScatterMatch | str:
+    if why := disabled_reason(cfg, PATTERN):
+        return why
+    inp, reduce_op, group_size, group_name = node.args[:4]
+    wait = single_wait(node)
+    if wait is None:
+        return "the reduce_scatter is not waited on by a single wait_tensor"
+    form = scattered_form(inp, group_size)
+    if isinstance(form, str):
+        return form
+    source, dim, layout = form
+    sshape = shape(source)
+    if sshape is None or len(sshape) < 2:
+        return "reduce-scattered tensor is not at least 2-D"
+    if dim == len(sshape) - 1:
+        return "scatter dim is the matmul's output-feature (last) dim"
+    producers = find_producers(source, "reduce_scatter")
+    if isinstance(producers, str):
+        return producers
+    k = (shape(producers.terms[0].a) or (0, 0))[-1]
+    if why := size_reason(cfg, rows(sshape), sshape[-1], k):
+        return why
+    return MatmulReduceScatterMatch(node, wait, source, layout, dim, reduce_op, group_size, group_name, producers)
+
+
+def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
+    found = match(node, cfg)
+    group = str(node.args[3])
+    if isinstance(found, str):
+        return Entry(node.name, "reduce_scatter_tensor", group, None, found)
+    rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes)
+    terms = found.producers.terms
+    bias = ", with bias" if found.producers.bias is not None else ""
+    return Entry(
+        node.name,
+        "reduce_scatter_tensor",
+        group,
+        PATTERN,
+        f"scatter dim {found.scatter_dim}, sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}",
+    )

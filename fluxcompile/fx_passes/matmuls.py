@@ -1,0 +1,167 @@
+"""Finding the matmuls next to a collective.
+
+Consumers: the ``mm``/``addmm`` nodes whose left operand is a collective's result, reached through
+reshapes that flatten its leading dims (``[B, S, K] -> [B*S, K]``).
+Producers: the ``mm``/``addmm`` nodes whose sum feeds a collective, through reshapes and ``add``.
+Each finder returns what it found or the reason it found nothing fusable, for the rewrite report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+from torch.fx import Node
+
+from .graph_utils import aten, dtype, is_call, is_dtype_change, is_reshape, op_name, shape, val
+
+
+@dataclasses.dataclass
+class ConsumerMatmul:
+    """``out = A2 @ b (+ bias)`` where ``A2`` is the collective's result flattened to 2-D."""
+
+    node: Node
+    b: Node
+    bias: Node | None
+
+
+@dataclasses.dataclass
+class Consumers:
+    matmuls: list[ConsumerMatmul]
+    # Users of the collective's result that are not fusable matmuls, with why (they keep the result).
+    others: list[tuple[Node, str]]
+
+
+def _default_addmm(node: Node) -> bool:
+    return node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1
+
+
+def find_consumers(result: Node) -> Consumers:
+    """Matmuls consuming ``result`` (N-D, last dim K) as their left operand, possibly after reshapes."""
+    rshape = shape(result)
+    found = Consumers([], [])
+    if rshape is None or len(rshape) < 2:
+        return found
+    k = rshape[-1]
+    seen: set[Node] = set()
+
+    def visit(node: Node) -> None:
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            ushape = shape(user)
+            if is_call(user, aten.mm.default) and user.args[0] is node and user.args[1] is not node:
+                if len(shape(node) or ()) == 2:
+                    found.matmuls.append(ConsumerMatmul(user, user.args[1], None))
+                    continue
+            elif is_call(user, aten.addmm.default) and user.args[1] is node and user.args[2] is not node:
+                if not _default_addmm(user):
+                    found.others.append((user, "addmm with beta/alpha != 1"))
+                    continue
+                found.matmuls.append(ConsumerMatmul(user, user.args[2], user.args[0]))
+                continue
+            elif is_reshape(user) and user.args[0] is node and ushape and len(ushape) >= 2 and ushape[-1] == k:
+                visit(user)
+                continue
+            found.others.append((user, _other_reason(user, node)))
+
+    visit(result)
+    return found
+
+
+def _other_reason(user: Node, node: Node) -> str:
+    if is_call(user, aten.mm.default, aten.addmm.default):
+        return f"{user.name} takes it as the right operand (contraction over the collective's dim)"
+    if is_dtype_change(user):
+        return f"dtype change {dtype(node)} -> {user.args[1]} in {user.name}"
+    return f"{op_name(user)} ({user.name}) uses it"
+
+
+@dataclasses.dataclass
+class ProducerTerm:
+    """One ``a @ b (+ bias)`` of a sum of matmuls."""
+
+    node: Node
+    a: Node
+    b: Node
+    bias: Node | None
+
+
+@dataclasses.dataclass
+class Producers:
+    terms: list[ProducerTerm]  # the term with a bias first, then graph order of the add tree
+    chain: list[Node]  # the reshapes and adds between the matmuls and the collective (erased on rewrite)
+
+    @property
+    def bias(self) -> Node | None:
+        return self.terms[0].bias
+
+
+def find_producers(start: Node, collective: str) -> Producers | str:
+    """The sum of matmuls that ``start`` (the collective's input) is made of, or why there is none.
+
+    Every node on the way must have ``start``'s chain as its only user, otherwise the intermediate value
+    is needed elsewhere and fusing would compute it twice.
+    """
+    terms: list[ProducerTerm] = []
+    chain: list[Node] = []
+    out_dtype = dtype(start)
+
+    def visit(node: Node, first: bool) -> str | None:
+        if not isinstance(node, Node):
+            return f"{node!r} is not a tensor produced in the graph"
+        if not first and len(node.users) != 1:
+            what = "mm result" if is_call(node, aten.mm.default, aten.addmm.default) else node.name
+            return f"{what} ({node.name}) has {len(node.users)} users"
+        if dtype(node) != out_dtype:
+            return f"dtype change {dtype(node)} -> {out_dtype} between mm and {collective}"
+        if is_call(node, aten.mm.default):
+            terms.append(ProducerTerm(node, node.args[0], node.args[1], None))
+            return None
+        if is_call(node, aten.addmm.default):
+            if not _default_addmm(node):
+                return f"addmm with beta/alpha != 1 ({node.name})"
+            terms.append(ProducerTerm(node, node.args[1], node.args[2], node.args[0]))
+            return None
+        if is_reshape(node):
+            chain.append(node)
+            return visit(node.args[0], False)
+        if is_call(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 2:
+            lhs, rhs = node.args
+            if not (isinstance(lhs, Node) and isinstance(rhs, Node)) or shape(lhs) != shape(rhs):
+                return f"add with broadcasting or a scalar ({node.name}) between mm and {collective}"
+            chain.append(node)
+            return visit(lhs, False) or visit(rhs, False)
+        src = node
+        while is_call(src, operator.getitem):
+            src = src.args[0]
+        if src is not node and is_call(src, *_fused_targets()):
+            return f"its matmul is already fused into {op_name(src)}"
+        return f"{op_name(node)} ({node.name}) between mm and {collective}"
+
+    why = visit(start, True)
+    if why:
+        return why
+    if not terms:
+        return f"no mm feeds the {collective}"
+    with_bias = [t for t in terms if t.bias is not None]
+    if len(with_bias) > 1:
+        return f"{len(with_bias)} addmm biases in one sum"
+    mm_shapes = {shape(t.node) for t in terms}
+    if len(mm_shapes) != 1:
+        return f"matmuls of different shapes {sorted(map(str, mm_shapes))} summed"
+    (mshape,) = mm_shapes
+    sshape = shape(start)
+    if sshape is None or mshape is None or sshape[-1] != mshape[-1]:
+        return f"reshape between mm {mshape} and {collective} input {sshape} changes the last dim"
+    if any(val(t.a) is None or val(t.b) is None for t in terms):
+        return "operands without example values"
+    terms.sort(key=lambda t: t.bias is None)
+    return Producers(terms, chain)
+
+
+def _fused_targets() -> tuple:
+    from .. import ops
+
+    return tuple(ops.op(name) for name in ops.FUSED_OPS)

@@ -1,0 +1,76 @@
+"""The two rewrites every pattern is made of: a collective feeding matmuls, or matmuls feeding a collective."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from torch.fx import Graph, Node
+
+from ..config import Config
+from .graph_utils import call, erase_dead, static_int
+from .matmuls import Consumers, Producers
+
+
+def rewrite_consumers(
+    graph: Graph,
+    collective: Node,
+    target: Any,
+    args: tuple[Any, ...],
+    result: Node,
+    consumers: Consumers,
+    layout_nodes: Sequence[Node],
+) -> Node:
+    """Replace ``collective -> ... -> result`` and the consuming matmuls with one fused op.
+
+    The fused op returns ``(result, [mm outputs])``; users of ``result`` that are not fused matmuls (saved
+    activations, weight-gradient matmuls) read its first output.
+    """
+    with graph.inserting_before(collective):
+        fused = call(graph, target, args)
+        new_result = call(graph, operator.getitem, (fused, 0))
+        outs = call(graph, operator.getitem, (fused, 1))
+        for i, mm in enumerate(consumers.matmuls):
+            mm.node.replace_all_uses_with(call(graph, operator.getitem, (outs, i)))
+    result.replace_all_uses_with(new_result)
+    erase_dead(graph, [*(mm.node for mm in consumers.matmuls), *layout_nodes, collective])
+    return fused
+
+
+def rewrite_producers(
+    graph: Graph,
+    collective: Node,
+    target: Any,
+    args: tuple[Any, ...],
+    result: Node,
+    producers: Producers,
+    layout_nodes: Sequence[Node],
+) -> Node:
+    """Replace the matmuls, the adds and reshapes after them, and ``collective -> ... -> result``."""
+    with graph.inserting_before(collective):
+        fused = call(graph, target, args)
+    result.replace_all_uses_with(fused)
+    erase_dead(graph, [result, collective, *layout_nodes, *producers.chain, *(t.node for t in producers.terms)])
+    return fused
+
+
+def size_reason(cfg: Config, m: Any, n: Any, k: Any) -> str | None:
+    """Why the local matmul is below the configured minimum size, if it is (symbolic sizes pass)."""
+    for name, size, bound in (("M", m, cfg.min_m), ("N", n, cfg.min_n), ("K", k, cfg.min_k)):
+        size = static_int(size)
+        if size is not None and size < bound:
+            return f"{name} = {size} < min_{name.lower()} = {bound} ({cfg.env_name('min_' + name.lower())})"
+    return None
+
+
+def rows(shape: Sequence[Any]) -> Any:
+    """Product of all but the last dim (the M of the flattened 2-D matmul)."""
+    return math.prod(shape[:-1]) if len(shape) > 1 else 1
+
+
+def disabled_reason(cfg: Config, pattern: str) -> str | None:
+    if getattr(cfg, pattern):
+        return None
+    return f"{pattern} disabled by config ({cfg.env_name(pattern)}=0)"

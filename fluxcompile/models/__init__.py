@@ -1,0 +1,1 @@
+"""Reference models parallelized with PyTorch's own TP API (demo, tests, benchmarks)."""

@@ -1,0 +1,5 @@
+"""Helpers to run code on several ranks (tests, the demo, benchmarks)."""
+
+from .ranks import RankPool, free_port
+
+__all__ = ["RankPool", "free_port"]
