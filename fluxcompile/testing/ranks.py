@@ -51,7 +51,7 @@ class RankPool:
         """Run ``fn(*args)`` on every rank; return the results in rank order."""
         if not self.alive():
             raise RuntimeError("RankPool: the rank processes are gone (an earlier run hung or crashed)")
-        task = (os.path.abspath(inspect.getfile(fn)), fn.__name__, args)
+        task = (fn.__module__, os.path.abspath(inspect.getfile(fn)), fn.__name__, args)
         for q in self._tasks:
             q.put(task)
         results: dict[int, tuple[bool, Any]] = {}
@@ -90,9 +90,18 @@ class RankPool:
         self.close()
 
 
-def _load(path: str, cache: dict[str, Any]) -> Any:
+def _load(module: str, path: str, cache: dict[str, Any]) -> Any:
+    """The function's module, imported under its own name so what it returns unpickles in the parent."""
     if path not in cache:
-        sys.path.insert(0, os.path.dirname(path))
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.append(folder)  # a test module imported by pytest from its folder
+        if module != "__main__":
+            try:
+                cache[path] = importlib.import_module(module)
+                return cache[path]
+            except ImportError:
+                pass
         name = "_rankpool_" + os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
@@ -123,10 +132,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         task = tasks.get()
         if task is None:
             break
-        path, name, args = task
+        module, path, name, args = task
         try:
             torch._dynamo.reset()
-            value = getattr(_load(path, modules), name)(*args)
+            value = getattr(_load(module, path, modules), name)(*args)
             results.put((rank, True, value))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
