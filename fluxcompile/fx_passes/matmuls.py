@@ -44,6 +44,8 @@ def find_consumers(result: Node) -> Consumers:
         return found
     k = rshape[-1]
     seen: set[Node] = set()
+    # The fused op runs where the collective was: a weight or bias computed from the result cannot feed it.
+    downstream = _descendants(result)
 
     def visit(node: Node) -> None:
         for user in node.users:
@@ -51,11 +53,16 @@ def find_consumers(result: Node) -> Consumers:
                 continue
             seen.add(user)
             ushape = shape(user)
-            if is_call(user, aten.mm.default) and user.args[0] is node and user.args[1] is not node:
+            if is_call(user, aten.mm.default) and user.args[0] is node and user.args[1] not in downstream:
                 if len(shape(node) or ()) == 2:
                     found.matmuls.append(ConsumerMatmul(user, user.args[1], None))
                     continue
-            elif is_call(user, aten.addmm.default) and user.args[1] is node and user.args[2] is not node:
+            elif (
+                is_call(user, aten.addmm.default)
+                and user.args[1] is node
+                and user.args[2] not in downstream
+                and user.args[0] not in downstream
+            ):
                 if not _default_addmm(user):
                     found.others.append((user, "addmm with beta/alpha != 1"))
                     continue
@@ -70,7 +77,21 @@ def find_consumers(result: Node) -> Consumers:
     return found
 
 
+def _descendants(node: Node) -> set[Node]:
+    """``node`` and every node computed from it."""
+    found = {node}
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
 def _other_reason(user: Node, node: Node) -> str:
+    if is_call(user, aten.mm.default, aten.addmm.default) and node is user.args[-2]:
+        return f"{user.name}'s right operand or bias is computed from the collective's result"
     if is_call(user, aten.mm.default, aten.addmm.default):
         return f"{user.name} takes it as the right operand (contraction over the collective's dim)"
     if is_dtype_change(user):
@@ -108,10 +129,10 @@ def find_producers(start: Node, collective: str) -> Producers | str:
     chain: list[Node] = []
     out_dtype = dtype(start)
 
-    def visit(node: Node, first: bool) -> str | None:
+    def visit(node: Node) -> str | None:
         if not isinstance(node, Node):
             return f"{node!r} is not a tensor produced in the graph"
-        if not first and len(node.users) != 1:
+        if len(node.users) != 1:
             what = "mm result" if is_call(node, aten.mm.default, aten.addmm.default) else node.name
             return f"{what} ({node.name}) has {len(node.users)} users"
         if dtype(node) != out_dtype:
@@ -126,13 +147,13 @@ def find_producers(start: Node, collective: str) -> Producers | str:
             return None
         if is_reshape(node):
             chain.append(node)
-            return visit(node.args[0], False)
+            return visit(node.args[0])
         if is_call(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 2:
             lhs, rhs = node.args
             if not (isinstance(lhs, Node) and isinstance(rhs, Node)) or shape(lhs) != shape(rhs):
                 return f"add with broadcasting or a scalar ({node.name}) between mm and {collective}"
             chain.append(node)
-            return visit(lhs, False) or visit(rhs, False)
+            return visit(lhs) or visit(rhs)
         src = node
         while is_call(src, operator.getitem):
             src = src.args[0]
@@ -140,7 +161,7 @@ def find_producers(start: Node, collective: str) -> Producers | str:
             return f"its matmul is already fused into {op_name(src)}"
         return f"{op_name(node)} ({node.name}) between mm and {collective}"
 
-    why = visit(start, True)
+    why = visit(start)
     if why:
         return why
     if not terms:
