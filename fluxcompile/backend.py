@@ -12,21 +12,31 @@ from .fx_passes import report as _report
 
 
 def _pass_over(existing: Any) -> FluxcompilePass:
-    """Our pass, chained after whatever pre-pass the user already installed (never stacked twice)."""
+    """Our pass, chained after whatever pre-pass(es) the user already installed (never stacked twice)."""
     if isinstance(existing, FluxcompilePass):
         return existing
+    if isinstance(existing, (list, tuple)):
+        ours = [p for p in existing if isinstance(p, FluxcompilePass)]
+        if ours:
+            return ours[0]
     return FluxcompilePass(previous=existing)
 
 
-def fluxcompile_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable:
-    """``torch.compile(model, backend="fluxcompile")``: Inductor plus the rewrite pass.
+def fluxcompile_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable:
+    """``torch.compile(model, backend="fluxcompile", mode=..., options=...)``: Inductor plus the rewrite pass.
 
-    ``options`` are Inductor config patches, as with ``backend="inductor"``.
+    ``mode`` and ``options`` mean what they mean for ``backend="inductor"`` (Inductor config patches).
     """
     from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = dict(options)
+    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     patches["post_grad_custom_pre_pass"] = _pass_over(
         patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
     )

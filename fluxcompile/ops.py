@@ -14,8 +14,8 @@ Conventions shared by all ops
 * A *matmul* is ``aten.mm(a, b)``, or ``aten.addmm(bias, a, b)`` when a bias is given: ``a`` is 2-D
   ``[M, K]``, ``b`` is 2-D ``[K, N]`` with any strides, ``bias`` broadcasts to ``[M, N]`` (usually
   ``[N]``). Using addmm keeps the numerics of the graph that was rewritten.
-* *Sum of matmuls* (producer side): ``P = mm_0 + mm_1 + ...`` added left to right, the bias (if any)
-  entering through the first product's addmm. That is the backward's ``add(mm, mm)`` form. Note that
+* *Sum of matmuls* (producer side): ``P = addmm(bias, a_0, b_0) + a_1 @ b_1 + ...`` added left to right;
+  the pass puts the term with the bias first (the graph's own add order may differ: same sum up to rounding). That is the backward's ``add(mm, mm)`` form. Note that
   the bias is part of every rank's partial, so a reduction adds it ``world_size`` times — exactly as
   the rewritten graph did (DTensor pre-divides a row-parallel bias by the world size).
 * ``out_shape`` is the N-D view of ``P`` (``[M, N]`` → ``out_shape``, last dim ``N``) that the
@@ -91,7 +91,7 @@ def _matmul(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def matmul_sum(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None) -> Tensor:
-    """``P = addmm(bias, As[0], Bs[0]) + As[1] @ Bs[1] + ...`` in the graph's left-to-right order."""
+    """``P = addmm(bias, As[0], Bs[0]) + As[1] @ Bs[1] + ...``, added left to right."""
     _check_pairs(As, Bs)
     out = _matmul(As[0], Bs[0], bias)
     for a, b in zip(As[1:], Bs[1:]):
@@ -99,8 +99,21 @@ def matmul_sum(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None) 
     return out
 
 
+def check_group(group_size: int, group_name: str) -> None:
+    """A clear error where the graph's group size disagrees with the process group's (bad input)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        actual = _resolve_process_group(group_name).size()
+    except Exception as e:
+        raise ValueError(f"fluxcompile: no process group named {group_name!r}: {e}") from e
+    if actual != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but process group {group_name!r} has {actual} ranks")
+
+
 def gather(A: Tensor, gather_dim: int, group_size: int, group_name: str) -> Tensor:
     """all_gather along ``gather_dim`` (the functional collective gathers along dim 0)."""
+    check_group(group_size, group_name)
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(A.contiguous(), group_size, group_name))
     if gather_dim == 0:
         return gathered
@@ -109,6 +122,11 @@ def gather(A: Tensor, gather_dim: int, group_size: int, group_name: str) -> Tens
 
 def scatter(P: Tensor, scatter_dim: int, reduce_op: str, group_size: int, group_name: str) -> Tensor:
     """reduce_scatter along ``scatter_dim``."""
+    check_group(group_size, group_name)
+    if P.shape[scatter_dim] % group_size:
+        raise ValueError(
+            f"fluxcompile: dim {scatter_dim} of size {P.shape[scatter_dim]} does not split over {group_size} ranks"
+        )
     if scatter_dim != 0:
         P = torch.cat(P.chunk(group_size, dim=scatter_dim), dim=0)
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(P.contiguous(), reduce_op, group_size, group_name))
@@ -127,7 +145,8 @@ def _check_pairs(As: Sequence[Tensor], Bs: Sequence[Tensor]) -> None:
 
 
 def _check_dim(dim: int, ndim: int, what: str) -> int:
-    if not -ndim <= dim < ndim - 1 + (ndim == 1):
+    """``dim`` normalized; it must be a row dim (any but the last: the last is the matmul's K or N)."""
+    if ndim < 2 or not -ndim <= dim < ndim or dim % ndim == ndim - 1:
         raise ValueError(f"fluxcompile: {what} {dim} must be a row dim of a {ndim}-D tensor (not the last)")
     return dim % ndim
 

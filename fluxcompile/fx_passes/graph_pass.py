@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable
+from typing import Any
 
 from torch._inductor import custom_graph_pass
 from torch._inductor.pattern_matcher import stable_topological_sort
@@ -88,20 +89,28 @@ _SOURCES = tuple(
 
 
 class FluxcompilePass(_PassBase):  # type: ignore[misc,valid-type]
-    """The pass object Inductor calls; ``previous`` is a user's own pre-pass, which runs first."""
+    """The pass object Inductor calls; ``previous`` (a user's own pre-pass or list of them) runs first."""
 
-    def __init__(self, previous: Callable[[Graph], None] | None = None) -> None:
-        self.previous = previous
+    def __init__(self, previous: Any = None) -> None:
+        # Inductor takes one pass or (newer torch) a list of them.
+        passes = previous if isinstance(previous, (list, tuple)) else (previous,)
+        self.previous: tuple[Any, ...] = tuple(p for p in passes if p is not None)
 
     def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:
-        if self.previous is not None:
-            if isinstance(self.previous, getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", ())):
-                self.previous(graph, is_inference=is_inference)
+        aware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", ())
+        for p in self.previous:
+            if aware and isinstance(p, aware):
+                p(graph, is_inference=is_inference)
             else:
-                self.previous(graph)
+                p(graph)
         rewrite_graph(graph, config, is_inference)
 
-    def uuid(self) -> bytes:
-        prev = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
-        extra = f"{__version__}|{config.fingerprint()}|{prev}"
+    def uuid(self) -> bytes | None:
+        prev = []
+        for p in self.previous:
+            u = p.uuid() if hasattr(p, "uuid") else None
+            if u is None:
+                return None  # a user pass without a uuid: no cache, as Inductor does for it alone
+            prev.append(repr(u))
+        extra = f"{__version__}|{config.fingerprint()}|{'|'.join(prev)}"
         return custom_graph_pass.get_hash_for_files(_SOURCES, extra)

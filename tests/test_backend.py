@@ -1,0 +1,119 @@
+"""The backend's ways in: the entry point and backend="fluxcompile", enable()/disable() with a user's own
+pre-pass, explain(), mode/options, the pass's uuid, and the config with its environment overrides."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from helpers import fresh_compiles
+
+import fluxcompile
+from fluxcompile.backend import disable, enable
+from fluxcompile.config import Config
+from fluxcompile.fx_passes import FluxcompilePass
+from fluxcompile.testing.numerics import assert_close
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert any(ep.name == "fluxcompile" and ep.value == "fluxcompile.backend:fluxcompile_backend" for ep in eps)
+
+
+def test_backend_name_resolves_in_a_fresh_process():
+    # As a user would: no import of fluxcompile, just the string.
+    code = "import torch._dynamo as d; print(d.lookup_backend('fluxcompile').__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "fluxcompile.backend"
+
+
+def _tp_mlp(x, w1, w2, group):
+    h = funcol.all_gather_tensor(x, 0, group)
+    y = torch.relu(h @ w1) @ w2
+    return funcol.reduce_scatter_tensor(y, "sum", 0, group)
+
+
+def compile_ways() -> dict[str, object]:
+    """The same function through backend="fluxcompile" (with mode/options) and through enable()."""
+    group = dist.group.WORLD
+    torch.manual_seed(dist.get_rank())
+    x, w1, w2 = torch.randn(6, 16), torch.randn(16, 32), torch.randn(32, 16)
+    ref = _tp_mlp(x, w1, w2, group)
+    seen = []
+    result = {}
+    with fresh_compiles():
+        with fluxcompile.collect_reports() as rep:
+            out = torch.compile(_tp_mlp, backend="fluxcompile", options={"max_autotune": False})(x, w1, w2, group)
+        assert_close(out, ref, 1e-5, "backend='fluxcompile'")
+        result["backend"] = [e.fused_op for e in rep.entries()]
+
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(post_grad_custom_pre_pass=lambda g: seen.append(len(g.nodes))):
+            enable()
+            enable()  # idempotent
+            try:
+                current = torch._inductor.config.post_grad_custom_pre_pass
+                assert isinstance(current, FluxcompilePass) and len(current.previous) == 1
+                assert current.uuid() is None, "a user pass without uuid must turn the graph cache off"
+                with fluxcompile.collect_reports() as rep:
+                    out = torch.compile(_tp_mlp)(x, w1, w2, group)  # plain inductor
+            finally:
+                disable()
+            assert not isinstance(torch._inductor.config.post_grad_custom_pre_pass, FluxcompilePass)
+        assert_close(out, ref, 1e-5, "enable()")
+        result["enable"] = [e.fused_op for e in rep.entries()]
+        result["user_pass_ran"] = bool(seen)
+
+        torch._dynamo.reset()
+        result["explain"] = str(fluxcompile.explain(_tp_mlp, x, w1, w2, group))
+    return result
+
+
+def test_compile_ways(ranks):
+    r = ranks(2).run(compile_ways)[0]
+    assert r["backend"] == ["all_gather_matmul", "matmul_reduce_scatter"]
+    assert r["enable"] == ["all_gather_matmul", "matmul_reduce_scatter"]
+    assert r["user_pass_ran"]
+    assert "fluxcompile.all_gather_matmul" in r["explain"] and "fluxcompile.matmul_reduce_scatter" in r["explain"]
+
+
+def test_uuid_follows_config():
+    p = FluxcompilePass()
+    before = p.uuid()
+    assert before is not None and p.uuid() == before
+    with fluxcompile.config.patch(min_k=4096):
+        assert p.uuid() != before
+    assert p.uuid() == before
+
+
+def test_config_env_overrides():
+    cfg = Config()
+    cfg.load_env(
+        {
+            "FLUXCOMPILE_MATMUL_ALL_REDUCE": "0",
+            "FLUXCOMPILE_MIN_K": "1024",
+            "FLUXCOMPILE_IMPLEMENTATIONS": "reference, triton",
+            "FLUXCOMPILE_AUTOTUNE": "off",
+        }
+    )
+    assert cfg.matmul_all_reduce is False and cfg.min_k == 1024 and cfg.autotune is False
+    assert cfg.implementations == ("reference", "triton")
+    with pytest.raises(ValueError, match="FLUXCOMPILE_MIN_K"):
+        Config().load_env({"FLUXCOMPILE_MIN_K": "big"})
+    with pytest.raises(ValueError, match="FLUXCOMPILE_ALL_GATHER_MATMUL"):
+        Config().load_env({"FLUXCOMPILE_ALL_GATHER_MATMUL": "maybe"})
+    with pytest.raises(AttributeError, match="no option"):
+        cfg.min_kk = 3
+
+
+def test_config_env_read_at_import():
+    env = {**os.environ, "FLUXCOMPILE_MIN_N": "77"}
+    code = "import fluxcompile; print(fluxcompile.config.min_n)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "77"
