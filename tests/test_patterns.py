@@ -568,7 +568,16 @@ def case_no_a2a_without_mm(c: Ctx) -> Case:
     return Case(
         f,
         [c.randn(8, 16)],
-        [(A2A, None, ("consumer side: no mm consumes the exchanged tensor", "producer side: placeholder (x_1)"))],
+        [
+            (
+                A2A,
+                None,
+                (
+                    "consumer side: no mm consumes the exchanged tensor",
+                    "producer side: placeholder (x_1) feeds the all_to_all, not a matmul",
+                ),
+            )
+        ],
     )
 
 

@@ -159,6 +159,8 @@ def find_producers(start: Node, collective: str) -> Producers | str:
             src = src.args[0]
         if src is not node and is_call(src, *_fused_targets()):
             return f"its matmul is already fused into {op_name(src)}"
+        if not _has_matmul_ancestor(node):
+            return f"{op_name(node)} ({node.name}) feeds the {collective}, not a matmul"
         return f"{op_name(node)} ({node.name}) between mm and {collective}"
 
     why = visit(start)
@@ -180,6 +182,19 @@ def find_producers(start: Node, collective: str) -> Producers | str:
         return "operands without example values"
     terms.sort(key=lambda t: t.bias is None)
     return Producers(terms, chain)
+
+
+def _has_matmul_ancestor(node: Node, limit: int = 64) -> bool:
+    """Whether an mm/addmm is among the (nearest ``limit``) nodes ``node`` is computed from."""
+    stack, seen = [node], {node}
+    while stack and len(seen) <= limit:
+        for a in stack.pop().all_input_nodes:
+            if is_call(a, aten.mm.default, aten.addmm.default):
+                return True
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return False
 
 
 def _fused_targets() -> tuple:

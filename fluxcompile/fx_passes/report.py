@@ -32,7 +32,8 @@ class Entry:
         return self.fused_op is not None
 
     def line(self) -> str:
-        head = f"{self.collective} {self.node} (group {self.group_name})"
+        name = self.node if self.node.startswith(self.collective) else f"{self.collective} {self.node}"
+        head = f"{name} (group {self.group_name})"
         if self.fused:
             return f"  fused    {head} -> fluxcompile.{self.fused_op}: {self.detail}"
         return f"  kept     {head}: {self.detail}"
