@@ -183,6 +183,29 @@ def case_ag_other_users(c: Ctx) -> Case:
     )
 
 
+def case_ag_permute(c: Ctx) -> Case:
+    # Megatron's [S, B, K] layout gathered on the sequence dim, then permuted to [B, S, K] before the mm:
+    # the permute moves onto the shard.
+    def f(x, w1, w2):
+        h = _all_gather(x, 0, c.group).permute(1, 0, 2).reshape(-1, 16)
+        return torch.mm(h, w1), torch.mm(h, w2)
+
+    return Case(
+        f,
+        [c.randn(3, 2, 16), c.randn(16, 12), c.randn(16, 8)],
+        [(AG, AGMM, ("gather dim 1 (of the shard permuted by [1, 0, 2])", "2 matmul(s)"))],
+        mm_outputs=(2,),
+    )
+
+
+def case_no_ag_permute_moves_k(c: Ctx) -> Case:
+    # A permute that moves the last dim changes what the matmul contracts over: not followed.
+    def f(x, w):
+        return torch.mm(_all_gather(x, 0, c.group).permute(0, 2, 1).reshape(-1, 3), w)
+
+    return Case(f, [c.randn(2, 3, 4), c.randn(3, 5)], [(AG, None, ("aten.permute",))])
+
+
 def case_ag_returned(c: Ctx) -> Case:
     def f(x, w):
         y = _all_gather(x, 0, c.group)

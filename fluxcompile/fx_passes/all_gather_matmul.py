@@ -4,7 +4,8 @@ Matched forms, after ``wait_tensor(all_gather_into_tensor(shard))``:
   * gather on dim 0: the waited tensor itself;
   * gather on dim d > 0: ``cat(split(waited, rows, dim=0), dim=d)`` — what DTensor and
     ``all_gather_tensor`` emit — with the chunks in rank order;
-then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``.
+then optionally a permute that keeps the last dim last (moved onto the shard: gathering the permuted
+shard gives the permuted gathered tensor), then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .graph_utils import aten, is_call, shape, single_wait, static_int
+from .graph_utils import aten, call, is_call, shape, single_wait, static_int
 from .matmuls import Consumers, find_consumers
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
@@ -34,11 +35,12 @@ class AllGatherMatmulMatch:
     group_size: int
     group_name: str
     consumers: Consumers
+    shard_perm: list[int] | None = None  # a permute between gather and mm, moved onto the shard
 
-    def fused_args(self) -> tuple:
+    def fused_args(self, shard: Node | None = None) -> tuple:
         mms = self.consumers.matmuls
         return (
-            self.shard,
+            shard if shard is not None else self.shard,
             [mm.b for mm in mms],
             [mm.bias for mm in mms],
             self.gather_dim,
@@ -83,6 +85,13 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
     if isinstance(form, str):
         return form
     gathered, dim, layout = form
+    perm = _leading_permute(gathered)
+    if perm is not None:
+        # Gathering the permuted shard gives the permuted gathered tensor, contiguous: the permute moves
+        # onto the (smaller) shard and the gather dim moves with it.
+        gathered, perm_dims = perm, list(perm.args[1])
+        layout = [*layout, gathered]
+        dim = perm_dims.index(dim)
     gshape = shape(gathered)
     if gshape is None or len(gshape) < 2:
         return "gathered tensor is not at least 2-D"
@@ -96,7 +105,18 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
     for mm in consumers.matmuls:
         if why := size_reason(cfg, m, (shape(mm.b) or (0, 0))[-1], k):
             return why
-    return AllGatherMatmulMatch(node, shard, gathered, layout, dim, group_size, group_name, consumers)
+    shard_perm = [d % len(gshape) for d in perm.args[1]] if perm is not None else None
+    return AllGatherMatmulMatch(node, shard, gathered, layout, dim, group_size, group_name, consumers, shard_perm)
+
+
+def _leading_permute(gathered: Node) -> Node | None:
+    """The gathered tensor's only user, when it is a permute that keeps the last (K) dim last."""
+    users = list(gathered.users)
+    if len(users) != 1 or not is_call(users[0], aten.permute.default):
+        return None
+    ndim = len(shape(gathered) or ())
+    dims = [d % ndim for d in users[0].args[1]]
+    return users[0] if ndim >= 2 and dims[-1] == ndim - 1 else None
 
 
 def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
@@ -104,18 +124,23 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[2])
     if isinstance(found, str):
         return Entry(node.name, "all_gather_into_tensor", group, None, found)
+    shard = None
+    if found.shard_perm is not None:
+        with graph.inserting_before(node):
+            shard = call(graph, aten.permute.default, (found.shard, found.shard_perm))
     rewrite_consumers(
-        graph, node, ops.op(PATTERN), found.fused_args(), found.gathered, found.consumers, found.layout_nodes
+        graph, node, ops.op(PATTERN), found.fused_args(shard), found.gathered, found.consumers, found.layout_nodes
     )
     mms = ", ".join(mm.node.name for mm in found.consumers.matmuls)
     kept = (
         f"; gathered tensor also kept for {len(found.consumers.others)} other user(s)" if found.consumers.others else ""
     )
     m = static_int(rows(shape(found.gathered)))
+    permuted = f" (of the shard permuted by {found.shard_perm})" if found.shard_perm is not None else ""
     return Entry(
         node.name,
         "all_gather_into_tensor",
         group,
         PATTERN,
-        f"gather dim {found.gather_dim}, {len(found.consumers.matmuls)} matmul(s) [{mms}], M={m}{kept}",
+        f"gather dim {found.gather_dim}{permuted}, {len(found.consumers.matmuls)} matmul(s) [{mms}], M={m}{kept}",
     )
