@@ -1,0 +1,366 @@
+"""The rank-synchronized autotuner: one choice per fused-op call signature, the same on every rank.
+
+``pick(op_name, args, group_name)`` returns the ``Choice`` to run. Every rank of the group must pick the
+same one, since their communication has to match; so each step that could differ between ranks is agreed
+on the group:
+
+1. **Memo.** A per-process dict keyed by the call signature (``cache_key``). A hit costs no collective.
+2. **Disk cache.** ``<config.cache_dir or ~/.cache/fluxcompile>/autotune/<op>-<hash>.json`` holds the
+   winner and its timings. Ranks may see different disks, so every rank tells the others what it found
+   (and which choices it supports, in the same message); the cached winner is used only if every rank
+   has the same one and every rank supports it.
+3. **Tuning.** The candidates are the choices every rank supports. For each, in ``choices_for`` order,
+   the ranks meet at a barrier, then run it ``WARMUP`` times and time it ``ITERS`` times (CUDA events on
+   GPU, ``perf_counter`` on CPU); a rank's time is its median, and the all-reduced MAX over ranks is the
+   candidate's time (the slowest rank is what the step waits for). An exception makes that rank's time
+   +inf, hence the candidate's. The winner is the smallest finite time, ties going to the earlier
+   candidate; if nothing finished, ``"reference"``. Rank 0 writes the cache file (atomically) before
+   any rank returns.
+
+With ``config.autotune`` off, nothing is timed and no cache is used: the first choice, in
+``config.implementations`` order, that every rank supports wins.
+
+Rules for callers and choices:
+* ``pick`` is a collective on a memo miss: every rank must call it, in the same order, with arguments
+  whose keys are equal across ranks, or the ranks' memo hits differ and one waits forever. Ops with
+  per-rank sizes (all_to_all's splits) should pick once per compiled node and keep the ``Choice``.
+* A choice's ``fn`` must raise before its first collective or not at all (check in ``supports``):
+  a rank that drops out in the middle leaves the others waiting inside the collective. Exceptions are
+  still caught, so a choice failing alike on all ranks is simply dropped.
+* Never tune during CUDA graph capture (it synchronizes and times): warm up before capturing. Under
+  capture a memo hit is returned as usual, a miss raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+import fluxcompile
+from fluxcompile.config import config
+
+from .choices import REFERENCE, Choice, choices_for
+
+log = logging.getLogger("fluxcompile.autotune")
+
+# Runs per candidate: warm-up (compilation, allocator, NCCL communicators), then timed runs.
+WARMUP = 3
+ITERS = 10
+
+_memo: dict[str, Choice] = {}
+
+
+def clear_memo() -> None:
+    """Forget the winners of this process (the disk cache stays)."""
+    _memo.clear()
+
+
+def cache_dir() -> Path:
+    return Path(config.cache_dir or "~/.cache/fluxcompile").expanduser() / "autotune"
+
+
+def cache_path(op_name: str, key: str) -> Path:
+    return cache_dir() / f"{op_name}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def cache_key(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> str:
+    """The call signature that a winner is valid for, as a JSON string (the memo key, hashed for the file)."""
+    return _key(op_name, args, group_name, key_extra, choices_for(op_name))
+
+
+def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> Choice:
+    """The choice to run ``op_name(*args)`` with, identical on every rank of ``group_name``.
+
+    A collective on a memo miss (see the module docstring for what that asks of callers).
+    """
+    candidates = choices_for(op_name)
+    if not candidates:
+        raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")
+    key = _key(op_name, args, group_name, key_extra, candidates)
+    memo_key = key if config.autotune else key + "|fixed"
+    choice = _memo.get(memo_key)
+    if choice is not None:
+        return choice
+    if _capturing():
+        raise RuntimeError(
+            f"fluxcompile: {op_name} needs autotuning during CUDA graph capture, which cannot time or "
+            "synchronize; run the model once (warm-up) before capturing, with the same shapes"
+        )
+    group = _resolve_process_group(group_name)
+    device = _collective_device(group, args)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        choice = _select(op_name, args, candidates, key, group, device)
+    _memo[memo_key] = choice
+    return choice
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection.
+
+
+def _select(
+    op_name: str, args: tuple, candidates: list[Choice], key: str, group: dist.ProcessGroup, device: torch.device
+) -> Choice:
+    names = [c.name for c in candidates]
+    path = cache_path(op_name, key)
+    cached = _read_cache(path, key) if config.autotune else None
+    reasons = [c.declines(*args) for c in candidates]
+    # One message per rank: its registry (must match), its cached winner, its reasons to decline.
+    infos: list[Any] = [None] * group.size()
+    dist.all_gather_object(infos, (names, cached, reasons), group=group)
+    for rank, (other_names, _, _) in enumerate(infos):
+        if other_names != names:
+            raise RuntimeError(
+                f"fluxcompile: {op_name} choices differ between ranks: {names} here, {other_names} on rank {rank}"
+            )
+    # A choice declined by any rank is out everywhere (the AND of the ranks' support masks).
+    declined: dict[str, str] = {}
+    for rank, (_, _, their_reasons) in enumerate(infos):
+        for name, reason in zip(names, their_reasons):
+            if reason is not None and name not in declined:
+                declined[name] = f"{reason} (rank {rank})"
+    supported = [c for c in candidates if c.name not in declined]
+    by_name = {c.name: c for c in candidates}
+    fallback = by_name.get(REFERENCE)
+
+    if not config.autotune:
+        choice = supported[0] if supported else fallback
+        if choice is None:
+            raise RuntimeError(f"fluxcompile: no choice of {op_name} supports these arguments: {declined}")
+        log.info("%s: %s (autotuning off; declined: %s)", op_name, choice.name, declined or "none")
+        return choice
+
+    agreed = {info[1] for info in infos}
+    if len(agreed) == 1 and cached in by_name and cached not in declined:
+        log.debug("%s: %s (cache %s)", op_name, cached, path)
+        return by_name[cached]
+
+    local = _benchmark(supported, args, group, device)
+    worst = torch.tensor(local, dtype=torch.float64, device=device)
+    dist.all_reduce(worst, dist.ReduceOp.MAX, group=group)
+    times = worst.tolist()
+    finite = [i for i, t in enumerate(times) if math.isfinite(t)]
+    if finite:
+        winner = supported[min(finite, key=lambda i: (times[i], i))]
+    elif fallback is not None:
+        winner = fallback
+    else:
+        raise RuntimeError(f"fluxcompile: every choice of {op_name} failed and it has no {REFERENCE!r} choice")
+    _log_table(op_name, winner, supported, local, times, declined, cached, agreed)
+    if group.rank() == 0:
+        _write_cache(path, key, winner.name, {c.name: t for c, t in zip(supported, times)})
+    # Ranks sharing rank 0's disk that look the key up again (a new process) must find the file.
+    _barrier(group, device)
+    return winner
+
+
+def _benchmark(candidates: list[Choice], args: tuple, group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    """This rank's median time (ms) of each candidate, +inf where it raised; all ranks run in lockstep."""
+    run_device = _run_device(args)
+    times = []
+    for choice in candidates:
+        _barrier(group, device)
+        _synchronize(run_device)
+        times.append(_time(choice, args, run_device))
+    return times
+
+
+def _time(choice: Choice, args: tuple, run_device: torch.device) -> float:
+    try:
+        for _ in range(WARMUP):
+            choice.fn(*args)
+        _synchronize(run_device)
+        if run_device.type == "cuda":
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)
+            ]
+            for start, end in events:
+                start.record()
+                choice.fn(*args)
+                end.record()
+            torch.cuda.synchronize(run_device)
+            samples = [start.elapsed_time(end) for start, end in events]
+        else:
+            samples = []
+            for _ in range(ITERS):
+                t0 = time.perf_counter()
+                choice.fn(*args)
+                samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    except Exception as e:
+        log.warning("choice %s failed on this rank: %s: %s", choice.name, type(e).__name__, e)
+        return math.inf
+
+
+def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
+    # A tiny all_reduce on the device the group talks through; .item() makes the host wait for it.
+    flag = torch.zeros(1, device=device)
+    dist.all_reduce(flag, group=group)
+    flag.item()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _log_table(op_name, winner, candidates, local, times, declined, cached, agreed) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
+    why = (
+        "no cache"
+        if agreed == {None}
+        else f"caches disagree ({sorted(map(str, agreed))})"
+        if len(agreed) > 1
+        else f"cached {cached} not usable"
+    )
+    lines = [f"{op_name}: tuned {len(candidates)} choice(s) ({why}), winner {winner.name}"]
+    lines.append(f"  {'choice':<40} {'this rank ms':>12} {'max ms':>10}")
+    for c, mine, worst in zip(candidates, local, times):
+        lines.append(f"  {c.name:<40} {_ms(mine):>12} {_ms(worst):>10}")
+    lines.extend(f"  {name:<40} declined: {reason}" for name, reason in declined.items())
+    log.info("\n".join(lines))
+
+
+def _ms(t: float) -> str:
+    return f"{t:.4f}" if math.isfinite(t) else "failed"
+
+
+# ---------------------------------------------------------------------------------------------
+# The key.
+
+
+def _key(op_name: str, args: tuple, group_name: str, key_extra: str, candidates: list[Choice]) -> str:
+    group = _resolve_process_group(group_name)
+    run_device = _run_device(args)
+    key = {
+        "op": op_name,
+        "args": _describe(args, group_name),
+        "extra": key_extra,
+        "world_size": group.size(),
+        "device": torch.cuda.get_device_name(run_device) if run_device.type == "cuda" else "cpu",
+        "topology": _topology(group, run_device),
+        # A new or removed choice (or a config that allows others) means tuning again.
+        "choices": [c.name for c in candidates],
+        "fluxcompile": fluxcompile.__version__,
+        "torch": torch.__version__,
+    }
+    return json.dumps(key, sort_keys=True)
+
+
+def _describe(x: Any, group_name: str) -> Any:
+    """A JSON-able description of an argument: tensors by dtype, shape and layout, not by value."""
+    if isinstance(x, torch.Tensor):
+        if x.is_contiguous():
+            layout = "contiguous"
+        elif x.dim() >= 2 and x.transpose(-1, -2).is_contiguous():
+            layout = "transposed"
+        else:
+            layout = f"strides{list(x.stride())}"
+        return f"tensor({str(x.dtype).removeprefix('torch.')}, {list(x.shape)}, {layout}, {x.device.type})"
+    if isinstance(x, (list, tuple)):
+        return [_describe(v, group_name) for v in x]
+    if isinstance(x, str) and x == group_name:
+        return "<group>"  # group names are per-process labels; world size and topology describe the group
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+def _topology(group: dist.ProcessGroup, run_device: torch.device) -> str:
+    backend = dist.get_backend(group)
+    if run_device.type != "cuda":
+        return f"{backend} x{group.size()}"
+    return f"{backend} x{group.size()}, {torch.cuda.device_count()} local GPUs, p2p {_local_p2p()}"
+
+
+@functools.lru_cache(maxsize=1)
+def _local_p2p() -> str:
+    """Whether this host's GPUs reach each other directly: "all", "none" or "partial" (a proxy for the group's)."""
+    n = torch.cuda.device_count()
+    pairs = [torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j]
+    if not pairs:
+        return "n/a"
+    return "all" if all(pairs) else "none" if not any(pairs) else "partial"
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+
+
+def _run_device(args: tuple) -> torch.device:
+    """Where the op runs: the first CUDA tensor argument's device, else the CPU."""
+    return next((t.device for t in _tensors(args) if t.device.type == "cuda"), torch.device("cpu"))
+
+
+def _collective_device(group: dist.ProcessGroup, args: tuple) -> torch.device:
+    """Where the small agreement collectives can run: CPU when the group has a CPU backend (gloo, also
+    in "cpu:gloo,cuda:nccl"), else the args' GPU or the current one (NCCL needs CUDA tensors)."""
+    backend = dist.get_backend(group)
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    run_device = _run_device(args)
+    return run_device if run_device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------------------------
+# The disk cache.
+
+
+def _read_cache(path: Path, key: str) -> str | None:
+    """The cached winner's name, or None when there is no file or it is unreadable or for another key."""
+    try:
+        data = json.loads(path.read_text())
+        if json.dumps(data["key"], sort_keys=True) == key and isinstance(data["winner"], str):
+            return data["winner"]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable autotune cache %s: %s", path, e)
+    return None
+
+
+def _write_cache(path: Path, key: str, winner: str, times: dict[str, float]) -> None:
+    data = {
+        "key": json.loads(key),
+        "winner": winner,
+        "max_ms": {name: t if math.isfinite(t) else None for name, t in times.items()},  # None: failed
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write a temporary file and rename it, so a reader never sees half a file.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        # A read-only or full disk costs a retune next time, never the run.
+        log.warning("could not write autotune cache %s: %s", path, e)

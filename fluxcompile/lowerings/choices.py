@@ -1,0 +1,86 @@
+"""The choice registry: every implementation a fused op may run, and which of them the config allows.
+
+A choice's name is ``"<family>"`` or ``"<family>:<variant>"`` (``"triton:128x256x64-pull"``); the family
+is what ``config.implementations`` lists. ``choices_for(op)`` returns the allowed choices in the order of
+``config.implementations`` (registration order within a family), which is both the autotuner's candidate
+order (it breaks timing ties) and the preference order when autotuning is off. ``"reference"`` is always
+returned, last unless listed earlier, because it runs everywhere and is the fallback when nothing else does.
+
+A choice must behave alike on every rank: ``supports`` may look only at what is equal on all ranks
+(shapes, dtypes, group, config), and ``fn`` must either fail before its first collective or not at all,
+since a rank that leaves a collective early makes the others wait in it (see ``autotune.pick``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from fluxcompile import config, ops
+
+REFERENCE = "reference"
+
+
+def _supports_all(*args: Any) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One implementation of a fused op.
+
+    ``fn`` has the fused op's signature and outputs (``ops.py``); ``supports(*args)`` returns None when
+    ``fn`` handles these arguments, else the reason it does not.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] = _supports_all
+
+    def __post_init__(self) -> None:
+        family, _, variant = self.name.partition(":")
+        if not family or self.name != self.name.strip() or (":" in self.name and not variant):
+            raise ValueError(f"fluxcompile: bad choice name {self.name!r} (want '<family>' or '<family>:<variant>')")
+
+    @property
+    def family(self) -> str:
+        return self.name.partition(":")[0]
+
+    def declines(self, *args: Any) -> str | None:
+        """``supports(*args)``, with an exception turned into a reason (a broken check must not crash)."""
+        try:
+            return self.supports(*args)
+        except Exception as e:
+            return f"supports() raised {type(e).__name__}: {e}"
+
+
+# op name -> choice name -> Choice; dicts keep registration order.
+_REGISTRY: dict[str, dict[str, Choice]] = {}
+
+
+def register_choice(op_name: str, choice: Choice) -> None:
+    """Register ``choice`` for ``op_name``; a choice of the same name is replaced in place (reloads)."""
+    _REGISTRY.setdefault(op_name, {})[choice.name] = choice
+
+
+def choices_for(op_name: str) -> list[Choice]:
+    """The registered choices of ``op_name`` that ``config.implementations`` allows, in its order."""
+    order = {family: i for i, family in enumerate(config.implementations)}
+    registered = list(_REGISTRY.get(op_name, {}).values())
+    allowed = [c for c in registered if c.family in order or c.family == REFERENCE]
+    # sorted() is stable, so registration order holds within a family; an unlisted reference goes last.
+    return sorted(allowed, key=lambda c: order.get(c.family, len(order)))
+
+
+# The reference implementations (ops.py) are the "reference" choice of every fused op. The raw functions,
+# not the dispatcher's op: a lowering registered for the op must not end up calling itself.
+_REFERENCE_IMPLS: dict[str, Callable[..., Any]] = {
+    "all_gather_matmul": ops._all_gather_matmul_ref,
+    "matmul_reduce_scatter": ops._matmul_reduce_scatter_ref,
+    "matmul_all_reduce": ops._matmul_all_reduce_ref,
+    "all_to_all_matmul": ops._all_to_all_matmul_ref,
+    "matmul_all_to_all": ops._matmul_all_to_all_ref,
+}
+for _op in ops.FUSED_OPS:
+    register_choice(_op, Choice(REFERENCE, _REFERENCE_IMPLS[_op]))

@@ -1,0 +1,325 @@
+"""The choice registry and the rank-synchronized autotuner, on 2 gloo ranks with fake choices that sleep
+a different time on each rank (so the per-rank winners differ and only the MAX-reduced one is right)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fluxcompile import config, ops
+from fluxcompile.lowerings import (
+    Choice,
+    autotune,
+    cache_key,
+    cache_path,
+    choices_for,
+    clear_memo,
+    pick,
+    register_choice,
+)
+from fluxcompile.lowerings import choices as registry
+
+# Per-process call counts of the fake choices' fns and supports ("<name>" and "<name>.supports").
+CALLS: collections.Counter[str] = collections.Counter()
+RUNS = 1 + 3  # WARMUP + ITERS below
+
+
+def _fake(
+    name: str, ms: tuple[float, float], fail_on: tuple[int, ...] = (), decline_on: tuple[int, ...] = ()
+) -> Choice:
+    """A choice that sleeps ``ms[rank]``, raises on the ranks in ``fail_on``, declines on ``decline_on``."""
+
+    def fn(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+        CALLS[name] += 1
+        if dist.get_rank() in fail_on:
+            raise RuntimeError(f"{name} fails on this rank")
+        time.sleep(ms[dist.get_rank()] / 1e3)
+        return x
+
+    def supports(x: torch.Tensor, dim: int, group_name: str) -> str | None:
+        CALLS[name + ".supports"] += 1
+        return "declined on this rank" if dist.get_rank() in decline_on else None
+
+    return Choice(name, fn, supports)
+
+
+def _register(op: str, *choices: Choice) -> None:
+    registry._REGISTRY.pop(op, None)  # the rank processes outlive a test
+    for c in choices:
+        register_choice(op, c)
+
+
+@contextlib.contextmanager
+def _tuning(cache: str, autotune_on: bool = True) -> Iterator[None]:
+    CALLS.clear()
+    clear_memo()
+    with (
+        config.patch(cache_dir=cache, implementations=("fake", "reference"), autotune=autotune_on),
+        mock.patch.object(autotune, "WARMUP", 1),
+        mock.patch.object(autotune, "ITERS", 3),
+    ):
+        yield
+
+
+def _args() -> tuple:
+    return (torch.ones(4, 8), 1, dist.group.WORLD.group_name)
+
+
+def _files(cache: str) -> list[Path]:
+    return sorted((Path(cache) / "autotune").glob("*.json"))
+
+
+# A is fastest on rank 0 and C on rank 1, but B has the smallest max over the ranks.
+def _abc(op: str) -> None:
+    _register(
+        op,
+        _fake("fake:a", (2, 60)),
+        _fake("fake:b", (20, 20)),
+        _fake("fake:c", (60, 2)),
+        _fake("reference", (90, 90)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank functions.
+
+
+def max_reduced_winner(cache: str) -> tuple[str, dict, dict]:
+    _abc("test_op_max")
+    with _tuning(cache):
+        choice = pick("test_op_max", _args(), dist.group.WORLD.group_name)
+        (file,) = _files(cache)  # written by rank 0 before pick returned
+        return choice.name, dict(CALLS), json.loads(file.read_text())
+
+
+def failures_and_declines(cache: str) -> tuple[str, dict, dict, str]:
+    _register(
+        "test_op_fail",
+        _fake("fake:raises", (1, 1), fail_on=(1,)),  # fastest, but raises on rank 1
+        _fake("fake:declined", (1, 1), decline_on=(0,)),  # fastest, but rank 0 does not support it
+        _fake("fake:ok", (15, 15)),
+        _fake("reference", (40, 40)),
+    )
+    _register("test_op_all_fail", _fake("fake:x", (1, 1), fail_on=(0,)), _fake("reference", (1, 1), fail_on=(1,)))
+    with _tuning(cache):
+        choice = pick("test_op_fail", _args(), dist.group.WORLD.group_name)
+        (file,) = _files(cache)  # written by rank 0 before pick returned
+        calls = dict(CALLS)
+        fallback = pick("test_op_all_fail", _args(), dist.group.WORLD.group_name)
+        return choice.name, calls, json.loads(file.read_text()), fallback.name
+
+
+def disk_cache_reused(cache: str) -> tuple[str, str, dict, dict, tuple]:
+    _abc("test_op_cache")
+    group = dist.group.WORLD.group_name
+    with _tuning(cache):
+        first = pick("test_op_cache", _args(), group)
+        clear_memo()
+        CALLS.clear()
+        second = pick("test_op_cache", _args(), group)
+        from_disk = dict(CALLS)  # supports ran (the agreement), the fns did not
+        CALLS.clear()
+        pick("test_op_cache", _args(), group)
+        from_memo = dict(CALLS)  # nothing ran at all
+        (file,) = _files(cache)
+        if dist.get_rank() == 0:
+            file.write_text("{not json")
+        dist.barrier()
+        clear_memo()
+        CALLS.clear()
+        third = pick("test_op_cache", _args(), group)  # an unreadable file is no cache: tuned again
+        rewritten = json.loads(file.read_text())["winner"]
+        return first.name, second.name, from_disk, from_memo, (third.name, CALLS["fake:a"], rewritten)
+
+
+def cache_on_one_rank(cache: str) -> list[tuple[str, bool]]:
+    """Each rank has its own cache directory (as on separate machines)."""
+    _abc("test_op_split")
+    rank, group = dist.get_rank(), dist.group.WORLD.group_name
+    mine = os.path.join(cache, f"rank{rank}")
+    seen = []
+
+    def set_cache(winners: tuple[str | None, str | None]) -> None:
+        """Give each rank a cache file with the given winner (None: no file), then pick afresh."""
+        key = cache_key("test_op_split", _args(), group)
+        path = cache_path("test_op_split", key)
+        if winners[rank] is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"key": json.loads(key), "winner": winners[rank], "max_ms": {}}))
+        dist.barrier()
+        clear_memo()
+        CALLS.clear()
+        seen.append((pick("test_op_split", _args(), group).name, CALLS["fake:a"] > 0))
+
+    with _tuning(mine):
+        seen.append((pick("test_op_split", _args(), group).name, True))
+        seen.append(("files", len(_files(mine))))  # only rank 0 writes
+        set_cache(("fake:a", None))  # only rank 0 has a file (and a stale winner): retune
+        set_cache(("fake:a", "fake:c"))  # both have one, but different: retune
+        set_cache(("fake:c", "fake:c"))  # the same on both: used, although not the fastest
+    return seen
+
+
+def autotune_off(cache: str) -> tuple[str, str, dict, int]:
+    _register(
+        "test_op_fixed",
+        _fake("fake:a", (1, 1), decline_on=(1,)),
+        _fake("fake:b", (50, 50)),
+        _fake("other:x", (1, 1), decline_on=(0,)),
+        _fake("other:y", (50, 50)),
+        _fake("reference", (1, 1)),
+    )
+    group = dist.group.WORLD.group_name
+    with _tuning(cache, autotune_on=False):
+        first = pick("test_op_fixed", _args(), group)
+        with config.patch(implementations=("other", "fake")):
+            other = pick("test_op_fixed", _args(), group)
+        return first.name, other.name, dict(CALLS), len(_files(cache))
+
+
+def keys() -> dict[str, bool]:
+    _abc("test_op_key")
+    g = dist.group.WORLD.group_name
+    x = torch.ones(4, 8)
+    with _tuning(""):
+        base = cache_key("test_op_key", (x, 1, g), g)
+        differs = {
+            "same args": cache_key("test_op_key", (torch.zeros(4, 8), 1, g), g) != base,
+            "shape": cache_key("test_op_key", (torch.ones(8, 8), 1, g), g) != base,
+            "dtype": cache_key("test_op_key", (x.half(), 1, g), g) != base,
+            "layout": cache_key("test_op_key", (torch.ones(8, 4).t(), 1, g), g) != base,
+            "int arg": cache_key("test_op_key", (x, 0, g), g) != base,
+            "key_extra": cache_key("test_op_key", (x, 1, g), g, key_extra="bias") != base,
+        }
+        with config.patch(implementations=("reference",)):
+            differs["choices"] = cache_key("test_op_key", (x, 1, g), g) != base
+        differs["group name hidden"] = f'"{g}"' not in base and "<group>" in base
+        differs["world size"] = '"world_size": 2' in base
+        differs["cache file under cache_dir"] = str(cache_path("test_op_key", base)).startswith(
+            os.path.expanduser("~/.cache/fluxcompile/autotune/test_op_key-")
+        )
+        return differs
+
+
+def reference_of_a_fused_op(cache: str) -> tuple[str, float]:
+    """The real reference choice tunes (its collectives run in lockstep on both ranks) and runs right."""
+    g = torch.Generator().manual_seed(0)
+    As, Bs = [torch.randn(6, 16, generator=g)], [torch.randn(16, 8, generator=g)]
+    args = (As, Bs, None, [6, 8], "sum", dist.group.WORLD.group_name)
+    with _tuning(cache):
+        choice = pick("matmul_all_reduce", args, dist.group.WORLD.group_name)
+        out = choice.fn(*args)
+    err = (out - ops.op("matmul_all_reduce")(*args)).abs().max().item()
+    return choice.name, err
+
+
+def capture(cache: str) -> tuple[str, str]:
+    _abc("test_op_capture")
+    group = dist.group.WORLD.group_name
+    with _tuning(cache):
+        warm = pick("test_op_capture", _args(), group)
+        with mock.patch.object(autotune, "_capturing", lambda: True):
+            hit = pick("test_op_capture", _args(), group)  # memoized: fine under capture
+            try:
+                pick("test_op_capture", (torch.ones(2, 8), 1, group), group)
+                return "no error", hit.name
+            except RuntimeError as e:
+                assert warm.name == hit.name
+                return str(e), hit.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests.
+
+
+def test_choices_for_follows_config():
+    _register("test_op_registry")
+    for name in ("cuda:v", "triton:a", "reference", "triton:b", "other"):
+        register_choice("test_op_registry", Choice(name, print))
+    with config.patch(implementations=("triton", "reference", "cuda")):
+        assert [c.name for c in choices_for("test_op_registry")] == ["triton:a", "triton:b", "reference", "cuda:v"]
+    with config.patch(implementations=("cuda",)):  # reference is always kept, last unless listed
+        assert [c.name for c in choices_for("test_op_registry")] == ["cuda:v", "reference"]
+        replaced = Choice("cuda:v", repr)
+        register_choice("test_op_registry", replaced)
+        assert choices_for("test_op_registry")[0] is replaced
+    assert choices_for("no_such_op") == []
+    for op in ops.FUSED_OPS:  # every fused op has its reference impl as a choice
+        assert choices_for(op)[-1].name == "reference", op
+    for bad in ("", ":x", "triton:", " triton"):
+        with pytest.raises(ValueError, match="bad choice name"):
+            Choice(bad, print)
+    assert Choice("triton:128x256x64-pull", print).family == "triton"
+
+
+def test_winner_is_argmin_of_max_over_ranks(ranks, tmp_path):
+    results = ranks(2).run(max_reduced_winner, str(tmp_path))
+    for name, calls, cached in results:
+        assert name == "fake:b"
+        assert all(calls[c] == RUNS for c in ("fake:a", "fake:b", "fake:c", "reference")), calls
+        assert cached["winner"] == "fake:b"
+        times = cached["max_ms"]
+        assert times["fake:b"] < min(times["fake:a"], times["fake:c"], times["reference"]), times
+        assert times["fake:a"] >= 60 and times["fake:c"] >= 60, times  # the slow rank's time
+
+
+def test_failing_and_declined_choices_are_dropped_everywhere(ranks, tmp_path):
+    results = ranks(2).run(failures_and_declines, str(tmp_path))
+    for rank, (name, calls, cached, fallback) in enumerate(results):
+        assert name == "fake:ok"
+        assert cached["max_ms"]["fake:raises"] is None and "fake:declined" not in cached["max_ms"]
+        assert calls["fake:raises"] == (RUNS if rank == 0 else 1)  # rank 1 stopped at its first failure
+        assert calls.get("fake:declined", 0) == 0  # never run, not even on the rank that supports it
+        assert fallback == "reference"  # nothing finished anywhere
+
+
+def test_disk_cache_is_read_and_fns_not_rerun(ranks, tmp_path):
+    for first, second, from_disk, from_memo, after_corruption in ranks(2).run(disk_cache_reused, str(tmp_path)):
+        assert first == second == "fake:b"
+        assert after_corruption == ("fake:b", RUNS, "fake:b")
+        assert not any(k for k in from_disk if not k.endswith(".supports")), from_disk
+        assert from_disk["fake:a.supports"] == 1
+        assert from_memo == {}
+
+
+def test_cache_on_some_ranks_only_means_retune(ranks, tmp_path):
+    rank0, rank1 = ranks(2).run(cache_on_one_rank, str(tmp_path))
+    assert rank0[1] == ("files", 1) and rank1[1] == ("files", 0)
+    for seen in (rank0, rank1):
+        # tuned; one rank cached: tuned again; caches disagree: tuned; caches agree: cached winner, no runs.
+        assert seen[0] == ("fake:b", True) and seen[2:] == [("fake:b", True), ("fake:b", True), ("fake:c", False)]
+
+
+def test_autotune_off_takes_first_supported_without_timing(ranks, tmp_path):
+    for first, other, calls, files in ranks(2).run(autotune_off, str(tmp_path)):
+        assert (first, other) == ("fake:b", "other:y")
+        assert not any(k for k in calls if not k.endswith(".supports")), calls
+        assert files == 0
+
+
+def test_key_covers_shapes_dtypes_layout_and_args(ranks):
+    for differs in ranks(2).run(keys):
+        assert differs == {k: k != "same args" for k in differs}, differs
+
+
+def test_reference_choice_of_a_fused_op(ranks, tmp_path):
+    for name, err in ranks(2).run(reference_of_a_fused_op, str(tmp_path)):
+        assert name == "reference" and err == 0.0
+
+
+def test_no_tuning_under_cuda_graph_capture(ranks, tmp_path):
+    for message, hit in ranks(2).run(capture, str(tmp_path)):
+        assert "warm-up" in message and "capture" in message, message
+        assert hit == "fake:b"
