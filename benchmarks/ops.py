@@ -1,0 +1,224 @@
+"""Op-level benchmark in the Flux paper's terms (section 2.3), one process per GPU:
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/ops.py [--out DIR] [--no-triton-gemm]
+
+For each shape: the best non-split GEMM (the faster of cuBLAS and the best Triton GEMM Inductor's
+max-autotune finds for the same local shape), NCCL + cuBLAS, PyTorch async-TP (torch.ops.symm_mem) and
+fluxcompile, all in one run. Effective communication time ECT = time − GEMM time; overlap efficiency
+= 1 − ECT / ECT(NCCL + cuBLAS). Times are medians over iterations of the slowest rank. Prints a table,
+writes ops.json and a plot like the paper's Figure 13 into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# (n, k) with the whole n; weights column-sharded: each rank holds [k, n / world].
+AG_SHAPES = [
+    ("GPT-3 (Flux)", 1024, 49152, 12288),
+    ("GPT-3 (Flux)", 4096, 49152, 12288),
+    ("GPT-3 (Flux)", 8192, 49152, 12288),
+    ("Llama-3-8B gate+up", 2048, 28672, 4096),
+    ("Llama-3-8B gate+up", 8192, 28672, 4096),
+]
+
+
+def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None = None) -> float:
+    """Median per-iteration time (µs) of the slowest rank, ranks started together; ``spread`` gets this
+    rank's min and max."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    med = statistics.median(times)
+    if spread is not None:
+        spread.update(min=min(times), max=max(times))
+    t = torch.tensor([med], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def triton_gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """Inductor's best Triton GEMM for this shape (max-autotune, Triton backend only)."""
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(
+            lambda x, y: x @ y,
+            mode=None,
+            options={"max_autotune": True, "max_autotune_gemm_backends": "TRITON", "triton.cudagraphs": False},
+        )
+        fn(a, b)
+        return lambda: fn(a, b)
+    except Exception as e:  # no Triton GEMM for this shape: cuBLAS alone is the floor
+        print(f"triton gemm failed: {e}")
+        return None
+
+
+def bench_all_gather_matmul(args: argparse.Namespace) -> list[dict]:
+    from torch.distributed import _symmetric_memory as symm
+
+    group = dist.group.WORLD.group_name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        symm.enable_symm_mem_for_group(group)  # async-TP does nothing without it (2.11 and 2.13)
+    rows = []
+    for model, m, n, k in AG_SHAPES:
+        rows.append(_ag_shape(args, group, model, m, n, k))
+        if dist.get_rank() == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, k: int) -> dict:
+    from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(rank * 1000 + int.from_bytes(os.urandom(2), "little"))  # fresh inputs every run
+    a_shard = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n // world, device="cuda", dtype=torch.bfloat16) / k**0.5
+    a_full = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(a_full, a_shard)
+
+    def nccl_cublas():
+        buf = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(buf, a_shard)
+        return buf @ b
+
+    def async_tp():
+        return torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, group)
+
+    def pipelined_only():
+        return pipelined.all_gather_matmul(a_shard, [b], [None], 0, world, group)
+
+    def ours():  # what a compiled model runs: the fused op, autotuned across its choices
+        return torch.ops.fluxcompile.all_gather_matmul(a_shard, [b], [None], 0, world, group)
+
+    # Numerics first: every method against the gathered GEMM in fp32.
+    ref = a_full.float() @ b.float()
+    checks = (
+        ("nccl", nccl_cublas),
+        ("async_tp", lambda: async_tp()[1][0]),
+        ("pipelined", lambda: pipelined_only()[1][0]),
+    )
+    for name, fn in (*checks, ("fluxcompile", lambda: ours()[1][0])):
+        out = fn()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            raise AssertionError(f"{name} m={m} n={n} k={k}: relative error {err:.2e}")
+
+    t = {"cublas": timed(lambda: a_full @ b, args.warmup, args.iters)}
+    tg = triton_gemm(a_full, b) if args.triton_gemm else None
+    t["triton"] = timed(tg, args.warmup, args.iters) if tg else float("inf")
+    t["gemm"] = min(t["cublas"], t["triton"])
+    t["nccl_cublas"] = timed(nccl_cublas, args.warmup, args.iters)
+    t["async_tp"] = timed(async_tp, args.warmup, args.iters)
+    spread: dict = {}
+    t["pipelined"] = timed(pipelined_only, args.warmup, args.iters, spread)
+    t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
+    t["pipelined_graph"] = _graph_time(pipelined_only, args)
+    t["fluxcompile"] = timed(ours, args.warmup, args.iters)
+    from fluxcompile.lowerings import autotune
+
+    t["choice"] = autotune.pick("all_gather_matmul", (a_shard, [b], [None], 0, world, group), group).name
+    ect_nccl = t["nccl_cublas"] - t["gemm"]
+    row = {"op": "all_gather_matmul", "model": model, "m": m, "n": n, "k": k, **t}
+    for meth in ("async_tp", "fluxcompile"):
+        row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
+    return row
+
+
+def _graph_time(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """Time of ``fn`` replayed from a CUDA graph: the GPU's share without host launch cost."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, args.warmup, args.iters)
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'op':<18} {'m':>5} {'n':>6} {'k':>6} {'cuBLAS':>8} {'Triton':>8} {'NCCL+mm':>8} {'asyncTP':>8} "
+        f"{'ours':>8} {'OE asyncTP':>10} {'OE ours':>8}  {'choice':<16} {'pipelined med/min/max/graph':>28}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['op']:<18} {r['m']:>5} {r['n']:>6} {r['k']:>6} {r['cublas']:8.1f} {r['triton']:8.1f} "
+            f"{r['nccl_cublas']:8.1f} {r['async_tp']:8.1f} {r['fluxcompile']:8.1f} {r['oe_async_tp']:10.0%} {r['oe_fluxcompile']:8.0%}"
+            f"  {r['choice']:<16} {r['pipelined']:6.0f}/{r['pipelined_min']:.0f}/{r['pipelined_max']:.0f}/{r['pipelined_graph']:.0f}"
+        )
+    for op in sorted({r["op"] for r in rows}):
+        sel = [r for r in rows if r["op"] == op]
+        lines.append(
+            f"{op}: mean overlap efficiency fluxcompile {statistics.mean(r['oe_fluxcompile'] for r in sel):.0%}, "
+            f"async-TP {statistics.mean(r['oe_async_tp'] for r in sel):.0%}; "
+            f"slower than NCCL+cuBLAS: {sum(r['fluxcompile'] > r['nccl_cublas'] for r in sel)} of {len(sel)}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['op'].split('_')[0]}\nm={r['m']}\n{r['n']}x{r['k']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    w = 0.38
+    ax.bar([i - w / 2 for i in x], [r["oe_async_tp"] * 100 for r in rows], w, label="PyTorch async-TP")
+    ax.bar([i + w / 2 for i in x], [r["oe_fluxcompile"] * 100 for r in rows], w, label="fluxcompile")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("overlap efficiency (%)")
+    ax.set_title(f"Overlap efficiency vs NCCL+cuBLAS, {torch.cuda.get_device_name()} x{dist.get_world_size()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--no-triton-gemm", dest="triton_gemm", action="store_false")
+    args = p.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rows = bench_all_gather_matmul(args)
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ops.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        try:
+            plot(rows, os.path.join(args.out, "ops.png"))
+        except Exception as e:
+            print(f"plot failed: {e}")
+        print("== table (µs; OE = overlap efficiency vs NCCL+cuBLAS) ==")
+        print(table(rows), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

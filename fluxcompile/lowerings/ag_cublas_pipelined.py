@@ -1,0 +1,122 @@
+"""all_gather_matmul, medium-grained: cuBLAS does the math, the copy engine moves the shards (push).
+
+Per call, on rank r of a group of w, peers p in ring order after r:
+
+  side stream:  for p: wait done_p -> copy our shard into slot r of p's symmetric buffer (peer-to-peer,
+                copy engine) -> set ready_r on p;  then fill the gathered output: our rows from A, p's rows
+                from slot p once it arrived
+  main stream:  mm(A) into our rows of the output;  for p: wait ready_p -> mm(slot p) into p's rows;
+                wait for the side stream -> set done_r on every p (its slot r in our buffer is free)
+
+Why this shape (measured on 2xH200, see BENCHMARKS.md):
+* cuBLAS's Hopper GEMMs hold every SM until they finish, so anything that needs an SM beside one — a
+  barrier kernel, and also a same-device memcpy, which the driver runs as a kernel — waits for the GEMM's
+  last partial wave. Signals are therefore stream memory operations (symm_mem/signals.py, no SM), and the
+  shard travels by a peer-to-peer copy, which the copy engine does (370 GB/s), straight into the peer's
+  buffer where its GEMM reads it: no publish copy, no pull.
+* The gathered output (the op's first result) is filled by SM copies queued on the side stream; they run
+  in the GEMM's tail instead of after it.
+* ``done`` keeps a sender from overwriting a slot the receiver still reads (graph-safe 0/1 flags).
+Each chunk's product is written in place into its rows of the output. Everything is a stream operation,
+so a call can be captured in a CUDA graph once its workspace and flags exist (first eager call).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+
+NAME = "cublas_pipelined"
+
+
+def supports(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> str | None:
+    """None when this choice handles the call, else why not."""
+    if not A.is_cuda:
+        return "needs CUDA tensors"
+    if group_size < 2:
+        return "nothing to overlap with one rank"
+    if math.prod(A.shape[:gather_dim]) != 1:
+        # Each rank's rows would be interleaved in the flattened [M, K]: per-chunk products would land
+        # in strided rows (a copy), so the reference does it better.
+        return "gather dim has a leading dim of size > 1"
+    if any(b.dtype != A.dtype for b in Bs) or any(x is not None and x.dtype != A.dtype for x in biases):
+        return "mixed dtypes"
+    if any(x is not None and x.dim() > 1 and x.shape[0] != 1 for x in biases):
+        return "a bias with rows (only [N] or [1, N] biases are split by rows)"
+    return None
+
+
+def all_gather_matmul(
+    A: Tensor,
+    Bs: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    gather_dim: int,
+    group_size: int,
+    group_name: str,
+) -> tuple[Tensor, list[Tensor]]:
+    gather_dim %= A.dim()
+    A = A.contiguous()
+    k = A.shape[-1]
+    shard_rows = A.numel() // k
+    gathered_shape = list(A.shape)
+    gathered_shape[gather_dim] *= group_size
+    slot_bytes = -(-A.numel() * A.element_size() // 256) * 256
+    ws = workspace(group_name, slot_bytes * group_size, tag="all_gather_matmul")
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    flags = workspace(group_name, 512, tag="all_gather_matmul.flags")
+    ready, done = FlagArray(flags, 0, world), FlagArray(flags, 256, world)
+    init_flags(ready, 0)
+    init_flags(done, 1)  # every slot starts free
+
+    main = torch.cuda.current_stream()
+    side = side_stream()
+    A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
+    rows_of = A_gathered.view(group_size, shard_rows, k)  # rank i's rows (gather dim has no leading dims)
+    outs = [torch.empty((group_size * shard_rows, b.shape[-1]), dtype=A.dtype, device=A.device) for b in Bs]
+    a_local = A.view(shard_rows, k)
+    order = [(rank + step) % world for step in range(1, world)]  # ring after the local rank
+
+    def slot(owner: int, src: int) -> Tensor:  # rows from rank src, in owner's buffer
+        return ws.view(owner, (shard_rows, k), A.dtype, src * slot_bytes)
+
+    side.wait_stream(main)  # A is ready
+    with torch.cuda.stream(side):
+        for p in order:
+            stream_wait(side, done.addr(rank, p), 1)
+            stream_write(side, done.addr(rank, p), 0)
+            slot(p, rank).copy_(a_local)  # peer-to-peer: the copy engine
+            stream_write(side, ready.addr(p, rank), 1)
+        rows_of[rank].copy_(a_local)
+
+    _mm_rows(a_local, Bs, biases, outs, rank, shard_rows)
+    for p in order:
+        stream_wait(main, ready.addr(rank, p), 1)
+        stream_write(main, ready.addr(rank, p), 0)
+        arrived = torch.cuda.Event()
+        arrived.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(arrived)
+            rows_of[p].copy_(slot(rank, p))
+        _mm_rows(slot(rank, p), Bs, biases, outs, p, shard_rows)
+    main.wait_stream(side)
+    for p in order:
+        stream_write(main, done.addr(p, rank), 1)
+    return A_gathered, outs
+
+
+def _mm_rows(a: Tensor, Bs, biases, outs: list[Tensor], src: int, rows: int) -> None:
+    for b, bias, out in zip(Bs, biases, outs):
+        dst = out[src * rows : (src + 1) * rows]
+        if bias is None:
+            torch.mm(a, b, out=dst)
+        else:
+            torch.addmm(bias, a, b, out=dst)

@@ -1,0 +1,56 @@
+"""Choices for fluxcompile.all_gather_matmul, and its CUDA implementation: the rank-synchronized
+autotuner picks one choice per call signature (identically on every rank) and runs it.
+
+Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py), ``torch_symm_mem`` (PyTorch's own
+``symm_mem.fused_all_gather_matmul``) and ``reference`` (NCCL + cuBLAS, registered by choices.py).
+Planned: the persistent Triton template of kernels/ag_gemm.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import ag_cublas_pipelined
+from .autotune import pick
+from .choices import Choice, register_choice
+
+OP = "all_gather_matmul"
+
+
+def _torch_symm_mem_supports(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
+    if not A.is_cuda:
+        return "needs CUDA tensors"
+    if any(b is not None for b in biases):
+        return "PyTorch's fused_all_gather_matmul takes no bias"
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        return "torch.ops.symm_mem.fused_all_gather_matmul is not available"
+    return None
+
+
+def _torch_symm_mem(A, Bs, biases, gather_dim, group_size, group_name) -> tuple[Tensor, list[Tensor]]:
+    from torch.distributed import _symmetric_memory as symm
+
+    if not symm.is_symm_mem_enabled_for_group(group_name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm.enable_symm_mem_for_group(group_name)
+    A_gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(A, list(Bs), gather_dim, group_name)
+    return A_gathered, [o.reshape(-1, o.shape[-1]) for o in outs]
+
+
+register_choice(
+    OP, Choice(ag_cublas_pipelined.NAME, ag_cublas_pipelined.all_gather_matmul, ag_cublas_pipelined.supports)
+)
+register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
+
+
+@torch.library.impl("fluxcompile::all_gather_matmul", "CUDA")
+def _cuda_all_gather_matmul(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> tuple[Tensor, list[Tensor]]:
+    args = (A, list(Bs), list(biases), gather_dim, group_size, group_name)
+    return pick(OP, args, group_name).fn(*args)

@@ -1,0 +1,6 @@
+"""Symmetric-memory workspaces: buffers every rank of a group can read and write, plus their signals."""
+
+from .signals import FlagArray, init_flags, stream_wait, stream_write
+from .workspace import Workspace, side_stream, workspace
+
+__all__ = ["FlagArray", "Workspace", "init_flags", "side_stream", "stream_wait", "stream_write", "workspace"]

@@ -1,0 +1,30 @@
+"""GPU tests: one process per GPU, started by torch.distributed.run (scripts/gpu-check does it)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        skip = pytest.mark.skip(reason="GPU tests run under torch.distributed.run on a GPU machine (scripts/gpu-check)")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nccl_group():
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        yield None
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    # A failed assertion on one rank must not leave the other waiting forever in a collective.
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
