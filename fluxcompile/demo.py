@@ -30,6 +30,7 @@ class DemoArgs:
     sequence_parallel: bool = True
     bias: bool = False
     seed: int | None = None  # None: fresh inputs each run
+    dynamic: bool | None = None  # torch.compile(dynamic=...): True compiles with symbolic shapes
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ def check_block(mesh, a: DemoArgs) -> BlockResult:
         torch._functorch.config.patch(enable_autograd_cache=False),
         fluxcompile.collect_reports() as rep,
     ):
-        out = torch.compile(model, backend="fluxcompile")(x_model)
+        out = torch.compile(model, backend="fluxcompile", dynamic=a.dynamic)(x_model)
         out.backward(grad)
     ref = eager(x_eager)
     ref.backward(grad)

@@ -171,10 +171,10 @@ def find_producers(start: Node, collective: str) -> Producers | str:
     with_bias = [t for t in terms if t.bias is not None]
     if len(with_bias) > 1:
         return f"{len(with_bias)} addmm biases in one sum"
-    mm_shapes = {shape(t.node) for t in terms}
-    if len(mm_shapes) != 1:
-        return f"matmuls of different shapes {sorted(map(str, mm_shapes))} summed"
-    (mshape,) = mm_shapes
+    # Shapes may hold SymInts (dynamic shapes), which do not hash: compare, don't collect in a set.
+    mshape = shape(terms[0].node)
+    if any(shape(t.node) != mshape for t in terms[1:]):
+        return f"matmuls of different shapes {[str(shape(t.node)) for t in terms]} summed"
     sshape = shape(start)
     if sshape is None or mshape is None or sshape[-1] != mshape[-1]:
         return f"reshape between mm {mshape} and {collective} input {sshape} changes the last dim"
