@@ -181,7 +181,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['op'].split('_')[0]}\nm={r['m']}\n{r['n']}x{r['k']}" for r in rows]
+    short = {"all_gather_matmul": "AG+GEMM", "matmul_reduce_scatter": "GEMM+RS", "matmul_all_reduce": "GEMM+AR"}
+    labels = [f"{short.get(r['op'], r['op'])}\nm={r['m']}\n{r['n']}x{r['k']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
     w = 0.38
