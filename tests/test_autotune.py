@@ -323,3 +323,31 @@ def test_no_tuning_under_cuda_graph_capture(ranks, tmp_path):
     for message, hit in ranks(2).run(capture, str(tmp_path)):
         assert "warm-up" in message and "capture" in message, message
         assert hit == "fake:b"
+
+
+def memo_fast_path(cache: str) -> tuple[str, int, int]:
+    """The per-call path of a memoized signature builds no JSON key; a layout the fast path has not seen
+    falls back to the memo without any collective (a rank alone there must not hang)."""
+    from fluxcompile.lowerings import autotune
+
+    _abc("test_op_fast")
+    group = dist.group.WORLD.group_name
+    row = torch.ones(1, 8)  # strides (8, 1)
+    with _tuning(cache):
+        first = pick("test_op_fast", (row, 1, group), group)
+        with mock.patch.object(autotune, "_key", wraps=autotune._key) as key:
+            for _ in range(5):
+                assert pick("test_op_fast", (row, 1, group), group) is first
+            slow_keys = key.call_count
+        # Also contiguous (same JSON key), other exact strides (new fast key): only rank 0 asks.
+        if dist.get_rank() == 0:
+            same_row = torch.ones(8).as_strided((1, 8), (1, 1))
+            assert same_row.is_contiguous() and same_row.stride() != row.stride()
+            assert pick("test_op_fast", (same_row, 1, group), group) is first
+        CALLS.clear()
+        return first.name, slow_keys, sum(CALLS.values())
+
+
+def test_memoized_calls_take_the_fast_path(ranks, tmp_path):
+    for name, slow_keys, runs in ranks(2).run(memo_fast_path, str(tmp_path)):
+        assert name.startswith("fake:") and slow_keys == 0 and runs == 0

@@ -63,11 +63,32 @@ WARMUP = 3
 ITERS = 10
 
 _memo: dict[str, Choice] = {}
+# Hot path: a cheap tuple of exactly what the call looks like -> its winner. It is finer than the JSON
+# key (group name, exact strides, config), so a miss here only falls back to ``_memo``: no new collective.
+_fast: dict[tuple, Choice] = {}
 
 
 def clear_memo() -> None:
     """Forget the winners of this process (the disk cache stays)."""
     _memo.clear()
+    _fast.clear()
+
+
+def _fast_key(op_name: str, args: tuple, group_name: str, key_extra: str) -> tuple:
+    parts: list[Any] = [op_name, group_name, key_extra, config.autotune, config.implementations]
+
+    def add(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            parts.append((x.dtype, x.device.type, tuple(x.shape), tuple(x.stride())))
+        elif isinstance(x, (list, tuple)):
+            parts.append(len(x))
+            for v in x:
+                add(v)
+        else:
+            parts.append(x)
+
+    add(args)
+    return tuple(parts)
 
 
 def cache_dir() -> Path:
@@ -88,6 +109,10 @@ def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> Cho
 
     A collective on a memo miss (see the module docstring for what that asks of callers).
     """
+    fast = _fast_key(op_name, args, group_name, key_extra)
+    hit = _fast.get(fast)
+    if hit is not None:
+        return hit
     candidates = choices_for(op_name)
     if not candidates:
         raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")
@@ -95,6 +120,7 @@ def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> Cho
     memo_key = key if config.autotune else key + "|fixed"
     choice = _memo.get(memo_key)
     if choice is not None:
+        _fast[fast] = choice
         return choice
     if _capturing():
         raise RuntimeError(
@@ -106,6 +132,7 @@ def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> Cho
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         choice = _select(op_name, args, candidates, key, group, device)
     _memo[memo_key] = choice
+    _fast[fast] = choice
     return choice
 
 
