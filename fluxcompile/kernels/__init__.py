@@ -1,0 +1,1 @@
+"""Triton kernels of the fused ops, one kernel family per file with its launcher beside it."""
