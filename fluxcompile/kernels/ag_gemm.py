@@ -200,6 +200,8 @@ def ag_gemm(
     group_m: int = 8,
     max_spin: int = 1 << 30,
     outs: Sequence[torch.Tensor] | None = None,
+    num_warps: int = 8,
+    num_stages: int = 3,
 ) -> list[torch.Tensor]:
     """Launch the kernel: ``outs[i] = gathered_rows @ Bs[i] (+ biases[i])``, rows in rank order.
 
@@ -238,6 +240,7 @@ def ag_gemm(
         a_local.stride(0), a_local.stride(1), *[b.stride(0) for b in bs], *[b.stride(1) for b in bs],
         *[x is not None for x in bias_list],
         NUM_PROGS=num_programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return list(outs)
 

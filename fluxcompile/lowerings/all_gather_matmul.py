@@ -3,7 +3,8 @@ autotuner picks one choice per call signature (identically on every rank) and ru
 
 Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py), ``torch_symm_mem`` (PyTorch's own
 ``symm_mem.fused_all_gather_matmul``) and ``reference`` (NCCL + cuBLAS, registered by choices.py).
-Planned: the persistent Triton template of kernels/ag_gemm.py.
+``triton:<tiles>-c<chunks>`` (ag_triton.py, the persistent kernel of kernels/ag_gemm.py) is registered
+but declines until it is validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import ag_cublas_pipelined
+from . import ag_cublas_pipelined, ag_triton
 from .autotune import pick
 from .choices import Choice, register_choice
 
@@ -46,6 +47,8 @@ register_choice(
     OP, Choice(ag_cublas_pipelined.NAME, ag_cublas_pipelined.all_gather_matmul, ag_cublas_pipelined.supports)
 )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
+for _variant in ag_triton.VARIANTS:  # experimental: they decline every call unless enabled
+    register_choice(OP, Choice(f"triton:{_variant}", ag_triton.make(_variant), ag_triton.supports))
 
 
 @torch.library.impl("fluxcompile::all_gather_matmul", "CUDA")

@@ -1,0 +1,164 @@
+"""all_gather_matmul with the persistent Triton kernel (kernels/ag_gemm.py): one GEMM launch whose
+remote tiles wait for their communication chunk, fed by copy-engine pushes chunk by chunk.
+
+Per call, on rank r (peers p in ring order after r):
+  side stream:  for p: wait done_p -> for each chunk c: copy our rows of chunk c into slot r of p's
+                symmetric buffer (peer-to-peer, copy engine) -> set arrived[r, c] on p
+  main stream:  one kernel launch (local tiles at once; remote tiles spin-wait, bounded, on arrived[p, c])
+                -> clear our arrived flags -> fill the gathered output -> set done_r on every p
+A wait that times out records (rank, chunk) in an error buffer that is copied to pinned host memory at
+the end of the call and checked at the start of the next one (no synchronization on the hot path), or
+after every call with FLUXCOMPILE_CHECK_SIGNALS=1.
+
+EXPERIMENTAL: checked only in Triton's CPU interpreter so far; it declines every call unless
+FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1, until it has passed the GPU tests (tests/gpu/test_ag_matmul.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+
+ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_TRITON_AG", "0") == "1"
+CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
+_ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow them
+_FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
+
+# (BLOCK_M, BLOCK_N, BLOCK_K), chunks per shard: the variants offered to the autotuner.
+VARIANTS = {
+    "128x256x64-c1": ((128, 256, 64), 1),
+    "128x256x64-c4": ((128, 256, 64), 4),
+    "128x128x64-c4": ((128, 128, 64), 4),
+}
+
+_errors: dict[int, tuple[Tensor, Tensor, torch.cuda.Event | None]] = {}
+
+
+def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:
+    if not ENABLED:
+        return "experimental, not yet validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it)"
+    if not A.is_cuda:
+        return "needs CUDA tensors"
+    if group_size < 2:
+        return "nothing to overlap with one rank"
+    if math.prod(A.shape[: gather_dim % A.dim()]) != 1:
+        return "gather dim has a leading dim of size > 1"
+    if len(Bs) > 4:
+        return "more than 4 weights"
+    if any(b.dtype != A.dtype for b in Bs) or any(
+        x is not None and (x.dim() != 1 or x.dtype != A.dtype) for x in biases
+    ):
+        return "mixed dtypes, or a bias that is not [N]"
+    return None
+
+
+def make(variant: str):
+    block, chunks = VARIANTS[variant]
+
+    def run(A, Bs, biases, gather_dim, group_size, group_name):
+        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, block=block, chunks=chunks)
+
+    return run
+
+
+def all_gather_matmul(
+    A: Tensor,
+    Bs: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    gather_dim: int,
+    group_size: int,
+    group_name: str,
+    *,
+    block: tuple[int, int, int] = (128, 256, 64),
+    chunks: int = 4,
+) -> tuple[Tensor, list[Tensor]]:
+    from ..kernels.ag_gemm import ag_gemm, check_error
+
+    gather_dim %= A.dim()
+    A = A.contiguous()
+    k = A.shape[-1]
+    rows = A.numel() // k
+    gathered_shape = list(A.shape)
+    gathered_shape[gather_dim] *= group_size
+    chunk_rows = max(block[0], -(-rows // chunks))
+    n_chunks = -(-rows // chunk_rows)
+    ws = workspace(group_name, group_size * rows * k * A.element_size(), tag="ag_triton")
+    rank, world = ws.rank, ws.world_size
+    if world * n_chunks > _ARRIVED_FLAGS:
+        raise ValueError(f"fluxcompile: {world} x {n_chunks} chunks exceed the flag space")
+    fws = workspace(group_name, _FLAG_BYTES, tag="ag_triton.flags")
+    arrived_all, done = FlagArray(fws, 0, _ARRIVED_FLAGS), FlagArray(fws, 4 * _ARRIVED_FLAGS, world)
+    init_flags(arrived_all, 0)
+    init_flags(done, 1)
+    err, err_host = _error_buffers(rank, group_name)
+
+    main, side = torch.cuda.current_stream(), side_stream()
+    slots = ws.view(rank, (world, rows, k), A.dtype)  # slot s: rows pushed by rank s
+    arrived = fws.view(rank, (world, n_chunks), torch.int32)
+    a_local = A.view(rows, k)
+    A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
+    rows_of = A_gathered.view(world, rows, k)
+    outs = [torch.empty(world * rows, b.shape[1], dtype=A.dtype, device=A.device) for b in Bs]
+    order = [(rank + step) % world for step in range(1, world)]
+
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for p in order:
+            stream_wait(side, done.addr(rank, p), 1)
+            stream_write(side, done.addr(rank, p), 0)
+            peer_slot = ws.view(p, (rows, k), A.dtype, rank * rows * k * A.element_size())
+            for c in range(n_chunks):
+                lo, hi = c * chunk_rows, min(rows, (c + 1) * chunk_rows)
+                peer_slot[lo:hi].copy_(a_local[lo:hi])  # peer-to-peer: the copy engine
+                stream_write(side, fws.handle.buffer_ptrs[p] + 4 * (rank * n_chunks + c), 1)
+        rows_of[rank].copy_(a_local)
+
+    ag_gemm(a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, err, block=block, outs=outs)
+    arrived.zero_()  # every wait of this call is over: the next call starts from 0
+    for p in order:
+        rows_of[p].copy_(slots[p])
+    main.wait_stream(side)
+    for p in order:
+        stream_write(main, done.addr(p, rank), 1)
+    _report_errors(err, err_host, rank, group_name, check_error)
+    return A_gathered, outs
+
+
+def _error_buffers(rank: int, group_name: str) -> tuple[Tensor, Tensor]:
+    device = torch.cuda.current_device()
+    if device not in _errors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: run the Triton all_gather_matmul once eagerly before graph capture")
+        _errors[device] = (
+            torch.zeros(4, dtype=torch.int32, device="cuda"),
+            torch.zeros(4, dtype=torch.int32).pin_memory(),
+            None,
+        )
+    err, host, event = _errors[device]
+    # The previous call's error, if its copy to the host has landed (no synchronization). Event queries
+    # are not allowed while capturing; a captured graph's replays are checked by the next eager call.
+    if torch.cuda.is_current_stream_capturing():
+        return err, host
+    if event is not None and event.query() and int(host[0]):
+        from ..kernels.ag_gemm import check_error
+
+        check_error(host, rank, group_name)
+    return err, host
+
+
+def _report_errors(err: Tensor, host: Tensor, rank: int, group_name: str, check_error) -> None:
+    if torch.cuda.is_current_stream_capturing():
+        return
+    host.copy_(err, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _errors[torch.cuda.current_device()] = (err, host, event)
+    if CHECK_EACH_CALL:
+        event.synchronize()
+        check_error(host, rank, group_name)
