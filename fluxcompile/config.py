@@ -31,6 +31,8 @@ class Config:
     matmul_all_reduce: bool = True
     all_to_all_matmul: bool = True
     matmul_all_to_all: bool = True
+    # The residual add + RMSNorm after an all-reduce, folded into it (decode's decoder-layer tail).
+    all_reduce_rmsnorm: bool = True
 
     # Minimum sizes of the (local) matmul for a rewrite: M rows (after the collective), N columns, K
     # contraction. Below them the original ops stay and the report says which bound was missed.

@@ -35,6 +35,12 @@ The ops
     ``A_exchanged = all_to_all_single(A)`` along dim 0; ``outs[i]`` as for all_gather_matmul.
 ``matmul_all_to_all(As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name) -> out``
     ``out = all_to_all_single(P.reshape(out_shape))`` along dim 0.
+``all_reduce_rmsnorm(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op,
+group_name) -> (h, normed)``
+    The decoder layer's tail after a row-parallel projection: ``r = all_reduce(x if x is given else
+    P.reshape(out_shape))``; ``h = residual + r`` (the new residual stream); ``normed = RMSNorm(h)``, in
+    float32 when ``upcast``, with ``weight`` multiplied before the cast back to ``h.dtype``
+    (``nn.RMSNorm``) or after it (``weight_after_cast``, as Hugging Face's Llama does).
 """
 
 from __future__ import annotations
@@ -68,12 +74,19 @@ _lib.define(
     " SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> Tensor"
 )
 
+_lib.define(
+    "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
+    " Tensor weight, float eps, bool upcast, bool weight_after_cast, str reduce_op, str group_name)"
+    " -> (Tensor, Tensor)"
+)
+
 FUSED_OPS: tuple[str, ...] = (
     "all_gather_matmul",
     "matmul_reduce_scatter",
     "matmul_all_reduce",
     "all_to_all_matmul",
     "matmul_all_to_all",
+    "all_reduce_rmsnorm",
 )
 
 
@@ -191,6 +204,25 @@ def _matmul_all_to_all_ref(As, Bs, bias, out_shape, output_split_sizes, input_sp
     return _exchange(P, output_split_sizes, input_split_sizes, group_name)
 
 
+def rms_norm(h: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool) -> Tensor:
+    """RMSNorm in the op order the graphs use (pow, mean, +eps, rsqrt, mul; weight before or after the cast)."""
+    x = h.to(torch.float32) if upcast else h
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_after_cast:
+        return weight * n.to(h.dtype)
+    return (n * weight).to(h.dtype)
+
+
+@torch.library.impl(_lib, "all_reduce_rmsnorm", "CompositeExplicitAutograd")
+def _all_reduce_rmsnorm_ref(
+    x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name
+):
+    P = x if x is not None else matmul_sum(As, Bs, bias).reshape(out_shape)
+    r = _c10d.wait_tensor(_c10d.all_reduce(P.contiguous(), reduce_op, group_name))
+    h = residual + r
+    return h, rms_norm(h, weight, eps, upcast, weight_after_cast)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fake (meta) implementations: shapes and strides of what the original subgraph produced.
 
@@ -240,3 +272,13 @@ def _matmul_all_to_all_fake(As, Bs, bias, out_shape, output_split_sizes, input_s
     if output_split_sizes:
         shape[0] = sum(output_split_sizes)
     return As[0].new_empty(shape, dtype=_product_dtype(As, Bs))
+
+
+@torch.library.register_fake("fluxcompile::all_reduce_rmsnorm")
+def _all_reduce_rmsnorm_fake(
+    x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name
+):
+    r = x if x is not None else As[0].new_empty(list(out_shape), dtype=_product_dtype(As, Bs))
+    h = torch.empty_like(residual + r, memory_format=torch.contiguous_format)
+    normed_dtype = torch.result_type(weight, h) if weight_after_cast else h.dtype
+    return h, torch.empty_like(h, dtype=normed_dtype)

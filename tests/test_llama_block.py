@@ -55,3 +55,39 @@ def test_block_with_dynamic_shapes(ranks):
     r = run(ranks, dynamic=True)
     assert sum(r.counts["forward"].values()) == 4, r.report
     assert sum(r.counts["backward"].values()) == 4, r.report
+
+
+def inference_block(dtype_name: str) -> tuple[dict[str, int], float, float]:
+    """Decode-like: no grad, no SP. The attention all-reduce takes the residual add and ffn_norm along."""
+    import copy
+
+    import torch
+
+    import fluxcompile
+    from fluxcompile.models.llama import Block, BlockArgs, parallelize_block
+    from fluxcompile.testing.numerics import TOLERANCE, rel_err
+
+    dtype = getattr(torch, dtype_name)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    eager = Block(BlockArgs(dim=64, n_heads=4, ffn_dim=96)).to(dtype)
+    model = copy.deepcopy(eager)
+    parallelize_block(eager, mesh, False)
+    parallelize_block(model, mesh, False)
+    x = torch.randn(2, 6, 64, dtype=dtype)
+    with (
+        torch.no_grad(),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        fluxcompile.collect_reports() as rep,
+    ):
+        out = torch.compile(model, backend="fluxcompile")(x)
+        ref = eager(x)
+    counts = {op: rep.count(op) for op in ("all_reduce_rmsnorm", "matmul_all_reduce")}
+    return counts, rel_err(out, ref), TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_inference_block_fuses_the_rmsnorm_tail(ranks, dtype_name):
+    for counts, err, tol in ranks(2).run(inference_block, dtype_name):
+        assert counts == {"all_reduce_rmsnorm": 1, "matmul_all_reduce": 1}, counts
+        assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"

@@ -113,6 +113,20 @@ def references(dtype_name: str) -> list[str]:
     assert_close(out, expected, tol, "matmul_all_to_all")
     _check_fake("matmul_all_to_all", args, out)
     checked.append("matmul_all_to_all")
+
+    # all_reduce_rmsnorm, from a sum of matmuls and from a bare tensor, both weight orders.
+    a, b = _rand(g, 10, 24, dtype=dtype), _rand(g, 24, 32, dtype=dtype)
+    res, weight = _rand(g, 2, 5, 32, dtype=dtype), _rand(g, 32, dtype=dtype)
+    for x, after in ((None, False), ((a @ b).reshape(2, 5, 32), True)):
+        args = (x, [] if x is not None else [a], [] if x is not None else [b], None, [2, 5, 32], res, weight, 1e-5,
+                dtype != torch.float32, after, "sum", group)  # fmt: skip
+        h, normed = ops.op("all_reduce_rmsnorm")(*args)
+        h_ref = res.float() + _sum_all((a.float() @ b.float()).reshape(2, 5, 32))
+        n = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+        assert_close(h, h_ref, tol, "all_reduce_rmsnorm residual")
+        assert_close(normed, n, 2 * tol, "all_reduce_rmsnorm normed")
+        _check_fake("all_reduce_rmsnorm", args, (h, normed))
+    checked.append("all_reduce_rmsnorm")
     return checked
 
 

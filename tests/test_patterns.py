@@ -37,7 +37,7 @@ _reduce_scatter = getattr(fc, "reduce_scatter_single", fc.reduce_scatter_tensor)
 # What AOTAutograd/Inductor decompose before the post-grad passes and that the matchers rely on.
 _DECOMPS = get_decompositions([aten._to_copy])
 AG, RS, AR, A2A = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"
-AGMM, MMRS, MMAR, A2AMM, MMA2A = ops.FUSED_OPS
+AGMM, MMRS, MMAR, A2AMM, MMA2A, ARNORM = ops.FUSED_OPS
 
 
 @dataclasses.dataclass
@@ -308,6 +308,45 @@ def case_ar_plain(c: Ctx) -> Case:
         return fc.all_reduce(torch.mm(a, w), "sum", c.group)
 
     return Case(f, [c.randn(8, 12), c.randn(12, 10)], [(AR, MMAR, ("sum of 1 matmul(s) [mm]",))])
+
+
+def _rms_norm(h: Tensor, weight: Tensor, weight_after_cast: bool) -> Tensor:
+    # As nn.RMSNorm (weight, then cast) or Hugging Face's Llama (cast, then weight) spell it.
+    x = h.float() if h.dtype != torch.float32 else h
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return weight * n.to(h.dtype) if weight_after_cast else (n * weight).to(h.dtype)
+
+
+def case_ar_rmsnorm_matmul(c: Ctx) -> Case:
+    # Decode's tail: row-parallel mm -> all_reduce -> residual add -> RMSNorm, one fused op.
+    def f(a, w, res, g):
+        h = res + fc.all_reduce(torch.mm(a, w), "sum", c.group)
+        return h, _rms_norm(h, g, False)
+
+    inputs = [c.randn(8, 12), c.randn(12, 16), c.randn(8, 16, shared=True), c.randn(16, shared=True)]
+    expect = ("sum of 1 matmul(s) [mm]", "+ residual add + RMSNorm", "weight before the cast")
+    return Case(f, inputs, [(AR, ARNORM, expect)])
+
+
+def case_ar_rmsnorm_bare_nd(c: Ctx) -> Case:
+    # A bare all_reduce (its producer is no mm), 3-D, the residual on the right, Hugging Face's order.
+    def f(x, res, g):
+        h = fc.all_reduce(torch.relu(x), "sum", c.group) + res
+        return _rms_norm(h, g, True), h
+
+    inputs = [c.randn(2, 5, 16), c.randn(2, 5, 16, shared=True), c.randn(16, shared=True)]
+    return Case(f, inputs, [(AR, ARNORM, ("bare all_reduce", "+ residual add + RMSNorm"))])
+
+
+def case_no_rmsnorm_rsqrt_saved(c: Ctx) -> Case:
+    # Training keeps rsqrt for the backward: the tail stays, the matmul+all_reduce still fuses.
+    def f(a, w, res, g):
+        h = res + fc.all_reduce(torch.mm(a, w), "sum", c.group)
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h * r * g, r
+
+    inputs = [c.randn(8, 12), c.randn(12, 16), c.randn(8, 16, shared=True), c.randn(16, shared=True)]
+    return Case(f, inputs, [(AR, MMAR, ("sum of 1 matmul(s) [mm]",))])
 
 
 def case_ar_bias(c: Ctx) -> Case:
@@ -692,6 +731,8 @@ def run_case(name: str, dtype_name: str, seed: int) -> list[tuple[str, str | Non
 
 CASES = [name.removeprefix("case_") for name in list(globals()) if name.startswith("case_")]
 BF16 = [
+    "ar_rmsnorm_matmul",
+    "ar_rmsnorm_bare_nd",
     "ag_dim0",
     "ag_dim1_nd",
     "ag_qkv",

@@ -1,19 +1,24 @@
-"""mm (or a sum of mms) -> all_reduce => fluxcompile.matmul_all_reduce (row-parallel layers without SP)."""
+"""mm (or a sum of mms) -> all_reduce => fluxcompile.matmul_all_reduce (row-parallel layers without SP);
+with the residual add + RMSNorm that follow it (rmsnorm_tail.py) => fluxcompile.all_reduce_rmsnorm, also
+for a bare all-reduce."""
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .graph_utils import shape, single_wait
+from .graph_utils import call, erase_dead, shape, single_wait
 from .matmuls import Producers, find_producers
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_producers, rows, size_reason
+from .rmsnorm_tail import RMSNormTail, match_tail
 
 PATTERN = "matmul_all_reduce"
+TAIL = "all_reduce_rmsnorm"
 
 
 @dataclasses.dataclass
@@ -59,15 +64,55 @@ def match(node: Node, cfg: Config) -> MatmulAllReduceMatch | str:
 def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     found = match(node, cfg)
     group = str(node.args[2])
+    wait = single_wait(node)
+    tail = match_tail(wait) if wait is not None and cfg.all_reduce_rmsnorm else None
+    if isinstance(tail, RMSNormTail):
+        return _fuse_with_tail(graph, node, found, tail, group)
     if isinstance(found, str):
         return Entry(node.name, "all_reduce", group, None, found)
     rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, [])
+    return Entry(node.name, "all_reduce", group, PATTERN, _describe(found))
+
+
+def _describe(found: MatmulAllReduceMatch) -> str:
     terms = found.producers.terms
     bias = ", with bias" if found.producers.bias is not None else ""
-    return Entry(
-        node.name,
-        "all_reduce",
-        group,
-        PATTERN,
-        f"sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}",
+    return f"sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}"
+
+
+def _fuse_with_tail(
+    graph: Graph, node: Node, found: MatmulAllReduceMatch | str, tail: RMSNormTail, group: str
+) -> Entry:
+    source, reduce_op, group_name = node.args[:3]
+    if isinstance(found, MatmulAllReduceMatch):
+        As, Bs, bias, out_shape = found.fused_args()[:4]
+        x, what, producers = None, _describe(found), found.producers
+    else:
+        As, Bs, bias, out_shape = [], [], None, list(shape(source))
+        x, what, producers = source, f"bare all_reduce ({found})", None
+    args = (
+        x,
+        As,
+        Bs,
+        bias,
+        out_shape,
+        tail.residual,
+        tail.weight,
+        tail.eps,
+        tail.upcast,
+        tail.weight_after_cast,
+        reduce_op,
+        group_name,
     )
+    with graph.inserting_before(node):
+        fused = call(graph, ops.op(TAIL), args)
+        h = call(graph, operator.getitem, (fused, 0))
+        normed = call(graph, operator.getitem, (fused, 1))
+    tail.normed.replace_all_uses_with(normed)
+    tail.add.replace_all_uses_with(h)
+    dead = [*reversed(tail.chain), tail.add, single_wait(node), node]
+    if producers is not None:
+        dead += [*producers.chain, *(t.node for t in producers.terms)]
+    erase_dead(graph, dead)
+    order = "weight after the cast" if tail.weight_after_cast else "weight before the cast"
+    return Entry(node.name, "all_reduce", group, TAIL, f"{what}; + residual add + RMSNorm (eps {tail.eps:g}, {order})")

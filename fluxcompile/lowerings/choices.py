@@ -81,6 +81,7 @@ _REFERENCE_IMPLS: dict[str, Callable[..., Any]] = {
     "matmul_all_reduce": ops._matmul_all_reduce_ref,
     "all_to_all_matmul": ops._all_to_all_matmul_ref,
     "matmul_all_to_all": ops._matmul_all_to_all_ref,
+    "all_reduce_rmsnorm": ops._all_reduce_rmsnorm_ref,
 }
 for _op in ops.FUSED_OPS:
     register_choice(_op, Choice(REFERENCE, _REFERENCE_IMPLS[_op]))
