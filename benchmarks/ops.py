@@ -5,7 +5,8 @@
 For each shape: the best non-split GEMM (the faster of cuBLAS and the best Triton GEMM Inductor's
 max-autotune finds for the same local shape), NCCL + cuBLAS, PyTorch async-TP (torch.ops.symm_mem) and
 fluxcompile, all in one run. Effective communication time ECT = time − GEMM time; overlap efficiency
-= 1 − ECT / ECT(NCCL + cuBLAS). Times are medians over iterations of the slowest rank. Prints a table,
+= 1 − ECT / ECT(NCCL + cuBLAS). The methods are timed in interleaved rounds (drift hits all alike);
+times are medians over iterations of the slowest rank. Prints a table,
 writes ops.json and a plot like the paper's Figure 13 into --out.
 """
 
@@ -52,6 +53,34 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None
     t = torch.tensor([med], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def timed_interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int, rounds: int, per_round: int
+) -> dict[str, float]:
+    """Like :func:`timed` for several methods at once, measured in interleaved rounds (each round times
+    ``per_round`` iterations of every method in turn), so clock and thermal drift during the run hit all
+    methods alike: the median over all of a method's iterations, then the slowest rank."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            dist.barrier()
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)
+            ]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize()
+            samples[name] += [start.elapsed_time(end) * 1e3 for start, end in events]
+    med = torch.tensor([statistics.median(v) for v in samples.values()], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return dict(zip(fns, med.tolist()))
 
 
 def triton_gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] | None:
@@ -122,17 +151,17 @@ def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
         if not err < 1e-2:
             raise AssertionError(f"{name} m={m} n={n} k={k}: relative error {err:.2e}")
 
-    t = {"cublas": timed(lambda: a_full @ b, args.warmup, args.iters)}
     tg = triton_gemm(a_full, b) if args.triton_gemm else None
-    t["triton"] = timed(tg, args.warmup, args.iters) if tg else float("inf")
+    methods = {"cublas": lambda: a_full @ b, "nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+    if tg is not None:
+        methods["triton"] = tg
+    t = timed_interleaved(methods, args.warmup, args.rounds, max(1, args.iters // args.rounds))
+    t.setdefault("triton", float("inf"))
     t["gemm"] = min(t["cublas"], t["triton"])
-    t["nccl_cublas"] = timed(nccl_cublas, args.warmup, args.iters)
-    t["async_tp"] = timed(async_tp, args.warmup, args.iters)
     spread: dict = {}
     t["pipelined"] = timed(pipelined_only, args.warmup, args.iters, spread)
     t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
     t["pipelined_graph"] = _graph_time(pipelined_only, args)
-    t["fluxcompile"] = timed(ours, args.warmup, args.iters)
     from fluxcompile.lowerings import autotune
 
     t["choice"] = autotune.pick("all_gather_matmul", (a_shard, [b], [None], 0, world, group), group).name
@@ -202,6 +231,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the methods (drift control)")
     p.add_argument("--no-triton-gemm", dest="triton_gemm", action="store_false")
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
