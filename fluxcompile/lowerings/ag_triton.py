@@ -16,7 +16,6 @@ FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1, until it has passed the GPU tests (tests/g
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+from . import ag_cublas_pipelined
 
 ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_TRITON_AG", "0") == "1"
 CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
@@ -43,19 +43,12 @@ _errors: dict[int, tuple[Tensor, Tensor, torch.cuda.Event | None]] = {}
 def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:
     if not ENABLED:
         return "experimental, not yet validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it)"
-    if not A.is_cuda:
-        return "needs CUDA tensors"
-    if group_size < 2:
-        return "nothing to overlap with one rank"
-    if math.prod(A.shape[: gather_dim % A.dim()]) != 1:
-        return "gather dim has a leading dim of size > 1"
     if len(Bs) > 4:
         return "more than 4 weights"
-    if any(b.dtype != A.dtype for b in Bs) or any(
-        x is not None and (x.dim() != 1 or x.dtype != A.dtype) for x in biases
-    ):
-        return "mixed dtypes, or a bias that is not [N]"
-    return None
+    if any(x is not None and x.dim() != 1 for x in biases):
+        return "a bias that is not [N]"
+    # The same layout of the gathered rows as the cuBLAS choice (rank blocks of contiguous rows).
+    return ag_cublas_pipelined.supports(A, Bs, biases, gather_dim, group_size, group_name)
 
 
 def make(variant: str):
