@@ -1,0 +1,269 @@
+"""fluxcompile.schedules: the chunk language, its checker, compiler and CPU executor (pure CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxcompile.schedules import (
+    INPUT,
+    OUTPUT,
+    CheckError,
+    DeadlockError,
+    Instr,
+    Plan,
+    Program,
+    ProgramError,
+    RankPlan,
+    Threadblock,
+    check_deadlock,
+    check_program,
+    chunk,
+    compile_program,
+    execute,
+    library,
+    run,
+)
+
+SIZES = (2, 3, 4, 8, 16)
+# ranks -> (nodes, gpus per node) for the hierarchical programs; 2 and 3 do not factor as N>=2, G>=2
+FACTORS = {4: (2, 2), 8: (2, 4), 16: (4, 4)}
+
+
+def _expected(collective: str, xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    R = len(xs)
+    if collective == "all_gather":
+        return [torch.cat(xs)] * R
+    if collective == "reduce_scatter":
+        return list(torch.stack(xs).sum(0).chunk(R))
+    if collective == "all_reduce":
+        return [torch.stack(xs).sum(0)] * R
+    if collective == "all_to_all":
+        blocks = [x.chunk(R) for x in xs]
+        return [torch.cat([blocks[q][r] for q in range(R)]) for r in range(R)]
+    if collective == "all_to_next":
+        return [None, *xs[:-1]]
+    raise AssertionError(collective)
+
+
+def _inputs(prog: Program, rows_per_chunk: int = 2, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(prog.in_chunks * rows_per_chunk, 3, generator=g, dtype=torch.float64) for _ in range(prog.num_ranks)
+    ]
+
+
+def _check_numerics(prog: Program, instances: int = 1) -> Plan:
+    plan = compile_program(prog, instances=instances)
+    check_deadlock(plan)
+    xs = _inputs(prog, rows_per_chunk=2 * instances)
+    outs = execute(plan, xs)
+    for r, (got, want) in enumerate(zip(outs, _expected(prog.collective.name, xs))):
+        if want is not None:
+            torch.testing.assert_close(got, want, msg=lambda m, r=r: f"{prog.name} rank {r}: {m}")
+    return plan
+
+
+def _cases():
+    for name, f in library.FLAT.items():
+        for R in SIZES:
+            yield pytest.param(f, (R,), id=f"{name}-{R}")
+    for name, f in library.HIERARCHICAL.items():
+        for R in SIZES:
+            if R in FACTORS:
+                N, G = FACTORS[R]
+                yield pytest.param(f, (N, G), id=f"{name}-{R}={N}x{G}")
+            else:
+                yield pytest.param(
+                    f, None, id=f"{name}-{R}-skip-not-NxG", marks=pytest.mark.skip(reason=f"{R} is not N x G, N,G >= 2")
+                )
+
+
+@pytest.mark.parametrize(("factory", "args"), list(_cases()))
+def test_library_program(factory, args):
+    prog = factory(*args)
+    check_program(prog)
+    _check_numerics(prog)
+
+
+@pytest.mark.parametrize(
+    ("factory", "args"),
+    [
+        (library.ring_all_reduce, (4,)),
+        (library.ring_all_gather, (3,)),
+        (library.ring_reduce_scatter, (4,)),
+        (library.two_step_all_to_all, (2, 2)),
+        (library.all_to_next, (2, 3)),
+        (library.hierarchical_all_reduce, (2, 2)),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+@pytest.mark.parametrize("instances", [2, 3])
+def test_instances(factory, args, instances):
+    prog = factory(*args)
+    check_program(prog, instances=instances)
+    plan = _check_numerics(prog, instances=instances)
+    # every instance runs on its own channel, so there are at least `instances` threadblocks per rank
+    assert plan.instances == instances
+    assert plan.in_chunks == prog.in_chunks * instances
+    assert all(len(rp.threadblocks) >= instances for rp in plan.ranks if any(tb.instrs for tb in rp.threadblocks))
+
+
+def test_fused_instructions_in_rings():
+    ops = compile_program(library.ring_all_reduce(4)).op_counts()
+    assert ops.get("rrcs", 0) > 0 and ops.get("rcs", 0) > 0
+    ops = compile_program(library.ring_reduce_scatter(4)).op_counts()
+    assert ops.get("rrs", 0) > 0  # partial sums never stored in the middle of the ring
+    # one threadblock per rank for a ring: receive from r-1, send to r+1
+    plan = compile_program(library.ring_all_reduce(4))
+    for rp in plan.ranks:
+        assert [(tb.send_peer, tb.recv_peer) for tb in rp.threadblocks] == [((rp.rank + 1) % 4, (rp.rank - 1) % 4)]
+    unfused = compile_program(library.ring_all_reduce(4), fuse_instructions=False)
+    assert set(unfused.op_counts()) <= {"send", "recv", "copy", "rrc"}
+    xs = _inputs(library.ring_all_reduce(4))
+    for a, b in zip(execute(plan, xs), execute(unfused, xs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_missing_contribution_rejected():
+    with Program("bad_ag", "all_gather", 4) as p:
+        for r in range(4):
+            for q in range(4):
+                if (r, q) != (3, 2):
+                    chunk(INPUT, r, 0).copy(q, OUTPUT, r)
+    with pytest.raises(CheckError, match=r"output\[2\]\[3\] is never written"):
+        check_program(p)
+
+    with Program("bad_ar", "all_reduce", 4) as p:
+        for r in range(4):
+            out = chunk(INPUT, r, 0).copy(r, OUTPUT, 0)
+            for q in range(4):
+                if q != r and not (r == 2 and q == 3):
+                    out = out.reduce(chunk(INPUT, q, 0))
+    with pytest.raises(CheckError, match=r"output\[2\]\[0\] is missing input\[3\]\[0\]"):
+        check_program(p)
+
+
+def test_duplicated_contribution_rejected():
+    with Program("dup_rs", "reduce_scatter", 4) as p:
+        for r in range(4):
+            out = chunk(INPUT, r, r).copy(r, OUTPUT, 0)
+            for q in range(4):
+                if q != r:
+                    out = out.reduce(chunk(INPUT, q, r))
+            if r == 2:
+                out.reduce(chunk(INPUT, 0, 2))
+    with pytest.raises(CheckError, match=r"output\[2\]\[0\] has input\[0\]\[2\] twice"):
+        check_program(p)
+
+
+def test_wrong_source_and_uninitialized_rejected():
+    with Program("swap", "all_to_all", 2) as p:
+        for r in range(2):
+            for q in range(2):
+                chunk(INPUT, r, 1 - q).copy(q, OUTPUT, r)
+    with pytest.raises(CheckError, match=r"output\[0\]\[0\] is missing input\[0\]\[0\]"):
+        check_program(p)
+    with Program("uninit", "all_reduce", 2) as p:
+        chunk("scratch", 0, 0).copy(1, OUTPUT, 0)
+    with pytest.raises(CheckError, match=r"reads uninitialized scratch\[0\]\[0\]"):
+        check_program(p)
+
+
+def test_stale_reference_and_bad_slot_rejected():
+    with Program("stale", "all_reduce", 2):
+        old = chunk(OUTPUT, 1, 0)
+        chunk(INPUT, 0, 0).copy(1, OUTPUT, 0)
+        with pytest.raises(ProgramError, match="overwritten"):
+            old.copy(0, OUTPUT, 0)
+        with pytest.raises(ProgramError, match="out of range"):
+            chunk(INPUT, 2, 0)
+        with pytest.raises(ProgramError, match="unknown hint"):
+            chunk(INPUT, 0, 0).copy(1, OUTPUT, 0, tb=3)
+    with pytest.raises(ProgramError, match="outside"):
+        chunk(INPUT, 0, 0)
+
+
+def _deadlock_plan() -> Plan:
+    def rank(r: int) -> RankPlan:
+        peer = 1 - r
+        return RankPlan(
+            r,
+            [
+                Threadblock(
+                    peer,
+                    peer,
+                    0,
+                    [Instr("recv", dst_buf=OUTPUT, dst_index=peer), Instr("send", src_buf=INPUT, src_index=0)],
+                )
+            ],
+        )
+
+    return Plan("recv_first", "all_gather", 2, 1, 2, [0, 0], 1, [rank(0), rank(1)])
+
+
+def test_deadlock_rejected_with_cycle():
+    plan = _deadlock_plan()
+    with pytest.raises(DeadlockError, match=r"deadlock cycle: rank 0 tb 0 instr \d \((recv|send)") as e:
+        check_deadlock(plan)
+    msg = str(e.value)
+    for part in ("rank 0 tb 0 instr 0 (recv from 1)", "rank 1 tb 0 instr 1 (send to 0)", "rank 1 tb 0 instr 0"):
+        assert part in msg, msg
+    with pytest.raises(DeadlockError, match=r"rank 0 tb 0 instr 0 \(recv\) waits for a message from rank 1"):
+        execute(plan, [torch.zeros(2), torch.zeros(2)])
+    # swapping one rank's order (send first) breaks the cycle
+    plan.ranks[0].threadblocks[0].instrs.reverse()
+    check_deadlock(plan)
+    out = execute(plan, [torch.ones(1), 2 * torch.ones(1)])
+    assert out[0][1].item() == 2 and out[1][0].item() == 1
+
+
+def test_unmatched_send_rejected():
+    plan = _deadlock_plan()
+    del plan.ranks[1].threadblocks[0].instrs[0]
+    with pytest.raises(DeadlockError, match=r"channel 0->1 ch 0: 1 send\(s\) but 0 receive\(s\)"):
+        check_deadlock(plan)
+
+
+def test_plan_json_round_trip():
+    plan = compile_program(library.two_step_all_to_all(2, 2), instances=2)
+    text = plan.to_json()
+    back = Plan.from_json(text)
+    assert back == plan
+    assert back.to_json() == text
+    xs = _inputs(library.two_step_all_to_all(2, 2), rows_per_chunk=2)
+    for a, b in zip(execute(back, xs), execute(plan, xs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_manual_threadblocks_and_channels():
+    # a 2-rank exchange with explicit threadblocks (GC3 5.4)
+    with Program("manual", "all_gather", 2) as p:
+        for r in range(2):
+            chunk(INPUT, r, 0).copy(r, OUTPUT, r, sendtb=0)
+            chunk(INPUT, r, 0).copy(1 - r, OUTPUT, r, sendtb=1, recvtb=2)
+    plan = _check_numerics(p)
+    assert [len(rp.threadblocks) for rp in plan.ranks] == [3, 3]
+    # channel directives give two parallel connections to the same peer
+    with Program("channels", "all_gather", 2, chunk_factor=2) as p:
+        for r in range(2):
+            for i in range(2):
+                chunk(INPUT, r, i).copy(r, OUTPUT, 2 * r + i)
+                chunk(INPUT, r, i).copy(1 - r, OUTPUT, 2 * r + i, ch=i)
+    plan = _check_numerics(p)
+    assert {tb.channel for tb in plan.ranks[0].threadblocks} == {0, 1}
+    # manual threadblocks on some operations only are refused (as in GC3)
+    with Program("partial", "all_gather", 2) as p:
+        chunk(INPUT, 0, 0).copy(1, OUTPUT, 0, sendtb=0, recvtb=0)
+        chunk(INPUT, 1, 0).copy(0, OUTPUT, 1)
+    with pytest.raises(ProgramError, match="every operation"):
+        compile_program(p, check=False)
+
+
+def test_run_helper_and_cuda_not_implemented():
+    prog = library.ring_all_reduce(3)
+    xs = _inputs(prog)
+    for out in run(prog, xs):
+        torch.testing.assert_close(out, sum(xs))
+    with pytest.raises(NotImplementedError, match="GPU executor"):
+        run(prog, xs[0], group=object())
