@@ -1,0 +1,1 @@
+"""Integrations of fluxcompile's rewrite pass into frameworks that drive Inductor themselves."""

