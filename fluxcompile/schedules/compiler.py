@@ -119,6 +119,14 @@ def fuse(ins: list[_Ins], can_pair: Callable[[int, int, int, int], bool]) -> Non
         s = ins[next(iter(dependents[r.id]))]
         if s.op != "send" or s.src != r.dst or s.count != r.count or s.ch != r.ch or s.send_peer == r.recv_peer:
             continue
+        # The fused instruction takes r's place in program order. That keeps program order a valid
+        # schedule, with every channel's messages in FIFO order, only if s waits for nothing issued
+        # after r and no other send to the same peer/channel is issued between them.
+        if any(d != r.id and d > r.id for d in s.deps) or any(
+            ins[k].rank == r.rank and ins[k].send_peer == s.send_peer and ins[k].ch == s.ch and not ins[k].removed
+            for k in range(r.id + 1, s.id)
+        ):
+            continue
         if r.recv_tb is not None or s.send_tb is not None:
             if r.recv_tb != s.send_tb:
                 continue
@@ -144,6 +152,19 @@ def topo_order(ins: list[_Ins]) -> list[_Ins]:
     """Global topological order, lower dependency depth first, then longer remaining path (5.2)."""
     live = [i for i in ins if not i.removed]
     preds: dict[int, list[int]] = {i.id: sorted(i.deps) + ([i.comm_in] if i.comm_in is not None else []) for i in live}
+    # Messages of one channel (src, dst, ch) are matched in FIFO order, so its sends and its
+    # receives are chained in program order (fusion keeps program order a valid schedule).
+    last: dict[tuple[str, int, int, int], int] = {}
+    for i in live:
+        keys = []
+        if i.comm_out is not None:
+            keys.append(("s", i.rank, i.send_peer, i.ch))
+        if i.comm_in is not None:
+            keys.append(("r", ins[i.comm_in].rank, i.rank, i.ch))
+        for k in keys:
+            if k in last:
+                preds[i.id].append(last[k])
+            last[k] = i.id
     succs: dict[int, list[int]] = defaultdict(list)
     for n, ps in preds.items():
         for p in ps:
@@ -167,6 +188,7 @@ def topo_order(ins: list[_Ins]) -> list[_Ins]:
     rdepth: dict[int, int] = {}
     for n in reversed(order):
         rdepth[n] = max((rdepth[m] + 1 for m in succs[n]), default=0)
+
     heap = [(depth[n], -rdepth[n], n) for n in ready]
     heapq.heapify(heap)
     out: list[_Ins] = []

@@ -9,6 +9,7 @@ import torch
 
 from .checker import RECEIVES, SENDS, DeadlockError
 from .plan import Plan
+from .program import Program
 
 
 def execute(plan: Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -110,3 +111,25 @@ def execute(plan: Plan, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if leftover:
         raise RuntimeError(f"{plan.name}: messages never received on channels {leftover}")
     return [b["output"].reshape(plan.out_chunks * rows, *rest) for b in bufs]
+
+
+def interpret(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Reference semantics: replay the program's ops in program order on tensors, with no
+    compilation at all. Tests compare compiled plans against it."""
+    rows = inputs[0].shape[0] // prog.in_chunks
+    rest = tuple(inputs[0].shape[1:])
+    bufs = [
+        {
+            "input": x.detach().clone().reshape(prog.in_chunks, rows, *rest),
+            "output": x.new_zeros(prog.out_chunks, rows, *rest),
+            "scratch": x.new_zeros(prog.scratch_chunks[r], rows, *rest),
+        }
+        for r, x in enumerate(inputs)
+    ]
+    for op in prog.ops:
+        (sb, sr, si), (db, dr, di) = op.src, op.dst
+        v = bufs[sr][sb][si : si + op.size].clone()
+        if op.kind == "reduce":
+            v = v + bufs[dr][db][di : di + op.size]
+        bufs[dr][db][di : di + op.size] = v
+    return [b["output"].reshape(prog.out_chunks * rows, *rest) for b in bufs]
