@@ -335,3 +335,23 @@ def test_hierarchical_uneven_shapes(factory, N, G):
     prog = factory(N, G)
     check_program(prog)
     _check_numerics(prog)
+
+
+def test_program_chunk_counts():
+    p = Program("ag", "all_gather", 4, in_chunks=2)
+    assert (p.in_chunks, p.out_chunks) == (2, 8)
+    p = Program("rs", "reduce_scatter", 4, out_chunks=3)
+    assert (p.in_chunks, p.out_chunks) == (12, 3)
+    with pytest.raises(ProgramError, match="multiple of 4"):
+        Program("a2a", "all_to_all", 4, in_chunks=6)
+    with pytest.raises(ProgramError, match="disagrees"):
+        Program("ag", "all_gather", 4, in_chunks=2, out_chunks=4)
+    with pytest.raises(ProgramError, match="unknown collective"):
+        Program("x", "broadcast_all", 4)
+
+
+def test_two_senders_on_one_channel_rejected():
+    plan = _deadlock_plan()
+    plan.ranks[0].threadblocks.append(Threadblock(1, None, 0, [Instr("send", src_buf=INPUT, src_index=0)]))
+    with pytest.raises(DeadlockError, match="rank 0: threadblocks 0 and 1 both send to 1 on channel 0"):
+        check_deadlock(plan)

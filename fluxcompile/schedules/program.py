@@ -161,9 +161,31 @@ class Program:
         collective: str | Collective,
         num_ranks: int,
         chunk_factor: int = 1,
+        *,
+        in_chunks: int | None = None,
+        out_chunks: int | None = None,
     ) -> None:
+        """``collective`` is a name in ``COLLECTIVES`` or a ``Collective``. The buffers are cut into
+        the collective's chunks times ``chunk_factor``; alternatively give ``in_chunks`` (and/or
+        ``out_chunks``), which must be a multiple of the collective's own count."""
         if isinstance(collective, str):
+            if collective not in COLLECTIVES:
+                raise ProgramError(f"unknown collective {collective!r}; known: {sorted(COLLECTIVES)}")
+            base = COLLECTIVES[collective](num_ranks)
+            for want, have in ((in_chunks, base.in_chunks()), (out_chunks, base.out_chunks())):
+                if want is not None:
+                    if want % have:
+                        raise ProgramError(
+                            f"{collective} on {num_ranks} ranks needs a multiple of {have} chunks, not {want}"
+                        )
+                    chunk_factor = want // have
             collective = COLLECTIVES[collective](num_ranks, chunk_factor)
+        for want, have, what in (
+            (in_chunks, collective.in_chunks(), "in"),
+            (out_chunks, collective.out_chunks(), "out"),
+        ):
+            if want is not None and want != have:
+                raise ProgramError(f"{collective.name}: {what}_chunks={want} disagrees with {have}")
         self.name = name
         self.collective = collective
         self.num_ranks = num_ranks
