@@ -41,8 +41,8 @@ def rank_layout() -> str:
     return harness.check_layout()
 
 
-def rank_check(route: str, sequence_parallel: bool) -> harness.Result:
-    return harness.check(route, sequence_parallel)
+def rank_check(route: str, sequence_parallel: bool, vllm_backend: bool) -> harness.Result:
+    return harness.check(route, sequence_parallel, vllm_backend=vllm_backend)
 
 
 def test_vllm_version_and_layout():
@@ -53,8 +53,8 @@ def test_vllm_version_and_layout():
     )
 
 
-def run_route(ranks, route: str, sp: bool) -> harness.Result:
-    results = ranks(2).run(rank_check, route, sp)
+def run_route(ranks, route: str, sp: bool, vllm_backend: bool) -> harness.Result:
+    results = ranks(2).run(rank_check, route, sp, vllm_backend)
     for rank, r in enumerate(results):
         print(f"rank {rank}: vLLM {r.vllm_version}, route {route}, max rel err {r.max_rel_err:.2e}\n{r.report}")
         assert r.max_rel_err <= TOL, f"rank {rank} ({route}): compiled vs eager rel err {r.max_rel_err}\n{r.report}"
@@ -63,16 +63,19 @@ def run_route(ranks, route: str, sp: bool) -> harness.Result:
     return results[0]
 
 
+@pytest.mark.parametrize("vllm_backend", [False, True], ids=["cpu_stock_inductor", "vllm_backend"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence_parallel"])
-def test_vllm_decoder_layer(ranks, sp):
+def test_vllm_decoder_layer(ranks, sp, vllm_backend):
+    """cpu_stock_inductor: what vLLM does on CPU (DYNAMO_TRACE_ONCE + Inductor, no pass manager);
+    vllm_backend: VLLM_COMPILE restored, i.e. VllmBackend + PostGradPassManager as on CUDA."""
     want = {"all_gather_matmul": 2, "matmul_reduce_scatter": 2} if sp else {"matmul_all_reduce": 2}
-    by_config = run_route(ranks, "config", sp)
+    by_config = run_route(ranks, "config", sp, vllm_backend)
     assert by_config.counts == want, by_config.report
     # Every collective is vLLM's own op on vLLM's tp group, resolved to its c10d group.
     assert all(c.startswith("vllm.") and g.startswith("vllm tp:") and "c10d" in g for c, g, _ in by_config.entries), (
         by_config.report
     )
-    by_plugin = run_route(ranks, "plugin", sp)
+    by_plugin = run_route(ranks, "plugin", sp, vllm_backend)
     assert by_plugin.counts == want, by_plugin.report
     # The two routes give the same fused graph.
     assert by_plugin.graphs == by_config.graphs
@@ -81,3 +84,10 @@ def test_vllm_decoder_layer(ranks, sp):
     assert not any(
         "vllm.all_reduce" in g or "vllm.all_gather" in g or "vllm.reduce_scatter" in g for g in by_config.graphs
     )
+    for r in (by_config, by_plugin):
+        if vllm_backend:  # the pass ran inside vLLM's PostGradPassManager, once
+            assert r.manager_passes and all(p.count("FluxcompileVllmPass") == 1 for p in r.manager_passes), (
+                r.manager_passes
+            )
+        else:
+            assert not r.manager_passes, r.manager_passes

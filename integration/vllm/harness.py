@@ -18,9 +18,12 @@ What vLLM does on CPU, and what the harness changes to match CUDA:
   ``F.linear`` (``aten.mm`` in the graph), as the CUDA path does.
 * Compilation: vLLM's CPU platform itself turns ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE`` with stock
   Inductor (``CpuPlatform.check_and_update_config``), so there is no ``VllmBackend``/``PostGradPassManager``
-  on CPU; the harness keeps what vLLM does. The pass then reaches Inductor as ``post_grad_custom_post_pass``
-  of ``inductor_compile_config`` (the config route directly, the plugin route through its
-  ``VllmConfig`` hook). The ``PostGradPassManager`` hook of the plugin (the CUDA path) is not exercised here.
+  on CPU. ``vllm_backend=False`` keeps what vLLM does: the pass reaches Inductor as
+  ``post_grad_custom_post_pass`` of ``inductor_compile_config`` (the config route directly, the plugin
+  route through its ``VllmConfig`` hook). ``vllm_backend=True`` restores ``VLLM_COMPILE`` after the
+  platform's change (with vLLM's CUDA-only fusion passes off and ``compile_sizes=[]``), so the layer is
+  compiled by ``VllmBackend`` and the pass runs inside its ``PostGradPassManager``, as on CUDA (the
+  config route through ``PostGradPassManager.add``, the plugin route through its ``configure`` hook).
 
 vLLM 0.32 has no sequence-parallel compilation pass, so the sequence-parallel variant writes the layout
 by hand with vLLM's own collective API, as vLLM's models do (``RowParallelLinear(reduce_results=False)``
@@ -195,10 +198,11 @@ class Result:
     kept: list[str]  # report lines of collectives left alone
     entries: list[tuple[str, str, str | None]]  # (collective, group, fused op) in graph order
     graphs: list[str]  # op sequence of each graph right after the rewrite
+    manager_passes: list[list[str]]  # the PostGradPassManager's passes at each run (empty: stock Inductor)
     report: str
 
 
-def vllm_config(mode: str, route: str) -> Any:
+def vllm_config(mode: str, route: str, vllm_backend: bool = False) -> Any:
     from vllm.config import CompilationConfig, CompilationMode, ParallelConfig, VllmConfig
 
     kw: dict[str, Any] = {}
@@ -217,13 +221,32 @@ def vllm_config(mode: str, route: str) -> Any:
             kw["inductor_passes"] = {"post_grad_custom_post_pass": QUALNAME}
     else:
         kw = dict(mode=CompilationMode.NONE)
-    return VllmConfig(
+    cfg = VllmConfig(
         compilation_config=CompilationConfig(**kw),
         parallel_config=ParallelConfig(tensor_parallel_size=dist.get_world_size()),
     )
+    if mode == "compile" and vllm_backend:
+        # Undo the CPU platform's switch to DYNAMO_TRACE_ONCE: compile through VllmBackend and its
+        # PostGradPassManager, as vLLM does on CUDA.
+        cfg.compilation_config.mode = CompilationMode.VLLM_COMPILE
+        cfg.compilation_config.backend = "inductor"
+        if route == "plugin":
+            # The plugin's stock-Inductor hook saw the CPU platform's DYNAMO_TRACE_ONCE and handed the pass to
+            # Inductor directly; on CUDA it would not have. Undo that, so the pass manager hook is what adds it.
+            icc = cfg.compilation_config.inductor_compile_config
+            if type(icc.get("post_grad_custom_post_pass")).__name__ == "FluxcompileVllmPass":
+                del icc["post_grad_custom_post_pass"]
+        if cfg.compilation_config.compile_sizes is None:
+            cfg.compilation_config.compile_sizes = []
+        # vLLM's own fusion passes are CUDA/ROCm kernels (their classes are not even imported on CPU).
+        pc = cfg.compilation_config.pass_config
+        for f in dataclasses.fields(pc):
+            if (f.name.startswith("fuse_") or f.name.startswith("enable_")) and getattr(pc, f.name) is True:
+                setattr(pc, f.name, False)
+    return cfg
 
 
-def check(route: str, sequence_parallel: bool, tokens: int = 32) -> Result:
+def check(route: str, sequence_parallel: bool, tokens: int = 32, vllm_backend: bool = False) -> Result:
     """Compile the layer through vLLM with fluxcompile on by ``route`` ('config' or 'plugin') and check it."""
     version = check_layout()
     setup_vllm_distributed()
@@ -253,7 +276,7 @@ def check(route: str, sequence_parallel: bool, tokens: int = 32) -> Result:
     )
     try:
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            return _check(version, route, sequence_parallel, tokens)
+            return _check(version, route, sequence_parallel, tokens, vllm_backend)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -263,7 +286,7 @@ def check(route: str, sequence_parallel: bool, tokens: int = 32) -> Result:
         shutil.rmtree(cache_root, ignore_errors=True)
 
 
-def _check(version: str, route: str, sequence_parallel: bool, tokens: int) -> Result:
+def _check(version: str, route: str, sequence_parallel: bool, tokens: int, vllm_backend: bool) -> Result:
     global _BLOCK_CLS
     from vllm.config import set_current_vllm_config
 
@@ -284,7 +307,7 @@ def _check(version: str, route: str, sequence_parallel: bool, tokens: int) -> Re
     with torch.no_grad():
         for p in eager.parameters():
             p.copy_(torch.randn_like(p) * 0.1 if p.dim() > 1 else 1 + 0.1 * torch.randn_like(p))
-    compile_cfg = vllm_config("compile", route)
+    compile_cfg = vllm_config("compile", route, vllm_backend)
     with set_current_vllm_config(compile_cfg):
         compiled = _BLOCK_CLS(vllm_config=compile_cfg, prefix="compiled", dims=dims)
     compiled.load_state_dict(eager.state_dict())
@@ -295,6 +318,7 @@ def _check(version: str, route: str, sequence_parallel: bool, tokens: int) -> Re
         with set_current_vllm_config(eager_cfg):
             want = eager(x)
         _GRAPHS.clear()
+        _MANAGER_PASSES.clear()
         with fluxcompile.collect_reports() as rep, set_current_vllm_config(compile_cfg):
             got = compiled(x)
             got = compiled(x)  # a second call runs the compiled graph
@@ -305,6 +329,7 @@ def _check(version: str, route: str, sequence_parallel: bool, tokens: int) -> Re
         if e.fused:
             counts[e.fused_op] = counts.get(e.fused_op, 0) + 1
     fused_targets = list(_GRAPHS)
+    manager_passes = [list(p) for p in _MANAGER_PASSES]
     return Result(
         version,
         route,
@@ -313,11 +338,13 @@ def _check(version: str, route: str, sequence_parallel: bool, tokens: int) -> Re
         [e.line() for e in entries if not e.fused],
         [(e.collective, e.group_name, e.fused_op) for e in entries],
         fused_targets,
+        manager_passes,
         rep.format(),
     )
 
 
 _GRAPHS: list[str] = []  # the op sequence of every graph right after fluxcompile's rewrite
+_MANAGER_PASSES: list[list[str]] = []  # the passes of each PostGradPassManager run (VllmBackend only)
 
 
 def _record_rewritten_graphs() -> None:
@@ -336,3 +363,13 @@ def _record_rewritten_graphs() -> None:
 
     recording._harness = True  # type: ignore[attr-defined]
     graph_pass.rewrite_graph = recording
+
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+
+    run_passes = PostGradPassManager.__call__
+
+    def recording_manager(self: Any, graph: Any) -> None:
+        _MANAGER_PASSES.append([type(p).__name__ for p in self.passes])
+        run_passes(self, graph)
+
+    PostGradPassManager.__call__ = recording_manager
