@@ -202,7 +202,7 @@ class Result:
     report: str
 
 
-def vllm_config(mode: str, route: str, vllm_backend: bool = False, caches: bool = False) -> Any:
+def vllm_config(mode: str, route: str, vllm_backend: bool = False) -> Any:
     from vllm.config import CompilationConfig, CompilationMode, ParallelConfig, VllmConfig
 
     kw: dict[str, Any] = {}
@@ -212,10 +212,9 @@ def vllm_config(mode: str, route: str, vllm_backend: bool = False, caches: bool 
             backend="inductor",
             cudagraph_mode="NONE",
             splitting_ops=[],
-        )
-        if not caches:
             # Every check compiles (and so runs the pass): no reuse of an earlier check's Inductor graph.
-            kw["inductor_compile_config"] = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
+            inductor_compile_config={"fx_graph_cache": False, "fx_graph_remote_cache": False},
+        )
         if route == "config":
             from fluxcompile.integrations.vllm import QUALNAME
 
@@ -247,14 +246,8 @@ def vllm_config(mode: str, route: str, vllm_backend: bool = False, caches: bool 
     return cfg
 
 
-def check(
-    route: str, sequence_parallel: bool, tokens: int = 32, vllm_backend: bool = False, cache_root: str | None = None
-) -> Result:
-    """Compile the layer through vLLM with fluxcompile on by ``route`` ('config' or 'plugin') and check it.
-
-    ``cache_root``: keep vLLM's and Inductor's compile caches there, on (a second check with the same root
-    is a cache hit); by default every check compiles from scratch with the caches off.
-    """
+def check(route: str, sequence_parallel: bool, tokens: int = 32, vllm_backend: bool = False) -> Result:
+    """Compile the layer through vLLM with fluxcompile on by ``route`` ('config' or 'plugin') and check it."""
     version = check_layout()
     setup_vllm_distributed()
     _record_rewritten_graphs()
@@ -274,28 +267,26 @@ def check(
             raise RuntimeError("vLLM loaded its general plugins but fluxcompile's register() did not hook the passes")
     # Every check compiles and so runs the pass: fresh vLLM and Inductor caches, no AOTAutograd cache (a hit
     # there returns the graph an earlier check rewrote, correctly, but without running the pass again).
-    caches = cache_root is not None
-    root = cache_root if caches else tempfile.mkdtemp(prefix="fluxcompile-vllm-")
+    cache_root = tempfile.mkdtemp(prefix="fluxcompile-vllm-")
     saved = {k: os.environ.get(k) for k in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_DISABLE_COMPILE_CACHE")}
     os.environ.update(
-        VLLM_CACHE_ROOT=root,
-        TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
-        VLLM_DISABLE_COMPILE_CACHE="0" if caches else "1",
+        VLLM_CACHE_ROOT=cache_root,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, "inductor"),
+        VLLM_DISABLE_COMPILE_CACHE="1",
     )
     try:
-        with torch._functorch.config.patch(enable_autograd_cache=caches):
-            return _check(version, route, sequence_parallel, tokens, vllm_backend, caches)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return _check(version, route, sequence_parallel, tokens, vllm_backend)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if not caches:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(cache_root, ignore_errors=True)
 
 
-def _check(version: str, route: str, sequence_parallel: bool, tokens: int, vllm_backend: bool, caches: bool) -> Result:
+def _check(version: str, route: str, sequence_parallel: bool, tokens: int, vllm_backend: bool) -> Result:
     global _BLOCK_CLS
     from vllm.config import set_current_vllm_config
 
@@ -316,7 +307,7 @@ def _check(version: str, route: str, sequence_parallel: bool, tokens: int, vllm_
     with torch.no_grad():
         for p in eager.parameters():
             p.copy_(torch.randn_like(p) * 0.1 if p.dim() > 1 else 1 + 0.1 * torch.randn_like(p))
-    compile_cfg = vllm_config("compile", route, vllm_backend, caches)
+    compile_cfg = vllm_config("compile", route, vllm_backend)
     with set_current_vllm_config(compile_cfg):
         compiled = _BLOCK_CLS(vllm_config=compile_cfg, prefix="compiled", dims=dims)
     compiled.load_state_dict(eager.state_dict())
