@@ -14,9 +14,9 @@ from torch.fx import Graph, Node
 from .. import ops
 from ..config import Config
 from .graph_utils import shape, single_wait
-from .matmuls import Consumers, Producers, find_consumers, find_producers
+from .matmuls import Consumers, Producers, find_consumers
 from .report import Entry
-from .rewrite import disabled_reason, rewrite_consumers, rewrite_producers, rows, size_reason
+from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_consumers, rewrite_producers, rows, size_reason
 
 CONSUMER = "all_to_all_matmul"
 PRODUCER = "matmul_all_to_all"
@@ -77,12 +77,9 @@ def match_producer(node: Node, wait: Node, cfg: Config) -> MatmulAllToAllMatch |
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return "exchanged tensor is not at least 2-D"
-    producers = find_producers(source, "all_to_all")
+    producers = matmul_sum(source, "all_to_all", cfg)
     if isinstance(producers, str):
         return producers
-    k = (shape(producers.terms[0].a) or (0, 0))[-1]
-    if why := size_reason(cfg, rows(sshape), sshape[-1], k):
-        return why
     return MatmulAllToAllMatch(node, wait, producers)
 
 
@@ -101,12 +98,5 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     producer = match_producer(node, wait, cfg)
     if not isinstance(producer, str):
         rewrite_producers(graph, node, ops.op(PRODUCER), producer.fused_args(), wait, producer.producers, [])
-        names = ", ".join(t.node.name for t in producer.producers.terms)
-        return Entry(
-            node.name,
-            "all_to_all_single",
-            group,
-            PRODUCER,
-            f"sum of {len(producer.producers.terms)} matmul(s) [{names}]",
-        )
+        return Entry(node.name, "all_to_all_single", group, PRODUCER, describe_sum(producer.producers))
     return Entry(node.name, "all_to_all_single", group, None, f"consumer side: {consumer}; producer side: {producer}")

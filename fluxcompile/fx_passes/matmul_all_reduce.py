@@ -12,9 +12,9 @@ from torch.fx import Graph, Node
 from .. import ops
 from ..config import Config
 from .graph_utils import call, erase_dead, shape, single_wait
-from .matmuls import Producers, find_producers
+from .matmuls import Producers
 from .report import Entry
-from .rewrite import disabled_reason, rewrite_producers, rows, size_reason
+from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_producers
 from .rmsnorm_tail import RMSNormTail, match_tail
 
 PATTERN = "matmul_all_reduce"
@@ -52,12 +52,9 @@ def match(node: Node, cfg: Config) -> MatmulAllReduceMatch | str:
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return "all-reduced tensor is not at least 2-D"
-    producers = find_producers(source, "all_reduce")
+    producers = matmul_sum(source, "all_reduce", cfg)
     if isinstance(producers, str):
         return producers
-    k = (shape(producers.terms[0].a) or (0, 0))[-1]
-    if why := size_reason(cfg, rows(sshape), sshape[-1], k):
-        return why
     return MatmulAllReduceMatch(node, wait, source, reduce_op, group_name, producers)
 
 
@@ -75,9 +72,7 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
 
 
 def _describe(found: MatmulAllReduceMatch) -> str:
-    terms = found.producers.terms
-    bias = ", with bias" if found.producers.bias is not None else ""
-    return f"sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}"
+    return describe_sum(found.producers)
 
 
 def _fuse_with_tail(

@@ -17,9 +17,9 @@ from torch.fx import Graph, Node
 from .. import ops
 from ..config import Config
 from .graph_utils import aten, is_call, shape, single_wait
-from .matmuls import Producers, find_producers
+from .matmuls import Producers
 from .report import Entry
-from .rewrite import disabled_reason, rewrite_producers, rows, size_reason
+from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_producers
 
 PATTERN = "matmul_reduce_scatter"
 
@@ -89,12 +89,9 @@ def match(node: Node, cfg: Config) -> MatmulReduceScatterMatch | str:
         return "reduce-scattered tensor is not at least 2-D"
     if dim == len(sshape) - 1:
         return "scatter dim is the matmul's output-feature (last) dim"
-    producers = find_producers(source, "reduce_scatter")
+    producers = matmul_sum(source, "reduce_scatter", cfg)
     if isinstance(producers, str):
         return producers
-    k = (shape(producers.terms[0].a) or (0, 0))[-1]
-    if why := size_reason(cfg, rows(sshape), sshape[-1], k):
-        return why
     return MatmulReduceScatterMatch(node, wait, source, layout, dim, reduce_op, group_size, group_name, producers)
 
 
@@ -104,12 +101,10 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     if isinstance(found, str):
         return Entry(node.name, "reduce_scatter_tensor", group, None, found)
     rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes)
-    terms = found.producers.terms
-    bias = ", with bias" if found.producers.bias is not None else ""
     return Entry(
         node.name,
         "reduce_scatter_tensor",
         group,
         PATTERN,
-        f"scatter dim {found.scatter_dim}, sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}",
+        f"scatter dim {found.scatter_dim}, {describe_sum(found.producers)}",
     )

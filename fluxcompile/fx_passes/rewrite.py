@@ -10,8 +10,8 @@ from typing import Any
 from torch.fx import Graph, Node
 
 from ..config import Config
-from .graph_utils import call, erase_dead, static_int
-from .matmuls import Consumers, Producers
+from .graph_utils import call, erase_dead, shape, static_int
+from .matmuls import Consumers, Producers, find_producers
 
 
 def rewrite_consumers(
@@ -54,6 +54,24 @@ def rewrite_producers(
     result.replace_all_uses_with(fused)
     erase_dead(graph, [result, collective, *layout_nodes, *producers.chain, *(t.node for t in producers.terms)])
     return fused
+
+
+def matmul_sum(source: Node, collective: str, cfg: Config) -> Producers | str:
+    """The sum of matmuls that ``source`` (a collective's N-D input) is made of, within the size bounds, or
+    why not: the producer side of every matmul -> collective pattern."""
+    sshape = shape(source)
+    producers = find_producers(source, collective)
+    if isinstance(producers, str):
+        return producers
+    k = (shape(producers.terms[0].a) or (0, 0))[-1]
+    return size_reason(cfg, rows(sshape), sshape[-1], k) or producers
+
+
+def describe_sum(producers: Producers) -> str:
+    """'sum of 2 matmul(s) [mm_1, mm_2], with bias' for the report."""
+    terms = producers.terms
+    bias = ", with bias" if producers.bias is not None else ""
+    return f"sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}"
 
 
 def size_reason(cfg: Config, m: Any, n: Any, k: Any) -> str | None:

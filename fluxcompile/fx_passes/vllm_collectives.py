@@ -20,9 +20,9 @@ from .. import ops
 from ..config import Config
 from . import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from .graph_utils import aten, call, shape, static_int
-from .matmuls import find_consumers, find_producers
+from .matmuls import find_consumers
 from .report import Entry
-from .rewrite import disabled_reason, rewrite_consumers, rewrite_producers, rows, size_reason
+from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_consumers, rewrite_producers, rows, size_reason
 
 
 def c10d_group_name(vllm_group: str) -> str | None:
@@ -66,23 +66,13 @@ def fuse_all_reduce(graph: Graph, node: Node, cfg: Config) -> Entry:
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return kept("all-reduced tensor is not at least 2-D")
-    producers = find_producers(source, "all_reduce")
+    producers = matmul_sum(source, "all_reduce", cfg)
     if isinstance(producers, str):
         return kept(producers)
-    k = (shape(producers.terms[0].a) or (0, 0))[-1]
-    if why := size_reason(cfg, rows(sshape), sshape[-1], k):
-        return kept(why)
     terms = producers.terms
     args = ([t.a for t in terms], [t.b for t in terms], producers.bias, list(sshape), "sum", group_name)
     rewrite_producers(graph, node, ops.op(matmul_all_reduce.PATTERN), args, node, producers, [])
-    bias = ", with bias" if producers.bias is not None else ""
-    return Entry(
-        node.name,
-        "vllm.all_reduce",
-        label,
-        matmul_all_reduce.PATTERN,
-        f"sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}",
-    )
+    return Entry(node.name, "vllm.all_reduce", label, matmul_all_reduce.PATTERN, describe_sum(producers))
 
 
 def fuse_reduce_scatter(graph: Graph, node: Node, cfg: Config) -> Entry:
@@ -102,12 +92,9 @@ def fuse_reduce_scatter(graph: Graph, node: Node, cfg: Config) -> Entry:
     dim = _norm_dim(dim, len(sshape))
     if dim == len(sshape) - 1:
         return kept("scatter dim is the matmul's output-feature (last) dim")
-    producers = find_producers(source, "reduce_scatter")
+    producers = matmul_sum(source, "reduce_scatter", cfg)
     if isinstance(producers, str):
         return kept(producers)
-    k = (shape(producers.terms[0].a) or (0, 0))[-1]
-    if why := size_reason(cfg, rows(sshape), sshape[-1], k):
-        return kept(why)
     terms = producers.terms
     args = (
         [t.a for t in terms],
@@ -120,13 +107,12 @@ def fuse_reduce_scatter(graph: Graph, node: Node, cfg: Config) -> Entry:
         group_name,
     )
     rewrite_producers(graph, node, ops.op(matmul_reduce_scatter.PATTERN), args, node, producers, [])
-    bias = ", with bias" if producers.bias is not None else ""
     return Entry(
         node.name,
         "vllm.reduce_scatter",
         label,
         matmul_reduce_scatter.PATTERN,
-        f"scatter dim {dim}, sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}",
+        f"scatter dim {dim}, {describe_sum(producers)}",
     )
 
 
