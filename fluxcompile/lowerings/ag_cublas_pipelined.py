@@ -53,6 +53,16 @@ def supports(
     return None
 
 
+def shard_layout(A: Tensor, gather_dim: int, group_size: int) -> tuple[Tensor, int, int, list[int]]:
+    """(contiguous shard, its rows, K, the gathered shape): the shard is one block of rows of the gathered
+    [M, K] (``supports`` checked the gather dim has no leading dims)."""
+    A = A.contiguous()
+    k = A.shape[-1]
+    gathered_shape = list(A.shape)
+    gathered_shape[gather_dim % A.dim()] *= group_size
+    return A, A.numel() // k, k, gathered_shape
+
+
 def all_gather_matmul(
     A: Tensor,
     Bs: Sequence[Tensor],
@@ -61,12 +71,7 @@ def all_gather_matmul(
     group_size: int,
     group_name: str,
 ) -> tuple[Tensor, list[Tensor]]:
-    gather_dim %= A.dim()
-    A = A.contiguous()
-    k = A.shape[-1]
-    shard_rows = A.numel() // k
-    gathered_shape = list(A.shape)
-    gathered_shape[gather_dim] *= group_size
+    A, shard_rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     slot_bytes = -(-A.numel() * A.element_size() // 256) * 256
     ws = workspace(group_name, slot_bytes * group_size, tag="all_gather_matmul")
     rank, world = ws.rank, ws.world_size

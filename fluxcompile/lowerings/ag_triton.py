@@ -73,12 +73,7 @@ def all_gather_matmul(
 ) -> tuple[Tensor, list[Tensor]]:
     from ..kernels.ag_gemm import ag_gemm, check_error
 
-    gather_dim %= A.dim()
-    A = A.contiguous()
-    k = A.shape[-1]
-    rows = A.numel() // k
-    gathered_shape = list(A.shape)
-    gathered_shape[gather_dim] *= group_size
+    A, rows, k, gathered_shape = ag_cublas_pipelined.shard_layout(A, gather_dim, group_size)
     chunk_rows = max(block[0], -(-rows // chunks))
     n_chunks = -(-rows // chunk_rows)
     ws = workspace(group_name, group_size * rows * k * A.element_size(), tag="ag_triton")
