@@ -164,12 +164,25 @@ def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
     t["pipelined_graph"] = _graph_time(pipelined_only, args)
     from fluxcompile.lowerings import autotune
 
-    t["choice"] = autotune.pick("all_gather_matmul", (a_shard, [b], [None], 0, world, group), group).name
+    tune_args = (a_shard, [b], [None], 0, world, group)
+    t["choice"] = autotune.pick("all_gather_matmul", tune_args, group).name
+    t["choices_ms"] = _tuned_times("all_gather_matmul", tune_args, group)
     ect_nccl = t["nccl_cublas"] - t["gemm"]
     row = {"op": "all_gather_matmul", "model": model, "m": m, "n": n, "k": k, **t}
     for meth in ("async_tp", "fluxcompile"):
         row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
     return row
+
+
+def _tuned_times(op: str, tune_args: tuple, group: str) -> dict:
+    """The autotuner's own timings of every choice (max over ranks, ms), from its cache file."""
+    from fluxcompile.lowerings import autotune
+
+    try:
+        with open(autotune.cache_path(op, autotune.cache_key(op, tune_args, group))) as f:
+            return json.load(f)["max_ms"]
+    except (OSError, KeyError, ValueError):
+        return {}
 
 
 def _graph_time(fn: Callable[[], object], args: argparse.Namespace) -> float:
@@ -194,6 +207,10 @@ def table(rows: list[dict]) -> str:
             f"{r['nccl_cublas']:8.1f} {r['async_tp']:8.1f} {r['fluxcompile']:8.1f} {r['oe_async_tp']:10.0%} {r['oe_fluxcompile']:8.0%}"
             f"  {r['choice']:<16} {r['pipelined']:6.0f}/{r['pipelined_min']:.0f}/{r['pipelined_max']:.0f}/{r['pipelined_graph']:.0f}"
         )
+    for r in rows:
+        if r.get("choices_ms"):
+            times = ", ".join(f"{n} {t * 1e3:.0f}" for n, t in r["choices_ms"].items() if t is not None)
+            lines.append(f"  autotuner, {r['op']} m={r['m']} n={r['n']} k={r['k']} (µs): {times}")
     for op in sorted({r["op"] for r in rows}):
         sel = [r for r in rows if r["op"] == op]
         lines.append(
@@ -233,12 +250,30 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the methods (drift control)")
     p.add_argument("--no-triton-gemm", dest="triton_gemm", action="store_false")
+    here = os.path.dirname(os.path.abspath(__file__))
+    present = ["ag"] + [o for o in ("rs", "decode") if os.path.exists(os.path.join(here, f"ops_{o}.py"))]
+    p.add_argument(
+        "--ops", default=",".join(present), help="comma-separated: ag, rs (ops_rs.py), decode (ops_decode.py)"
+    )
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rows = bench_all_gather_matmul(args)
-    if dist.get_rank() == 0:
+    rows, extra_tables = [], []
+    for name in args.ops.split(","):
+        if name == "ag":
+            rows += bench_all_gather_matmul(args)
+        elif name == "rs":  # same columns as all-gather: one table, one plot
+            import ops_rs
+
+            rows += ops_rs.bench(args)
+        elif name == "decode":  # CUDA-graph timings with their own columns
+            import ops_decode
+
+            extra_tables.append(ops_decode.table(ops_decode.bench(args)))
+        else:
+            raise SystemExit(f"unknown --ops entry {name!r}")
+    if dist.get_rank() == 0 and rows:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ops.json"), "w") as f:
             json.dump(rows, f, indent=1)
@@ -248,6 +283,8 @@ def main() -> None:
             print(f"plot failed: {e}")
         print("== table (µs; OE = overlap efficiency vs NCCL+cuBLAS) ==")
         print(table(rows), flush=True)
+    if dist.get_rank() == 0 and extra_tables:
+        print("== table (decode) ==\n" + "\n".join(extra_tables), flush=True)
     dist.destroy_process_group()
 
 

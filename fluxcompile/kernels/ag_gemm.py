@@ -13,11 +13,13 @@ bounded: after ``max_spin`` polls it records (1, source rank, chunk) in ``err`` 
 so a missing peer gives an error naming the rank and the signal (see :func:`check_error`), not a hang.
 
 Several weights sharing the gathered input run in one launch (``Bs`` up to 4: their N blocks are one
-index space); each has an optional bias added in the epilogue.
+index space); each has an optional bias added in the epilogue. The tiles of the first N block also store
+the A rows they load into the gathered output (``a_out``), which the op returns. Loads go through plain
+pointers or, on Hopper, TMA tensor descriptors (``tma=True``).
 
-Status: checked on CPU with Triton's interpreter (tests/test_ag_gemm_kernel.py: tiling, ragged rows,
-several weights, bias, ring order, the timeout path). Not yet run on a GPU, so not yet registered as
-an autotuner choice; that and the TMA/tuning work are the next step of the all-gather issue.
+Checked on CPU with Triton's interpreter (tests/test_ag_gemm_kernel.py: tiling, ragged rows, several
+weights, bias, ring order, both weight layouts under TMA, the gathered output, the timeout path) and on
+GPUs by tests/gpu/test_ag_matmul.py.
 """
 
 from __future__ import annotations
@@ -46,8 +48,60 @@ def _pick(w, x0, x1, x2, x3):
 
 
 @triton.jit
+def _mainloop(
+    a, b, a_out, rows, K, width, row0, col0, out_row0,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    STORE_A: tl.constexpr, USE_TMA: tl.constexpr, B_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_M, BLOCK_N] fp32 product of rows row0.. of ``a`` and columns col0.. of ``b``; with STORE_A
+    the A tiles are also stored into rows out_row0 + row0.. of ``a_out`` (contiguous [*, K])."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # Hopper's tensor-memory accelerator: descriptors made per tile, since the A rows (local shard or a
+        # peer's slot) and the weight change from tile to tile. TMA zero-fills rows past ``rows``.
+        a_desc = tl.make_tensor_descriptor(a, [rows, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        if B_T:  # the weight is stored [N, K] (an nn.Linear weight, transposed in the graph)
+            b_desc = tl.make_tensor_descriptor(b, [width, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b, [K, width], [stride_bk, 1], [BLOCK_K, BLOCK_N])
+        for k0 in range(0, K, BLOCK_K):
+            a_tile = a_desc.load([row0, k0])
+            if B_T:
+                b_tile = b_desc.load([col0, k0]).T
+            else:
+                b_tile = b_desc.load([k0, col0])
+            if STORE_A:
+                ks = k0 + offs_k
+                tl.store(
+                    a_out + (out_row0 + offs_m)[:, None] * K + ks[None, :],
+                    a_tile,
+                    mask=(offs_m[:, None] < rows) & (ks[None, :] < K),
+                )
+            acc = tl.dot(a_tile, b_tile, acc)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + offs_k
+            a_mask = (offs_m[:, None] < rows) & (ks[None, :] < K)
+            a_tile = tl.load(a + offs_m[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
+            b_tile = tl.load(
+                b + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                mask=(ks[:, None] < K) & (offs_n[None, :] < width),
+                other=0.0,
+            )
+            if STORE_A:
+                tl.store(a_out + (out_row0 + offs_m)[:, None] * K + ks[None, :], a_tile, mask=a_mask)
+            acc = tl.dot(a_tile, b_tile, acc)
+    return acc
+
+
+@triton.jit
 def ag_gemm_kernel(
     a_local,
+    a_out,
     a_slots,
     flags,
     err,
@@ -98,6 +152,9 @@ def ag_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    STORE_A: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    B_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(rows, BLOCK_M)
@@ -149,21 +206,15 @@ def ag_gemm_kernel(
                 a = a_slots + src * slot_stride
             offs_m = row0 + tl.arange(0, BLOCK_M)
             offs_n = col0 + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + offs_k
-                a_tile = tl.load(
-                    a + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
-                    mask=(offs_m[:, None] < rows) & (ks[None, :] < K),
-                    other=0.0,
-                )
-                b_tile = tl.load(
-                    b + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                    mask=(ks[:, None] < K) & (offs_n[None, :] < width),
-                    other=0.0,
-                )
-                acc = tl.dot(a_tile, b_tile, acc)
+            mainloop_args = (a, b, a_out, rows, K, width, row0, col0, src * rows)
+            strides = (stride_am, stride_ak, stride_bk, stride_bn)
+            blocks = (BLOCK_M, BLOCK_N, BLOCK_K)
+            # The first N block of each row block also writes its A rows into the gathered output (the op's
+            # first result), so no copy kernel has to wait for this persistent kernel to free the SMs.
+            if STORE_A and pid_n == 0:
+                acc = _mainloop(*mainloop_args, *strides, True, USE_TMA, B_T, *blocks)
+            else:
+                acc = _mainloop(*mainloop_args, *strides, False, USE_TMA, B_T, *blocks)
             if w == 0:
                 if HAS_BIAS0:
                     acc += tl.load(bias0 + offs_n, mask=offs_n < width, other=0.0).to(tl.float32)[None, :]
@@ -198,15 +249,19 @@ def ag_gemm(
     num_programs: int | None = None,
     block: tuple[int, int, int] = (128, 128, 64),
     group_m: int = 8,
-    max_spin: int = 1 << 30,
+    max_spin: int = 1 << 26,  # polls of about 1 µs each: a peer missing for about a minute is an error
     outs: Sequence[torch.Tensor] | None = None,
     num_warps: int = 8,
     num_stages: int = 3,
+    tma: bool = False,
+    a_out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Launch the kernel: ``outs[i] = gathered_rows @ Bs[i] (+ biases[i])``, rows in rank order.
 
     a_local: ``[rows, K]`` this rank's shard; a_slots: ``[world, rows, K]`` (slot ``rank`` unused);
     flags: int32 ``[world, ceil(rows / chunk_rows)]``, 1 where a chunk has arrived; err: int32 ``[4]``.
+    a_out: if given, contiguous ``world * rows * K`` elements that receive the gathered rows (rank order).
+    tma: load through device-side tensor descriptors (Hopper), see :func:`tma_unsupported`.
     """
     if not 1 <= len(Bs) <= MAX_WEIGHTS or len(Bs) != len(biases):
         raise ValueError(f"ag_gemm: 1 to {MAX_WEIGHTS} weights with as many biases, got {len(Bs)}/{len(biases)}")
@@ -230,19 +285,70 @@ def ag_gemm(
     widths = [b.shape[1] for b in bs]
     tiles = [triton.cdiv(w, bn) if i < len(Bs) else 0 for i, w in enumerate(widths)]
     starts = [sum(tiles[:i]) for i in range(1, MAX_WEIGHTS)]
+    b_t = False
+    if tma:
+        why = tma_unsupported(a_local, a_slots.stride(0), Bs) or (a_slots.data_ptr() % 16 and "unaligned slots")
+        if why:
+            raise ValueError(f"ag_gemm: TMA variant: {why}")
+        b_t = Bs[0].stride(0) == 1 and Bs[0].shape[1] > 1
+        _set_allocator()
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(a_local.device).multi_processor_count if a_local.is_cuda else 4
+    if a_out is not None and (not a_out.is_contiguous() or a_out.numel() != world * rows * k):
+        raise ValueError("ag_gemm: a_out must be contiguous with world * rows * K elements")
     ag_gemm_kernel[(num_programs,)](
-        a_local, a_slots, flags, err,
+        a_local, a_out if a_out is not None else a_local, a_slots, flags, err,
         *bs, *cs, *[x if x is not None else bs[0] for x in bias_list],
         *widths, *starts, sum(tiles),
         rank, world, rows, k, chunk_rows, n_chunks, a_slots.stride(0), max_spin,
         a_local.stride(0), a_local.stride(1), *[b.stride(0) for b in bs], *[b.stride(1) for b in bs],
         *[x is not None for x in bias_list],
         NUM_PROGS=num_programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        STORE_A=a_out is not None, USE_TMA=tma, B_T=b_t,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return list(outs)
+
+
+def tma_unsupported(a_local: torch.Tensor, slot_stride: int, Bs: Sequence[torch.Tensor]) -> str | None:
+    """Why the TMA variant cannot run on these operands (None if it can): TMA needs a unit inner stride,
+    16-byte aligned bases and row strides, and one weight layout for all weights ([K, N] or [N, K]).
+    ``slot_stride``: elements between two slots of the (aligned) symmetric workspace."""
+    es = a_local.element_size()
+    if a_local.stride(1) != 1:
+        return "the shard's K dim is not contiguous"
+    if (a_local.stride(0) * es) % 16 or (slot_stride * es) % 16:
+        return "row strides are not multiples of 16 bytes"
+    if a_local.data_ptr() % 16:
+        return "the shard's base address is not 16-byte aligned"
+    layouts = set()
+    for b in Bs:
+        if b.stride(1) == 1 and b.shape[1] > 1:
+            layouts.add("kn")
+            row = b.stride(0)
+        elif b.stride(0) == 1:
+            layouts.add("nk")
+            row = b.stride(1)
+        else:
+            return "a weight with no unit stride"
+        if (row * es) % 16 or b.data_ptr() % 16:
+            return "a weight's row stride or base is not 16-byte aligned"
+    if len(layouts) > 1:
+        return "weights of different layouts ([K, N] and [N, K])"
+    return None
+
+
+_allocator_set = False
+
+
+def _set_allocator() -> None:
+    """Device-side tensor descriptors need global scratch, which Triton asks its allocator for at launch
+    (inside a CUDA graph capture the allocation comes from the graph's pool, like any other)."""
+    global _allocator_set
+    if not _allocator_set:
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        _allocator_set = True
 
 
 def check_error(err: torch.Tensor, rank: int, group_name: str) -> None:

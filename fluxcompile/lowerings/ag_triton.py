@@ -16,6 +16,7 @@ FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1, until it has passed the GPU tests (tests/g
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -30,11 +31,24 @@ CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
 _ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow them
 _FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
 
-# (BLOCK_M, BLOCK_N, BLOCK_K), chunks per shard: the variants offered to the autotuner.
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One point of the template space offered to the autotuner."""
+
+    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
+    chunks: int  # communication chunks per shard (Flux 4.3: decoupled from the GEMM tile)
+    tma: bool = True
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+
 VARIANTS = {
-    "128x256x64-c1": ((128, 256, 64), 1),
-    "128x256x64-c4": ((128, 256, 64), 4),
-    "128x128x64-c4": ((128, 128, 64), 4),
+    "tma-128x256x64-c1": Variant((128, 256, 64), 1),
+    "tma-128x256x64-c4": Variant((128, 256, 64), 4),
+    "tma-128x128x64-s4-c1": Variant((128, 128, 64), 1, num_stages=4),
+    "ptr-128x256x64-c1": Variant((128, 256, 64), 1, tma=False),
 }
 
 _errors: dict[int, tuple[Tensor, Tensor, torch.cuda.Event | None]] = {}
@@ -51,13 +65,24 @@ def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_siz
     return ag_cublas_pipelined.supports(A, Bs, biases, gather_dim, group_size, group_name)
 
 
-def make(variant: str):
-    block, chunks = VARIANTS[variant]
+def make(name: str):
+    variant = VARIANTS[name]
+
+    def supports_variant(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
+        why = supports(A, Bs, biases, gather_dim, group_size, group_name)
+        if why is None and variant.tma:
+            from ..kernels.ag_gemm import tma_unsupported
+
+            if torch.cuda.get_device_capability(A.device)[0] < 9:
+                return "TMA needs a Hopper or newer GPU"
+            a = A.contiguous().view(-1, A.shape[-1])
+            why = tma_unsupported(a, a.numel(), Bs)
+        return why
 
     def run(A, Bs, biases, gather_dim, group_size, group_name):
-        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, block=block, chunks=chunks)
+        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant)
 
-    return run
+    return run, supports_variant
 
 
 def all_gather_matmul(
@@ -68,11 +93,11 @@ def all_gather_matmul(
     group_size: int,
     group_name: str,
     *,
-    block: tuple[int, int, int] = (128, 256, 64),
-    chunks: int = 4,
+    variant: Variant = VARIANTS["tma-128x256x64-c1"],
 ) -> tuple[Tensor, list[Tensor]]:
     from ..kernels.ag_gemm import ag_gemm, check_error
 
+    block, chunks = variant.block, variant.chunks
     A, rows, k, gathered_shape = ag_cublas_pipelined.shard_layout(A, gather_dim, group_size)
     chunk_rows = max(block[0], -(-rows // chunks))
     n_chunks = -(-rows // chunk_rows)
@@ -91,7 +116,6 @@ def all_gather_matmul(
     arrived = fws.view(rank, (world, n_chunks), torch.int32)
     a_local = A.view(rows, k)
     A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
-    rows_of = A_gathered.view(world, rows, k)
     outs = [torch.empty(world * rows, b.shape[1], dtype=A.dtype, device=A.device) for b in Bs]
     order = [(rank + step) % world for step in range(1, world)]
 
@@ -105,12 +129,14 @@ def all_gather_matmul(
                 lo, hi = c * chunk_rows, min(rows, (c + 1) * chunk_rows)
                 peer_slot[lo:hi].copy_(a_local[lo:hi])  # peer-to-peer: the copy engine
                 stream_write(side, fws.handle.buffer_ptrs[p] + 4 * (rank * n_chunks + c), 1)
-        rows_of[rank].copy_(a_local)
 
-    ag_gemm(a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, err, block=block, outs=outs)
+    # The kernel also writes the gathered rows into A_gathered (no copy kernel after it).
+    ag_gemm(
+        a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, err,
+        block=block, outs=outs, a_out=A_gathered, tma=variant.tma, group_m=variant.group_m,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )  # fmt: skip
     arrived.zero_()  # every wait of this call is over: the next call starts from 0
-    for p in order:
-        rows_of[p].copy_(slots[p])
     main.wait_stream(side)
     for p in order:
         stream_write(main, done.addr(p, rank), 1)

@@ -48,7 +48,7 @@ register_choice(
 )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
 for _variant in ag_triton.VARIANTS:  # experimental: they decline every call unless enabled
-    register_choice(OP, Choice(f"triton:{_variant}", ag_triton.make(_variant), ag_triton.supports))
+    register_choice(OP, Choice(f"triton:{_variant}", *ag_triton.make(_variant)))
 
 
 @torch.library.impl("fluxcompile::all_gather_matmul", "CUDA")

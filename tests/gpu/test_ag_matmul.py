@@ -112,8 +112,8 @@ def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, _seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
-    assert ag_triton.supports(*args) is None
-    run = ag_triton.make(variant)
+    run, supports = ag_triton.make(variant)
+    assert supports(*args) is None
     for _ in range(3):
         poison_allocator()
         got_A, got = run(*args)
@@ -131,7 +131,7 @@ def test_triton_in_cuda_graph(monkeypatch):
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, _seed())
     args = (A, Bs, biases, 0, group.size(), group.group_name)
-    run = ag_triton.make(TRITON_VARIANTS[0])
+    run, _ = ag_triton.make(TRITON_VARIANTS[0])
     run(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
