@@ -206,15 +206,21 @@ def ag_gemm_kernel(
                 a = a_slots + src * slot_stride
             offs_m = row0 + tl.arange(0, BLOCK_M)
             offs_n = col0 + tl.arange(0, BLOCK_N)
-            mainloop_args = (a, b, a_out, rows, K, width, row0, col0, src * rows)
-            strides = (stride_am, stride_ak, stride_bk, stride_bn)
-            blocks = (BLOCK_M, BLOCK_N, BLOCK_K)
             # The first N block of each row block also writes its A rows into the gathered output (the op's
             # first result), so no copy kernel has to wait for this persistent kernel to free the SMs.
-            if STORE_A and pid_n == 0:
-                acc = _mainloop(*mainloop_args, *strides, True, USE_TMA, B_T, *blocks)
+            store_here = False
+            if STORE_A:
+                store_here = pid_n == 0
+            if store_here:
+                acc = _mainloop(
+                    a, b, a_out, rows, K, width, row0, col0, src * rows, stride_am, stride_ak, stride_bk, stride_bn,
+                    True, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
             else:
-                acc = _mainloop(*mainloop_args, *strides, False, USE_TMA, B_T, *blocks)
+                acc = _mainloop(
+                    a, b, a_out, rows, K, width, row0, col0, src * rows, stride_am, stride_ak, stride_bk, stride_bn,
+                    False, USE_TMA, B_T, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
             if w == 0:
                 if HAS_BIAS0:
                     acc += tl.load(bias0 + offs_n, mask=offs_n < width, other=0.0).to(tl.float32)[None, :]
