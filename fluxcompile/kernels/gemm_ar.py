@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 MAX_TILES = 8192  # flag words per source rank; the reduced-tile flags follow the world's partial flags
+_MAX_TILES = tl.constexpr(MAX_TILES)  # the same, as the kernel sees it
 ERR_WORDS = 8  # code, rank, peer, tile, epoch, kind
 WAIT_KINDS = {1: "partial tile", 2: "reduced tile", 3: "grid barrier"}
 
@@ -101,7 +102,9 @@ def _write_output(
         tl.store(out + offs, r, mask=mask)
 
 
-@triton.jit
+# No value specialization of the row count, rank and scalars: one compiled kernel serves every decode batch
+# size (m = 1 would otherwise be a kernel of its own) and both ranks.
+@triton.jit(do_not_specialize=["M", "rank", "world", "max_spin", "eps"])
 def gemm_ar_kernel(
     a, b, bias, out, normed, residual, norm_w,
     peer_data, peer_flags, state, ss_part, err,
@@ -168,7 +171,7 @@ def gemm_ar_kernel(
                 to_dst = dst >= 0
             if to_dst:
                 dst_flags = tl.load(peer_flags + dst).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(dst_flags + rank * MAX_TILES + t, e, sem="release", scope="sys")
+                tl.atomic_xchg(dst_flags + rank * _MAX_TILES + t, e, sem="release", scope="sys")
 
     # Phase 2: reduce this rank's tiles (one-shot: all of them), in rank order like every rank.
     for pos in range(pid, n_tiles, NUM_PROGS):
@@ -189,7 +192,7 @@ def gemm_ar_kernel(
             for step in range(1, world):
                 src = (rank + step) % world
                 if ok != 0:
-                    ok = _wait(my_flags + src * MAX_TILES + t, e, err, max_spin, rank, src, t, 1, True).to(tl.int32)
+                    ok = _wait(my_flags + src * _MAX_TILES + t, e, err, max_spin, rank, src, t, 1, True).to(tl.int32)
             tl.debug_barrier()
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for src in range(world):
@@ -207,7 +210,7 @@ def gemm_ar_kernel(
                     for step in range(1, world):
                         dst = (rank + step) % world
                         dst_flags = tl.load(peer_flags + dst).to(tl.pointer_type(tl.int32))
-                        tl.atomic_xchg(dst_flags + world * MAX_TILES + t, e, sem="release", scope="sys")
+                        tl.atomic_xchg(dst_flags + world * _MAX_TILES + t, e, sem="release", scope="sys")
             _write_output(r, rows, cols, mask, tn, out, residual, ss_part, M, N, n_tiles_n, TAIL, BLOCK_N)
 
     # Phase 3 (two-shot): the tiles the other ranks reduced.
@@ -222,7 +225,7 @@ def gemm_ar_kernel(
                 cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
                 offs = rows[:, None] * N + cols[None, :]
-                _wait(my_flags + world * MAX_TILES + t, e, err, max_spin, rank, owner, t, 2, True)
+                _wait(my_flags + world * _MAX_TILES + t, e, err, max_spin, rank, owner, t, 2, True)
                 tl.debug_barrier()
                 r = tl.load(my_data + result_slot * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
                 _write_output(r, rows, cols, mask, tn, out, residual, ss_part, M, N, n_tiles_n, TAIL, BLOCK_N)
@@ -292,6 +295,7 @@ def gemm_ar(
     max_spin: int = 1 << 26,  # polls of about 1 µs: a peer missing for about a minute is an error
     num_warps: int = 4,
     num_stages: int = 3,
+    compile_only: bool = False,
 ) -> None:
     """Launch the kernel: ``out = all_reduce(a @ b + bias)`` (or, with ``tail = (normed, residual, weight,
     eps, weight_after_cast)``, ``out = residual + all_reduce(...)`` and ``normed = RMSNorm(out) * weight``).
@@ -322,15 +326,21 @@ def gemm_ar(
     else:
         normed, residual, norm_w, eps, weight_after_cast = out, out, out, 0.0, False
         ss_part = state  # unused
-    gemm_ar_kernel[(num_programs,)](
+    args = (
         a, b, bias if bias is not None else out, out, normed, residual, norm_w,
         peer_data, peer_flags, state, ss_part, err,
         m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         slot_elems, tm, tn, float(eps), rank, world, max_spin,
+    )  # fmt: skip
+    meta = dict(
         HAS_BIAS=bias is not None, TWO_SHOT=two_shot, TAIL=tail is not None,
         WEIGHT_AFTER_CAST=bool(weight_after_cast), IEEE=a.dtype == torch.float32, NUM_PROGS=num_programs,
         BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if compile_only:  # compile (or find in Triton's cache) without launching: ranks can then start together
+        gemm_ar_kernel.warmup(*args, grid=(num_programs,), **meta)
+    else:
+        gemm_ar_kernel[(num_programs,)](*args, **meta)
 
 
 def check_error(err: torch.Tensor, group_name: str) -> None:

@@ -1,0 +1,455 @@
+// GEMV + all-reduce (+ residual add + RMSNorm) for decode, as one persistent kernel per rank.
+//
+// out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 16), w [n, k] this rank's
+// row shard of the weight. Memory-bound: the weight is streamed once with 16-byte loads that skip L1, A is
+// staged in shared memory chunk by chunk, fp32 accumulation.
+//
+// A tile is kGemvTileN output columns for all m rows. Each CTA owns a fixed list of tiles (positions
+// blockIdx.x, +gridDim.x, ...) through three phases, so a tile is reduced by the CTA that computed it here:
+//   1. compute each tile's partial (+ bias, rounded to T like addmm's output) and store it straight into
+//      the destination ranks' symmetric slots (zero-copy, over NVLink), then release a flag per tile:
+//        one-shot: to every rank;   two-shot: only to the tile's owner (tiles are split in contiguous
+//        ranges over the ranks). Tiles that other ranks need come first (communication-aware order: on
+//        rank r the owners r+1, r+2, ..., r).
+//   2. for each tile this rank reduces (one-shot: all of them, two-shot: its own), wait for the peers'
+//      flags, sum the partials in rank order (fp32), round to T; two-shot: store the reduced tile into
+//      every peer's result slot and release its flag there. Write the output (or h = residual + r).
+//   3. two-shot: wait for the tiles other ranks own and copy them out.
+//   tail: a grid barrier, then RMSNorm of the CTA's tiles from the per-tile sums of squares of h.
+//
+// Flags carry epochs: state[0] counts this kernel's calls on this rank (every rank makes the same calls,
+// so the counts agree); a call uses e = state[0] + 1 and its last CTA stores e back. A wait succeeds when
+// flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never passes and nothing is reset
+// between calls or CUDA graph replays. Data slots alternate by the epoch's parity: a rank can start call
+// e + 1 while a peer still reads call e's slots, but it cannot start call e + 2 before having received
+// something the peer produced in call e + 1 (one-shot: every tile; two-shot: every rank owns >= 1 tile),
+// i.e. after the peer finished reading call e.
+//
+// Every wait is bounded (timeout_ns on %globaltimer): the first timeout records (rank, peer, tile, epoch,
+// kind) in err, and every later wait of the call gives up at once, so a missing peer costs one timeout.
+// The host checks err afterwards and raises an error naming them.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "gemv_ar.h"
+
+namespace fluxcompile {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kColsPerWarp = kGemvTileN / kWarps;  // 4
+constexpr int kChunkK = 1024;                      // A columns staged in shared memory at a time
+constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
+
+// Wait kinds reported in err[5].
+constexpr int kWaitPartial = 1;
+constexpr int kWaitReduced = 2;
+constexpr int kWaitBarrier = 3;
+
+template <typename T>
+struct Num;
+template <>
+struct Num<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Num<__half> {
+  static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+};
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) f[j] = Num<T>::to_f(e[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) e[j] = Num<T>::from_f(f[j]);
+  return v;
+}
+
+// The weight is read once: keep it out of L1.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Data written by other GPUs or other CTAs: read at L2, never from a possibly stale L1 line.
+__device__ __forceinline__ uint4 ld_cg(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ void st_cg(void* p, const uint4& v) { __stcg(reinterpret_cast<uint4*>(p), v); }
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Bounded wait (one thread) until *flag has reached epoch e. False on timeout or when another wait of
+// this call already timed out; the first timeout is recorded in err.
+template <bool kSys>
+__device__ bool wait_epoch(const unsigned* flag, unsigned e, const GemvArParams& p, int peer, int tile, int kind) {
+  unsigned long long t0 = 0;
+  for (unsigned iter = 0;; ++iter) {
+    unsigned v = kSys ? ld_acquire_sys(flag) : ld_acquire_gpu(flag);
+    if (static_cast<int>(v - e) >= 0) return true;
+    if ((iter & 255u) == 0) {
+      unsigned long long now = global_ns();
+      if (t0 == 0) t0 = now;
+      if (*reinterpret_cast<volatile int*>(p.err) != 0) return false;
+      if (static_cast<long long>(now - t0) > p.timeout_ns) {
+        if (atomicCAS(p.err, 0, 1) == 0) {
+          p.err[1] = p.rank;
+          p.err[2] = peer;
+          p.err[3] = tile;
+          p.err[4] = static_cast<int>(e);
+          p.err[5] = kind;
+          __threadfence_system();
+        }
+        return false;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int first_tile(int owner, int n_tiles, int world) {
+  return (owner * n_tiles + world - 1) / world;
+}
+__device__ __forceinline__ int owner_of(int t, int n_tiles, int world) { return (t * world) / n_tiles; }
+
+// Communication-aware order: position -> tile, the tiles of owners rank+1, rank+2, ... first, own last.
+__device__ int tile_at(int pos, const GemvArParams& p) {
+  for (int step = 1; step <= p.world; ++step) {
+    int o = (p.rank + step) % p.world;
+    int lo = first_tile(o, p.n_tiles, p.world);
+    int cnt = first_tile(o + 1, p.n_tiles, p.world) - lo;
+    if (pos < cnt) return lo + pos;
+    pos -= cnt;
+  }
+  return -1;  // unreachable for pos < n_tiles
+}
+
+template <typename T>
+__device__ __forceinline__ T* slot(const GemvArParams& p, int dst, int index) {
+  return reinterpret_cast<T*>(p.peer_data[dst] + static_cast<long long>(index) * p.slot_bytes);
+}
+
+// Phase-1 work: the fp32 partial tile (without bias) into tile_s[i][c].
+template <typename T, int MM>
+__device__ void compute_tile(const GemvArParams& p, int col0, T (*a_s)[kChunkK], float (*tile_s)[kGemvTileN]) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const T* a = static_cast<const T*>(p.a);
+  const T* w = static_cast<const T*>(p.w);
+  float acc[MM][kColsPerWarp];
+#pragma unroll
+  for (int i = 0; i < MM; ++i)
+#pragma unroll
+    for (int j = 0; j < kColsPerWarp; ++j) acc[i][j] = 0.f;
+  const int my_col0 = col0 + warp * kColsPerWarp;
+
+  for (int k0 = 0; k0 < p.k; k0 += kChunkK) {
+    const int kc = min(kChunkK, p.k - k0);
+    const int vec_per_row = kc / 8;
+    __syncthreads();  // the previous chunk's reads of a_s are done
+    for (int v = tid; v < p.m * vec_per_row; v += kThreads) {
+      const int i = v / vec_per_row, kk = (v % vec_per_row) * 8;
+      *reinterpret_cast<uint4*>(&a_s[i][kk]) =
+          *reinterpret_cast<const uint4*>(a + static_cast<long long>(i) * p.lda + k0 + kk);
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int kk = lane * 8; kk < kc; kk += 32 * 8) {
+      uint4 wv[kColsPerWarp];
+#pragma unroll
+      for (int j = 0; j < kColsPerWarp; ++j) {
+        const int c = my_col0 + j;
+        wv[j] = c < p.n ? ld_stream(w + static_cast<long long>(c) * p.ldw + k0 + kk) : make_uint4(0, 0, 0, 0);
+      }
+      float wf[kColsPerWarp][8];
+#pragma unroll
+      for (int j = 0; j < kColsPerWarp; ++j) unpack8<T>(wv[j], wf[j]);
+#pragma unroll
+      for (int i = 0; i < MM; ++i) {
+        if (i < p.m) {
+          float af[8];
+          unpack8<T>(*reinterpret_cast<const uint4*>(&a_s[i][kk]), af);
+#pragma unroll
+          for (int j = 0; j < kColsPerWarp; ++j)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[i][j] = fmaf(af[q], wf[j][q], acc[i][j]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MM; ++i) {
+#pragma unroll
+    for (int j = 0; j < kColsPerWarp; ++j) {
+      float v = acc[i][j];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == 0 && i < p.m) tile_s[i][warp * kColsPerWarp + j] = v;
+    }
+  }
+  __syncthreads();
+}
+
+// Writes the reduced vector r (8 columns of row i) to the output: r itself, or with the tail
+// h = T(residual + r) and the sum of squares of h's 8 values (returned; 0 without the tail).
+template <typename T>
+__device__ __forceinline__ float write_output(const GemvArParams& p, int i, int col, const uint4& r, bool tail) {
+  const long long off = static_cast<long long>(i) * p.n + col;
+  T* out = static_cast<T*>(p.out) + off;
+  if (!tail) {
+    *reinterpret_cast<uint4*>(out) = r;
+    return 0.f;
+  }
+  float rf[8], res[8], h[8];
+  unpack8<T>(r, rf);
+  unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + off), res);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) h[q] = res[q] + rf[q];
+  uint4 hv = pack8<T>(h);
+  *reinterpret_cast<uint4*>(out) = hv;
+  unpack8<T>(hv, h);  // the rounded h, as the reference normalizes it
+  float ss = 0.f;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) ss = fmaf(h[q], h[q], ss);
+  return ss;
+}
+
+// Sum of the ss values of the kVecPerRow consecutive threads that hold one tile row; row sums land in
+// ss_part[i, t]. Called by all threads (inactive ones pass 0).
+__device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, int v, int t) {
+#pragma unroll
+  for (int off = 1; off < kVecPerRow; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
+}
+
+template <typename T, int MM>
+__global__ void __launch_bounds__(kThreads, 1) gemv_ar_kernel(const GemvArParams p) {
+  __shared__ __align__(16) T a_s[MM][kChunkK];
+  __shared__ float tile_s[MM][kGemvTileN];
+  __shared__ unsigned s_epoch;
+  __shared__ int s_ok;
+  __shared__ float s_inv[MM];
+
+  const int tid = threadIdx.x;
+  const bool tail = p.normed != nullptr;
+  if (tid == 0) s_epoch = *reinterpret_cast<volatile unsigned*>(&p.state[0]) + 1u;
+  __syncthreads();
+  const unsigned e = s_epoch;
+  const int parity = static_cast<int>(e & 1u);
+  const int result_slot = 2 * p.world + parity;
+  unsigned* const my_flags = p.peer_flags[p.rank];
+  // The thread's 16-byte vector of a tile: row v / kVecPerRow, columns (v % kVecPerRow) * 8 .. + 8.
+  const int v = tid, vi = v / kVecPerRow, vc = (v % kVecPerRow) * 8;
+  const bool has_vec = v < p.m * kVecPerRow;
+
+  // Phase 1: partials, pushed to the ranks that reduce them.
+  for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
+    const int t = tile_at(pos, p);
+    const int col0 = t * kGemvTileN;
+    compute_tile<T, MM>(p, col0, a_s, tile_s);
+    const int owner = owner_of(t, p.n_tiles, p.world);
+    if (has_vec && col0 + vc < p.n) {
+      float f[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        f[q] = tile_s[vi][vc + q];
+        if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col0 + vc + q]);
+      }
+      const uint4 part = pack8<T>(f);
+      const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+      const int src_slot = parity * p.world + p.rank;
+      if (p.two_shot) {
+        st_cg(slot<T>(p, owner, src_slot) + off, part);
+      } else {
+        for (int step = 0; step < p.world; ++step) {  // peers first, own slot last
+          const int dst = (p.rank + 1 + step) % p.world;
+          st_cg(slot<T>(p, dst, src_slot) + off, part);
+        }
+      }
+    }
+    __syncthreads();  // every store of the tile is issued before the flag's release (cumulative)
+    if (tid == 0) {
+      for (int step = 1; step < p.world; ++step) {
+        const int dst = (p.rank + step) % p.world;
+        if (!p.two_shot || dst == owner)
+          st_release_sys(p.peer_flags[dst] + p.rank * kGemvMaxTiles + t, e);
+      }
+    }
+  }
+
+  // Phase 2: reduce the tiles this rank reduces.
+  for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
+    const int t = tile_at(pos, p);
+    const int col0 = t * kGemvTileN;
+    if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) continue;
+    if (tid == 0) {
+      bool ok = true;
+      for (int step = 1; step < p.world && ok; ++step) {
+        const int src = (p.rank + step) % p.world;
+        ok = wait_epoch<true>(my_flags + src * kGemvMaxTiles + t, e, p, src, t, kWaitPartial);
+      }
+      s_ok = ok;
+    }
+    __syncthreads();
+    float ss = 0.f;
+    if (s_ok && has_vec && col0 + vc < p.n) {
+      const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int src = 0; src < p.world; ++src) {  // rank order, as every rank sums
+        float f[8];
+        unpack8<T>(ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off), f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) sum[q] += f[q];
+      }
+      const uint4 r = pack8<T>(sum);
+      if (p.two_shot) {
+        for (int step = 1; step < p.world; ++step) st_cg(slot<T>(p, (p.rank + step) % p.world, result_slot) + off, r);
+      }
+      ss = write_output<T>(p, vi, col0 + vc, r, tail);
+    }
+    if (tail) store_row_ss(p, ss, v, t);
+    __syncthreads();
+    if (p.two_shot && tid == 0 && s_ok) {
+      for (int step = 1; step < p.world; ++step)
+        st_release_sys(p.peer_flags[(p.rank + step) % p.world] + p.world * kGemvMaxTiles + t, e);
+    }
+  }
+
+  // Phase 3 (two-shot): the tiles other ranks reduced.
+  if (p.two_shot) {
+    for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
+      const int t = tile_at(pos, p);
+      const int col0 = t * kGemvTileN;
+      const int owner = owner_of(t, p.n_tiles, p.world);
+      if (owner == p.rank) continue;
+      if (tid == 0) s_ok = wait_epoch<true>(my_flags + p.world * kGemvMaxTiles + t, e, p, owner, t, kWaitReduced);
+      __syncthreads();
+      float ss = 0.f;
+      if (s_ok && has_vec && col0 + vc < p.n) {
+        const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+        ss = write_output<T>(p, vi, col0 + vc, ld_cg(slot<T>(p, p.rank, result_slot) + off), tail);
+      }
+      if (tail) store_row_ss(p, ss, v, t);
+      __syncthreads();
+    }
+  }
+
+  if (tail) {
+    // Grid barrier: every tile's h and sum of squares is written. The last CTA to arrive resets the
+    // count and releases the others with this call's epoch (no reset needed between calls).
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      unsigned* count = reinterpret_cast<unsigned*>(&p.state[2]);
+      unsigned* release = reinterpret_cast<unsigned*>(&p.state[3]);
+      if (atomicAdd(count, 1u) == gridDim.x - 1) {
+        *count = 0;
+        st_release_gpu(release, e);
+        s_ok = 1;
+      } else {
+        s_ok = wait_epoch<false>(release, e, p, -1, -1, kWaitBarrier);
+      }
+    }
+    __syncthreads();
+    if (s_ok) {
+      // 1 / rms per row from the per-tile sums (the same order on every CTA).
+      const int lane = tid & 31, warp = tid >> 5;
+      for (int i = warp; i < p.m; i += kWarps) {
+        float s = 0.f;
+        for (int tt = lane; tt < p.n_tiles; tt += 32) s += __ldcg(p.ss_part + i * p.n_tiles + tt);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (lane == 0) s_inv[i] = rsqrtf(s / static_cast<float>(p.n) + p.eps);
+      }
+      __syncthreads();
+      for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
+        const int col0 = tile_at(pos, p) * kGemvTileN;
+        if (has_vec && col0 + vc < p.n) {
+          const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+          float h[8], wt[8], o[8];
+          unpack8<T>(ld_cg(static_cast<const T*>(p.out) + off), h);
+          unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + col0 + vc), wt);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const float x = h[q] * s_inv[vi];
+            o[q] = p.weight_after_cast ? Num<T>::to_f(Num<T>::from_f(x)) * wt[q] : x * wt[q];
+          }
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.normed) + off) = pack8<T>(o);
+        }
+      }
+    }
+  }
+
+  // The last CTA to finish publishes this call's epoch for the next call (stream order makes it visible).
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    unsigned* done = reinterpret_cast<unsigned*>(&p.state[1]);
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      *done = 0;
+      p.state[0] = static_cast<int>(e);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
+  const dim3 g(grid), b(kThreads);
+  if (p.m <= 1) {
+    gemv_ar_kernel<T, 1><<<g, b, 0, stream>>>(p);
+  } else if (p.m <= 2) {
+    gemv_ar_kernel<T, 2><<<g, b, 0, stream>>>(p);
+  } else if (p.m <= 4) {
+    gemv_ar_kernel<T, 4><<<g, b, 0, stream>>>(p);
+  } else if (p.m <= 8) {
+    gemv_ar_kernel<T, 8><<<g, b, 0, stream>>>(p);
+  } else {
+    gemv_ar_kernel<T, 16><<<g, b, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStream_t stream) {
+  if (p.m < 1 || p.m > kGemvMaxM || p.n_tiles > kGemvMaxTiles || p.k % 8 || p.n % 8 || grid < 1 ||
+      grid > p.n_tiles || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world)) {
+    return cudaErrorInvalidValue;
+  }
+  return dtype == 0 ? launch_typed<__nv_bfloat16>(p, grid, stream) : launch_typed<__half>(p, grid, stream);
+}
+
+}  // namespace fluxcompile

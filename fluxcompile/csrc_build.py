@@ -1,0 +1,104 @@
+"""Lazy JIT build of the CUDA sources in ``csrc/`` with ``torch.utils.cpp_extension.load``.
+
+A module is built on first use on a GPU machine, for that GPU's architecture (``sm_90a`` on Hopper, so
+arch-specific instructions are allowed; else the device's own ``sm_XY``), into
+``~/.cache/fluxcompile/csrc/<name>-<hash>`` where the hash covers the sources, the architecture, torch's
+version and the flags: a changed source or another machine builds anew, an unchanged one loads in
+milliseconds. Ranks building at once are serialized by cpp_extension's lock file in that directory.
+
+Where there is no GPU, no nvcc, or the build fails, :func:`load` raises :class:`Unavailable` with the reason
+(remembered, so a failing build is tried once per process): the choices built on it then decline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES: dict[str, tuple[str, ...]] = {
+    # module name -> its sources (headers are hashed too, so an edited header rebuilds)
+    "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h"),
+}
+NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
+
+
+class Unavailable(RuntimeError):
+    """The extension cannot be built or loaded here (the message says why)."""
+
+
+_loaded: dict[str, ModuleType] = {}
+_failed: dict[str, str] = {}
+
+
+def arch_flag(capability: tuple[int, int]) -> str:
+    """The ``-gencode`` flag for a device of this compute capability (``sm_90a`` for Hopper)."""
+    major, minor = capability
+    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    return f"-gencode=arch=compute_{arch},code=sm_{arch}"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLUXCOMPILE_CSRC_CACHE", "~/.cache/fluxcompile/csrc")).expanduser()
+
+
+def build_dir(name: str, capability: tuple[int, int]) -> Path:
+    h = hashlib.sha256()
+    for src in SOURCES[name]:
+        h.update(src.encode())
+        h.update((CSRC / src).read_bytes())
+    h.update(arch_flag(capability).encode())
+    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(str(torch.version.cuda).encode())
+    return cache_root() / f"{name}-{h.hexdigest()[:16]}"
+
+
+def unavailable_reason() -> str | None:
+    """Why no csrc module can be built on this machine (None if it may be)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None and shutil.which("nvcc") is None:
+        return "no nvcc (CUDA_HOME unset)"
+    return None
+
+
+def load(name: str) -> ModuleType:
+    """The built module ``name`` (see ``SOURCES``), building it first if needed; raises :class:`Unavailable`."""
+    mod = _loaded.get(name)
+    if mod is not None:
+        return mod
+    if name in _failed:
+        raise Unavailable(_failed[name])
+    why = unavailable_reason()
+    if why is not None:
+        raise Unavailable(why)
+    from torch.utils import cpp_extension
+
+    capability = torch.cuda.get_device_capability()
+    directory = build_dir(name, capability)
+    directory.mkdir(parents=True, exist_ok=True)
+    sources = [str(CSRC / s) for s in SOURCES[name] if not s.endswith(".h")]
+    try:
+        # An explicit -gencode keeps cpp_extension from adding its default architecture list.
+        mod = cpp_extension.load(
+            name=f"fluxcompile_{name}_{directory.name.rsplit('-', 1)[1]}",
+            sources=sources,
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=[*NVCC_FLAGS, arch_flag(capability)],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            verbose=os.environ.get("FLUXCOMPILE_CSRC_VERBOSE", "0") == "1",
+        )
+    except Exception as e:
+        _failed[name] = f"building csrc/{name} failed: {type(e).__name__}: {str(e)[-2000:]}"
+        raise Unavailable(_failed[name]) from e
+    _loaded[name] = mod
+    return mod

@@ -1,0 +1,87 @@
+"""The decode kernels compiled for Hopper on this machine, no GPU needed: every Triton variant of
+kernels/gemm_ar.py through Triton's front end and ptxas (what its interpreter cannot catch), and
+csrc/gemv_ar.cu through nvcc when nvcc is installed. Plus the csrc builder's pure parts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
+
+from test_kernels_compile import compile_sm90  # noqa: E402
+
+from fluxcompile import csrc_build  # noqa: E402
+from fluxcompile.lowerings.decode_ar import TRITON_VARIANTS  # noqa: E402
+
+
+def _cases():
+    for name, v in TRITON_VARIANTS.items():
+        for tail in (False, True):
+            yield pytest.param(v, tail, id=f"{name}-{'tail' if tail else 'plain'}")
+
+
+@pytest.mark.parametrize(("variant", "tail"), list(_cases()))
+def test_gemm_ar_compiles_for_sm90(variant, tail, tmp_path, monkeypatch):
+    from fluxcompile.kernels.gemm_ar import gemm_ar_kernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    bm, bn, bk = variant.block
+    const = dict(
+        HAS_BIAS=True, TWO_SHOT=variant.two_shot, TAIL=tail, WEIGHT_AFTER_CAST=tail, IEEE=False, NUM_PROGS=132,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    ptrs = "a b bias out normed residual norm_w".split()
+    types = {
+        **{p: "*bf16" for p in ptrs},
+        "peer_data": "*i64", "peer_flags": "*i64", "state": "*i32", "ss_part": "*fp32", "err": "*i32", "eps": "fp32",
+    }  # fmt: skip
+    k = compile_sm90(gemm_ar_kernel, const, types, variant.num_warps, variant.num_stages)
+    ptx = k.asm["ptx"]
+    assert "mma" in ptx, "the dot did not become a tensor-core instruction"
+    assert "ld.global.cg" in ptx or "ld.cg" in ptx.replace("ld.global.cg", "ld.cg"), "peer data not read at L2"
+    assert ".sys" in ptx, "no system-scope flag operations"
+    assert k.metadata.shared <= 227 * 1024
+
+
+def test_arch_flag_and_build_dir():
+    assert csrc_build.arch_flag((9, 0)) == "-gencode=arch=compute_90a,code=sm_90a"
+    assert csrc_build.arch_flag((8, 0)) == "-gencode=arch=compute_80,code=sm_80"
+    assert csrc_build.build_dir("gemv_ar", (9, 0)) != csrc_build.build_dir("gemv_ar", (8, 0))
+    assert csrc_build.build_dir("gemv_ar", (9, 0)) == csrc_build.build_dir("gemv_ar", (9, 0))
+
+
+def test_load_declines_without_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine builds for real (tests/gpu)")
+    with pytest.raises(csrc_build.Unavailable, match="no CUDA device"):
+        csrc_build.load("gemv_ar")
+
+
+def _nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    src = csrc_build.CSRC / "gemv_ar.cu"
+    out = subprocess.run(
+        [nvcc, "-std=c++17", "-O3", csrc_build.arch_flag((9, 0)), "-Xptxas", "-v", "-c", str(src),
+         "-o", str(tmp_path / "gemv_ar.o")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "spill stores" in out.stderr
+    assert " 0 bytes spill stores" in out.stderr and "bytes spill stores" not in out.stderr.replace(
+        " 0 bytes spill stores", ""
+    ), f"register spills:\n{out.stderr[-3000:]}"
