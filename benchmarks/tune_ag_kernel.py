@@ -25,14 +25,14 @@ from fluxcompile.kernels.ag_gemm import ag_gemm
 SHAPES = [(1024, 49152, 12288), (4096, 49152, 12288), (8192, 49152, 12288), (2048, 28672, 4096), (8192, 28672, 4096)]
 # name -> (block, tma, num_warps, num_stages, group_m, weight layout)
 CONFIGS = {
-    "tma 128x256x64 w8 s3": ((128, 256, 64), True, 8, 3, 8, "kn"),
-    "tma 128x256x64 w8 s4": ((128, 256, 64), True, 8, 4, 8, "kn"),
     "tma 256x128x64 w8 s3": ((256, 128, 64), True, 8, 3, 8, "kn"),
+    "tma 256x128x64 w8 s4": ((256, 128, 64), True, 8, 4, 8, "kn"),
+    "tma 256x128x64 w8 s3 g16": ((256, 128, 64), True, 8, 3, 16, "kn"),
+    "tma 256x128x64 w8 s3 [N,K]": ((256, 128, 64), True, 8, 3, 8, "nk"),
     "tma 128x128x64 w8 s4": ((128, 128, 64), True, 8, 4, 8, "kn"),
-    "tma 128x128x64 w4 s4": ((128, 128, 64), True, 4, 4, 8, "kn"),
-    "tma 128x256x64 w8 s3 g16": ((128, 256, 64), True, 8, 3, 16, "kn"),
-    "tma 128x256x64 w8 s3 [N,K]": ((128, 256, 64), True, 8, 3, 8, "nk"),
-    "ptr 128x256x64 w8 s3": ((128, 256, 64), False, 8, 3, 8, "kn"),
+    "tma 128x128x128 w8 s3": ((128, 128, 128), True, 8, 3, 8, "kn"),
+    "tma 128x256x64 w8 s3 (wrong in run 2)": ((128, 256, 64), True, 8, 3, 8, "kn"),
+    "tma 256x128x64 w8 s3 [N,K] g4": ((256, 128, 64), True, 8, 3, 4, "nk"),
 }
 
 
@@ -86,7 +86,8 @@ def main() -> None:
 
             try:
                 run()
-                rel = ((out.float() - ref).norm() / ref.norm()).item()
+                # Worst element against the largest: a single wrong tile shows (a norm would average it away).
+                rel = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                 row[name] = time_us(run) if rel < 1e-2 and torch.equal(a_out, full) else float("nan")
                 if not rel < 1e-2:
                     print(f"rank {rank} {name} {shape}: relative error {rel:.2e}", flush=True)

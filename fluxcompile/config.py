@@ -42,7 +42,14 @@ class Config:
 
     # Implementations the lowering may choose from, in order of preference when autotuning is off.
     # "reference" (NCCL/gloo collective + matmul, runs everywhere) is always kept as the safe choice.
-    implementations: tuple[str, ...] = ("triton", "cuda", "cublas_pipelined", "torch_symm_mem", "reference")
+    implementations: tuple[str, ...] = (
+        "triton",
+        "cuda",
+        "cublas_pipelined",
+        "async_input_mm",
+        "torch_symm_mem",
+        "reference",
+    )
 
     # Rank-synchronized autotuning of the fused ops' implementations; off = fixed default choice.
     autotune: bool = True

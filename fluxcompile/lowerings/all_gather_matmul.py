@@ -2,7 +2,9 @@
 autotuner picks one choice per call signature (identically on every rank) and runs it.
 
 Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py), ``torch_symm_mem`` (PyTorch's own
-``symm_mem.fused_all_gather_matmul``) and ``reference`` (NCCL + cuBLAS, registered by choices.py).
+``symm_mem.fused_all_gather_matmul``), ``async_input_mm`` (PyTorch's CUTLASS GEMM that waits on per-chunk
+signals, fed by copy-engine pulls: ag_async_input_mm.py) and ``reference`` (NCCL + cuBLAS, registered by
+choices.py).
 ``triton:<tiles>-c<chunks>`` (ag_triton.py, the persistent kernel of kernels/ag_gemm.py) is registered
 but declines until it is validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it).
 """
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import ag_cublas_pipelined, ag_triton
+from . import ag_async_input_mm, ag_cublas_pipelined, ag_triton
 from .autotune import pick
 from .choices import Choice, register_choice
 
@@ -47,6 +49,7 @@ register_choice(
     OP, Choice(ag_cublas_pipelined.NAME, ag_cublas_pipelined.all_gather_matmul, ag_cublas_pipelined.supports)
 )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
+register_choice(OP, Choice(ag_async_input_mm.NAME, ag_async_input_mm.all_gather_matmul, ag_async_input_mm.supports))
 for _variant in ag_triton.VARIANTS:  # experimental: they decline every call unless enabled
     register_choice(OP, Choice(f"triton:{_variant}", *ag_triton.make(_variant)))
 
