@@ -1,7 +1,7 @@
 """Lowerings of the fused ops: the registry of implementations ("choices") and the rank-synchronized
 autotuner that picks one per call signature, identically on every rank, with its disk cache."""
 
-from . import all_gather_matmul  # noqa: F401  (registers its choices and its CUDA implementation)
+from . import all_gather_matmul, matmul_all_reduce  # noqa: F401  (register their choices and CUDA implementations)
 from .autotune import cache_key, cache_path, clear_memo, pick
 from .choices import REFERENCE, Choice, choices_for, register_choice
 

@@ -1,0 +1,342 @@
+"""Runtime of the fused decode kernels (GEMM -> all-reduce -> optional residual add + RMSNorm): the CUDA GEMV
+kernel of csrc/gemv_ar.cu for m <= 16 and the Triton kernel of kernels/gemm_ar.py for any m, each in a
+one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's header):
+
+* a symmetric data workspace per kernel family, cut into ``2 * world + 2`` slots of equal size (partials of
+  each source rank for both epoch parities, then the two-shot result slots), and a symmetric flag workspace
+  of ``(world + 1) * MAX_TILES`` int32 (zeroed once, with a barrier, when created);
+* a per-rank ``state`` (epoch, done count, grid-barrier count and epoch) that the kernel itself advances,
+  so CUDA graph replays need nothing from the host;
+* an error buffer the kernel fills when a bounded wait times out; it is copied to pinned host memory after
+  each eager call and checked at the start of the next one, after every call with
+  ``FLUXCOMPILE_CHECK_SIGNALS=1``, or by :func:`check_errors` (which synchronizes; tests call it after graph
+  replays).
+
+Workspaces and the state are created by the first eager call of a shape (all ranks make it), never during
+graph capture; a shape's first call also synchronizes the ranks once (host barrier) after compiling, so
+no rank's kernel waits out another's JIT compilation.
+
+EXPERIMENTAL: both kernels decline every call unless ``FLUXCOMPILE_EXPERIMENTAL_DECODE=1`` (or
+``ENABLED`` is set), until they have passed tests/gpu/test_decode_ar.py on GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..symm_mem import FlagArray, Workspace, init_flags, workspace
+
+ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_DECODE", "0") == "1"
+CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
+# A peer that has not signalled after this long is an error (generous: a peer may be compiling).
+TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_DECODE_TIMEOUT_S", "60"))
+MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
+ERR_WORDS = 8
+CUDA_TILE_N = 32  # csrc/gemv_ar.h kGemvTileN
+CUDA_MAX_M = 16
+MAX_WORLD = 8
+_SLOT_ALIGN = 256
+
+# (residual, weight, eps, weight_after_cast) of all_reduce_rmsnorm, or None for matmul_all_reduce.
+Tail = tuple[Tensor, Tensor, float, bool] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonVariant:
+    block: tuple[int, int, int]
+    two_shot: bool
+    min_m: int = 1  # the variant declines smaller m (a tile mostly of padding)
+    max_m: int = 1 << 20
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+TRITON_VARIANTS: dict[str, TritonVariant] = {
+    f"{shot}-{bm}x{bn}x{bk}": TritonVariant((bm, bn, bk), shot == "twoshot", lo, hi)
+    for shot in ("oneshot", "twoshot")
+    for (bm, bn, bk), lo, hi in (((16, 64, 128), 1, 32), ((64, 64, 64), 17, 1 << 20), ((128, 64, 64), 97, 1 << 20))
+}
+
+
+@dataclasses.dataclass
+class _State:
+    """One kernel family's runtime on one (group, device)."""
+
+    flags: Workspace
+    state: Tensor  # int32 [4]
+    err: Tensor  # int32 [ERR_WORDS]
+    err_host: Tensor  # pinned copy of err
+    event: torch.cuda.Event | None = None
+    data: Workspace | None = None
+    peer_data: Tensor | None = None  # int64 [world]: data buffers as mapped here (Triton)
+    peer_flags: Tensor | None = None  # int64 [world]: flag buffers as mapped here (Triton)
+
+
+_states: dict[tuple[str, str, int], _State] = {}
+# Every workspace and pointer table a kernel was ever launched with: a CUDA graph captured over one keeps
+# using it after a larger workspace replaced it, so none may be freed.
+_kept: list[object] = []
+_ready: set[tuple] = set()  # (family, variant, signature) whose first call synchronized the ranks
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def _get_state(family: str, group_name: str) -> _State:
+    key = (family, group_name, torch.cuda.current_device())
+    st = _states.get(key)
+    if st is None:
+        if _capturing():
+            raise RuntimeError(f"fluxcompile: run the {family} decode kernel once eagerly before graph capture")
+        world = _group(group_name).size()
+        fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"decode_ar.{family}.flags")
+        init_flags(FlagArray(fws, 0, (world + 1) * MAX_TILES), 0)  # host barrier: zeroed everywhere first
+        st = _State(
+            flags=fws,
+            state=torch.zeros(4, dtype=torch.int32, device="cuda"),
+            err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
+            err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+        )
+        st.peer_flags = torch.tensor([int(p) for p in fws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
+        _states[key] = st
+    return st
+
+
+def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) -> tuple[Workspace, int]:
+    """The data workspace with slots of at least ``slot_need`` bytes, and its slot size. The slot size follows
+    from the buffer's capacity (equal on all ranks), so calls of any shape agree on where a slot starts."""
+    slots = 2 * world + 2
+    need = slots * (-(-slot_need // _SLOT_ALIGN) * _SLOT_ALIGN)
+    ws = workspace(group_name, need, tag=f"decode_ar.{family}")  # a collective when it grows (never in capture)
+    if st.data is not ws:
+        st.data = ws
+        st.peer_data = torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
+        _kept.extend((ws, st.peer_data))
+    return ws, (ws.nbytes // slots) // _SLOT_ALIGN * _SLOT_ALIGN
+
+
+def _check_previous(st: _State, group_name: str) -> None:
+    """Raise if an earlier call's kernel reported a timeout (no synchronization: only once its copy landed)."""
+    if _capturing():
+        return
+    if st.event is not None and st.event.query() and int(st.err_host[0]):
+        _raise(st.err_host, group_name)
+
+
+def _after_launch(st: _State, group_name: str) -> None:
+    if _capturing():
+        return  # replays are checked by the next eager call or check_errors()
+    st.err_host.copy_(st.err, non_blocking=True)
+    st.event = torch.cuda.Event()
+    st.event.record()
+    if CHECK_EACH_CALL:
+        st.event.synchronize()
+        if int(st.err_host[0]):
+            _raise(st.err_host, group_name)
+
+
+def _raise(err: Tensor, group_name: str) -> None:
+    from ..kernels.gemm_ar import check_error
+
+    check_error(err, group_name)
+
+
+def check_errors() -> None:
+    """Synchronize and raise if any decode kernel's wait timed out on this rank (tests, after graph replays)."""
+    torch.cuda.synchronize()
+    for (_, group_name, _), st in _states.items():
+        if int(st.err[0]):
+            _raise(st.err.cpu(), group_name)
+
+
+def _sync_ranks_once(key: tuple, group_name: str) -> None:
+    """The first call of a signature: wait until every rank has compiled before any launches."""
+    if key in _ready:
+        return
+    if _capturing():
+        raise RuntimeError("fluxcompile: the decode kernel's first call for a shape must be eager (warm up first)")
+    torch.cuda.synchronize()
+    dist.barrier(group=_group(group_name))
+    _ready.add(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Support checks (only what is equal on every rank: shapes, dtypes, strides, group size, config).
+
+
+def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None) -> str | None:
+    if not ENABLED:
+        return "experimental, not yet validated on GPUs (FLUXCOMPILE_EXPERIMENTAL_DECODE=1 enables it)"
+    if x is not None:
+        return "a bare all-reduce (no matmul to fuse with)"
+    if len(As) != 1 or len(Bs) != 1:
+        return "a sum of several matmuls"
+    a, b = As[0], Bs[0]
+    if not a.is_cuda:
+        return "needs CUDA tensors"
+    if reduce_op != "sum":
+        return f"reduce_op {reduce_op!r} (only sum)"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.dtype != b.dtype:
+        return "operands are not [m, k] @ [k, n] of one dtype"
+    m, n = a.shape[0], b.shape[1]
+    if m == 0 or n == 0 or a.shape[1] == 0:
+        return "an empty matmul"
+    if list(out_shape)[-1] != n or math.prod(out_shape) != m * n:
+        return "out_shape is not a view of [m, n]"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != a.dtype):
+        return "a bias that is not [n] of the operands' dtype"
+    if _group(group_name).size() > MAX_WORLD:
+        return f"more than {MAX_WORLD} ranks"
+    if tail is not None:
+        residual, weight, _, _ = tail
+        if list(residual.shape) != list(out_shape) or residual.dtype != a.dtype:
+            return "a residual that is not the output's shape and dtype"
+        if weight.dim() != 1 or weight.shape[0] != n or weight.dtype != a.dtype:
+            return "an RMSNorm weight that is not [n] of the output's dtype"
+    return None
+
+
+def cuda_supports(two_shot: bool, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
+    why = _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x, tail)
+    if why:
+        return why
+    a, b = As[0], Bs[0]
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return "the CUDA kernel takes bfloat16 or float16"
+    if m > CUDA_MAX_M:
+        return f"m = {m} > {CUDA_MAX_M} (the GEMV kernel's rows)"
+    if b.stride(0) != 1:
+        return "the weight is not in nn.Linear layout (B = W.t(), W [n, k] with unit stride along k)"
+    if k % 8 or n % 8 or b.stride(1) % 8 or a.stride(1) != 1 or a.stride(0) % 8:
+        return "k, n and row strides must be multiples of 8 elements (16-byte vectors)"
+    tiles = -(-n // CUDA_TILE_N)
+    if tiles > MAX_TILES or (two_shot and tiles < _group(group_name).size()):
+        return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
+    from .. import csrc_build
+
+    try:
+        csrc_build.load("gemv_ar")
+    except csrc_build.Unavailable as e:
+        return f"csrc/gemv_ar unavailable: {e}"
+    return None
+
+
+def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
+    why = _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x, tail)
+    if why:
+        return why
+    v = TRITON_VARIANTS[variant]
+    a, b = As[0], Bs[0]
+    m, n = a.shape[0], b.shape[1]
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {a.dtype}"
+    if not v.min_m <= m <= v.max_m:
+        return f"m = {m} outside this tile's range [{v.min_m}, {v.max_m}]"
+    tiles = -(-m // v.block[0]) * -(-n // v.block[1])
+    if tiles > MAX_TILES or (v.two_shot and tiles < _group(group_name).size()):
+        return f"{tiles} tiles do not fit the flags (or are fewer than the ranks)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The calls.
+
+
+def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, Tensor | None]:
+    out = torch.empty(list(out_shape), dtype=a.dtype, device=a.device)
+    normed = torch.empty_like(out) if tail is not None else None
+    return out, normed
+
+
+def run_cuda(
+    two_shot: bool, As, Bs, bias, out_shape, group_name: str, tail: Tail = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    from .. import csrc_build
+
+    ext = csrc_build.load("gemv_ar")
+    a, b = As[0], Bs[0]
+    if a.data_ptr() % 16:
+        a = a.clone()  # a fresh allocation is aligned for 16-byte loads
+    if b.data_ptr() % 16:
+        # Before any communication, so every rank fails alike (weights are whole allocations in practice).
+        raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
+    m, k = a.shape
+    n = b.shape[1]
+    group = _group(group_name)
+    rank, world = group.rank(), group.size()
+    st = _get_state("cuda", group_name)
+    _check_previous(st, group_name)
+    ws, slot_bytes = _data(st, "cuda", group_name, world, m * n * a.element_size())
+    n_tiles = -(-n // CUDA_TILE_N)
+    grid = min(n_tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    out, normed = _outputs(a, out_shape, tail)
+    if tail is not None:
+        residual, weight, eps, weight_after_cast = tail
+        # Contiguous and 16-byte aligned (the kernel reads 16-byte vectors); kept alive until after the launch.
+        residual, weight = (
+            t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+            for t in (residual, weight)
+        )
+        ss_part = torch.empty(m * n_tiles, dtype=torch.float32, device=a.device)
+        tail_ptrs = (normed.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, weight_after_cast)
+    else:
+        ss_part = None
+        tail_ptrs = (0, 0, 0, 0.0, False)
+    _sync_ranks_once(("cuda", two_shot, a.dtype, m, n, k, tail is not None, group_name), group_name)
+    ext.launch(
+        a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
+        int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
+        st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.err.data_ptr(),
+        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, n_tiles, int(TIMEOUT_S * 1e9),
+        0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
+    )  # fmt: skip
+    _after_launch(st, group_name)
+    return out if tail is None else (out, normed)
+
+
+def run_triton(
+    variant: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    from ..kernels.gemm_ar import gemm_ar, n_tiles
+
+    v = TRITON_VARIANTS[variant]
+    a, b = As[0], Bs[0]
+    m, k = a.shape
+    n = b.shape[1]
+    group = _group(group_name)
+    rank, world = group.rank(), group.size()
+    st = _get_state("triton", group_name)
+    _check_previous(st, group_name)
+    _, slot_bytes = _data(st, "triton", group_name, world, m * n * a.element_size())
+    out, normed = _outputs(a, out_shape, tail)
+    tail_args, ss_part = None, None
+    if tail is not None:
+        residual, weight, eps, weight_after_cast = tail
+        tail_args = (normed.view(m, n), residual.contiguous().view(m, n), weight.contiguous(), eps, weight_after_cast)
+        ss_part = torch.empty(m * n_tiles(m, n, v.block)[1], dtype=torch.float32, device=a.device)
+    progs = torch.cuda.get_device_properties(a.device).multi_processor_count
+    kwargs = dict(
+        two_shot=v.two_shot, tail=tail_args, ss_part=ss_part, block=v.block, num_programs=progs,
+        max_spin=int(TIMEOUT_S * 1e6), num_warps=v.num_warps, num_stages=v.num_stages,
+    )  # fmt: skip
+    call = (a, b, bias, out.view(m, n), st.peer_data, st.peer_flags, slot_bytes // a.element_size(), st.state)
+    key = ("triton", variant, a.dtype, m, n, k, tuple(b.stride()), bias is not None, tail is not None, group_name)
+    if key not in _ready:
+        gemm_ar(*call, st.err, rank, world, compile_only=True, **kwargs)
+        _sync_ranks_once(key, group_name)
+    gemm_ar(*call, st.err, rank, world, **kwargs)
+    _after_launch(st, group_name)
+    return out if tail is None else (out, normed)

@@ -1,0 +1,228 @@
+"""matmul_all_reduce and all_reduce_rmsnorm on GPUs (decode shapes): every choice against the reference
+(cuBLAS + NCCL) in bf16, in eager and in CUDA graphs replayed 10,000 times with inputs changed in place
+(a stale epoch flag would let a rank read the previous call's tiles), on a second process group, through
+the autotuned op, and the bounded waits' error when a peer never comes."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_helpers import poison_allocator
+
+from fluxcompile import ops
+from fluxcompile.lowerings import choices_for, decode_ar
+from fluxcompile.testing.numerics import assert_close
+
+BF16 = torch.bfloat16
+K_LOCAL = 1024  # this rank's rows of the row-sharded weight
+MS = (1, 5, 16, 77, 256)
+NS = (8192, 200, 77)  # 200: a ragged last tile; 77: not a multiple of 8 (the CUDA kernel declines it)
+# (bias, tail): tail None, "before" (nn.RMSNorm: weight before the cast) or "after" (HF Llama)
+VARIANTS = ((False, None), (True, None), (False, "before"), (True, "after"))
+
+
+@pytest.fixture(autouse=True)
+def experimental(monkeypatch):
+    monkeypatch.setattr(decode_ar, "ENABLED", True)
+    monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", True)  # a timed-out wait fails the call at once
+
+
+def _seed() -> int:
+    s = torch.randint(0, 2**30, (1,), device="cuda")
+    dist.broadcast(s, 0)
+    return int(s)
+
+
+def _out_shape(m: int, n: int) -> list[int]:
+    return [7, 11, n] if m == 77 else [m, n]  # an N-D view of [m, n] too
+
+
+def _inputs(m, n, bias, tail, seed, layout="nk"):
+    """This rank's operands (different on every rank) and the op's arguments."""
+    g = torch.Generator(device="cuda").manual_seed(seed + 7919 * dist.get_rank())
+    A = torch.randn(m, K_LOCAL, device="cuda", dtype=BF16, generator=g)
+    if layout == "nk":  # nn.Linear's weight [n, k]; the graph's B is its transpose
+        B = (torch.randn(n, K_LOCAL, device="cuda", dtype=BF16, generator=g) / K_LOCAL**0.5).t()
+    else:
+        B = torch.randn(K_LOCAL, n, device="cuda", dtype=BF16, generator=g) / K_LOCAL**0.5
+    b = torch.randn(n, device="cuda", dtype=BF16, generator=g) if bias else None
+    extra = None
+    if tail:
+        residual = torch.randn(_out_shape(m, n), device="cuda", dtype=BF16, generator=g)
+        weight = torch.rand(n, device="cuda", dtype=BF16, generator=g) + 0.5
+        extra = (residual, weight, 1e-5, True, tail == "after")
+    return A, B, b, extra
+
+
+def _args(op, A, B, b, extra, m, n, group_name):
+    shape = _out_shape(m, n)
+    if op == "matmul_all_reduce":
+        return ([A], [B], b, shape, "sum", group_name)
+    residual, weight, eps, upcast, wac = extra
+    return (None, [A], [B], b, shape, residual, weight, eps, upcast, wac, "sum", group_name)
+
+
+def _reference(op, args):
+    return (ops._matmul_all_reduce_ref if op == "matmul_all_reduce" else ops._all_reduce_rmsnorm_ref)(*args)
+
+
+def _check(op, got, ref, what):
+    if op == "matmul_all_reduce":
+        got, ref = [got], [ref]
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g.shape == r.shape and g.is_contiguous(), f"{what}: output {i} {tuple(g.shape)} vs {tuple(r.shape)}"
+        assert_close(g, r, 1e-2, f"{what}, output {i}")
+
+
+def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
+    """Which choices must accept a shape (pins the support matrix, so no check passes by declining)."""
+    if name == "reference":
+        return True
+    if name.startswith("cuda:"):
+        return m <= 16 and n % 8 == 0 and layout == "nk"
+    if name.startswith("triton:"):
+        v = decode_ar.TRITON_VARIANTS[name.split(":", 1)[1]]
+        return v.min_m <= m <= v.max_m
+    if name.startswith("torch_symm_mem:"):
+        return (m * n * 2) % 16 == 0
+    raise AssertionError(f"unknown choice {name}")
+
+
+def _choice_names(op: str) -> list[str]:
+    return [c.name for c in choices_for(op)]
+
+
+@pytest.mark.parametrize("op", ["matmul_all_reduce", "all_reduce_rmsnorm"])
+@pytest.mark.parametrize("name", _choice_names("matmul_all_reduce"))
+def test_choice_matches_reference(op, name):
+    group = dist.group.WORLD
+    choice = {c.name: c for c in choices_for(op)}[name]
+    ran = 0
+    for m in MS:
+        for n in NS:
+            for bias, tail in VARIANTS:
+                if (tail is None) != (op == "matmul_all_reduce"):
+                    continue
+                A, B, b, extra = _inputs(m, n, bias, tail, _seed())
+                args = _args(op, A, B, b, extra, m, n, group.group_name)
+                why = choice.declines(*args)
+                assert (why is None) == _expected(name, m, n), f"{name} m={m} n={n}: supports -> {why}"
+                if why is not None:
+                    continue
+                for rep in range(2):  # a second call reuses workspaces, flags and the other epoch parity
+                    poison_allocator(1 << 28)
+                    got = choice.fn(*args)
+                    _check(op, got, _reference(op, args), f"{name} m={m} n={n} bias={bias} tail={tail} call {rep}")
+                    A.normal_()
+                ran += 1
+    assert ran > 0
+
+
+@pytest.mark.parametrize("name", [n for n in _choice_names("matmul_all_reduce") if n.startswith("triton:")])
+def test_triton_weight_kn_layout(name):
+    group = dist.group.WORLD
+    choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
+    m = 16 if "16x" in name else 128
+    A, B, b, _ = _inputs(m, 320, True, None, _seed(), layout="kn")
+    args = _args("matmul_all_reduce", A, B, b, None, m, 320, group.group_name)
+    assert choice.declines(*args) is None
+    _check("matmul_all_reduce", choice.fn(*args), _reference("matmul_all_reduce", args), f"{name} [k, n] weight")
+
+
+GRAPH_CHOICES = [
+    ("cuda:gemv-oneshot", 1, None),
+    ("cuda:gemv-twoshot", 5, "before"),
+    ("triton:oneshot-16x64x128", 16, None),
+    ("triton:twoshot-64x64x64", 77, "after"),
+    ("torch_symm_mem:one_shot", 16, "before"),
+]
+
+
+@pytest.mark.parametrize(("name", "m", "tail"), GRAPH_CHOICES)
+def test_cuda_graph_replays(name, m, tail):
+    """One call captured, replayed 10,000 times; at random replays (the same on every rank) the input changes
+    in place just before and the output is checked just after: a flag left over from an earlier replay
+    would let a rank sum the previous replay's tiles."""
+    op = "matmul_all_reduce" if tail is None else "all_reduce_rmsnorm"
+    group = dist.group.WORLD
+    n = 8192
+    choice = {c.name: c for c in choices_for(op)}[name]
+    A, B, b, extra = _inputs(m, n, True, tail, _seed())
+    args = _args(op, A, B, b, extra, m, n, group.group_name)
+    assert choice.declines(*args) is None
+    choice.fn(*args)  # eager warm-up: workspaces, flags, compilation
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = choice.fn(*args)
+    rng = random.Random(_seed())
+    checks = {*rng.sample(range(10_000), 25), 9_999}
+    t0 = time.perf_counter()
+    for i in range(10_000):
+        check = i in checks
+        if check:
+            A.normal_()
+        graph.replay()
+        if check:
+            decode_ar.check_errors()
+            _check(op, static_out, _reference(op, args), f"{name} replay {i}")
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 20, "10,000 replays took too long"
+    decode_ar.check_errors()
+
+
+def test_second_group_has_its_own_state():
+    world = dist.group.WORLD
+    other = dist.new_group(list(range(world.size())))
+    op = "matmul_all_reduce"
+    for name, m in (("cuda:gemv-oneshot", 4), ("triton:twoshot-16x64x128", 16), ("torch_symm_mem:one_shot", 4)):
+        choice = {c.name: c for c in choices_for(op)}[name]
+        for _ in range(2):
+            for g in (world, other, world):  # interleaved: each group's epochs advance on their own
+                A, B, b, _ = _inputs(m, 512, True, None, _seed())
+                args = _args(op, A, B, b, None, m, 512, g.group_name)
+                _check(op, choice.fn(*args), _reference(op, args), f"{name} on group {g.group_name}")
+    states = {key[1] for key in decode_ar._states}
+    assert {world.group_name, other.group_name} <= states
+
+
+@pytest.mark.parametrize("op", ["matmul_all_reduce", "all_reduce_rmsnorm"])
+@pytest.mark.parametrize("m", [1, 64])
+def test_autotuned_op(op, m):
+    """The op itself on CUDA: the autotuner times every supported choice and runs the winner."""
+    from fluxcompile.lowerings import autotune
+
+    autotune.clear_memo()
+    group = dist.group.WORLD
+    A, B, b, extra = _inputs(m, 8192, False, None if op == "matmul_all_reduce" else "before", _seed())
+    args = _args(op, A, B, b, extra, m, 8192, group.group_name)
+    got = getattr(torch.ops.fluxcompile, op)(*args)
+    _check(op, got, _reference(op, args), f"autotuned {op} m={m} ({autotune.pick(op, args, group.group_name).name})")
+
+
+@pytest.mark.parametrize("name", ["cuda:gemv-twoshot", "triton:oneshot-16x64x128"])
+def test_missing_peer_is_a_bounded_error(monkeypatch, name):
+    """Rank 0 calls once more than the others: its kernel gives up after the timeout and the error names the
+    rank, the peer and the signal. A group of its own, since its epochs are out of step afterwards."""
+    monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", False)
+    lonely = dist.new_group(list(range(dist.get_world_size())))
+    choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
+    A, B, b, _ = _inputs(16, 256, False, None, _seed())
+    args = _args("matmul_all_reduce", A, B, b, None, 16, 256, lonely.group_name)
+    choice.fn(*args)  # together: creates the state and synchronizes the first call
+    decode_ar.check_errors()
+    monkeypatch.setattr(decode_ar, "TIMEOUT_S", 0.5)
+    if dist.get_rank() == 0:
+        t0 = time.perf_counter()
+        choice.fn(*args)
+        with pytest.raises(RuntimeError, match=r"rank 0 of group .* timed out waiting for rank 1's"):
+            decode_ar.check_errors()
+        assert time.perf_counter() - t0 < 30
+        for key, st in decode_ar._states.items():  # leave the sticky error to that group only
+            if key[1] == lonely.group_name:
+                st.err.zero_()
+    dist.barrier()

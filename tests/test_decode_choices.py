@@ -1,0 +1,50 @@
+"""The decode choices of matmul_all_reduce / all_reduce_rmsnorm as registered, and how they decline where
+they cannot run (CPU tensors, experimental kernels switched off) — rank-independent reasons only."""
+
+from __future__ import annotations
+
+import torch
+
+from fluxcompile.lowerings import choices_for, decode_ar
+
+OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
+
+
+def _args(op: str):
+    a, b = torch.randn(4, 64), torch.randn(64, 32)
+    if op == "matmul_all_reduce":
+        return ([a], [b], None, [4, 32], "sum", "0")
+    return (None, [a], [b], None, [4, 32], torch.randn(4, 32), torch.ones(32), 1e-5, True, False, "sum", "0")
+
+
+def test_registered_for_both_ops():
+    for op in OPS:
+        names = [c.name for c in choices_for(op)]
+        assert {"cuda:gemv-oneshot", "cuda:gemv-twoshot", "torch_symm_mem:one_shot", "reference"} <= set(names)
+        assert {f"triton:{v}" for v in decode_ar.TRITON_VARIANTS} <= set(names)
+        assert names[-1] == "reference"
+
+
+def test_experimental_choices_decline_unless_enabled(monkeypatch):
+    monkeypatch.setattr(decode_ar, "ENABLED", False)
+    for op in OPS:
+        for c in choices_for(op):
+            if c.family in ("cuda", "triton") or c.name == "torch_symm_mem:two_shot":
+                assert "FLUXCOMPILE_EXPERIMENTAL_DECODE=1" in (c.declines(*_args(op)) or ""), c.name
+
+
+def test_cpu_tensors_are_declined(monkeypatch):
+    monkeypatch.setattr(decode_ar, "ENABLED", True)
+    for op in OPS:
+        for c in choices_for(op):
+            if c.name != "reference":
+                assert "needs CUDA tensors" in (c.declines(*_args(op)) or ""), c.name
+
+
+def test_bare_all_reduce_is_left_to_the_unfused_choices(monkeypatch):
+    monkeypatch.setattr(decode_ar, "ENABLED", True)
+    x = torch.randn(4, 32)
+    args = (x, [], [], None, [4, 32], torch.randn(4, 32), torch.ones(32), 1e-5, True, False, "sum", "0")
+    for c in choices_for("all_reduce_rmsnorm"):
+        if c.family in ("cuda", "triton"):
+            assert "bare all-reduce" in (c.declines(*args) or ""), c.name
