@@ -1,0 +1,221 @@
+"""Decode benchmark of matmul_all_reduce and all_reduce_rmsnorm (issue 5), one process per GPU, wired into
+benchmarks/ops.py as ``--ops decode``; also runnable alone:
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/ops_decode.py [--out DIR]
+
+Llama-3-70B's row-parallel projections: n = 8192 output features, k = 28672 (down_proj) and 8192 (o_proj)
+input features, the weight row-sharded (each rank holds ``[n, k / world]`` in nn.Linear's layout, B = W.t()),
+m ∈ {1, 16, 64, 256} tokens, with and without the residual add + RMSNorm after the all-reduce.
+
+Every method is timed as CUDA graph replays (``CALLS`` calls captured in one graph; the per-call time is a
+replay's time divided by ``CALLS``), methods interleaved in rounds (``ops.timed_interleaved``), medians of
+the slowest rank:
+  cublas          the local GEMM alone (the floor)
+  nccl            cuBLAS, then NCCL's all-reduce (in place), then the tail in PyTorch ops
+  torch_one_shot  cuBLAS into a symmetric buffer, then PyTorch's symm_mem one-shot all-reduce (+ tail ops)
+  fluxcompile     the fused op as a compiled model runs it (autotuned over its choices)
+  <choice>        each choice of the fused op that supports the shape (experimental ones enabled here)
+ECT (effective communication time) = time − cuBLAS; the table gives each method's ECT as a fraction of
+NCCL's. Fresh random inputs every run; every method's output is checked against the reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+CALLS = 20  # calls per captured graph
+SHAPES = [  # (model, projection, n, k): full k; each rank holds k / world rows of B
+    ("Llama-3-70B", "down_proj", 8192, 28672),
+    ("Llama-3-70B", "o_proj", 8192, 8192),
+]
+MS = (1, 16, 64, 256)
+EPS = 1e-5
+
+
+def bench(args: argparse.Namespace) -> list[dict]:
+    from fluxcompile.lowerings import decode_ar
+
+    decode_ar.ENABLED = True  # the experimental kernels are what this benchmark is for
+    rows = []
+    for model, proj, n, k in SHAPES:
+        for m in MS:
+            for tail in (False, True):
+                rows.append(_shape(args, model, proj, m, n, k, tail))
+                if dist.get_rank() == 0:
+                    print(json.dumps(rows[-1]), flush=True)
+    if dist.get_rank() == 0 and getattr(args, "out", None):
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ops_decode.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    fn()  # eager first: workspaces, compilation, autotuning
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: int, tail: bool) -> dict:
+    from ops import timed_interleaved
+
+    from fluxcompile import ops
+    from fluxcompile.lowerings import autotune, choices_for
+    from fluxcompile.testing.numerics import rel_err
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD.group_name
+    k_local = k // world
+    torch.manual_seed(rank * 1000 + int.from_bytes(os.urandom(2), "little"))  # fresh inputs every run
+    dt = torch.bfloat16
+    A = torch.randn(m, k_local, device="cuda", dtype=dt)
+    W = torch.randn(n, k_local, device="cuda", dtype=dt) / k**0.5  # nn.Linear layout
+    B = W.t()
+    residual = torch.randn(m, n, device="cuda", dtype=dt)
+    norm_w = torch.rand(n, device="cuda", dtype=dt) + 0.5
+    op = "all_reduce_rmsnorm" if tail else "matmul_all_reduce"
+    if tail:
+        op_args = (None, [A], [B], None, [m, n], residual, norm_w, EPS, True, False, "sum", group)
+    else:
+        op_args = ([A], [B], None, [m, n], "sum", group)
+
+    def with_tail(r):
+        if not tail:
+            return r
+        h = residual + r
+        return h, ops.rms_norm(h, norm_w, EPS, True, False)
+
+    def nccl():
+        P = A @ B
+        dist.all_reduce(P)
+        return with_tail(P)
+
+    choices = {c.name: c for c in choices_for(op)}
+    methods = {
+        "cublas": lambda: A @ B,
+        "nccl": nccl,
+        "fluxcompile": lambda: getattr(torch.ops.fluxcompile, op)(*op_args),
+    }
+    one_shot = choices.get("torch_symm_mem:one_shot")
+    if one_shot is not None and one_shot.declines(*op_args) is None:
+        methods["torch_one_shot"] = lambda c=one_shot: c.fn(*op_args)
+    declined = {}
+    for name, c in choices.items():
+        why = c.declines(*op_args)
+        if why is None:
+            methods[name] = lambda c=c: c.fn(*op_args)
+        else:
+            declined[name] = why
+
+    # Numerics first (eager), against the reference; the fused op also tunes here.
+    ref = (ops._all_reduce_rmsnorm_ref if tail else ops._matmul_all_reduce_ref)(*op_args)
+    refs = ref if tail else (ref,)
+    failed = {}
+    for name, fn in methods.items():
+        if name == "cublas":
+            continue
+        try:
+            out = fn()
+            outs = out if tail else (out,)
+            err = max(rel_err(o, r) for o, r in zip(outs, refs))
+            if not err <= 1e-2:
+                failed[name] = f"relative error {err:.2e}"
+        except Exception as e:
+            failed[name] = f"{type(e).__name__}: {e}"
+    # A method failing on any rank is dropped on all (ranks must capture the same collectives).
+    all_failed: list = [None] * world
+    dist.all_gather_object(all_failed, failed)
+    failed = {name: why for f in all_failed for name, why in f.items()}
+    for name in failed:
+        methods.pop(name, None)
+
+    graphs = {name: _graph(fn) for name, fn in methods.items()}
+    t = timed_interleaved(
+        {name: g.replay for name, g in graphs.items()}, args.warmup, args.rounds, max(1, args.iters // args.rounds)
+    )
+    per_call = {name: v / CALLS for name, v in t.items()}
+    del graphs
+    row = {
+        "op": op, "model": model, "proj": proj, "m": m, "n": n, "k": k, "tail": tail,
+        "choice": autotune.pick(op, op_args, group).name, "us": per_call, "failed": failed, "declined": declined,
+    }  # fmt: skip
+    base = per_call["cublas"]
+    ect = {name: v - base for name, v in per_call.items() if name != "cublas"}
+    row["ect_us"] = ect
+    nccl_ect = ect.get("nccl", float("nan"))
+    row["ect_vs_nccl"] = {name: (v / nccl_ect if nccl_ect > 0 else float("nan")) for name, v in ect.items()}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """Per shape: cuBLAS time, then each method's per-call time and ECT as a fraction of NCCL's."""
+    lines = [
+        f"{'op':<19} {'proj':<9} {'m':>4} {'k':>6} {'cuBLAS':>7} {'NCCL':>7} {'1shot':>7} {'ours':>7} "
+        f"{'ECT NCCL':>8} {'ECT 1shot':>9} {'ECT ours':>8} {'ours/NCCL':>9} {'ours/1shot':>10}  choice"
+    ]
+    for r in rows:
+        us, ect = r["us"], r["ect_us"]
+
+        def f(d, key, width, fmt=".1f"):
+            v = d.get(key)
+            return f"{v:{width}{fmt}}" if v is not None else f"{'-':>{width}}"
+
+        ours, one = ect.get("fluxcompile"), ect.get("torch_one_shot")
+        vs_one = f"{ours / one:10.0%}" if ours is not None and one else f"{'-':>10}"
+        lines.append(
+            f"{r['op']:<19} {r['proj']:<9} {r['m']:>4} {r['k']:>6} {f(us, 'cublas', 7)} {f(us, 'nccl', 7)} "
+            f"{f(us, 'torch_one_shot', 7)} {f(us, 'fluxcompile', 7)} {f(ect, 'nccl', 8)} {f(ect, 'torch_one_shot', 9)} "
+            f"{f(ect, 'fluxcompile', 8)} {f(r['ect_vs_nccl'], 'fluxcompile', 9, '.0%')} {vs_one}  {r['choice']}"
+        )
+    lines.append("per choice, ECT µs (fraction of NCCL's):")
+    for r in rows:
+        parts = [
+            f"{name} {v:.1f} ({r['ect_vs_nccl'][name]:.0%})"
+            for name, v in sorted(r["ect_us"].items(), key=lambda kv: kv[1])
+            if name not in ("nccl", "fluxcompile")
+        ]
+        lines.append(f"  {r['op']} {r['proj']} m={r['m']}: " + ", ".join(parts))
+        if r["failed"]:
+            lines.append(f"    FAILED: {r['failed']}")
+    for tail in (False, True):
+        sel = [r for r in rows if r["tail"] == tail and "fluxcompile" in r["ect_vs_nccl"]]
+        if sel:
+            small = [r["ect_vs_nccl"]["fluxcompile"] for r in sel if r["m"] <= 64]
+            beats = sum(r["ect_us"]["fluxcompile"] < r["ect_us"].get("torch_one_shot", float("inf")) for r in sel)
+            lines.append(
+                f"{'with' if tail else 'without'} tail: ECT ours/NCCL for m <= 64: max "
+                f"{max(small) if small else float('nan'):.0%}, mean {statistics.mean(small) if small else float('nan'):.0%} "
+                f"(target <= 25%); below PyTorch one-shot at {beats} of {len(sel)} shapes"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rows = bench(args)
+    if dist.get_rank() == 0:
+        print("== table (decode) ==\n" + table(rows), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
