@@ -10,8 +10,9 @@ on the group:
    (and which choices it supports, in the same message); the cached winner is used only if every rank
    has the same one and every rank supports it.
 3. **Tuning.** The candidates are the choices every rank supports. For each, in ``choices_for`` order,
-   the ranks meet at a barrier, then run it ``WARMUP`` times and time it ``ITERS`` times (CUDA events on
-   GPU, ``perf_counter`` on CPU); a rank's time is its median, and the all-reduced MAX over ranks is the
+   the ranks meet at a barrier, then run it ``WARMUP`` times; then, in ``ROUNDS`` interleaved rounds over
+   the candidates, time it ``ITERS`` times in all (CUDA events on GPU, ``perf_counter`` on CPU), so clock
+   drift during tuning hits every candidate alike; a rank's time is its median, and the all-reduced MAX over ranks is the
    candidate's time (the slowest rank is what the step waits for). An exception makes that rank's time
    +inf, hence the candidate's. The winner is the smallest finite time, ties going to the earlier
    candidate; if nothing finished, ``"reference"``. Rank 0 writes the cache file (atomically) before
@@ -60,7 +61,8 @@ log = logging.getLogger("fluxcompile.autotune")
 
 # Runs per candidate: warm-up (compilation, allocator, NCCL communicators), then timed runs.
 WARMUP = 3
-ITERS = 10
+ITERS = 12
+ROUNDS = 3  # the timed runs are interleaved over the candidates in this many rounds
 
 _memo: dict[str, Choice] = {}
 # Hot path: a cheap tuple of exactly what the call looks like -> its winner. It is finer than the JSON
@@ -197,41 +199,55 @@ def _select(
 
 
 def _benchmark(candidates: list[Choice], args: tuple, group: dist.ProcessGroup, device: torch.device) -> list[float]:
-    """This rank's median time (ms) of each candidate, +inf where it raised; all ranks run in lockstep."""
+    """This rank's median time (ms) of each candidate, +inf where it raised; all ranks run in lockstep.
+
+    The timed runs are spread over ``ROUNDS`` interleaved rounds (each round times every candidate in
+    turn), so a GPU's clock drifting during tuning (power, heat: 5-10% on H200 under long GEMMs) hits all
+    candidates alike instead of favouring whichever ran while the chip was cool."""
     run_device = _run_device(args)
-    times = []
-    for choice in candidates:
+    samples: list[list[float] | None] = []
+    for choice in candidates:  # warm-up: compilation, workspaces, communicators
         _barrier(group, device)
         _synchronize(run_device)
-        times.append(_time(choice, args, run_device))
-    return times
+        samples.append([] if _run(choice, args, run_device, WARMUP, None) else None)
+    rounds = max(1, min(ROUNDS, ITERS))
+    for r in range(rounds):
+        iters = ITERS // rounds + (r < ITERS % rounds)
+        for i, choice in enumerate(candidates):
+            _barrier(group, device)  # every rank, every candidate: a failed one still meets the others
+            _synchronize(run_device)
+            got = samples[i]
+            if got is not None and not _run(choice, args, run_device, iters, got):
+                samples[i] = None
+    return [statistics.median(x) if x else math.inf for x in samples]
 
 
-def _time(choice: Choice, args: tuple, run_device: torch.device) -> float:
+def _run(choice: Choice, args: tuple, run_device: torch.device, iters: int, samples: list[float] | None) -> bool:
+    """Run ``choice`` ``iters`` times, appending each time (ms) to ``samples`` unless None; False if it raised."""
     try:
-        for _ in range(WARMUP):
-            choice.fn(*args)
-        _synchronize(run_device)
-        if run_device.type == "cuda":
+        if samples is None:
+            for _ in range(iters):
+                choice.fn(*args)
+            _synchronize(run_device)
+        elif run_device.type == "cuda":
             events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
             ]
             for start, end in events:
                 start.record()
                 choice.fn(*args)
                 end.record()
             torch.cuda.synchronize(run_device)
-            samples = [start.elapsed_time(end) for start, end in events]
+            samples += [start.elapsed_time(end) for start, end in events]
         else:
-            samples = []
-            for _ in range(ITERS):
+            for _ in range(iters):
                 t0 = time.perf_counter()
                 choice.fn(*args)
                 samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
+        return True
     except Exception as e:
         log.warning("choice %s failed on this rank: %s: %s", choice.name, type(e).__name__, e)
-        return math.inf
+        return False
 
 
 def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
