@@ -70,7 +70,11 @@ def all_gather_matmul(
     gather_dim: int,
     group_size: int,
     group_name: str,
+    concurrent: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
+    """``concurrent``: each remote block's GEMM runs on a stream of its own as soon as its rows land, beside
+    the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles (the split into
+    per-rank GEMMs costs up to a wave each otherwise: 15% at 1024 x 14336 on 132 SMs)."""
     A, shard_rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     slot_bytes = -(-A.numel() * A.element_size() // 256) * 256
     ws = workspace(group_name, slot_bytes * group_size, tag="all_gather_matmul")
@@ -102,20 +106,38 @@ def all_gather_matmul(
             stream_write(side, ready.addr(p, rank), 1)
         rows_of[rank].copy_(a_local)
 
+    compute = [_compute_stream(i) if concurrent else main for i in range(len(order))]
+    for s in compute:
+        if s is not main:
+            s.wait_stream(main)  # A, the outputs and the flag reset are ready
     _mm_rows(a_local, Bs, biases, outs, rank, shard_rows)
-    for p in order:
-        stream_wait(main, ready.addr(rank, p), 1)
-        stream_write(main, ready.addr(rank, p), 0)
-        arrived = torch.cuda.Event()
-        arrived.record(main)
-        with torch.cuda.stream(side):
-            side.wait_event(arrived)
-            rows_of[p].copy_(slot(rank, p))
-        _mm_rows(slot(rank, p), Bs, biases, outs, p, shard_rows)
+    for p, s in zip(order, compute):
+        with torch.cuda.stream(s):
+            stream_wait(s, ready.addr(rank, p), 1)
+            stream_write(s, ready.addr(rank, p), 0)
+            arrived = torch.cuda.Event()
+            arrived.record(s)
+            with torch.cuda.stream(side):
+                side.wait_event(arrived)
+                rows_of[p].copy_(slot(rank, p))
+            _mm_rows(slot(rank, p), Bs, biases, outs, p, shard_rows)
+    for s in compute:
+        if s is not main:
+            main.wait_stream(s)
     main.wait_stream(side)
     for p in order:
         stream_write(main, done.addr(p, rank), 1)
     return A_gathered, outs
+
+
+_compute_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def _compute_stream(i: int) -> torch.cuda.Stream:
+    key = (torch.cuda.current_device(), i)
+    if key not in _compute_streams:
+        _compute_streams[key] = torch.cuda.Stream()
+    return _compute_streams[key]
 
 
 def _mm_rows(a: Tensor, Bs, biases, outs: list[Tensor], src: int, rows: int) -> None:

@@ -11,6 +11,7 @@ but declines until it is validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 
@@ -47,6 +48,14 @@ def _torch_symm_mem(A, Bs, biases, gather_dim, group_size, group_name) -> tuple[
 
 register_choice(
     OP, Choice(ag_cublas_pipelined.NAME, ag_cublas_pipelined.all_gather_matmul, ag_cublas_pipelined.supports)
+)
+register_choice(
+    OP,
+    Choice(
+        f"{ag_cublas_pipelined.NAME}:concurrent",
+        functools.partial(ag_cublas_pipelined.all_gather_matmul, concurrent=True),
+        ag_cublas_pipelined.supports,
+    ),
 )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
 register_choice(OP, Choice(ag_async_input_mm.NAME, ag_async_input_mm.all_gather_matmul, ag_async_input_mm.supports))

@@ -39,8 +39,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
 @pytest.mark.parametrize(("shape", "dim", "ns", "bias"), CASES)
-def test_pipelined_matches_reference(shape, dim, ns, bias):
+def test_pipelined_matches_reference(shape, dim, ns, bias, concurrent):
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, _seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
@@ -48,7 +49,7 @@ def test_pipelined_matches_reference(shape, dim, ns, bias):
     ref_A, ref_outs = ops._all_gather_matmul_ref(*args)
     for _ in range(3):  # repeated calls reuse the workspace: stale data must never show
         poison_allocator()
-        got_A, got_outs = pipelined.all_gather_matmul(*args)
+        got_A, got_outs = pipelined.all_gather_matmul(*args, concurrent=concurrent)
         assert_close(got_A, ref_A, 0.0, "gathered A")
         for i, (o, r) in enumerate(zip(got_outs, ref_outs)):
             assert o.shape == r.shape and o.stride() == r.stride()
