@@ -1,0 +1,179 @@
+"""matmul_reduce_scatter, medium-grained: cuBLAS does the math, and its output is the communication.
+
+Rank o owns rows ``o * rows ..`` of ``P = sum_i As[i] @ Bs[i] (+ bias)`` (``[world * rows, N]``); its result
+is the sum over ranks of their partials of those rows. Every rank's symmetric buffer has one slot per source
+rank: slot s holds rank s's partial of the owner's rows. Per call, on rank r, peers p in ring order after r:
+
+  zero-copy (default):  for p: wait done_p -> mm(A[p's rows]) with ``out=`` p's slot r (the GEMM's epilogue
+                        stores over NVLink straight into p's memory) -> set ready_r on p;
+                        then mm(A[r's rows]) into our own slot r
+  push:                 for p: mm(A[p's rows]) into a local staging slot; on the side stream: wait done_p ->
+                        copy it into p's slot r (copy engine) -> set ready_r on p;  then our own block
+  both:                 for p: wait ready_p;  out = sum of the slots (fp32 accumulate, one rounding);
+                        set done_r on every p (its slot r in our buffer is free again)
+
+Why this shape:
+* The peers' row blocks go first, starting with rank + 1 (Flux Figure 7): what the others wait for leaves
+  first, and no two ranks write into the same peer at the same time; the local block (no communication) last.
+* Signals are stream memory operations (symm_mem/signals.py): no SM, so they are not stuck behind a GEMM
+  that holds every SM (BENCHMARKS.md). A flag write fences the stream's earlier writes (peer stores
+  included) system-wide, so the owner sees the partial once it sees the flag.
+* ``done`` keeps a fast rank from overwriting a slot the owner still reads (0/1 flags reset by their waiter:
+  a CUDA graph replays the same values). It is set after the owner's whole reduction, so slots of calls with
+  different shapes (other offsets) never overlap a reduction still running.
+* Bias: the contract (ops.py) puts it into every rank's partial (a sum adds it ``world`` times); each rank's
+  first GEMM adds its own bias (``addmm``), exactly as the reference does.
+Everything is a stream operation, so a call can be captured in a CUDA graph once its workspace and flags
+exist (first eager call).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+
+NAME = "cublas_pipelined"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_WORLD = 64  # flags: 64 ready + 64 done words in a 512-byte flag workspace
+
+
+def row_layout(out_shape: Sequence[int], scatter_dim: int, group_size: int) -> tuple[int, int, int, list[int]]:
+    """(M, N, rows per rank, this rank's output shape) for a scatter dim with no leading dims > 1, where the
+    ranks' row blocks of the flattened ``[M, N]`` are contiguous: rank o's are rows ``o * rows ..``."""
+    d = scatter_dim % len(out_shape)
+    m, n = math.prod(out_shape[:-1]), out_shape[-1]
+    shape = list(out_shape)
+    shape[d] //= group_size
+    return m, n, m // group_size, shape
+
+
+def supports(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+) -> str | None:
+    """None when this choice handles the call, else why not (the same answer on every rank)."""
+    if reduce_op != "sum":
+        return f"reduce_op {reduce_op!r}: only 'sum' is implemented"
+    if group_size < 2:
+        return "nothing to overlap with one rank"
+    if group_size > _MAX_WORLD:
+        return f"more than {_MAX_WORLD} ranks"
+    ndim = len(out_shape)
+    if ndim < 2 or not -ndim <= scatter_dim < ndim or scatter_dim % ndim == ndim - 1:
+        return f"scatter dim {scatter_dim} is not a row dim of a {ndim}-D output"
+    d = scatter_dim % ndim
+    if math.prod(out_shape[:d]) != 1:
+        # Each rank's rows would be interleaved in the flattened [M, N]: per-owner GEMMs would need
+        # strided row gathers (copies), so the reference does it better.
+        return "scatter dim has a leading dim of size > 1 (the ranks' rows are interleaved)"
+    if out_shape[d] % group_size:
+        return f"dim {d} of size {out_shape[d]} does not split over {group_size} ranks"
+    if not As or len(As) != len(Bs):
+        return "need as many left as right operands"
+    dtype = As[0].dtype
+    if any(t.dtype != dtype for t in (*As, *Bs)) or (bias is not None and bias.dtype != dtype):
+        return "mixed dtypes"
+    if dtype not in _DTYPES:
+        return f"dtype {dtype}"
+    m, n = math.prod(out_shape[:-1]), out_shape[-1]
+    for a, b in zip(As, Bs):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != m or b.shape[1] != n or a.shape[1] != b.shape[0]:
+            return "operand shapes do not match out_shape"
+    if bias is not None and tuple(bias.shape) not in ((n,), (1, n)):
+        return "a bias with rows (only [N] or [1, N] biases are split by rows)"
+    tensors = [*As, *Bs, *([bias] if bias is not None else [])]
+    if not all(t.is_cuda for t in tensors):
+        return "needs CUDA tensors"
+    if len({t.device for t in tensors}) > 1:
+        return "operands on several devices"
+    return None
+
+
+def matmul_reduce_scatter(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+    *,
+    push: bool = False,
+) -> Tensor:
+    _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
+    dtype, device = As[0].dtype, As[0].device
+    slot_bytes = -(-rows * n * torch.empty((), dtype=dtype).element_size() // 256) * 256
+    # Slots 0..world-1: the partials of our rows by source rank; push also stages ours in world..2*world-1.
+    ws = workspace(group_name, slot_bytes * group_size * (2 if push else 1), tag="matmul_reduce_scatter")
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    fws = workspace(group_name, 512, tag="matmul_reduce_scatter.flags")
+    ready, done = FlagArray(fws, 0, world), FlagArray(fws, 256, world)
+    init_flags(ready, 0)
+    init_flags(done, 1)  # every slot starts free
+
+    main = torch.cuda.current_stream()
+    order = [(rank + step) % world for step in range(1, world)]  # ring after the local rank
+
+    def slot(owner: int, index: int) -> Tensor:
+        return ws.view(owner, (rows, n), dtype, index * slot_bytes)
+
+    def partial(owner: int, dst: Tensor) -> None:
+        """Our partial of ``owner``'s rows into ``dst`` (bias in the first product, as the reference)."""
+        lo, hi = owner * rows, (owner + 1) * rows
+        if bias is None:
+            torch.mm(As[0][lo:hi], Bs[0], out=dst)
+        else:
+            torch.addmm(bias, As[0][lo:hi], Bs[0], out=dst)
+        for a, b in zip(As[1:], Bs[1:]):
+            dst.addmm_(a[lo:hi], b)  # fp32 accumulate in cuBLAS over the previous products' sum
+
+    if push:
+        side = side_stream()
+        for p in order:
+            stage = slot(rank, world + p)
+            partial(p, stage)
+            computed = torch.cuda.Event()
+            computed.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(computed)
+                stream_wait(side, done.addr(rank, p), 1)
+                stream_write(side, done.addr(rank, p), 0)
+                slot(p, rank).copy_(stage)  # peer-to-peer: the copy engine
+                stream_write(side, ready.addr(p, rank), 1)
+    else:
+        for p in order:
+            stream_wait(main, done.addr(rank, p), 1)
+            stream_write(main, done.addr(rank, p), 0)
+            partial(p, slot(p, rank))  # zero-copy: cuBLAS stores into p's memory
+            stream_write(main, ready.addr(p, rank), 1)
+    partial(rank, slot(rank, rank))
+
+    for p in order:
+        stream_wait(main, ready.addr(rank, p), 1)
+        stream_write(main, ready.addr(rank, p), 0)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    out2 = out.view(rows, n)
+    if world == 2:
+        torch.add(slot(rank, 0), slot(rank, 1), out=out2)  # fp32 math, one rounding
+    else:
+        slots = ws.view(rank, (world * slot_bytes // out.element_size(),), dtype).view(world, -1)[:, : rows * n]
+        torch.sum(slots.view(world, rows, n), dim=0, out=out2)  # accumulates in fp32, rounds once
+    if push:
+        main.wait_stream(side)  # our pushes are done: the staging slots are free for the next call
+    for p in order:
+        stream_write(main, done.addr(p, rank), 1)
+    return out

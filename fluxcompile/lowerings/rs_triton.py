@@ -1,0 +1,190 @@
+"""matmul_reduce_scatter with the persistent Triton kernel (kernels/gemm_rs.py): one GEMM launch whose epilogue
+stores every tile into the owner's symmetric slot and flags it, then the owner's reduction kernel.
+
+Per call, on rank r: ``gemm_rs_kernel`` (tiles of owners r+1, r+2, ... first, own rows last; release flags
+with the call's epoch) -> ``rs_reduce_kernel`` (bounded acquire waits per tile, fp32 sum of the slots). The
+epoch counter lives on the device (graph replays advance it), data slots alternate by its parity, and
+nothing is reset between calls. A wait that times out records (rank, peer, tile, epoch) in an error buffer
+that is copied to pinned host memory at the end of the call and checked at the start of the next one (no
+synchronization on the hot path), or after every call with FLUXCOMPILE_CHECK_SIGNALS=1.
+
+EXPERIMENTAL: checked only in Triton's CPU interpreter so far; it declines every call unless
+FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1, until it has passed the GPU tests (tests/gpu/test_rs_matmul.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..symm_mem import FlagArray, init_flags, workspace
+from . import rs_cublas_pipelined
+
+ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_TRITON_RS", "0") == "1"
+CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One point of the template space offered to the autotuner."""
+
+    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+
+VARIANTS = {
+    "128x256x64": Variant((128, 256, 64)),
+    "128x128x64": Variant((128, 128, 64), num_stages=4),
+    "64x128x64": Variant((64, 128, 64), num_warps=4, num_stages=4),
+}
+
+
+@dataclasses.dataclass
+class _State:
+    """Per (device, flag buffer): the epoch counter, the error buffer and its pinned copy, peer addresses."""
+
+    state: Tensor
+    err: Tensor
+    err_host: Tensor
+    event: torch.cuda.Event | None = None
+    peers: dict[int, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)  # data buffer -> addresses
+
+
+_states: dict[tuple[int, int], _State] = {}
+
+
+def supports(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias, out_shape, scatter_dim, reduce_op, group_size, group_name
+) -> str | None:
+    if not ENABLED:
+        return "experimental, not yet validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1 enables it)"
+    from ..kernels.gemm_rs import MAX_PRODUCTS
+
+    if len(As) > MAX_PRODUCTS:
+        return f"more than {MAX_PRODUCTS} products"
+    # The same row layout as the cuBLAS choice (each owner's rows one contiguous block).
+    return rs_cublas_pipelined.supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+
+
+def make(name: str):
+    variant = VARIANTS[name]
+
+    def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+        why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+        if why is None:
+            from ..kernels.gemm_rs import MAX_TILES, n_tiles
+
+            _, n, rows, _ = rs_cublas_pipelined.row_layout(out_shape, scatter_dim, group_size)
+            tm, tn = n_tiles(rows, n, variant.block)
+            if tm * tn > MAX_TILES:
+                return f"{tm * tn} tiles per rank exceed the {MAX_TILES} flags"
+        return why
+
+    def run(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
+        return matmul_reduce_scatter(
+            As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, variant=variant
+        )
+
+    return run, supports_variant
+
+
+def matmul_reduce_scatter(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+    *,
+    variant: Variant = VARIANTS["128x256x64"],
+) -> Tensor:
+    from ..kernels.gemm_rs import MAX_TILES, gemm_rs
+
+    _, n, rows, shape = rs_cublas_pipelined.row_layout(out_shape, scatter_dim, group_size)
+    dtype = As[0].dtype
+    es = torch.empty((), dtype=dtype).element_size()
+    slot_elems = -(-rows * n * es // 256) * 256 // es
+    ws = workspace(group_name, 2 * group_size * slot_elems * es, tag="matmul_reduce_scatter.triton")
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    # The parities are the two halves of the *buffer*, not of this call's request: a call of another shape
+    # then still writes a half that no owner may be reading (see kernels/gemm_rs.py on parities).
+    parity_elems = (ws.nbytes // 2) // 256 * 256 // es
+    fws = workspace(group_name, 4 * world * MAX_TILES, tag="matmul_reduce_scatter.triton.flags")
+    init_flags(FlagArray(fws, 0, world * MAX_TILES), 0)
+    st = _state_for(fws)
+    peer_data, peer_flags = _peers(st, ws, fws)
+    _check_previous(st, rank, group_name)
+
+    out = torch.empty(shape, dtype=dtype, device=As[0].device)
+    gemm_rs(
+        list(As), list(Bs), bias.reshape(-1) if bias is not None else None, out.view(rows, n),
+        peer_data, peer_flags, slot_elems, parity_elems, st.state, st.err, rank, world,
+        block=variant.block, group_m=variant.group_m, num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )  # fmt: skip
+    _report(st, rank, group_name)
+    return out
+
+
+def _state_for(fws) -> _State:
+    key = (torch.cuda.current_device(), fws.buffer.data_ptr())
+    st = _states.get(key)
+    if st is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: run the Triton matmul_reduce_scatter once eagerly before graph capture")
+        st = _states[key] = _State(
+            state=torch.zeros(2, dtype=torch.int32, device="cuda"),
+            err=torch.zeros(8, dtype=torch.int32, device="cuda"),
+            err_host=torch.zeros(8, dtype=torch.int32).pin_memory(),
+        )
+    return st
+
+
+def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
+    """Every rank's data and flag buffer address, as int64 device tensors (made once per data buffer, eagerly:
+    a host-to-device copy cannot be captured)."""
+    key = ws.buffer.data_ptr()
+    if key not in st.peers:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: the Triton matmul_reduce_scatter's workspace changed during capture")
+        world = ws.world_size
+        data = [int(ws.handle.buffer_ptrs[p]) for p in range(world)]
+        flags = [int(fws.handle.buffer_ptrs[p]) for p in range(world)]
+        st.peers[key] = (
+            torch.tensor(data, dtype=torch.int64, device="cuda"),
+            torch.tensor(flags, dtype=torch.int64, device="cuda"),
+        )
+    return st.peers[key]
+
+
+def _check_previous(st: _State, rank: int, group_name: str) -> None:
+    """The previous call's timeout, if its copy to the host has landed (no synchronization). Event queries are
+    not allowed while capturing; a captured graph's replays are checked by the next eager call."""
+    from ..kernels.gemm_rs import check_error
+
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if st.event is not None and st.event.query() and int(st.err_host[0]):
+        check_error(st.err_host, group_name)
+
+
+def _report(st: _State, rank: int, group_name: str) -> None:
+    from ..kernels.gemm_rs import check_error
+
+    if torch.cuda.is_current_stream_capturing():
+        return
+    st.err_host.copy_(st.err, non_blocking=True)
+    st.event = torch.cuda.Event()
+    st.event.record()
+    if CHECK_EACH_CALL:
+        st.event.synchronize()
+        check_error(st.err_host, group_name)
