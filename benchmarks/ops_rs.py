@@ -1,0 +1,109 @@
+"""GEMM + reduce-scatter rows of the op-level benchmark (benchmarks/ops.py runs this with ``--ops rs``).
+
+Shapes (Flux paper's GPT-3 and Llama-3-8B's down projection), weights row-sharded: each rank holds the
+``[m, k / world]`` columns of A and the ``[k / world, n]`` rows of B, and gets the sum over ranks of its
+``[m / world, n]`` row block. Methods, timed in interleaved rounds (slowest rank, median): the local GEMM
+(cuBLAS, and Inductor's best Triton GEMM), NCCL + cuBLAS (mm, then ``reduce_scatter_tensor``), PyTorch
+async-TP (``symm_mem.fused_matmul_reduce_scatter``) and fluxcompile (the fused op, autotuned); plus the
+zero-copy cuBLAS choice alone ("pipelined": median/min/max, and replayed from a CUDA graph). The rows have
+the same keys as ops.py's all-gather rows, so one table and one plot hold both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from ops import _graph_time, _tuned_times, timed, timed_interleaved, triton_gemm
+
+OP = "matmul_reduce_scatter"
+
+# (model, m, n, k) with the whole k; each rank holds k / world of it.
+RS_SHAPES = [
+    ("GPT-3 (Flux)", 1024, 12288, 49152),
+    ("GPT-3 (Flux)", 4096, 12288, 49152),
+    ("GPT-3 (Flux)", 8192, 12288, 49152),
+    ("Llama-3-8B down", 2048, 4096, 14336),
+    ("Llama-3-8B down", 8192, 4096, 14336),
+]
+
+
+def bench(args: argparse.Namespace) -> list[dict]:
+    from torch.distributed import _symmetric_memory as symm
+
+    group = dist.group.WORLD.group_name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        symm.enable_symm_mem_for_group(group)  # async-TP does nothing without it (2.11 and 2.13)
+    rows = []
+    for model, m, n, k in RS_SHAPES:
+        rows.append(_rs_shape(args, group, model, m, n, k))
+        if dist.get_rank() == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _rs_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, k: int) -> dict:
+    from fluxcompile.lowerings import autotune, rs_cublas_pipelined
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if m % world or k % world:
+        raise ValueError(f"m={m} and k={k} must split over {world} ranks")
+    torch.manual_seed(rank * 1000 + int.from_bytes(os.urandom(2), "little"))  # fresh inputs every run
+    a = torch.randn(m, k // world, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k // world, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+    fused_args = ([a], [b], None, [m, n], 0, "sum", world, group)
+
+    def nccl_cublas():
+        out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(out, a @ b)
+        return out
+
+    def async_tp():
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group)
+
+    def pipelined_only():
+        return rs_cublas_pipelined.matmul_reduce_scatter(*fused_args)
+
+    def ours():  # what a compiled model runs: the fused op, autotuned across its choices
+        return torch.ops.fluxcompile.matmul_reduce_scatter(*fused_args)
+
+    # Numerics first: every method against the reduce-scattered product in fp32.
+    partial = a.float() @ b.float()
+    ref = torch.empty(m // world, n, device="cuda", dtype=torch.float32)
+    dist.reduce_scatter_tensor(ref, partial)
+    del partial
+    for name, fn in (
+        ("nccl", nccl_cublas),
+        ("async_tp", async_tp),
+        ("pipelined", pipelined_only),
+        ("fluxcompile", ours),
+    ):
+        out = fn()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            raise AssertionError(f"{name} m={m} n={n} k={k}: relative error {err:.2e}")
+    del ref
+
+    tg = triton_gemm(a, b) if args.triton_gemm else None
+    methods = {"cublas": lambda: a @ b, "nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+    if tg is not None:
+        methods["triton"] = tg
+    t = timed_interleaved(methods, args.warmup, args.rounds, max(1, args.iters // args.rounds))
+    t.setdefault("triton", float("inf"))
+    t["gemm"] = min(t["cublas"], t["triton"])
+    spread: dict = {}
+    t["pipelined"] = timed(pipelined_only, args.warmup, args.iters, spread)
+    t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
+    t["pipelined_graph"] = _graph_time(pipelined_only, args)
+    t["choice"] = autotune.pick(OP, fused_args, group).name
+    t["choices_ms"] = _tuned_times(OP, fused_args, group)
+    ect_nccl = t["nccl_cublas"] - t["gemm"]
+    row = {"op": OP, "model": model, "m": m, "n": n, "k": k, **t}
+    for meth in ("async_tp", "fluxcompile"):
+        row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
+    return row
