@@ -235,6 +235,8 @@ def gemm_rs(
         raise ValueError("gemm_rs: bias must be [N] of the operands' dtype")
     if slot_elems < rows * n or parity_elems < world * slot_elems:
         raise ValueError("gemm_rs: slots too small for the partials")
+    if 2 * parity_elems >= 2**31:  # slot offsets are 32-bit sums in the kernel
+        raise ValueError("gemm_rs: data buffer of 2**31 elements or more")
     tm, tn = n_tiles(rows, n, block)
     if tm * tn > MAX_TILES:
         raise ValueError(f"gemm_rs: {tm * tn} tiles per owner exceed {MAX_TILES}")

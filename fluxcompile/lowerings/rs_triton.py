@@ -127,7 +127,7 @@ def matmul_reduce_scatter(
 
     out = torch.empty(shape, dtype=dtype, device=As[0].device)
     gemm_rs(
-        list(As), list(Bs), bias.reshape(-1) if bias is not None else None, out.view(rows, n),
+        list(As), list(Bs), bias.reshape(-1).contiguous() if bias is not None else None, out.view(rows, n),
         peer_data, peer_flags, slot_elems, parity_elems, st.state, st.err, rank, world,
         block=variant.block, group_m=variant.group_m, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )  # fmt: skip
