@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
 from .ag_cublas_pipelined import shard_layout
 
 NAME = "async_input_mm"
@@ -66,10 +66,7 @@ def all_gather_matmul(
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     ws = workspace(group_name, A.numel() * A.element_size(), tag="async_input_mm")
     rank, world = ws.rank, ws.world_size
-    flags = workspace(group_name, 512, tag="async_input_mm.flags")
-    ready, done = FlagArray(flags, 0, world), FlagArray(flags, 256, world)
-    init_flags(ready, 0)
-    init_flags(done, 1)
+    ready, done = ready_done_flags(group_name, "async_input_mm.flags", world)
     signals = _signal_buffer(group_name, world)
 
     main, side = torch.cuda.current_stream(), side_stream()

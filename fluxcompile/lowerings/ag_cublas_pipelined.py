@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
 
 NAME = "cublas_pipelined"
 
@@ -81,10 +81,7 @@ def all_gather_matmul(
     rank, world = ws.rank, ws.world_size
     if world != group_size:
         raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
-    flags = workspace(group_name, 512, tag="all_gather_matmul.flags")
-    ready, done = FlagArray(flags, 0, world), FlagArray(flags, 256, world)
-    init_flags(ready, 0)
-    init_flags(done, 1)  # every slot starts free
+    ready, done = ready_done_flags(group_name, "all_gather_matmul.flags", world)
 
     main = torch.cuda.current_stream()
     side = side_stream()

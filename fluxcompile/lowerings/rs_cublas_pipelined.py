@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
 
 NAME = "cublas_pipelined"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -120,10 +120,7 @@ def matmul_reduce_scatter(
     rank, world = ws.rank, ws.world_size
     if world != group_size:
         raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
-    fws = workspace(group_name, 512, tag="matmul_reduce_scatter.flags")
-    ready, done = FlagArray(fws, 0, world), FlagArray(fws, 256, world)
-    init_flags(ready, 0)
-    init_flags(done, 1)  # every slot starts free
+    ready, done = ready_done_flags(group_name, "matmul_reduce_scatter.flags", world)
 
     main = torch.cuda.current_stream()
     order = [(rank + step) % world for step in range(1, world)]  # ring after the local rank

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .workspace import Workspace
+from .workspace import Workspace, workspace
 
 
 def _driver():
@@ -90,3 +90,15 @@ def init_flags(flags: FlagArray, value: int) -> None:
     torch.cuda.synchronize()
     dist.barrier(group=dist.distributed_c10d._resolve_process_group(flags.ws.group_name))
     _initialized.add(key)
+
+
+def ready_done_flags(group_name: str, tag: str, world: int) -> tuple[FlagArray, FlagArray]:
+    """The slot handshake of the copy-based choices, in a small workspace of its own (``tag``): ``ready``
+    (starts 0: the sender sets the receiver's flag once its data has landed) and ``done`` (starts 1: the
+    receiver sets the sender's flag once the slot may be overwritten again). Each is indexed by peer rank
+    (64 flags per array)."""
+    ws = workspace(group_name, 512, tag=tag)
+    ready, done = FlagArray(ws, 0, world), FlagArray(ws, 256, world)
+    init_flags(ready, 0)
+    init_flags(done, 1)  # every slot starts free
+    return ready, done
