@@ -100,6 +100,11 @@ def triton_gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] 
 
 
 def bench_all_gather_matmul(args: argparse.Namespace) -> list[dict]:
+    return run_shapes(AG_SHAPES, _ag_shape, args)
+
+
+def run_shapes(shapes: list[tuple], measure: Callable[..., dict], args: argparse.Namespace) -> list[dict]:
+    """``measure(args, group, *shape)`` for every shape on the world group, each row printed as it lands."""
     from torch.distributed import _symmetric_memory as symm
 
     group = dist.group.WORLD.group_name
@@ -107,8 +112,8 @@ def bench_all_gather_matmul(args: argparse.Namespace) -> list[dict]:
         warnings.simplefilter("ignore")
         symm.enable_symm_mem_for_group(group)  # async-TP does nothing without it (2.11 and 2.13)
     rows = []
-    for model, m, n, k in AG_SHAPES:
-        rows.append(_ag_shape(args, group, model, m, n, k))
+    for shape in shapes:
+        rows.append(measure(args, group, *shape))
         if dist.get_rank() == 0:
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -140,35 +145,66 @@ def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
 
     # Numerics first: every method against the gathered GEMM in fp32.
     ref = a_full.float() @ b.float()
-    checks = (
-        ("nccl", nccl_cublas),
-        ("async_tp", lambda: async_tp()[1][0]),
-        ("pipelined", lambda: pipelined_only()[1][0]),
+    check_numerics(
+        {
+            "nccl": nccl_cublas,
+            "async_tp": lambda: async_tp()[1][0],
+            "pipelined": lambda: pipelined_only()[1][0],
+            "fluxcompile": lambda: ours()[1][0],
+        },
+        ref,
+        f"m={m} n={n} k={k}",
     )
-    for name, fn in (*checks, ("fluxcompile", lambda: ours()[1][0])):
+    methods = {"nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+    tune_args = (a_shard, [b], [None], 0, world, group)
+    return overlap_row(
+        args, "all_gather_matmul", group, model, (m, n, k), (a_full, b), methods, pipelined_only, tune_args
+    )
+
+
+def check_numerics(fns: dict[str, Callable[[], torch.Tensor]], ref: torch.Tensor, label: str) -> None:
+    """Every method's output against the fp32 reference, before anything is timed."""
+    for name, fn in fns.items():
         out = fn()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         if not err < 1e-2:
-            raise AssertionError(f"{name} m={m} n={n} k={k}: relative error {err:.2e}")
+            raise AssertionError(f"{name} {label}: relative error {err:.2e}")
 
-    tg = triton_gemm(a_full, b) if args.triton_gemm else None
-    methods = {"cublas": lambda: a_full @ b, "nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+
+def overlap_row(
+    args: argparse.Namespace,
+    op: str,
+    group: str,
+    model: str,
+    mnk: tuple[int, int, int],
+    gemm_operands: tuple[torch.Tensor, torch.Tensor],
+    methods: dict[str, Callable[[], object]],
+    pipelined: Callable[[], object],
+    tune_args: tuple,
+) -> dict:
+    """One table row: the local GEMM (cuBLAS and Inductor's best Triton GEMM on ``gemm_operands``) and
+    ``methods`` (nccl_cublas, async_tp, fluxcompile) timed in interleaved rounds, the zero-copy or pipelined
+    choice alone (median/min/max and from a CUDA graph), the autotuner's pick and its per-choice times, and
+    each method's overlap efficiency against NCCL+cuBLAS."""
+    from fluxcompile.lowerings import autotune
+
+    a, b = gemm_operands
+    tg = triton_gemm(a, b) if args.triton_gemm else None
+    timed_methods = {"cublas": lambda: a @ b, **methods}
     if tg is not None:
-        methods["triton"] = tg
-    t = timed_interleaved(methods, args.warmup, args.rounds, max(1, args.iters // args.rounds))
+        timed_methods["triton"] = tg
+    t = timed_interleaved(timed_methods, args.warmup, args.rounds, max(1, args.iters // args.rounds))
     t.setdefault("triton", float("inf"))
     t["gemm"] = min(t["cublas"], t["triton"])
     spread: dict = {}
-    t["pipelined"] = timed(pipelined_only, args.warmup, args.iters, spread)
+    t["pipelined"] = timed(pipelined, args.warmup, args.iters, spread)
     t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
-    t["pipelined_graph"] = _graph_time(pipelined_only, args)
-    from fluxcompile.lowerings import autotune
-
-    tune_args = (a_shard, [b], [None], 0, world, group)
-    t["choice"] = autotune.pick("all_gather_matmul", tune_args, group).name
-    t["choices_ms"] = _tuned_times("all_gather_matmul", tune_args, group)
+    t["pipelined_graph"] = _graph_time(pipelined, args)
+    t["choice"] = autotune.pick(op, tune_args, group).name
+    t["choices_ms"] = _tuned_times(op, tune_args, group)
     ect_nccl = t["nccl_cublas"] - t["gemm"]
-    row = {"op": "all_gather_matmul", "model": model, "m": m, "n": n, "k": k, **t}
+    m, n, k = mnk
+    row = {"op": op, "model": model, "m": m, "n": n, "k": k, **t}
     for meth in ("async_tp", "fluxcompile"):
         row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
     return row

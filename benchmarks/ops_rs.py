@@ -12,13 +12,11 @@ the same keys as ops.py's all-gather rows, so one table and one plot hold both.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
-from ops import _graph_time, _tuned_times, timed, timed_interleaved, triton_gemm
+from ops import check_numerics, overlap_row, run_shapes
 
 OP = "matmul_reduce_scatter"
 
@@ -33,22 +31,11 @@ RS_SHAPES = [
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
-    from torch.distributed import _symmetric_memory as symm
-
-    group = dist.group.WORLD.group_name
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        symm.enable_symm_mem_for_group(group)  # async-TP does nothing without it (2.11 and 2.13)
-    rows = []
-    for model, m, n, k in RS_SHAPES:
-        rows.append(_rs_shape(args, group, model, m, n, k))
-        if dist.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return run_shapes(RS_SHAPES, _rs_shape, args)
 
 
 def _rs_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, k: int) -> dict:
-    from fluxcompile.lowerings import autotune, rs_cublas_pipelined
+    from fluxcompile.lowerings import rs_cublas_pipelined
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if m % world or k % world:
@@ -77,33 +64,11 @@ def _rs_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
     ref = torch.empty(m // world, n, device="cuda", dtype=torch.float32)
     dist.reduce_scatter_tensor(ref, partial)
     del partial
-    for name, fn in (
-        ("nccl", nccl_cublas),
-        ("async_tp", async_tp),
-        ("pipelined", pipelined_only),
-        ("fluxcompile", ours),
-    ):
-        out = fn()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        if not err < 1e-2:
-            raise AssertionError(f"{name} m={m} n={n} k={k}: relative error {err:.2e}")
+    check_numerics(
+        {"nccl": nccl_cublas, "async_tp": async_tp, "pipelined": pipelined_only, "fluxcompile": ours},
+        ref,
+        f"m={m} n={n} k={k}",
+    )
     del ref
-
-    tg = triton_gemm(a, b) if args.triton_gemm else None
-    methods = {"cublas": lambda: a @ b, "nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
-    if tg is not None:
-        methods["triton"] = tg
-    t = timed_interleaved(methods, args.warmup, args.rounds, max(1, args.iters // args.rounds))
-    t.setdefault("triton", float("inf"))
-    t["gemm"] = min(t["cublas"], t["triton"])
-    spread: dict = {}
-    t["pipelined"] = timed(pipelined_only, args.warmup, args.iters, spread)
-    t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
-    t["pipelined_graph"] = _graph_time(pipelined_only, args)
-    t["choice"] = autotune.pick(OP, fused_args, group).name
-    t["choices_ms"] = _tuned_times(OP, fused_args, group)
-    ect_nccl = t["nccl_cublas"] - t["gemm"]
-    row = {"op": OP, "model": model, "m": m, "n": n, "k": k, **t}
-    for meth in ("async_tp", "fluxcompile"):
-        row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
-    return row
+    methods = {"nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+    return overlap_row(args, OP, group, model, (m, n, k), (a, b), methods, pipelined_only, fused_args)
