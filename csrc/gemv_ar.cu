@@ -1,8 +1,8 @@
 // GEMV + all-reduce (+ residual add + RMSNorm) for decode, as one persistent kernel per rank.
 //
-// out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 16), w [n, k] this rank's
-// row shard of the weight. Memory-bound: the weight is streamed once with 16-byte loads that skip L1, A is
-// staged in shared memory chunk by chunk, fp32 accumulation.
+// out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 64), w [n, k] this rank's
+// row shard of the weight. Memory-bound: the weight is streamed once with 16-byte loads that skip L1, into
+// tensor-core MMAs (compute_tile), fp32 accumulation.
 //
 // A tile is kGemvTileN output columns for all m rows. Each CTA owns a fixed list of tiles (positions
 // blockIdx.x, +gridDim.x, ...) through three phases, so a tile is reduced by the CTA that computed it here:
@@ -41,8 +41,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kColsPerWarp = kGemvTileN / kWarps;  // 4
-constexpr int kChunkK = 1024;                      // A columns staged in shared memory at a time
+constexpr int kCtasPerSm = 2;                      // 16 warps per SM keep enough weight loads in flight
 constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
 
 // Wait kinds reported in err[5].
@@ -163,64 +162,117 @@ __device__ __forceinline__ T* slot(const GemvArParams& p, int dst, int index) {
   return reinterpret_cast<T*>(p.peer_data[dst] + static_cast<long long>(index) * p.slot_bytes);
 }
 
-// Phase-1 work: the fp32 partial tile (without bias) into tile_s[i][c].
-template <typename T, int MM>
-__device__ void compute_tile(const GemvArParams& p, int col0, T (*a_s)[kChunkK], float (*tile_s)[kGemvTileN]) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const T* a = static_cast<const T*>(p.a);
-  const T* w = static_cast<const T*>(p.w);
-  float acc[MM][kColsPerWarp];
-#pragma unroll
-  for (int i = 0; i < MM; ++i)
-#pragma unroll
-    for (int j = 0; j < kColsPerWarp; ++j) acc[i][j] = 0.f;
-  const int my_col0 = col0 + warp * kColsPerWarp;
+// One m16n8k16 tensor-core MMA, fp32 accumulate: c += a (16x16, row) * b (16x8, col).
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,
+                                                        unsigned a3, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                 unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
-  for (int k0 = 0; k0 < p.k; k0 += kChunkK) {
-    const int kc = min(kChunkK, p.k - k0);
-    const int vec_per_row = kc / 8;
-    __syncthreads();  // the previous chunk's reads of a_s are done
-    for (int v = tid; v < p.m * vec_per_row; v += kThreads) {
-      const int i = v / vec_per_row, kk = (v % vec_per_row) * 8;
-      *reinterpret_cast<uint4*>(&a_s[i][kk]) =
-          *reinterpret_cast<const uint4*>(a + static_cast<long long>(i) * p.lda + k0 + kk);
+// Phase-1 work: the fp32 partial tile (without bias) into tile_s[i][c], on tensor cores.
+//
+// The weight is streamed at memory speed only if many 16-byte loads are in flight, and m up to 64 needs
+// tensor cores (CUDA-core FMAs cap far below the bandwidth at m = 16). Both come from one layout trick: a
+// sum over k may visit k in any order as long as A and B agree, so lane (g = lane / 4, t = lane % 4) of a
+// warp loads 16 contiguous bytes, k = 8t .. 8t + 7 of a 32-wide k block, of weight row g of an n8 group and
+// of A rows g and g + 8 of an m16 tile, and feeds elements 0-3 to one m16n8k16 MMA and 4-7 to a second,
+// as if they were the fragment's k = 2t, 2t+1, 2t+8, 2t+9. No shared-memory staging, no shuffles.
+// A warp covers the tile's 32 columns (4 n8 groups) over every kGemvWarps-th k block (split-K), so a
+// tile is 8 warps' worth of loads; the warps' partial sums are added in warp order through shared memory
+// (deterministic).
+template <typename T, int MT>
+__device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN],
+                             float (*red)[16][kGemvTileN]) {
+  // k blocks per iteration: loads in flight against registers (the accumulators grow with MT).
+  constexpr int U = MT == 1 ? 4 : MT == 2 ? 2 : 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const T* a = static_cast<const T*>(p.a) + 8 * t;
+  const T* w = static_cast<const T*>(p.w) + 8 * t;
+  float c[MT][4][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) c[mt][j][q] = 0.f;
+  // 32-bit element offsets of the rows (the launcher refuses operands of 2^31 elements or more); -1: none.
+  int woff[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int col = col0 + j * 8 + g;
+    woff[j] = col < p.n ? col * p.ldw : -1;
+  }
+  int aoff[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + g + 8 * h;
+      aoff[mt][h] = row < p.m ? row * p.lda : -1;
     }
-    __syncthreads();
-#pragma unroll 4
-    for (int kk = lane * 8; kk < kc; kk += 32 * 8) {
-      uint4 wv[kColsPerWarp];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int k0 = warp * 32; k0 < p.k; k0 += kWarps * 32 * U) {
+    uint4 wv[U][4];
 #pragma unroll
-      for (int j = 0; j < kColsPerWarp; ++j) {
-        const int c = my_col0 + j;
-        wv[j] = c < p.n ? ld_stream(w + static_cast<long long>(c) * p.ldw + k0 + kk) : make_uint4(0, 0, 0, 0);
-      }
-      float wf[kColsPerWarp][8];
+    for (int u = 0; u < U; ++u) {
+      const int kk = k0 + u * kWarps * 32;  // k % 8 == 0: a lane's 8 elements are all in range or none
+      const bool kok = kk + 8 * t < p.k;
 #pragma unroll
-      for (int j = 0; j < kColsPerWarp; ++j) unpack8<T>(wv[j], wf[j]);
+      for (int j = 0; j < 4; ++j) wv[u][j] = kok && woff[j] >= 0 ? ld_stream(w + woff[j] + kk) : zero;
+    }
 #pragma unroll
-      for (int i = 0; i < MM; ++i) {
-        if (i < p.m) {
-          float af[8];
-          unpack8<T>(*reinterpret_cast<const uint4*>(&a_s[i][kk]), af);
+    for (int u = 0; u < U; ++u) {
+      const int kk = k0 + u * kWarps * 32;
+      const bool kok = kk + 8 * t < p.k;
 #pragma unroll
-          for (int j = 0; j < kColsPerWarp; ++j)
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4 lo = kok && aoff[mt][0] >= 0 ? *reinterpret_cast<const uint4*>(a + aoff[mt][0] + kk) : zero;
+        const uint4 hi = kok && aoff[mt][1] >= 0 ? *reinterpret_cast<const uint4*>(a + aoff[mt][1] + kk) : zero;
 #pragma unroll
-            for (int q = 0; q < 8; ++q) acc[i][j] = fmaf(af[q], wf[j][q], acc[i][j]);
+        for (int j = 0; j < 4; ++j) {
+          mma16816<T>(c[mt][j], lo.x, hi.x, lo.y, hi.y, wv[u][j].x, wv[u][j].y);
+          mma16816<T>(c[mt][j], lo.z, hi.z, lo.w, hi.w, wv[u][j].z, wv[u][j].w);
         }
       }
     }
   }
+  // Accumulator (mt, j): rows mt*16 + g (+8), columns j*8 + 2t (+1). Sum over warps in warp order.
 #pragma unroll
-  for (int i = 0; i < MM; ++i) {
+  for (int mt = 0; mt < MT; ++mt) {
+    if (mt * 16 >= p.m) break;  // uniform over the CTA
 #pragma unroll
-    for (int j = 0; j < kColsPerWarp; ++j) {
-      float v = acc[i][j];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0 && i < p.m) tile_s[i][warp * kColsPerWarp + j] = v;
+    for (int j = 0; j < 4; ++j) {
+      red[warp][g][j * 8 + 2 * t] = c[mt][j][0];
+      red[warp][g][j * 8 + 2 * t + 1] = c[mt][j][1];
+      red[warp][g + 8][j * 8 + 2 * t] = c[mt][j][2];
+      red[warp][g + 8][j * 8 + 2 * t + 1] = c[mt][j][3];
     }
+    __syncthreads();
+    for (int e = tid; e < 16 * kGemvTileN; e += kThreads) {
+      const int i = e / kGemvTileN, col = e % kGemvTileN;
+      float v = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) v += red[ww][i][col];
+      tile_s[mt * 16 + i][col] = v;
+    }
+    __syncthreads();
   }
-  __syncthreads();
 }
 
 // Writes the reduced vector r (8 columns of row i) to the output: r itself, or with the tail
@@ -255,9 +307,10 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
 
-template <typename T, int MM>
-__global__ void __launch_bounds__(kThreads, 1) gemv_ar_kernel(const GemvArParams p) {
-  __shared__ __align__(16) T a_s[MM][kChunkK];
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const GemvArParams p) {
+  constexpr int MM = 16 * MT;
+  __shared__ float red[kWarps][16][kGemvTileN];
   __shared__ float tile_s[MM][kGemvTileN];
   __shared__ unsigned s_epoch;
   __shared__ int s_ok;
@@ -279,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_ar_kernel(const GemvArParams
   for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
     const int t = tile_at(pos, p);
     const int col0 = t * kGemvTileN;
-    compute_tile<T, MM>(p, col0, a_s, tile_s);
+    compute_tile<T, MT>(p, col0, tile_s, red);
     const int owner = owner_of(t, p.n_tiles, p.world);
     if (has_vec && col0 + vc < p.n) {
       float f[8];
@@ -425,26 +478,36 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_ar_kernel(const GemvArParams
   }
 }
 
+// Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
+// CTA running), and no more than there are tiles.
+template <typename T, int MT>
+cudaError_t launch_mt(const GemvArParams& p, int grid, cudaStream_t stream) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaError_t rc = cudaGetDevice(&device);
+  if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (rc == cudaSuccess) rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT>, kThreads, 0);
+  if (rc != cudaSuccess) return rc;
+  if (per_sm < 1) return cudaErrorLaunchOutOfResources;
+  grid = grid < per_sm * sms ? grid : per_sm * sms;
+  gemv_ar_kernel<T, MT><<<dim3(grid), dim3(kThreads), 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
-  const dim3 g(grid), b(kThreads);
-  if (p.m <= 1) {
-    gemv_ar_kernel<T, 1><<<g, b, 0, stream>>>(p);
-  } else if (p.m <= 2) {
-    gemv_ar_kernel<T, 2><<<g, b, 0, stream>>>(p);
-  } else if (p.m <= 4) {
-    gemv_ar_kernel<T, 4><<<g, b, 0, stream>>>(p);
-  } else if (p.m <= 8) {
-    gemv_ar_kernel<T, 8><<<g, b, 0, stream>>>(p);
-  } else {
-    gemv_ar_kernel<T, 16><<<g, b, 0, stream>>>(p);
+  switch ((p.m + 15) / 16) {
+    case 1: return launch_mt<T, 1>(p, grid, stream);
+    case 2: return launch_mt<T, 2>(p, grid, stream);
+    case 3: return launch_mt<T, 3>(p, grid, stream);
+    default: return launch_mt<T, 4>(p, grid, stream);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStream_t stream) {
+  const long long w_elems = static_cast<long long>(p.n) * p.ldw, a_elems = static_cast<long long>(p.m) * p.lda;
+  if (w_elems >= (1ll << 31) || a_elems >= (1ll << 31)) return cudaErrorInvalidValue;  // 32-bit row offsets
   if (p.m < 1 || p.m > kGemvMaxM || p.n_tiles > kGemvMaxTiles || p.k % 8 || p.n % 8 || grid < 1 ||
       grid > p.n_tiles || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world)) {
     return cudaErrorInvalidValue;

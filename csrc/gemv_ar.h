@@ -1,4 +1,4 @@
-// GEMV + all-reduce for decode (m = 1..16): the shared parameter block of the kernel and its launcher.
+// GEMV + all-reduce for decode (m = 1..64): the shared parameter block of the kernel and its launcher.
 // Plain CUDA (no torch headers), so the kernel file compiles with nvcc alone; gemv_ar_binding.cpp wraps it.
 #pragma once
 
@@ -6,8 +6,8 @@
 
 namespace fluxcompile {
 
-constexpr int kGemvTileN = 32;      // output columns per tile: 8 warps x 4 columns
-constexpr int kGemvMaxM = 16;       // rows handled by one tile (all of m)
+constexpr int kGemvTileN = 32;      // output columns per tile: four n8 MMA groups
+constexpr int kGemvMaxM = 64;       // rows handled by one tile (all of m): up to four m16 MMA tiles
 constexpr int kGemvMaxTiles = 8192; // flag slots per source rank (n up to 262144)
 constexpr int kGemvErrWords = 8;    // err: code, rank, peer, tile, epoch, kind, -, -
 

@@ -48,3 +48,17 @@ def test_bare_all_reduce_is_left_to_the_unfused_choices(monkeypatch):
     for c in choices_for("all_reduce_rmsnorm"):
         if c.family in ("cuda", "triton"):
             assert "bare all-reduce" in (c.declines(*args) or ""), c.name
+
+
+def test_decode_sized_calls_are_tuned_as_graph_replays():
+    from fluxcompile.lowerings import autotune
+
+    for op in OPS:
+        predicate = autotune._graph_timed[op]
+        args = list(_args(op))
+        shape_at = 3 if op == "matmul_all_reduce" else 4
+        for rows, graphs in ((1, True), (512, True), (513, False), (8192, False)):
+            args[shape_at] = [rows, 32]
+            assert predicate(tuple(args)) is graphs, (op, rows)
+        args[shape_at] = [2, 8, 32]  # N-D: the rows are every dim but the last
+        assert predicate(tuple(args))

@@ -1,5 +1,5 @@
 """GEMM -> all-reduce (-> residual add + RMSNorm) as one persistent Triton kernel per rank, for decode-sized
-m (16 to a few hundred rows); the CUDA kernel in csrc/gemv_ar.cu is its GEMV-shaped sibling for m <= 16 and
+m (16 to a few hundred rows); the CUDA kernel in csrc/gemv_ar.cu is its GEMV-shaped sibling for m <= 64 and
 follows the same protocol (see its header comment for the argument why it is race-free).
 
 ``out = sum over ranks of (A_r @ B_r + bias)``: every rank computes its partial product tile by tile

@@ -1,5 +1,5 @@
 """Runtime of the fused decode kernels (GEMM -> all-reduce -> optional residual add + RMSNorm): the CUDA GEMV
-kernel of csrc/gemv_ar.cu for m <= 16 and the Triton kernel of kernels/gemm_ar.py for any m, each in a
+kernel of csrc/gemv_ar.cu for m <= 64 and the Triton kernel of kernels/gemm_ar.py for any m, each in a
 one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's header):
 
 * a symmetric data workspace per kernel family, cut into ``2 * world + 2`` slots of equal size (partials of
@@ -40,7 +40,7 @@ TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_DECODE_TIMEOUT_S", "60"))
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
 ERR_WORDS = 8
 CUDA_TILE_N = 32  # csrc/gemv_ar.h kGemvTileN
-CUDA_MAX_M = 16
+CUDA_MAX_M = 64  # csrc/gemv_ar.h kGemvMaxM
 MAX_WORLD = 8
 _SLOT_ALIGN = 256
 
@@ -222,6 +222,8 @@ def cuda_supports(two_shot: bool, As, Bs, bias, out_shape, reduce_op, group_name
         return "the weight is not in nn.Linear layout (B = W.t(), W [n, k] with unit stride along k)"
     if k % 8 or n % 8 or b.stride(1) % 8 or a.stride(1) != 1 or a.stride(0) % 8:
         return "k, n and row strides must be multiples of 8 elements (16-byte vectors)"
+    if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
+        return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
     tiles = -(-n // CUDA_TILE_N)
     if tiles > MAX_TILES or (two_shot and tiles < _group(group_name).size()):
         return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
@@ -281,7 +283,7 @@ def run_cuda(
     _check_previous(st, group_name)
     ws, slot_bytes = _data(st, "cuda", group_name, world, m * n * a.element_size())
     n_tiles = -(-n // CUDA_TILE_N)
-    grid = min(n_tiles, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    grid = n_tiles  # the launcher lowers it to the CTAs that fit on the GPU at once
     out, normed = _outputs(a, out_shape, tail)
     if tail is not None:
         residual, weight, eps, weight_after_cast = tail

@@ -4,7 +4,7 @@ rank-synchronized autotuner picks one choice per call signature and runs it.
 
 Choices (every one capturable in a CUDA graph once a first eager call made its workspaces):
 
-* ``cuda:gemv-oneshot`` / ``cuda:gemv-twoshot``: csrc/gemv_ar.cu, a GEMV kernel (m <= 16) whose epilogue
+* ``cuda:gemv-oneshot`` / ``cuda:gemv-twoshot``: csrc/gemv_ar.cu, a tensor-core GEMV kernel (m <= 64) whose epilogue
   stores each output tile into the peers' symmetric memory (decode_ar.py); built on first use;
 * ``triton:<oneshot|twoshot>-<tile>``: kernels/gemm_ar.py, the same protocol with a tiled GEMM for larger m;
 * ``torch_symm_mem:one_shot`` / ``torch_symm_mem:two_shot``: cuBLAS writes the product straight into a
@@ -28,7 +28,7 @@ from torch import Tensor
 from .. import ops
 from ..symm_mem import workspace
 from . import decode_ar
-from .autotune import pick
+from .autotune import pick, time_in_cuda_graphs
 from .choices import Choice, register_choice
 
 OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
@@ -142,6 +142,11 @@ for _variant in decode_ar.TRITON_VARIANTS:
     _register(f"triton:{_variant}", *_fused_choices(decode_ar.run_triton, decode_ar.triton_supports, _variant))
 _register("torch_symm_mem:one_shot", *_symm_choices(False))
 _register("torch_symm_mem:two_shot", *_symm_choices(True))
+
+# Decode-sized calls (vLLM captures batches up to 512 tokens in CUDA graphs) are tuned as graph replays.
+GRAPH_TUNED_MAX_ROWS = 512
+time_in_cuda_graphs("matmul_all_reduce", lambda args: math.prod(args[3][:-1]) <= GRAPH_TUNED_MAX_ROWS)
+time_in_cuda_graphs("all_reduce_rmsnorm", lambda args: math.prod(args[4][:-1]) <= GRAPH_TUNED_MAX_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------
