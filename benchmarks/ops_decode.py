@@ -15,6 +15,7 @@ the slowest rank:
   torch_one_shot  cuBLAS into a symmetric buffer, then PyTorch's symm_mem one-shot all-reduce (+ tail ops)
   fluxcompile     the fused op as a compiled model runs it (autotuned over its choices)
   <choice>        each choice of the fused op that supports the shape (experimental ones enabled here)
+  cuda_no_comm    the CUDA GEMV kernel on a one-rank group: its math and epilogue, no communication
 ECT (effective communication time) = time − cuBLAS; the table gives each method's ECT as a fraction of
 NCCL's. Fresh random inputs every run; every method's output is checked against the reference first.
 """
@@ -67,6 +68,18 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+_solo: str | None = None
+
+
+def _solo_group() -> str:
+    """This rank alone as a group (every rank takes part in creating every rank's)."""
+    global _solo
+    if _solo is None:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _solo = groups[dist.get_rank()].group_name
+    return _solo
+
+
 def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: int, tail: bool) -> dict:
     from ops import timed_interleaved
 
@@ -110,6 +123,14 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     one_shot = choices.get("torch_symm_mem:one_shot")
     if one_shot is not None and one_shot.declines(*op_args) is None:
         methods["torch_one_shot"] = lambda c=one_shot: c.fn(*op_args)
+    # The CUDA kernel on a one-rank group: its GEMV (and epilogue) with no communication, so its ECT splits
+    # into the kernel's math against cuBLAS and the cost of the exchange.
+    solo_args = None
+    gemv = choices.get("cuda:gemv-oneshot")
+    if gemv is not None:
+        solo_args = (*op_args[:-1], _solo_group())
+        if gemv.declines(*solo_args) is None:
+            methods["cuda_no_comm"] = lambda c=gemv: c.fn(*solo_args)
     declined = {}
     for name, c in choices.items():
         why = c.declines(*op_args)
@@ -121,6 +142,8 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     # Numerics first (eager), against the reference; the fused op also tunes here.
     ref = (ops._all_reduce_rmsnorm_ref if tail else ops._matmul_all_reduce_ref)(*op_args)
     refs = ref if tail else (ref,)
+    local = with_tail(A @ B)
+    local_refs = local if tail else (local,)
     failed = {}
     for name, fn in methods.items():
         if name == "cublas":
@@ -128,7 +151,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         try:
             out = fn()
             outs = out if tail else (out,)
-            err = max(rel_err(o, r) for o, r in zip(outs, refs))
+            err = max(rel_err(o, r) for o, r in zip(outs, local_refs if name == "cuda_no_comm" else refs))
             if not err <= 1e-2:
                 failed[name] = f"relative error {err:.2e}"
         except Exception as e:
