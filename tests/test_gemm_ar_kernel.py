@@ -28,7 +28,7 @@ def test_gemm_ar_kernel_in_interpreter():
     assert out.returncode == 0, f"seed {seed}:\n{out.stderr[-4000:]}"
     results = json.loads(out.stdout.strip().splitlines()[-1])
     stale = {name: results.pop(name) for name in ("stale one-shot", "stale two-shot")}
-    assert len(results) == 7
+    assert len(results) == 9
     for name, err in results.items():
         assert err <= 1e-5, f"{name}: relative error {err:.2e} (seed {seed})"
     for name, msg in stale.items():

@@ -29,7 +29,7 @@ def test_gemm_rs_kernel_in_interpreter():
     assert out.returncode == 0, f"seed {seed}:\n{out.stderr[-4000:]}"
     results = json.loads(out.stdout.strip().splitlines()[-1])
     stale = results.pop("stale")
-    assert len(results) == 5
+    assert len(results) == 6
     for name, err in results.items():
         assert err <= 1e-5, f"{name}: relative error {err:.2e} (seed {seed})"
     assert "rank 0 of group test timed out in matmul_reduce_scatter waiting for rank 1's partial tile 2" in stale, stale

@@ -130,9 +130,9 @@ def references(dtype_name: str) -> list[str]:
     return checked
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_references_match_decomposition(ranks, dtype):
-    for checked in ranks(2).run(references, dtype):
+@pytest.mark.parametrize(("world", "dtype"), [(2, "float32"), (2, "bfloat16"), (4, "float32"), (8, "bfloat16")])
+def test_references_match_decomposition(ranks, world, dtype):
+    for checked in ranks(world).run(references, dtype):
         assert checked == list(ops.FUSED_OPS)
 
 

@@ -67,6 +67,7 @@ if __name__ == "__main__":
         "rank 1 of 2, ragged rows": case(seed + 1, 1, 2, 37, 24, (33,), False, 10, (16, 16, 8)),
         "rank 2 of 4, chunk > tile": case(seed + 2, 2, 4, 20, 16, (16, 16), True, 20, (8, 16, 16)),
         "rank 3 of 4, 4 weights": case(seed + 3, 3, 4, 9, 16, (8, 24, 16, 8), True, 4, (8, 8, 16)),
+        "rank 6 of 8, ragged rows": case(seed + 6, 6, 8, 5, 16, (16,), True, 4, (8, 8, 16)),
         "TMA, rank 1 of 2, ragged rows": case(seed + 4, 1, 2, 37, 24, (32,), True, 10, (16, 16, 8), "kn"),
         "TMA, rank 0 of 2, weights [N, K]": case(seed + 5, 0, 2, 40, 32, (24, 40), False, 16, (16, 8, 16), "nk"),
     }

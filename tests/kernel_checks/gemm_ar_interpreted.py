@@ -160,6 +160,8 @@ if __name__ == "__main__":
         "one-shot + RMSNorm tail": case(seed + 4, 1, 2, 19, 48, 16, True, False, "before_cast", b16, 1),
         "two-shot + tail, weight after cast": case(seed + 5, 0, 2, 7, 80, 32, False, True, "after_cast", b16, 1),
         "two-shot + tail, rank 2 of 3": case(seed + 6, 2, 3, 16, 96, 16, True, True, "before_cast", b32, 1),
+        "one-shot, rank 5 of 8": case(seed + 7, 5, 8, 9, 48, 16, True, False, None, b16, 2),
+        "two-shot, rank 7 of 8": case(seed + 8, 7, 8, 9, 128, 16, False, True, None, b16, 3),
     }
     results["stale one-shot"] = stale_case(False)
     results["stale two-shot"] = stale_case(True)

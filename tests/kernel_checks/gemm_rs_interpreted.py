@@ -133,6 +133,7 @@ if __name__ == "__main__":
             seed + 3, 0, 3, 12, 20, (8, 16, 8, 24), True, (8, 8, 8), 5, "strided"
         ),
         "rank 1 of 3, one program": case(seed + 4, 1, 3, 5, 16, (16,), False, (8, 8, 16), 1),
+        "rank 5 of 8, bias": case(seed + 5, 5, 8, 4, 24, (16,), True, (8, 8, 16), 2),
     }
     results["stale"] = stale_case()
     print(json.dumps(results))
