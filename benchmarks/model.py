@@ -552,6 +552,15 @@ def table(rows: list[dict]) -> str:
     short = [
         f"{r['regime']} {_size_label(r)}" for r in bar if not r.get("gain", {}).get("fluxcompile", float("nan")) >= 0.7
     ]
+    if any("case_s" in r for r in rows):  # where the run's time went (compilation dominates)
+        lines.append(
+            "seconds per case (compile s per variant): "
+            + "; ".join(
+                f"{r['regime']} {_size_label(r)} {r.get('case_s', 0):.0f} "
+                f"({', '.join(f'{k} {v:.0f}' for k, v in r.get('compile_s', {}).items())})"
+                for r in rows
+            )
+        )
     lines.append(f"fluxcompile slower than Inductor: {', '.join(slower) or 'nowhere'}")
     lines.append(
         f"gain captured >= 70% (train/prefill 8192, decode b<=64): {len(bar) - len(short)} of {len(bar)} measured"
@@ -579,7 +588,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     for i, (name, lab) in enumerate(
         (("async_tp", "PyTorch async-TP"), ("fluxcompile", "fluxcompile"), ("zero_comm", "zero-comm bound"))
     ):
-        vals = [r["us"][name] / r["us"]["inductor"] if name in r["us"] and "inductor" in r["us"] else 0 for r in rows]
+        vals = [
+            r["us"][name] / r["us"]["inductor"] if name in r["us"] and "inductor" in r["us"] else float("nan")
+            for r in rows
+        ]
         a1.bar([j + (i - 1) * w for j in x], vals, w, label=lab)
     a1.axhline(1.0, color="black", linewidth=0.8)
     a1.set_ylabel("time / Inductor time")
@@ -587,7 +599,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     a1.legend(fontsize=7)
     for i, (name, lab) in enumerate((("async_tp", "PyTorch async-TP"), ("fluxcompile", "fluxcompile"))):
         vals = [r.get("gain", {}).get(name, float("nan")) * 100 for r in rows]
-        a2.bar([j + (i - 0.5) * w for j in x], [v if v == v else 0 for v in vals], w, label=lab)
+        a2.bar([j + (i - 0.5) * w for j in x], vals, w, label=lab)  # NaN (not measured): no bar
     a2.axhline(70, color="gray", linestyle="--", linewidth=0.8)
     a2.axhline(0, color="black", linewidth=0.8)
     a2.set_ylabel("gain captured (%)")
