@@ -53,7 +53,11 @@ def test_encoding_round_trips(make, args, instances):
     for rc in enc.ranks:
         assert rc.code.dtype == np.int32 and rc.code.shape[1] == 16
     assert sum(enc.mailbox_chunks) == sum(
-        i.count for rp in plan.ranks for tb in rp.threadblocks for i in tb.instrs if i.op in ("send", "rcs", "rrcs", "rrs")
+        i.count
+        for rp in plan.ranks
+        for tb in rp.threadblocks
+        for i in tb.instrs
+        if i.op in ("send", "rcs", "rrcs", "rrs")
     )
 
 
@@ -64,9 +68,7 @@ def test_emulated_kernel_matches_collective(make, args, slices, rows):
     enc = encode(plan)
     R = plan.num_ranks
     rng = np.random.default_rng(R * 100 + slices)
-    calls = [
-        [rng.integers(-64, 64, size=enc.in_chunks * rows).astype(np.float64) for _ in range(R)] for _ in range(3)
-    ]
+    calls = [[rng.integers(-64, 64, size=enc.in_chunks * rows).astype(np.float64) for _ in range(R)] for _ in range(3)]
     emu = Emulator(R, max(enc.mailbox_chunks) * rows + 1)
     outs = emu.run(enc, calls, slices=slices, block=2, seed=slices)
     for c, xs in enumerate(calls):

@@ -27,7 +27,7 @@ DEFAULTS = {
 _programs: dict[int, tuple[Program, Plan]] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library_plan(name: str, num_ranks: int, instances: int = 1) -> Plan:
     """The checked, compiled plan of library program ``name`` (``"hierarchical_all_reduce:2x4"`` for the
     hierarchical ones) for ``num_ranks`` ranks."""

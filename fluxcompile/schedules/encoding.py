@@ -173,7 +173,6 @@ def decode(enc: EncodedPlan) -> Plan:
             instrs = []
             for g in range(start, start + n):
                 w = rc.code[g].tolist()
-                bits = w[0]
                 deps = []
                 for d in rc.deps[w[12] : w[12] + w[13]].tolist():
                     dt = next(i for i, (s, c) in enumerate(rc.tbs.tolist()) if s <= d < s + c)

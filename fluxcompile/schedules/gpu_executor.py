@@ -169,7 +169,8 @@ def _build(plan: Plan, ch: _Channel, x: Tensor, slices: int | None) -> _Launch:
     vec = 16 // esize if chunk % (16 // esize) == 0 else 1
     S = slices or choose_slices(enc, chunk * esize, ch.max_programs)
     S = max(1, min(S, choose_slices(enc, 1 << 62, ch.max_programs)))
-    slice_elems = -(-(-(-chunk // S)) // vec) * vec
+    per_slice = -(-chunk // S)
+    slice_elems = -(-per_slice // vec) * vec  # a multiple of vec: the slices' loads stay vectorized
     rc = enc.ranks[ch.rank]
 
     def dev(a: np.ndarray) -> Tensor:  # uploaded once; an empty table still needs a valid pointer
