@@ -164,3 +164,19 @@ def test_plan_exec_compiles_for_sm90_with_vector_accesses(dtype, vec, tmp_path, 
 def test_plan_exec_compiles_unaligned(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     _compile("bf16", 1, aligned=False)
+
+
+def test_schedules_choices_registered_and_gated(monkeypatch):
+    import torch
+
+    from fluxcompile.lowerings import choices_for, matmul_all_reduce
+
+    a, b = torch.randn(4, 8), torch.randn(8, 32)
+    args = ([a], [b], None, [4, 32], "sum", "0")
+    names = {c.name: c for c in choices_for("matmul_all_reduce")}
+    assert {"schedules:one_shot", "schedules:two_shot"} <= set(names)
+    assert "needs CUDA tensors" in names["schedules:one_shot"].declines(*args)
+    monkeypatch.setattr(matmul_all_reduce, "SCHEDULES_ENABLED", False)
+    a_cuda = type("FakeCuda", (), {"is_cuda": True})()
+    why = matmul_all_reduce._sched_supports("one_shot", None, [a_cuda], [b], None, [4, 32], "sum", "0")
+    assert "FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=1" in why

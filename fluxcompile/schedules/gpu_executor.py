@@ -177,6 +177,9 @@ def _build(plan: Plan, ch: _Channel, x: Tensor, slices: int | None) -> _Launch:
         flat = np.ascontiguousarray(a, dtype=np.int32).reshape(-1)
         return torch.from_numpy(flat if flat.size else np.zeros(1, np.int32)).to(x.device)
 
+    biggest = max(enc.in_chunks, enc.out_chunks, *enc.scratch_chunks, *enc.mailbox_chunks) * chunk
+    if biggest >= 1 << 31:
+        raise ValueError(f"fluxcompile.schedules: {enc.name}: a buffer of {biggest} elements exceeds 32-bit offsets")
     scratch = enc.scratch_chunks[ch.rank] * chunk
     _mailbox(ch, max(enc.mailbox_chunks, default=0) * chunk * esize)  # it only grows: later calls fit too
     return _Launch(
@@ -274,6 +277,8 @@ def run_plan(
         out = torch.empty(output_shape(x, launch.out_numel), dtype=x.dtype, device=x.device)
     elif out.numel() != launch.out_numel or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"fluxcompile.schedules: out must be contiguous {x.dtype} with {launch.out_numel} elements")
+    elif out.data_ptr() == x.data_ptr():
+        raise ValueError("fluxcompile.schedules: out must not be the input (plans may read it after writing out)")
     inp = x
     if launch.input_copy is not None:
         launch.input_copy.copy_(x)
@@ -290,7 +295,8 @@ def run_plan(
         n_tb=launch.n_tb, slices=launch.slices, chunk_elems=launch.chunk_elems, slice_elems=launch.slice_elems,
         vec=launch.vec, rank=ch.rank, world=ch.world, max_spin=spin,
     )  # fmt: skip
-    ready_key = (key, inp.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    # Once per launch (not per alignment variant: that may differ between ranks, the barrier must not).
+    ready_key = key
     if ready_key not in _ready:
         if capturing:
             raise RuntimeError(f"fluxcompile.schedules: warm up {plan.name} eagerly before CUDA graph capture")
