@@ -48,6 +48,7 @@ class Config:
         "cublas_pipelined",
         "async_input_mm",
         "torch_symm_mem",
+        "schedules",
         "reference",
     )
 

@@ -266,13 +266,17 @@ def test_manual_threadblocks_and_channels():
         compile_program(p, check=False)
 
 
-def test_run_helper_and_cuda_not_implemented():
+def test_run_helper_and_bad_arguments():
     prog = library.ring_all_reduce(3)
     xs = _inputs(prog)
     for out in run(prog, xs):
         torch.testing.assert_close(out, sum(xs))
-    with pytest.raises(NotImplementedError, match="GPU executor"):
+    for out in run("ring_all_reduce", xs):
+        torch.testing.assert_close(out, sum(xs))
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
         run(prog, xs[0], group=object())
+    with pytest.raises(ValueError, match="no group"):
+        run(prog, xs, group=object())
 
 
 class _Free(Collective):

@@ -10,6 +10,9 @@ Choices (every one capturable in a CUDA graph once a first eager call made its w
 * ``torch_symm_mem:one_shot`` / ``torch_symm_mem:two_shot``: cuBLAS writes the product straight into a
   symmetric buffer (``mm(out=)``), then PyTorch's ``symm_mem.one_shot_all_reduce_out`` /
   ``two_shot_all_reduce_out``; the RMSNorm tail, if any, in PyTorch ops after it;
+* ``schedules:one_shot`` / ``schedules:two_shot``: cuBLAS (or x), then the schedule language's library
+  all-reduce run by its plan-interpreter kernel (fluxcompile/schedules, gpu_executor.py); EXPERIMENTAL:
+  declines unless ``FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=1`` until tests/gpu/test_schedules_gpu.py has passed;
 * ``reference``: cuBLAS then NCCL (registered by choices.py).
 
 The cuda and triton kernels and the two-shot PyTorch choice are EXPERIMENTAL: they decline unless
@@ -20,6 +23,7 @@ one-shot PyTorch choice is on by default (PyTorch's own kernel; no multicast).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -109,6 +113,56 @@ def _symm_choices(two_shot: bool):
 
 
 # ---------------------------------------------------------------------------------------------
+# The schedule language's all-reduce (fluxcompile.schedules) after cuBLAS.
+
+SCHEDULES_ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_SCHEDULES", "0") == "1"
+
+
+def _sched_supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
+    first = x if x is not None else As[0]
+    if not first.is_cuda:
+        return "needs CUDA tensors"
+    if not SCHEDULES_ENABLED:
+        return "experimental, not yet validated on GPUs (FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=1 enables it)"
+    if reduce_op != "sum":
+        return f"reduce_op {reduce_op!r} (only sum)"
+    from ..schedules.gpu_executor import DTYPES
+
+    dtype = _product_dtype(x, As, Bs)
+    if dtype not in DTYPES:
+        return f"dtype {dtype}"
+    world = torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+    numel = math.prod(out_shape)
+    if numel == 0 or (program == "two_shot" and numel % world):
+        return f"{numel} elements do not split into {world} chunks"
+    return None
+
+
+def _sched_all_reduce(program: str, x, As, Bs, bias, out_shape, group_name) -> Tensor:
+    from .. import schedules
+
+    p = (x if x is not None else ops.matmul_sum(As, Bs, bias)).contiguous()
+    return schedules.all_reduce(p.reshape(list(out_shape)), group_name, program=program)
+
+
+def _sched_choices(program: str):
+    def mar(As, Bs, bias, out_shape, reduce_op, group_name):
+        return _sched_all_reduce(program, None, As, Bs, bias, out_shape, group_name)
+
+    def mar_supports(As, Bs, bias, out_shape, reduce_op, group_name):
+        return _sched_supports(program, None, As, Bs, bias, out_shape, reduce_op, group_name)
+
+    def arn(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name):
+        h = residual + _sched_all_reduce(program, x, As, Bs, bias, out_shape, group_name)
+        return h, ops.rms_norm(h, weight, eps, upcast, weight_after_cast)
+
+    def arn_supports(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group):
+        return _sched_supports(program, x, As, Bs, bias, out_shape, reduce_op, group)
+
+    return (mar, mar_supports), (arn, arn_supports)
+
+
+# ---------------------------------------------------------------------------------------------
 # The fused kernels (decode_ar.py).
 
 
@@ -142,6 +196,8 @@ for _variant in decode_ar.TRITON_VARIANTS:
     _register(f"triton:{_variant}", *_fused_choices(decode_ar.run_triton, decode_ar.triton_supports, _variant))
 _register("torch_symm_mem:one_shot", *_symm_choices(False))
 _register("torch_symm_mem:two_shot", *_symm_choices(True))
+for _program in ("one_shot", "two_shot"):
+    _register(f"schedules:{_program}", *_sched_choices(_program))
 
 # Decode-sized calls (vLLM captures batches up to 512 tokens in CUDA graphs) are tuned as graph replays.
 GRAPH_TUNED_MAX_ROWS = 512

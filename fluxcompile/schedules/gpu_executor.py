@@ -1,0 +1,313 @@
+"""Run a compiled ``Plan`` on CUDA tensors of a real process group: one launch of kernels/plan_exec.py per
+call and rank.
+
+Per (group, device) a *channel* holds what every plan on that group shares: a symmetric flag array (acks and
+message flags), a symmetric mailbox (grown collectively when a call needs more), the epoch ``state``, the
+local dependency flags and the error words. Per (plan, group, dtype, size) a cached *launch* holds the
+uploaded instruction tables, the slice count and the scratch buffer. Input and output are the caller's own
+tensors (only mailboxes are written remotely), so a call is one kernel launch and no copies, unless the plan
+stores into its input buffer (then the input is first copied to a private buffer).
+
+Everything is created by the first eager call of a (plan, size) on every rank, never during CUDA graph
+capture; that call also compiles the kernel and synchronizes the ranks once (host barrier) so no rank's
+waits run while a peer is still compiling. Timeouts recorded by the kernel are copied to pinned memory after
+each eager call and raised by the next one, or by :func:`check_errors` (which synchronizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..symm_mem import FlagArray, Workspace, init_flags, workspace
+from .encoding import EncodedPlan, encode
+from .plan import Plan
+
+ACK_WORDS = 64  # as kernels/plan_exec.py; also the largest group
+MSG_FLAGS = 1 << 16  # message flags (message id * slices + slice)
+DONE_FLAGS = 1 << 16  # dependency flags (instruction index * slices + slice)
+ERR_WORDS = 8
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Bytes of a chunk per program: small slices spread a chunk over more SMs (bandwidth), large ones keep
+# the number of flags (latency) down. Tunable per call (``slices=``) or here.
+SLICE_BYTES = int(os.environ.get("FLUXCOMPILE_SCHED_SLICE_BYTES", str(16 << 10)))
+TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_SCHED_TIMEOUT_S", "60"))
+
+
+@dataclasses.dataclass
+class _Channel:
+    group_name: str
+    rank: int
+    world: int
+    flags: Workspace
+    peer_flags: Tensor  # int64 [world]
+    state: Tensor  # int32 [4]: epoch, finished-program count
+    done: Tensor  # int32 [DONE_FLAGS]
+    err: Tensor  # int32 [ERR_WORDS]
+    err_host: Tensor  # pinned copy of err
+    max_programs: int  # the group's smallest SM count: every program of a launch is resident
+    mbox: Workspace | None = None
+    peer_mbox: Tensor | None = None  # int64 [world]
+    event: torch.cuda.Event | None = None
+
+
+@dataclasses.dataclass
+class _Launch:
+    enc: EncodedPlan
+    code: Tensor
+    tbs: Tensor
+    deps: Tensor
+    n_tb: int
+    slices: int
+    chunk_elems: int
+    slice_elems: int
+    vec: int
+    out_numel: int
+    scratch: Tensor | None
+    input_copy: Tensor | None
+
+
+_channels: dict[tuple[str, int], _Channel] = {}
+_encoded: dict[int, tuple[Plan, EncodedPlan]] = {}  # id(plan) -> (plan kept alive, its tables)
+_launches: dict[tuple, _Launch] = {}
+_ready: set[tuple] = set()
+_kept: list[object] = []  # every pointer table a kernel was launched with (CUDA graphs keep using them)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+def group_name_of(group: object) -> str:
+    """A ProcessGroup, a group name, or None (the default group) -> the group's name."""
+    if group is None:
+        group = dist.group.WORLD
+    if isinstance(group, str):
+        return group
+    return group.group_name
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def _channel(group_name: str) -> _Channel:
+    key = (group_name, torch.cuda.current_device())
+    ch = _channels.get(key)
+    if ch is not None:
+        return ch
+    if _capturing():
+        raise RuntimeError(
+            f"fluxcompile.schedules: run the collective once eagerly on group {group_name} before CUDA graph capture"
+        )
+    group = _group(group_name)
+    rank, world = group.rank(), group.size()
+    if world > ACK_WORDS:
+        raise ValueError(f"fluxcompile.schedules: at most {ACK_WORDS} ranks, not {world}")
+    fws = workspace(group_name, (ACK_WORDS + MSG_FLAGS) * 4, tag="schedules.flags")
+    init_flags(FlagArray(fws, 0, ACK_WORDS + MSG_FLAGS), 0)  # host barrier: zeroed on every rank first
+    sms = torch.tensor([torch.cuda.get_device_properties().multi_processor_count], device="cuda")
+    dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+    ch = _Channel(
+        group_name=group_name,
+        rank=rank,
+        world=world,
+        flags=fws,
+        peer_flags=torch.tensor([int(p) for p in fws.handle.buffer_ptrs], dtype=torch.int64, device="cuda"),
+        state=torch.zeros(4, dtype=torch.int32, device="cuda"),
+        done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
+        err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
+        err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+        max_programs=int(sms.item()),
+    )
+    _channels[key] = ch
+    return ch
+
+
+def _mailbox(ch: _Channel, nbytes: int) -> None:
+    """Make the group's mailbox hold ``nbytes`` (a collective when it grows: same sizes on every rank)."""
+    ws = workspace(ch.group_name, max(nbytes, 16), tag="schedules.mailbox")
+    if ws is not ch.mbox:
+        ch.mbox = ws
+        ch.peer_mbox = torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
+        _kept.extend((ws, ch.peer_mbox))
+
+
+def encoded(plan: Plan) -> EncodedPlan:
+    hit = _encoded.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        hit = _encoded[id(plan)] = (plan, encode(plan))
+    return hit[1]
+
+
+def choose_slices(enc: EncodedPlan, chunk_bytes: int, max_programs: int, slice_bytes: int = 0) -> int:
+    """Programs per threadblock: about ``slice_bytes`` of a chunk each, all resident, flags within bounds."""
+    want = -(-chunk_bytes // (slice_bytes or SLICE_BYTES))
+    cap = min(
+        max_programs // max(enc.max_tbs, 1),
+        MSG_FLAGS // max(enc.num_messages, 1),
+        DONE_FLAGS // max(enc.max_instrs, 1),
+    )
+    if cap < 1:
+        raise ValueError(
+            f"fluxcompile.schedules: {enc.name} needs {enc.max_tbs} threadblocks resident at once, "
+            f"more than the {max_programs} SMs"
+        )
+    return max(1, min(want, cap))
+
+
+def _build(plan: Plan, ch: _Channel, x: Tensor, slices: int | None) -> _Launch:
+    enc = encoded(plan)
+    numel, esize = x.numel(), x.element_size()
+    chunk = numel // enc.in_chunks
+    vec = 16 // esize if chunk % (16 // esize) == 0 else 1
+    S = slices or choose_slices(enc, chunk * esize, ch.max_programs)
+    S = max(1, min(S, choose_slices(enc, 1 << 62, ch.max_programs)))
+    per_slice = -(-chunk // S)
+    slice_elems = -(-per_slice // vec) * vec  # a multiple of vec: the slices' loads stay vectorized
+    rc = enc.ranks[ch.rank]
+
+    def dev(a: np.ndarray) -> Tensor:  # uploaded once; an empty table still needs a valid pointer
+        flat = np.ascontiguousarray(a, dtype=np.int32).reshape(-1)
+        return torch.from_numpy(flat if flat.size else np.zeros(1, np.int32)).to(x.device)
+
+    biggest = max(enc.in_chunks, enc.out_chunks, *enc.scratch_chunks, *enc.mailbox_chunks) * chunk
+    if biggest >= 1 << 31:
+        raise ValueError(f"fluxcompile.schedules: {enc.name}: a buffer of {biggest} elements exceeds 32-bit offsets")
+    scratch = enc.scratch_chunks[ch.rank] * chunk
+    _mailbox(ch, max(enc.mailbox_chunks, default=0) * chunk * esize)  # it only grows: later calls fit too
+    return _Launch(
+        enc=enc,
+        code=dev(rc.code),
+        tbs=dev(rc.tbs),
+        deps=dev(rc.deps),
+        n_tb=rc.n_tb,
+        slices=S,
+        chunk_elems=chunk,
+        slice_elems=slice_elems,
+        vec=vec,
+        out_numel=enc.out_chunks * chunk,
+        scratch=torch.empty(scratch, dtype=x.dtype, device=x.device) if scratch else None,
+        input_copy=torch.empty_like(x) if enc.writes_input else None,
+    )
+
+
+def _check_previous(ch: _Channel) -> None:
+    if ch.event is not None and ch.event.query() and int(ch.err_host[0]):
+        _raise(ch.err_host, ch.group_name)
+
+
+def _raise(err: Tensor, group_name: str) -> None:
+    from ..kernels.plan_exec import check_error
+
+    check_error(err, group_name)
+
+
+def check_errors() -> None:
+    """Synchronize and raise if a wait of the schedule kernel timed out on this rank (tests, after replays)."""
+    torch.cuda.synchronize()
+    for ch in _channels.values():
+        if int(ch.err[0]):
+            _raise(ch.err.cpu(), ch.group_name)
+
+
+def output_shape(x: Tensor, out_numel: int) -> tuple[int, ...]:
+    """The input's shape when the sizes agree, else along dim 0 (all-gather grows it, reduce-scatter
+    shrinks it) when the trailing dims divide, else flat."""
+    if out_numel == x.numel():
+        return tuple(x.shape)
+    inner = math.prod(x.shape[1:]) if x.dim() > 1 else 1
+    if x.dim() >= 1 and inner and out_numel % inner == 0:
+        return (out_numel // inner, *x.shape[1:])
+    return (out_numel,)
+
+
+def validate(plan: Plan, x: Tensor, group_name: str) -> None:
+    if not isinstance(x, Tensor) or not x.is_cuda:
+        raise ValueError("fluxcompile.schedules: the GPU executor takes one CUDA tensor per rank")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"fluxcompile.schedules: dtype {x.dtype} (supported: {', '.join(map(str, DTYPES))})")
+    if not x.is_contiguous():
+        raise ValueError("fluxcompile.schedules: the input must be contiguous")
+    if x.numel() == 0 or x.numel() % plan.in_chunks:
+        raise ValueError(
+            f"fluxcompile.schedules: {plan.name} cuts its input into {plan.in_chunks} chunks; "
+            f"{x.numel()} elements do not divide"
+        )
+    size = _group(group_name).size()
+    if size != plan.num_ranks:
+        raise ValueError(f"fluxcompile.schedules: {plan.name} is for {plan.num_ranks} ranks, the group has {size}")
+
+
+def run_plan(
+    plan: Plan,
+    x: Tensor,
+    group: object = None,
+    out: Tensor | None = None,
+    *,
+    slices: int | None = None,
+    max_spin: int | None = None,
+) -> Tensor:
+    """Run ``plan`` on this rank's ``x`` (every rank of ``group`` calls it alike); returns this rank's output
+    (``out`` if given: contiguous, of the output's size and x's dtype)."""
+    from ..kernels.plan_exec import plan_exec
+
+    group_name = group_name_of(group)
+    key = (id(plan), group_name, x.device.index, x.dtype, x.numel(), slices)
+    launch = _launches.get(key)
+    if launch is None:
+        validate(plan, x, group_name)
+        if _capturing():
+            raise RuntimeError(
+                f"fluxcompile.schedules: the first call of {plan.name} for {x.numel()} {x.dtype} elements must be "
+                "eager (warm up before CUDA graph capture)"
+            )
+        ch = _channel(group_name)
+        launch = _launches[key] = _build(plan, ch, x, slices)
+    elif not x.is_contiguous():
+        raise ValueError("fluxcompile.schedules: the input must be contiguous")
+    ch = _channels[(group_name, torch.cuda.current_device())]
+    if out is None:
+        out = torch.empty(output_shape(x, launch.out_numel), dtype=x.dtype, device=x.device)
+    elif out.numel() != launch.out_numel or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"fluxcompile.schedules: out must be contiguous {x.dtype} with {launch.out_numel} elements")
+    elif out.data_ptr() == x.data_ptr():
+        raise ValueError("fluxcompile.schedules: out must not be the input (plans may read it after writing out)")
+    inp = x
+    if launch.input_copy is not None:
+        launch.input_copy.copy_(x)
+        inp = launch.input_copy
+    capturing = _capturing()
+    if not capturing:
+        _check_previous(ch)
+    spin = max_spin if max_spin is not None else int(TIMEOUT_S * 1e6)
+    args = (
+        launch.code, launch.tbs, launch.deps, inp, out,
+        launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state, ch.err,
+    )  # fmt: skip
+    kw = dict(
+        n_tb=launch.n_tb, slices=launch.slices, chunk_elems=launch.chunk_elems, slice_elems=launch.slice_elems,
+        vec=launch.vec, rank=ch.rank, world=ch.world, max_spin=spin,
+    )  # fmt: skip
+    # Once per launch (not per alignment variant: that may differ between ranks, the barrier must not).
+    ready_key = key
+    if ready_key not in _ready:
+        if capturing:
+            raise RuntimeError(f"fluxcompile.schedules: warm up {plan.name} eagerly before CUDA graph capture")
+        plan_exec(*args, compile_only=True, **kw)  # compile first, then start together
+        torch.cuda.synchronize()
+        dist.barrier(group=_group(group_name))
+        _ready.add(ready_key)
+    plan_exec(*args, **kw)
+    if not capturing:
+        ch.err_host.copy_(ch.err, non_blocking=True)
+        if ch.event is None:
+            ch.event = torch.cuda.Event()
+        ch.event.record()
+    return out
