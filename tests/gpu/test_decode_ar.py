@@ -82,11 +82,13 @@ def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
     """Which choices must accept a shape (pins the support matrix, so no check passes by declining)."""
     if name == "reference":
         return True
+    world = dist.get_world_size()  # a two-shot kernel needs a tile for every rank to own
     if name.startswith("cuda:"):
-        return m <= 64 and n % 8 == 0 and layout == "nk"
+        return m <= 64 and n % 8 == 0 and layout == "nk" and ("twoshot" not in name or -(-n // 32) >= world)
     if name.startswith("triton:"):
         v = decode_ar.TRITON_VARIANTS[name.split(":", 1)[1]]
-        return v.min_m <= m <= v.max_m
+        tiles = -(-m // v.block[0]) * -(-n // v.block[1])
+        return v.min_m <= m <= v.max_m and (not v.two_shot or tiles >= world)
     if name.startswith("torch_symm_mem:"):
         return (m * n * 2) % 16 == 0
     raise AssertionError(f"unknown choice {name}")
