@@ -6,6 +6,9 @@ print(fluxcompile.explain(model, x))                  # what fused, what did not
 
 __version__ = "0.1.0"
 
+import logging as _logging
+import os as _os
+
 from . import ops
 from .backend import disable, enable, explain, fluxcompile_backend
 from .config import config
@@ -29,3 +32,20 @@ def _register_backend() -> None:
 _register_backend()
 
 __all__ = ["collect_reports", "config", "disable", "enable", "explain", "fluxcompile_backend", "ops", "reports"]
+
+
+def _log_from_env() -> None:
+    """``FLUXCOMPILE_LOG=info`` (or debug, ...) prints fluxcompile's own log (the autotuner's tables, the
+    rewrite decisions) to stderr, without configuring anybody else's loggers."""
+    level = _os.environ.get("FLUXCOMPILE_LOG")
+    if not level:
+        return
+    logger = _logging.getLogger("fluxcompile")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("[fluxcompile %(name)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+_log_from_env()

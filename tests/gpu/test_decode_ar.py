@@ -29,6 +29,9 @@ VARIANTS = ((False, None), (True, None), (False, "before"), (True, "after"))
 def experimental(monkeypatch):
     monkeypatch.setattr(decode_ar, "ENABLED", True)
     monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", True)  # a timed-out wait fails the call at once
+    from fluxcompile.lowerings import matmul_all_reduce
+
+    monkeypatch.setattr(matmul_all_reduce, "SCHEDULES_ENABLED", True)
 
 
 def _seed() -> int:
@@ -91,6 +94,8 @@ def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
         return v.min_m <= m <= v.max_m and (not v.two_shot or tiles >= world)
     if name.startswith("torch_symm_mem:"):
         return (m * n * 2) % 16 == 0
+    if name.startswith("schedules:"):  # the schedule language's all-reduce after cuBLAS
+        return name == "schedules:one_shot" or (m * n) % world == 0
     raise AssertionError(f"unknown choice {name}")
 
 
