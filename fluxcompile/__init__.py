@@ -10,6 +10,7 @@ import logging as _logging
 import os as _os
 
 from . import ops
+
 from .backend import disable, enable, explain, fluxcompile_backend
 from .config import config
 from .fx_passes.report import collect as collect_reports
@@ -49,3 +50,11 @@ def _log_from_env() -> None:
 
 
 _log_from_env()
+
+# The fused ops' CUDA implementations (the autotuned choices) register when lowerings is imported. Without
+# this import a compiled model's fused ops fell back to their reference implementations (cuBLAS + NCCL):
+# the first model-level runs measured the reference, not the fused kernels. Last, after config is bound.
+try:
+    from . import lowerings  # noqa: F401
+except ImportError as _e:  # e.g. no Triton in a CPU-only install: the reference implementations run
+    _logging.getLogger("fluxcompile").warning("fluxcompile: fused CUDA implementations unavailable: %s", _e)

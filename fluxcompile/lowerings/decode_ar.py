@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..symm_mem import FlagArray, Workspace, init_flags, workspace
 
-ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_DECODE", "0") == "1"
+ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_DECODE", "1") == "1"  # GPU tests passed on 2x H200
 CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
 # A peer that has not signalled after this long is an error (generous: a peer may be compiling).
 TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_DECODE_TIMEOUT_S", "60"))
