@@ -98,7 +98,7 @@ def measure(collective: str, nbytes: int, args: argparse.Namespace) -> dict:
     R = dist.get_world_size()
     dtype = torch.bfloat16
     numel = nbytes // 2
-    g = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh every run
     x = torch.randn(numel, device="cuda", dtype=torch.float32, generator=g).to(dtype)
     out_numel = numel * R if collective == "all_gather" else numel
     ref = reference(collective, x)
