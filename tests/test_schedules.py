@@ -387,3 +387,15 @@ def test_random_manual_threadblocks(seed):
     check_deadlock(plan)
     for a, b in zip(execute(plan, xs), interpret(p, xs)):
         torch.testing.assert_close(a, b)
+
+
+def test_ring_order_of_the_fused_choices_comes_from_the_library():
+    """The AG / RS choices move row blocks in library.ring_all_gather(reverse=True)'s arrival order:
+    rank + 1 first (Flux's ring after the local rank), for every world size the checker covers."""
+    from fluxcompile.schedules.orders import arrival_order, ring_after
+
+    for world in SIZES:
+        for rank in range(world):
+            assert list(ring_after(rank, world)) == [(rank + s) % world for s in range(1, world)]
+    # The forward ring delivers the other way round: rank - 1 first.
+    assert arrival_order(library.ring_all_gather(4), 0) == [3, 2, 1]

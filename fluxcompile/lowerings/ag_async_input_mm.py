@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..schedules.orders import ring_after
 from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
 from .ag_cublas_pipelined import shard_layout
 
@@ -72,7 +73,7 @@ def all_gather_matmul(
     main, side = torch.cuda.current_stream(), side_stream()
     A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
     rows_of = A_gathered.view(world, rows, k)
-    order = [(rank + step) % world for step in range(1, world)]
+    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
 
     for p in order:  # our buffer is free once every peer has pulled the previous shard
         stream_wait(main, done.addr(rank, p), 1)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..schedules.orders import ring_after
 from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
 
 NAME = "cublas_pipelined"
@@ -89,7 +90,7 @@ def all_gather_matmul(
     rows_of = A_gathered.view(group_size, shard_rows, k)  # rank i's rows (gather dim has no leading dims)
     outs = [torch.empty((group_size * shard_rows, b.shape[-1]), dtype=A.dtype, device=A.device) for b in Bs]
     a_local = A.view(shard_rows, k)
-    order = [(rank + step) % world for step in range(1, world)]  # ring after the local rank
+    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
 
     def slot(owner: int, src: int) -> Tensor:  # rows from rank src, in owner's buffer
         return ws.view(owner, (shard_rows, k), A.dtype, src * slot_bytes)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..schedules.orders import ring_after
 from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
 
 NAME = "cublas_pipelined"
@@ -123,7 +124,7 @@ def matmul_reduce_scatter(
     ready, done = ready_done_flags(group_name, "matmul_reduce_scatter.flags", world)
 
     main = torch.cuda.current_stream()
-    order = [(rank + step) % world for step in range(1, world)]  # ring after the local rank
+    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
 
     def slot(owner: int, index: int) -> Tensor:
         return ws.view(owner, (rows, n), dtype, index * slot_bytes)

@@ -5,14 +5,16 @@ from __future__ import annotations
 from .program import INPUT, OUTPUT, SCRATCH, Program, chunk
 
 
-def ring_all_gather(num_ranks: int) -> Program:
-    """Each rank's block travels once around the ring (R-1 hops); middle hops fuse to rcs."""
+def ring_all_gather(num_ranks: int, reverse: bool = False) -> Program:
+    """Each rank's block travels once around the ring (R-1 hops); middle hops fuse to rcs. ``reverse``: the
+    blocks travel from r to r - 1, so rank r receives r + 1's block first, then r + 2's, ... (Flux's order)."""
     R = num_ranks
-    with Program(f"ring_all_gather_{R}", "all_gather", R) as p:
+    step = -1 if reverse else 1
+    with Program(f"ring_all_gather_{R}{'_reverse' if reverse else ''}", "all_gather", R) as p:
         for r in range(R):
             c = chunk(INPUT, r, 0).copy(r, OUTPUT, r)
             for k in range(1, R):
-                c = c.copy((r + k) % R, OUTPUT, r)
+                c = c.copy((r + step * k) % R, OUTPUT, r)
     return p
 
 
