@@ -10,7 +10,6 @@ import logging as _logging
 import os as _os
 
 from . import ops
-
 from .backend import disable, enable, explain, fluxcompile_backend
 from .config import config
 from .fx_passes.report import collect as collect_reports

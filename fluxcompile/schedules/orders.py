@@ -27,7 +27,7 @@ def arrival_order(program: Program, rank: int) -> list[int]:
     return list(order)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ring_after(rank: int, world: int) -> tuple[int, ...]:
     """The peers in the order the Flux ring delivers their blocks to ``rank``: rank + 1 first, then rank + 2,
     ... (``library.ring_all_gather(world, reverse=True)``). The fused all-gather and reduce-scatter choices
