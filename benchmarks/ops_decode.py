@@ -125,7 +125,6 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         methods["torch_one_shot"] = lambda c=one_shot: c.fn(*op_args)
     # The CUDA kernel on a one-rank group: its GEMV (and epilogue) with no communication, so its ECT splits
     # into the kernel's math against cuBLAS and the cost of the exchange.
-    solo_args = None
     gemv = choices.get("cuda:gemv-oneshot")
     if gemv is not None:
         solo_args = (*op_args[:-1], _solo_group())

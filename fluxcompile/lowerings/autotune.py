@@ -229,7 +229,7 @@ def _benchmark(
         _barrier(group, device)
         _synchronize(run_device)
         samples.append([] if _run(choice, args, run_device, WARMUP, None) else None)
-    runners: list[Any] = [functools.partial(c.fn, *args) for c in candidates]
+    runners: list[Any] = [None] * len(candidates)  # None: _run calls the choice itself
     if graphs:
         for i, choice in enumerate(candidates):
             _barrier(group, device)

@@ -11,13 +11,12 @@ Choices (every one capturable in a CUDA graph once a first eager call made its w
   symmetric buffer (``mm(out=)``), then PyTorch's ``symm_mem.one_shot_all_reduce_out`` /
   ``two_shot_all_reduce_out``; the RMSNorm tail, if any, in PyTorch ops after it;
 * ``schedules:one_shot`` / ``schedules:two_shot``: cuBLAS (or x), then the schedule language's library
-  all-reduce run by its plan-interpreter kernel (fluxcompile/schedules, gpu_executor.py); EXPERIMENTAL:
-  declines unless ``FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=1`` until tests/gpu/test_schedules_gpu.py has passed;
+  all-reduce run by its plan-interpreter kernel (fluxcompile/schedules, gpu_executor.py);
 * ``reference``: cuBLAS then NCCL (registered by choices.py).
 
-The cuda and triton kernels and the two-shot PyTorch choice are EXPERIMENTAL: they decline unless
-``FLUXCOMPILE_EXPERIMENTAL_DECODE=1`` until the lead has run tests/gpu/test_decode_ar.py on GPUs. The
-one-shot PyTorch choice is on by default (PyTorch's own kernel; no multicast).
+The cuda and triton kernels, the two-shot PyTorch choice and the schedules choices are on by default since
+their GPU tests passed on 2xH200; ``FLUXCOMPILE_EXPERIMENTAL_DECODE=0`` / ``FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0``
+switch them off. The one-shot PyTorch choice is always on (PyTorch's own kernel; no multicast).
 """
 
 from __future__ import annotations
@@ -131,7 +130,7 @@ def _sched_supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_n
     dtype = _product_dtype(x, As, Bs)
     if dtype not in DTYPES:
         return f"dtype {dtype}"
-    world = torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+    world = decode_ar._group(group_name).size()
     numel = math.prod(out_shape)
     if numel == 0 or (program == "two_shot" and numel % world):
         return f"{numel} elements do not split into {world} chunks"
