@@ -190,16 +190,23 @@ def compile_variant(name: str, module: torch.nn.Module, census: Census, zero: Ze
 
 
 def timed_rounds(
-    fns: dict[str, Callable[[], object]], warmup: int, rounds: int, per_round: int, device: str
+    fns: dict[str, Callable[[], object]],
+    warmup: int,
+    rounds: int,
+    per_round: int,
+    device: str,
+    host: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """µs per call of each fn: interleaved rounds (each round runs ``per_round`` calls of every fn in turn,
     so drift hits all alike), the median over a fn's calls, then the slowest rank. CUDA events on GPU,
-    perf_counter on CPU."""
+    perf_counter on CPU. On GPU, ``host`` (if given) receives each fn's median host time per call (the
+    time to enqueue it): where that is near the GPU time, the GPU waits for the host."""
     cuda = device == "cuda"
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    host_samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             if cuda:
@@ -211,9 +218,11 @@ def timed_rounds(
                     for _ in range(per_round)
                 ]
                 for start, end in ev:
+                    t0 = time.perf_counter()
                     start.record()
                     fn()
                     end.record()
+                    host_samples[name].append((time.perf_counter() - t0) * 1e6)
                 torch.cuda.synchronize()
                 samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
             else:
@@ -223,6 +232,10 @@ def timed_rounds(
                     samples[name].append((time.perf_counter() - t0) * 1e6)
     med = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64, device=device)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if cuda and host is not None:
+        hmed = torch.tensor([statistics.median(v) for v in host_samples.values()], dtype=torch.float64, device=device)
+        dist.all_reduce(hmed, op=dist.ReduceOp.MAX)
+        host.update(zip(fns, hmed.tolist()))
     return dict(zip(fns, med.tolist()))
 
 
@@ -292,7 +305,7 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
     dim = args.shape.dim
     variants = [v for v in args.variants if not (v == "async_tp" and device != "cuda")]  # symm_mem: CUDA only
     row: dict[str, Any] = {"regime": regime, "size": size, "tokens": size if sp else 1, "batch": 1 if sp else size}
-    row.update(us={}, compile_s={}, errors={}, failed={}, census={}, zero_comm={}, report={}, fused={})
+    row.update(us={}, host_us={}, compile_s={}, errors={}, failed={}, census={}, zero_comm={}, report={}, fused={})
 
     def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator(device=device).manual_seed(seed)
@@ -371,8 +384,16 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
     )
     if fns:
         per_round = max(1, args.iters // args.rounds)
-        t = timed_rounds(fns, args.warmup, args.rounds, per_round, device)
+        host: dict[str, float] = {}
+        t = timed_rounds(fns, args.warmup, args.rounds, per_round, device, host)
         row["us"] = {k: v / n for k, v in t.items()}
+        row["host_us"] = {k: v / n for k, v in host.items()}
+        if rank == 0 and host:
+            print(
+                f"[{regime} {size}] host µs per call (GPU µs): "
+                + ", ".join(f"{k} {host[k] / n:.0f} ({t[k] / n:.0f})" for k in t),
+                flush=True,
+            )
     _derive(row)
     del fns, graphs, calls, mods
     return row
