@@ -24,6 +24,7 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES: dict[str, tuple[str, ...]] = {
     # module name -> its sources (headers are hashed too, so an edited header rebuilds)
     "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h"),
+    "pipelined": ("pipelined.cpp",),  # host code only: the cuBLAS-pipelined choices' stream sequences
 }
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 
@@ -95,6 +96,7 @@ def load(name: str) -> ModuleType:
             extra_cuda_cflags=[*NVCC_FLAGS, arch_flag(capability)],
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
+            with_cuda=True,  # CUDA headers and cudart also for the host-only modules
             verbose=os.environ.get("FLUXCOMPILE_CSRC_VERBOSE", "0") == "1",
         )
     except Exception as e:

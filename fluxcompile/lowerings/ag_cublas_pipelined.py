@@ -23,6 +23,7 @@ so a call can be captured in a CUDA graph once its workspace and flags exist (fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -30,7 +31,8 @@ import torch
 from torch import Tensor
 
 from ..schedules.orders import ring_after
-from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import Workspace, ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from .sequencer import sequencer
 
 NAME = "cublas_pipelined"
 
@@ -64,6 +66,57 @@ def shard_layout(A: Tensor, gather_dim: int, group_size: int) -> tuple[Tensor, i
     return A, A.numel() // k, k, gathered_shape
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What a call signature needs besides its operands: slot views and flag addresses (see csrc/pipelined.cpp
+    for the lists' meaning; ``j`` runs over the peers in ring order)."""
+
+    ws: Workspace
+    rank: int
+    world: int
+    order: list[int]
+    peer_slots: list[Tensor]  # slot rank in peer order[j]'s buffer: our shard goes there
+    my_slots: list[Tensor]  # slot order[j] in our buffer: its shard arrives there
+    done_mine: list[int]
+    ready_theirs: list[int]
+    ready_mine: list[int]
+    done_theirs: list[int]
+
+
+_plans: dict[tuple, _Plan] = {}
+_TAG = "all_gather_matmul"
+
+
+def _plan(shard_rows: int, k: int, dtype, group_size: int, group_name: str) -> _Plan:
+    key = (group_name, torch.cuda.current_device(), shard_rows, k, dtype)
+    plan = _plans.get(key)
+    # Views of one buffer: valid while it is still the workspace (every rank rebuilds alike when it grew).
+    if plan is not None and workspace(group_name, 0, tag=_TAG) is plan.ws:
+        return plan
+    slot_bytes = -(-shard_rows * k * dtype.itemsize // 256) * 256
+    ws = workspace(group_name, slot_bytes * group_size, tag=_TAG)
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    ready, done = ready_done_flags(group_name, "all_gather_matmul.flags", world)
+    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
+
+    def slot(owner: int, src: int) -> Tensor:  # rows from rank src, in owner's buffer
+        return ws.view(owner, (shard_rows, k), dtype, src * slot_bytes)
+
+    plan = _Plan(
+        ws=ws, rank=rank, world=world, order=order,
+        peer_slots=[slot(p, rank) for p in order],
+        my_slots=[slot(rank, p) for p in order],
+        done_mine=[done.addr(rank, p) for p in order],
+        ready_theirs=[ready.addr(p, rank) for p in order],
+        ready_mine=[ready.addr(rank, p) for p in order],
+        done_theirs=[done.addr(p, rank) for p in order],
+    )  # fmt: skip
+    _plans[key] = plan
+    return plan
+
+
 def all_gather_matmul(
     A: Tensor,
     Bs: Sequence[Tensor],
@@ -77,54 +130,57 @@ def all_gather_matmul(
     the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles (the split into
     per-rank GEMMs costs up to a wave each otherwise: 15% at 1024 x 14336 on 132 SMs)."""
     A, shard_rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
-    slot_bytes = -(-A.numel() * A.element_size() // 256) * 256
-    ws = workspace(group_name, slot_bytes * group_size, tag="all_gather_matmul")
-    rank, world = ws.rank, ws.world_size
-    if world != group_size:
-        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
-    ready, done = ready_done_flags(group_name, "all_gather_matmul.flags", world)
+    plan = _plan(shard_rows, k, A.dtype, group_size, group_name)
+    a_local = A.view(shard_rows, k)
+    seq = sequencer()
+    if seq is not None:
+        compute = [_compute_stream(j).cuda_stream for j in range(len(plan.order))] if concurrent else []
+        return seq.ag_pipelined(
+            a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, plan.order,
+            plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.rank, plan.world,
+            side_stream().cuda_stream, compute,
+        )  # fmt: skip
+    return _python_sequence(a_local, Bs, biases, gathered_shape, plan, concurrent)
 
+
+def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, concurrent: bool):
+    """The same stream operations as csrc/pipelined.cpp's ag_pipelined, from Python (its fallback)."""
+    rank, world = plan.rank, plan.world
+    shard_rows, k = a_local.shape
     main = torch.cuda.current_stream()
     side = side_stream()
-    A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
-    rows_of = A_gathered.view(group_size, shard_rows, k)  # rank i's rows (gather dim has no leading dims)
-    outs = [torch.empty((group_size * shard_rows, b.shape[-1]), dtype=A.dtype, device=A.device) for b in Bs]
-    a_local = A.view(shard_rows, k)
-    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
-
-    def slot(owner: int, src: int) -> Tensor:  # rows from rank src, in owner's buffer
-        return ws.view(owner, (shard_rows, k), A.dtype, src * slot_bytes)
+    A_gathered = torch.empty(gathered_shape, dtype=a_local.dtype, device=a_local.device)
+    rows_of = A_gathered.view(world, shard_rows, k)  # rank i's rows (gather dim has no leading dims)
+    outs = [torch.empty((world * shard_rows, b.shape[-1]), dtype=a_local.dtype, device=a_local.device) for b in Bs]
 
     side.wait_stream(main)  # A is ready
     with torch.cuda.stream(side):
-        for p in order:
-            stream_wait(side, done.addr(rank, p), 1)
-            stream_write(side, done.addr(rank, p), 0)
-            slot(p, rank).copy_(a_local)  # peer-to-peer: the copy engine
-            stream_write(side, ready.addr(p, rank), 1)
+        for j in range(len(plan.order)):
+            stream_wait(side, plan.done_mine[j], 1)
+            stream_write(side, plan.done_mine[j], 0)
+            plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
+            stream_write(side, plan.ready_theirs[j], 1)
         rows_of[rank].copy_(a_local)
 
-    compute = [_compute_stream(i) if concurrent else main for i in range(len(order))]
+    compute = [_compute_stream(j) if concurrent else main for j in range(len(plan.order))]
     for s in compute:
         if s is not main:
             s.wait_stream(main)  # A, the outputs and the flag reset are ready
     _mm_rows(a_local, Bs, biases, outs, rank, shard_rows)
-    for p, s in zip(order, compute):
+    for j, (p, s) in enumerate(zip(plan.order, compute)):
         with torch.cuda.stream(s):
-            stream_wait(s, ready.addr(rank, p), 1)
-            stream_write(s, ready.addr(rank, p), 0)
-            arrived = torch.cuda.Event()
-            arrived.record(s)
+            stream_wait(s, plan.ready_mine[j], 1)
+            stream_write(s, plan.ready_mine[j], 0)
+            side.wait_stream(s)
             with torch.cuda.stream(side):
-                side.wait_event(arrived)
-                rows_of[p].copy_(slot(rank, p))
-            _mm_rows(slot(rank, p), Bs, biases, outs, p, shard_rows)
+                rows_of[p].copy_(plan.my_slots[j])
+            _mm_rows(plan.my_slots[j], Bs, biases, outs, p, shard_rows)
     for s in compute:
         if s is not main:
             main.wait_stream(s)
     main.wait_stream(side)
-    for p in order:
-        stream_write(main, done.addr(p, rank), 1)
+    for addr in plan.done_theirs:
+        stream_write(main, addr, 1)
     return A_gathered, outs
 
 

@@ -95,7 +95,7 @@ def _fast_key(op_name: str, args: tuple, group_name: str, key_extra: str) -> tup
 
     def add(x: Any) -> None:
         if isinstance(x, torch.Tensor):
-            parts.append((x.dtype, x.device.type, tuple(x.shape), tuple(x.stride())))
+            parts.append((x.dtype, x.is_cuda, x.shape, x.stride()))  # the cheapest exact description
         elif isinstance(x, (list, tuple)):
             parts.append(len(x))
             for v in x:

@@ -29,6 +29,7 @@ exist (first eager call).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -36,7 +37,8 @@ import torch
 from torch import Tensor
 
 from ..schedules.orders import ring_after
-from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import Workspace, ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from .sequencer import sequencer
 
 NAME = "cublas_pipelined"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -101,6 +103,69 @@ def supports(
     return None
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What a call signature needs besides its operands: slot views and flag addresses (see csrc/pipelined.cpp
+    for the lists' meaning; ``j`` runs over the peers in ring order)."""
+
+    ws: Workspace
+    rank: int
+    world: int
+    rows: int
+    n: int
+    shape: list[int]
+    order: list[int]
+    peer_slots: list[Tensor]
+    stage_slots: list[Tensor]
+    own_slot: Tensor
+    own_slots: Tensor  # [world, rows, n]
+    done_mine: list[int]
+    ready_theirs: list[int]
+    ready_mine: list[int]
+    done_theirs: list[int]
+
+
+_plans: dict[tuple, _Plan] = {}
+_TAG = "matmul_reduce_scatter"
+
+
+def _plan(out_shape: Sequence[int], scatter_dim: int, group_size: int, group_name: str, dtype, push: bool) -> _Plan:
+    key = (group_name, torch.cuda.current_device(), tuple(out_shape), scatter_dim, dtype, push)
+    plan = _plans.get(key)
+    # A plan holds views of one buffer: valid while that is still the workspace (another signature may have
+    # grown it since; every rank makes the same calls, so every rank rebuilds here alike).
+    if plan is not None and workspace(group_name, 0, tag=_TAG) is plan.ws:
+        return plan
+    _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
+    itemsize = dtype.itemsize
+    slot_bytes = -(-rows * n * itemsize // 256) * 256
+    # Slots 0..world-1: the partials of our rows by source rank; push also stages ours in world..2*world-1.
+    ws = workspace(group_name, slot_bytes * group_size * (2 if push else 1), tag=_TAG)
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    ready, done = ready_done_flags(group_name, "matmul_reduce_scatter.flags", world)
+    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
+
+    def slot(owner: int, index: int) -> Tensor:
+        return ws.view(owner, (rows, n), dtype, index * slot_bytes)
+
+    mine = ws.view(rank, (world * slot_bytes // itemsize,), dtype).view(world, -1)[:, : rows * n]
+    plan = _Plan(
+        ws=ws, rank=rank, world=world, rows=rows, n=n, shape=shape, order=order,
+        peer_slots=[slot(p, rank) for p in order],
+        stage_slots=[slot(rank, world + p) for p in order] if push else [],
+        own_slot=slot(rank, rank),
+        own_slots=mine.view(world, rows, n),
+        done_mine=[done.addr(rank, p) for p in order],
+        ready_theirs=[ready.addr(p, rank) for p in order],
+        ready_mine=[ready.addr(rank, p) for p in order],
+        done_theirs=[done.addr(p, rank) for p in order],
+    )  # fmt: skip
+    _plans[key] = plan
+    return plan
+
+
 def matmul_reduce_scatter(
     As: Sequence[Tensor],
     Bs: Sequence[Tensor],
@@ -113,21 +178,21 @@ def matmul_reduce_scatter(
     *,
     push: bool = False,
 ) -> Tensor:
-    _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
-    dtype, device = As[0].dtype, As[0].device
-    slot_bytes = -(-rows * n * torch.empty((), dtype=dtype).element_size() // 256) * 256
-    # Slots 0..world-1: the partials of our rows by source rank; push also stages ours in world..2*world-1.
-    ws = workspace(group_name, slot_bytes * group_size * (2 if push else 1), tag="matmul_reduce_scatter")
-    rank, world = ws.rank, ws.world_size
-    if world != group_size:
-        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
-    ready, done = ready_done_flags(group_name, "matmul_reduce_scatter.flags", world)
+    plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push)
+    seq = sequencer()
+    if seq is not None:
+        side = side_stream().cuda_stream if push else 0
+        return seq.rs_pipelined(
+            list(As), list(Bs), bias, plan.peer_slots, plan.stage_slots, plan.own_slot, plan.own_slots, plan.order,
+            plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.shape, plan.rank, plan.rows,
+            push, side,
+        )  # fmt: skip
+    return _python_sequence(As, Bs, bias, plan, push)
 
-    main = torch.cuda.current_stream()
-    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
 
-    def slot(owner: int, index: int) -> Tensor:
-        return ws.view(owner, (rows, n), dtype, index * slot_bytes)
+def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, push: bool):
+    """The same stream operations as csrc/pipelined.cpp's rs_pipelined, from Python (its fallback)."""
+    rows, main = plan.rows, torch.cuda.current_stream()
 
     def partial(owner: int, dst: Tensor) -> None:
         """Our partial of ``owner``'s rows into ``dst`` (bias in the first product, as the reference)."""
@@ -141,37 +206,33 @@ def matmul_reduce_scatter(
 
     if push:
         side = side_stream()
-        for p in order:
-            stage = slot(rank, world + p)
-            partial(p, stage)
-            computed = torch.cuda.Event()
-            computed.record(main)
+        for j, p in enumerate(plan.order):
+            partial(p, plan.stage_slots[j])
+            side.wait_stream(main)
             with torch.cuda.stream(side):
-                side.wait_event(computed)
-                stream_wait(side, done.addr(rank, p), 1)
-                stream_write(side, done.addr(rank, p), 0)
-                slot(p, rank).copy_(stage)  # peer-to-peer: the copy engine
-                stream_write(side, ready.addr(p, rank), 1)
+                stream_wait(side, plan.done_mine[j], 1)
+                stream_write(side, plan.done_mine[j], 0)
+                plan.peer_slots[j].copy_(plan.stage_slots[j])  # peer-to-peer: the copy engine
+                stream_write(side, plan.ready_theirs[j], 1)
     else:
-        for p in order:
-            stream_wait(main, done.addr(rank, p), 1)
-            stream_write(main, done.addr(rank, p), 0)
-            partial(p, slot(p, rank))  # zero-copy: cuBLAS stores into p's memory
-            stream_write(main, ready.addr(p, rank), 1)
-    partial(rank, slot(rank, rank))
+        for j, p in enumerate(plan.order):
+            stream_wait(main, plan.done_mine[j], 1)
+            stream_write(main, plan.done_mine[j], 0)
+            partial(p, plan.peer_slots[j])  # zero-copy: cuBLAS stores into p's memory
+            stream_write(main, plan.ready_theirs[j], 1)
+    partial(plan.rank, plan.own_slot)
 
-    for p in order:
-        stream_wait(main, ready.addr(rank, p), 1)
-        stream_write(main, ready.addr(rank, p), 0)
-    out = torch.empty(shape, dtype=dtype, device=device)
-    out2 = out.view(rows, n)
-    if world == 2:
-        torch.add(slot(rank, 0), slot(rank, 1), out=out2)  # fp32 math, one rounding
+    for addr in plan.ready_mine:
+        stream_wait(main, addr, 1)
+        stream_write(main, addr, 0)
+    out = torch.empty(plan.shape, dtype=As[0].dtype, device=As[0].device)
+    out2 = out.view(rows, plan.n)
+    if plan.world == 2:
+        torch.add(plan.own_slots[0], plan.own_slots[1], out=out2)  # fp32 math, one rounding
     else:
-        slots = ws.view(rank, (world * slot_bytes // out.element_size(),), dtype).view(world, -1)[:, : rows * n]
-        torch.sum(slots.view(world, rows, n), dim=0, out=out2)  # accumulates in fp32, rounds once
+        torch.sum(plan.own_slots, dim=0, out=out2)  # accumulates in fp32, rounds once
     if push:
-        main.wait_stream(side)  # our pushes are done: the staging slots are free for the next call
-    for p in order:
-        stream_write(main, done.addr(p, rank), 1)
+        main.wait_stream(side_stream())  # our pushes are done: the staging slots are free for the next call
+    for addr in plan.done_theirs:
+        stream_write(main, addr, 1)
     return out

@@ -10,3 +10,14 @@ def poison_allocator(nbytes: int = 1 << 30) -> None:
     t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     t.fill_(float("nan"))
     del t
+
+
+def use_sequencer(kind: str, monkeypatch) -> None:
+    """Run the cuBLAS-pipelined choices through the C++ sequencer ("cpp", which must have built) or their
+    Python sequences ("python")."""
+    from fluxcompile.lowerings import sequencer
+
+    if kind == "python":
+        monkeypatch.setitem(sequencer._state, "mod", None)
+    else:
+        assert sequencer.sequencer() is not None, "csrc/pipelined.cpp did not build (see the log's warning)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator
+from gpu_helpers import poison_allocator, use_sequencer
 
 from fluxcompile import ops
 from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
@@ -39,9 +39,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("seq", ["cpp", "python"])
 @pytest.mark.parametrize("concurrent", [False, True])
 @pytest.mark.parametrize(("shape", "dim", "ns", "bias"), CASES)
-def test_pipelined_matches_reference(shape, dim, ns, bias, concurrent):
+def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, concurrent, seq):
+    use_sequencer(seq, monkeypatch)
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, _seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
@@ -65,15 +67,18 @@ def test_pipelined_declines_interleaved_rows():
     assert reason and "leading dim" in reason
 
 
-def test_pipelined_in_cuda_graph():
+@pytest.mark.parametrize("seq", ["cpp", "python"])
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_pipelined_in_cuda_graph(monkeypatch, seq, concurrent):
+    use_sequencer(seq, monkeypatch)
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, _seed())
     args = lambda: (A, Bs, biases, 0, group.size(), group.group_name)  # noqa: E731
-    pipelined.all_gather_matmul(*args())  # warm-up: creates the workspace outside capture
+    pipelined.all_gather_matmul(*args(), concurrent=concurrent)  # warm-up: workspace made outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_A, static_outs = pipelined.all_gather_matmul(*args())
+        static_A, static_outs = pipelined.all_gather_matmul(*args(), concurrent=concurrent)
     for _ in range(5):
         A.copy_(torch.randn_like(A))  # fresh inputs, same addresses
         graph.replay()

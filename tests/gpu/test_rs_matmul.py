@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator
+from gpu_helpers import poison_allocator, use_sequencer
 
 from fluxcompile import ops
 from fluxcompile.lowerings import choices_for, rs_triton
@@ -19,7 +19,9 @@ OP = "matmul_reduce_scatter"
 
 # The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.
 TRITON = [f"triton:{v}" for v in sorted(rs_triton.VARIANTS)]
-CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "torch_symm_mem", *TRITON]
+# "@python": the cuBLAS-pipelined choice through its Python sequence instead of the C++ sequencer.
+CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined@python", "cublas_pipelined:push@python",
+           "torch_symm_mem", *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
 
 # (name, rows per rank, form, N, K of each product, bias); forms: "2d" [M, N] on dim 0, "sp" [1, M, N] on
@@ -62,6 +64,9 @@ def _refresh(args) -> None:
 
 
 def _choice(name: str, monkeypatch):
+    name, _, seq = name.partition("@")
+    if name.startswith("cublas_pipelined"):
+        use_sequencer(seq or "cpp", monkeypatch)
     if name.startswith("triton:"):
         monkeypatch.setattr(rs_triton, "ENABLED", True)
         monkeypatch.setattr(rs_triton, "CHECK_EACH_CALL", True)  # a timed-out wait fails the test at once
@@ -78,7 +83,7 @@ def _supported_or_skip(choice, args) -> None:
 
 def _poison_workspace(name: str, group_name: str) -> None:
     """NaN (all-ones bytes) over this rank's slots, with every rank idle: a slot a call forgets shows."""
-    tag = TAGS[name.partition(":")[0]] if not name.startswith("torch") else None
+    tag = TAGS[name.partition("@")[0].partition(":")[0]] if not name.startswith("torch") else None
     if tag is None:
         return
     torch.cuda.synchronize()
@@ -105,7 +110,9 @@ def test_choice_matches_reference(monkeypatch, name, case):
         _refresh(args)
 
 
-@pytest.mark.parametrize("name", ["cublas_pipelined", "cublas_pipelined:push", TRITON[0]])
+@pytest.mark.parametrize(
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:push@python", TRITON[0]]
+)
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:
     the done handshake (cuBLAS) / parity slots (Triton) must keep a fast rank off slots still being read."""
@@ -127,7 +134,9 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
         assert_close(o, r, 1e-2, f"{name} call {i}")
 
 
-@pytest.mark.parametrize("name", ["cublas_pipelined", "cublas_pipelined:push", "torch_symm_mem", TRITON[0]])
+@pytest.mark.parametrize(
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined@python", "torch_symm_mem", TRITON[0]]
+)
 def test_in_cuda_graph(monkeypatch, name):
     choice = _choice(name, monkeypatch)
     case = CASES[2] if name != "torch_symm_mem" else ("sp", 77, "sp", 128, (128,), False)
@@ -159,7 +168,7 @@ def test_second_group_gets_its_own_workspace(monkeypatch, name):
         args = _case_args(CASES[1], g, seed)
         _supported_or_skip(choice, args)
         assert_close(choice.fn(*args), ops._matmul_reduce_scatter_ref(*args), 1e-2, f"group {g.group_name}")
-    tag = TAGS[name.partition(":")[0]]
+    tag = TAGS[name.partition("@")[0].partition(":")[0]]
     w1 = workspace(world.group_name, 1, tag=tag)
     w2 = workspace(other.group_name, 1, tag=tag)
     assert w1.buffer.data_ptr() != w2.buffer.data_ptr()

@@ -1,0 +1,241 @@
+// Host sequencers of the cuBLAS-pipelined choices (fluxcompile/lowerings/ag_cublas_pipelined.py and
+// rs_cublas_pipelined.py): exactly the stream operations of their Python fallbacks, issued from C++.
+//
+// Why: on the 2xH200 machine one torch op called from Python costs ~18 us of host time, so the Python
+// sequences cost 180 us (GEMM + reduce-scatter) and 340 us (all-gather + GEMM) per call, more than the GPU
+// work of a 2048-token layer: the GPU waited for the host (benchmarks/host_cost.py). Slot views and flag
+// addresses are precomputed once per call signature by the Python side (its "plan"); this file only
+// issues the GEMMs, copies, events and flag memory operations.
+//
+// Flags are 32-bit words in symmetric memory, set and awaited by the GPU front end (cuStreamWriteValue32 /
+// cuStreamWaitValue32, no SM), with the protocol of fluxcompile/symm_mem/signals.py.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using MemOpFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+struct MemOps {
+  MemOpFn wait = nullptr;
+  MemOpFn write = nullptr;
+};
+
+MemOpFn entry_point(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  // Through the runtime, so the module needs no link against libcuda; 12000: the CUDA 12 signatures.
+  cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+  TORCH_CHECK(rc == cudaSuccess && found == cudaDriverEntryPointSuccess && fn != nullptr,
+              "fluxcompile: the CUDA driver has no ", name);
+  return reinterpret_cast<MemOpFn>(fn);
+}
+
+const MemOps& memops() {
+  static const MemOps ops{entry_point("cuStreamWaitValue32"), entry_point("cuStreamWriteValue32")};
+  return ops;
+}
+
+void wait_flag(const c10::cuda::CUDAStream& s, int64_t addr, uint32_t value) {
+  CUresult rc = memops().wait(reinterpret_cast<CUstream>(s.stream()), static_cast<CUdeviceptr>(addr), value,
+                              CU_STREAM_WAIT_VALUE_EQ);
+  TORCH_CHECK(rc == CUDA_SUCCESS, "fluxcompile: cuStreamWaitValue32 failed (", static_cast<int>(rc), ")");
+}
+
+void write_flag(const c10::cuda::CUDAStream& s, int64_t addr, uint32_t value) {
+  CUresult rc = memops().write(reinterpret_cast<CUstream>(s.stream()), static_cast<CUdeviceptr>(addr), value,
+                               CU_STREAM_WRITE_VALUE_DEFAULT);
+  TORCH_CHECK(rc == CUDA_SUCCESS, "fluxcompile: cuStreamWriteValue32 failed (", static_cast<int>(rc), ")");
+}
+
+// `waiter` waits for everything queued on `producer` so far (torch.cuda.Stream.wait_stream).
+// (A plain event, destroyed at once: CUDA keeps it until the wait is resolved; inside graph capture the
+// pair becomes a graph edge.)
+void join(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& producer) {
+  cudaEvent_t event;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(event, producer.stream()));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
+  C10_CUDA_CHECK(cudaEventDestroy(event));
+}
+
+c10::cuda::CUDAStream external(int64_t handle, c10::DeviceIndex device) {
+  return c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(handle), device);
+}
+
+void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
+  for (size_t s : sizes) TORCH_CHECK(s == n, "fluxcompile: plan lists of different lengths");
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM -> reduce-scatter (rs_cublas_pipelined.py). Lists indexed j run over the peers in ring order:
+//   peer_slots[j]   slot `rank` in peer order[j]'s buffer (zero-copy: cuBLAS writes there)
+//   stage_slots[j]  push only: our local staging slot for order[j]'s rows
+//   done_mine[j]    done flag of peer order[j] in our flags (may we write into its slot?)
+//   ready_theirs[j] ready flag `rank` in order[j]'s flags (our partial has landed there)
+//   ready_mine[j]   ready flag order[j] in our flags (its partial of our rows has landed)
+//   done_theirs[j]  done flag `rank` in order[j]'s flags (our slot of its partial is free again)
+// own_slot: slot `rank` of our buffer; own_slots: [world, rows, n], our slots by source rank.
+at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
+                        const std::optional<at::Tensor>& bias, std::vector<at::Tensor> peer_slots,
+                        const std::vector<at::Tensor>& stage_slots, const at::Tensor& own_slot,
+                        const at::Tensor& own_slots, const std::vector<int64_t>& order,
+                        const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
+                        const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
+                        const std::vector<int64_t>& out_shape, int64_t rank, int64_t rows, bool push,
+                        int64_t side_handle) {
+  TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  if (push) check_lengths(peers, {stage_slots.size()});
+  const auto device = As[0].device().index();
+  c10::cuda::CUDAGuard guard(As[0].device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+
+  // Our partial of `owner`'s rows into dst; the bias goes into the first product, as in the reference.
+  auto partial = [&](int64_t owner, at::Tensor dst) {  // a tensor handle: writes go to the same memory
+    const int64_t lo = owner * rows;
+    if (bias.has_value()) {
+      at::addmm_out(dst, *bias, As[0].narrow(0, lo, rows), Bs[0]);
+    } else {
+      at::mm_out(dst, As[0].narrow(0, lo, rows), Bs[0]);
+    }
+    for (size_t i = 1; i < As.size(); ++i) dst.addmm_(As[i].narrow(0, lo, rows), Bs[i]);
+  };
+
+  if (push) {
+    const auto side = external(side_handle, device);
+    for (size_t j = 0; j < peers; ++j) {
+      partial(order[j], stage_slots[j]);
+      join(side, main);
+      wait_flag(side, done_mine[j], 1);
+      write_flag(side, done_mine[j], 0);
+      {
+        c10::cuda::CUDAStreamGuard on_side(side);
+        peer_slots[j].copy_(stage_slots[j]);  // peer-to-peer: the copy engine
+      }
+      write_flag(side, ready_theirs[j], 1);
+    }
+  } else {
+    for (size_t j = 0; j < peers; ++j) {
+      wait_flag(main, done_mine[j], 1);
+      write_flag(main, done_mine[j], 0);
+      partial(order[j], peer_slots[j]);  // zero-copy: cuBLAS stores into the peer's memory
+      write_flag(main, ready_theirs[j], 1);
+    }
+  }
+  partial(rank, own_slot);
+
+  for (size_t j = 0; j < peers; ++j) {
+    wait_flag(main, ready_mine[j], 1);
+    write_flag(main, ready_mine[j], 0);
+  }
+  at::Tensor out = at::empty(out_shape, As[0].options());
+  at::Tensor out2 = out.view({rows, own_slots.size(2)});
+  if (own_slots.size(0) == 2) {
+    at::add_out(out2, own_slots.select(0, 0), own_slots.select(0, 1));  // fp32 math, one rounding
+  } else {
+    at::sum_out(out2, own_slots, std::vector<int64_t>{0});  // accumulates in fp32, rounds once
+  }
+  if (push) join(main, external(side_handle, device));  // our pushes are done: staging slots free again
+  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// all-gather -> GEMM (ag_cublas_pipelined.py). Lists indexed j run over the peers in ring order:
+//   peer_slots[j]   slot `rank` in peer order[j]'s buffer (our shard goes there)
+//   my_slots[j]     slot order[j] in our buffer (its shard arrives there)
+//   flags as for rs_pipelined. compute_handles: one stream per peer (concurrent), or empty (main).
+void mm_rows(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::vector<std::optional<at::Tensor>>& biases,
+             std::vector<at::Tensor>& outs, int64_t src, int64_t rows) {
+  for (size_t i = 0; i < Bs.size(); ++i) {
+    at::Tensor dst = outs[i].narrow(0, src * rows, rows);
+    if (biases[i].has_value()) {
+      at::addmm_out(dst, *biases[i], a, Bs[i]);
+    } else {
+      at::mm_out(dst, a, Bs[i]);
+    }
+  }
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
+    const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
+    std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots,
+    const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
+    const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
+    const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
+    const std::vector<int64_t>& compute_handles) {
+  TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
+                        ready_mine.size(), done_theirs.size()});
+  const bool concurrent = !compute_handles.empty();
+  if (concurrent) check_lengths(peers, {compute_handles.size()});
+  const auto device = a_local.device().index();
+  c10::cuda::CUDAGuard guard(a_local.device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+  const int64_t rows = a_local.size(0), k = a_local.size(1);
+
+  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
+  at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
+  std::vector<at::Tensor> outs;
+  outs.reserve(Bs.size());
+  for (const auto& b : Bs) outs.push_back(at::empty({world * rows, b.size(-1)}, a_local.options()));
+
+  join(side, main);  // A is ready
+  {
+    c10::cuda::CUDAStreamGuard on_side(side);
+    for (size_t j = 0; j < peers; ++j) {
+      wait_flag(side, done_mine[j], 1);
+      write_flag(side, done_mine[j], 0);
+      peer_slots[j].copy_(a_local);  // peer-to-peer: the copy engine
+      write_flag(side, ready_theirs[j], 1);
+    }
+    rows_of.select(0, rank).copy_(a_local);
+  }
+
+  std::vector<c10::cuda::CUDAStream> compute;
+  compute.reserve(peers);
+  for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? external(compute_handles[j], device) : main);
+  if (concurrent) {
+    for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
+  }
+  mm_rows(a_local, Bs, biases, outs, rank, rows);
+  for (size_t j = 0; j < peers; ++j) {
+    const auto& s = compute[j];
+    c10::cuda::CUDAStreamGuard on_s(s);
+    wait_flag(s, ready_mine[j], 1);
+    write_flag(s, ready_mine[j], 0);
+    join(side, s);
+    {
+      c10::cuda::CUDAStreamGuard on_side(side);
+      rows_of.select(0, order[j]).copy_(my_slots[j]);
+    }
+    mm_rows(my_slots[j], Bs, biases, outs, order[j], rows);
+  }
+  if (concurrent) {
+    for (const auto& s : compute) join(main, s);
+  }
+  join(main, side);
+  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  return {gathered, outs};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined (rs_cublas_pipelined.py)");
+  m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
+}
