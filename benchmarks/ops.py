@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 
@@ -56,15 +57,18 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None
 
 
 def timed_interleaved(
-    fns: dict[str, Callable[[], object]], warmup: int, rounds: int, per_round: int
+    fns: dict[str, Callable[[], object]], warmup: int, rounds: int, per_round: int, host: dict | None = None
 ) -> dict[str, float]:
     """Like :func:`timed` for several methods at once, measured in interleaved rounds (each round times
     ``per_round`` iterations of every method in turn), so clock and thermal drift during the run hit all
-    methods alike: the median over all of a method's iterations, then the slowest rank."""
+    methods alike: the median over all of a method's iterations, then the slowest rank. ``host`` (if given)
+    gets each method's median host time per call (µs to enqueue it, slowest rank): a method whose host time
+    is near its GPU time is host-bound."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    host_samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             torch.cuda.synchronize()
@@ -73,13 +77,19 @@ def timed_interleaved(
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)
             ]
             for start, end in events:
+                t0 = time.perf_counter()
                 start.record()
                 fn()
                 end.record()
+                host_samples[name].append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize()
             samples[name] += [start.elapsed_time(end) * 1e3 for start, end in events]
     med = torch.tensor([statistics.median(v) for v in samples.values()], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if host is not None:
+        hmed = torch.tensor([statistics.median(v) for v in host_samples.values()], device="cuda")
+        dist.all_reduce(hmed, op=dist.ReduceOp.MAX)
+        host.update(zip(fns, hmed.tolist()))
     return dict(zip(fns, med.tolist()))
 
 
@@ -193,7 +203,9 @@ def overlap_row(
     timed_methods = {"cublas": lambda: a @ b, **methods}
     if tg is not None:
         timed_methods["triton"] = tg
-    t = timed_interleaved(timed_methods, args.warmup, args.rounds, max(1, args.iters // args.rounds))
+    host: dict[str, float] = {}
+    t = timed_interleaved(timed_methods, args.warmup, args.rounds, max(1, args.iters // args.rounds), host)
+    t["host_fluxcompile"], t["host_nccl_cublas"] = host.get("fluxcompile", 0.0), host.get("nccl_cublas", 0.0)
     t.setdefault("triton", float("inf"))
     t["gemm"] = min(t["cublas"], t["triton"])
     spread: dict = {}
@@ -242,6 +254,7 @@ def table(rows: list[dict]) -> str:
             f"{r['op']:<18} {r['m']:>5} {r['n']:>6} {r['k']:>6} {r['cublas']:8.1f} {r['triton']:8.1f} "
             f"{r['nccl_cublas']:8.1f} {r['async_tp']:8.1f} {r['fluxcompile']:8.1f} {r['oe_async_tp']:10.0%} {r['oe_fluxcompile']:8.0%}"
             f"  {r['choice']:<16} {r['pipelined']:6.0f}/{r['pipelined_min']:.0f}/{r['pipelined_max']:.0f}/{r['pipelined_graph']:.0f}"
+            f"  host µs ours {r.get('host_fluxcompile', 0):.0f}, NCCL+mm {r.get('host_nccl_cublas', 0):.0f}"
         )
     for r in rows:
         if r.get("choices_ms"):
