@@ -41,9 +41,9 @@ def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--m", type=int, default=512)
-    p.add_argument("--n", type=int, default=1024)
-    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--rows", dest="m", type=int, default=512)
+    p.add_argument("--cols", dest="n", type=int, default=1024)
+    p.add_argument("--inner", dest="k", type=int, default=1024)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--profile-calls", type=int, default=300)
     args = p.parse_args()
