@@ -56,15 +56,29 @@ void write_flag(const c10::cuda::CUDAStream& s, int64_t addr, uint32_t value) {
   TORCH_CHECK(rc == CUDA_SUCCESS, "fluxcompile: cuStreamWriteValue32 failed (", static_cast<int>(rc), ")");
 }
 
-// `waiter` waits for everything queued on `producer` so far (torch.cuda.Stream.wait_stream).
-// (A plain event, destroyed at once: CUDA keeps it until the wait is resolved; inside graph capture the
-// pair becomes a graph edge.)
+// `waiter` waits for everything queued on `producer` so far (torch.cuda.Stream.wait_stream). One event per
+// device serves every join: a wait takes the event's state when it is issued, and each record here is
+// followed by its wait at once (inside graph capture the pair becomes a graph edge). Creating and
+// destroying an event per join cost host time on every call.
 void join(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& producer) {
-  cudaEvent_t event;
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(event, producer.stream()));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
-  C10_CUDA_CHECK(cudaEventDestroy(event));
+  static std::vector<cudaEvent_t> events;  // by device index
+  const auto device = static_cast<size_t>(producer.device_index());
+  if (events.size() <= device) events.resize(device + 1, nullptr);
+  if (events[device] == nullptr) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&events[device], cudaEventDisableTiming));
+  }
+  C10_CUDA_CHECK(cudaEventRecord(events[device], producer.stream()));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), events[device], 0));
+}
+
+// dst <- src on stream s: the cudaMemcpyAsync that Tensor::copy_ issues for contiguous same-dtype tensors
+// of one device (a peer's mapped buffer counts as this device's: the copy engine moves it over NVLink),
+// without the dispatcher's host cost.
+void copy_async(const at::Tensor& dst, const at::Tensor& src, const c10::cuda::CUDAStream& s) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.dtype() == src.dtype() &&
+                  dst.numel() == src.numel(),
+              "fluxcompile: copy_async needs contiguous tensors of one dtype and size");
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, s.stream()));
 }
 
 c10::cuda::CUDAStream external(int64_t handle, c10::DeviceIndex device) {
@@ -119,10 +133,7 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
       join(side, main);
       wait_flag(side, done_mine[j], 1);
       write_flag(side, done_mine[j], 0);
-      {
-        c10::cuda::CUDAStreamGuard on_side(side);
-        peer_slots[j].copy_(stage_slots[j]);  // peer-to-peer: the copy engine
-      }
+      copy_async(peer_slots[j], stage_slots[j], side);  // peer-to-peer: the copy engine
       write_flag(side, ready_theirs[j], 1);
     }
   } else {
@@ -200,10 +211,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     for (size_t j = 0; j < peers; ++j) {
       wait_flag(side, done_mine[j], 1);
       write_flag(side, done_mine[j], 0);
-      peer_slots[j].copy_(a_local);  // peer-to-peer: the copy engine
+      copy_async(peer_slots[j], a_local, side);  // peer-to-peer: the copy engine
       write_flag(side, ready_theirs[j], 1);
     }
-    rows_of.select(0, rank).copy_(a_local);
+    copy_async(rows_of.select(0, rank), a_local, side);
   }
 
   std::vector<c10::cuda::CUDAStream> compute;
@@ -219,10 +230,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     wait_flag(s, ready_mine[j], 1);
     write_flag(s, ready_mine[j], 0);
     join(side, s);
-    {
-      c10::cuda::CUDAStreamGuard on_side(side);
-      rows_of.select(0, order[j]).copy_(my_slots[j]);
-    }
+    copy_async(rows_of.select(0, order[j]), my_slots[j], side);
     mm_rows(my_slots[j], Bs, biases, outs, order[j], rows);
   }
   if (concurrent) {
