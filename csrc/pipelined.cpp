@@ -89,6 +89,18 @@ void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
   for (size_t s : sizes) TORCH_CHECK(s == n, "fluxcompile: plan lists of different lengths");
 }
 
+// dst <- sum_i As[i][lo : lo + count] @ Bs[i] (+ bias): the bias goes into the first product and later
+// products accumulate in cuBLAS (fp32) over the sum so far, as in the reference (ops.matmul_sum).
+void matmul_rows(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
+                 const std::optional<at::Tensor>& bias, int64_t lo, int64_t count, at::Tensor dst) {
+  if (bias.has_value()) {
+    at::addmm_out(dst, *bias, As[0].narrow(0, lo, count), Bs[0]);
+  } else {
+    at::mm_out(dst, As[0].narrow(0, lo, count), Bs[0]);
+  }
+  for (size_t i = 1; i < As.size(); ++i) dst.addmm_(As[i].narrow(0, lo, count), Bs[i]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMM -> reduce-scatter (rs_cublas_pipelined.py). Lists indexed j run over the peers in ring order:
 //   peer_slots[j]   slot `rank` in peer order[j]'s buffer (zero-copy: cuBLAS writes there)
@@ -115,16 +127,8 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
   c10::cuda::CUDAGuard guard(As[0].device());
   const auto main = c10::cuda::getCurrentCUDAStream(device);
 
-  // Our partial of `owner`'s rows into dst; the bias goes into the first product, as in the reference.
-  auto partial = [&](int64_t owner, at::Tensor dst) {  // a tensor handle: writes go to the same memory
-    const int64_t lo = owner * rows;
-    if (bias.has_value()) {
-      at::addmm_out(dst, *bias, As[0].narrow(0, lo, rows), Bs[0]);
-    } else {
-      at::mm_out(dst, As[0].narrow(0, lo, rows), Bs[0]);
-    }
-    for (size_t i = 1; i < As.size(); ++i) dst.addmm_(As[i].narrow(0, lo, rows), Bs[i]);
-  };
+  // Our partial of `owner`'s rows into dst.
+  auto partial = [&](int64_t owner, const at::Tensor& dst) { matmul_rows(As, Bs, bias, owner * rows, rows, dst); };
 
   if (push) {
     const auto side = external(side_handle, device);
@@ -241,9 +245,113 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   return {gathered, outs};
 }
 
+// ---------------------------------------------------------------------------------------------
+// The unsplit variants (":unsplit" choices): one GEMM over all rows, then the exchange by the copy engine.
+// No overlap, but no GEMM split by rank either (at small m a split costs up to a wave per block) and the
+// fewest launches (host time); the copy engine moves a block over NVLink about twice as fast as NCCL's
+// kernels at these sizes. The autotuner keeps them where they are faster.
+
+// GEMM -> reduce-scatter: P (our [m, n] partial, a local region of the symmetric buffer) in one GEMM;
+// the side stream pushes each peer's block of P into its slot; we add the peers' partials of our rows.
+at::Tensor rs_unsplit(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
+                      const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
+                      std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
+                      const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
+                      const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
+                      const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
+                      int64_t rows, int64_t side_handle) {
+  TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  const auto device = As[0].device().index();
+  c10::cuda::CUDAGuard guard(As[0].device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+
+  matmul_rows(As, Bs, bias, 0, stage_all.size(0), stage_all);
+  join(side, main);
+  for (size_t j = 0; j < peers; ++j) {
+    wait_flag(side, done_mine[j], 1);
+    write_flag(side, done_mine[j], 0);
+    copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
+    write_flag(side, ready_theirs[j], 1);
+  }
+  const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
+  const int64_t world = own_slots.size(0);
+  if (world > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
+  for (size_t j = 0; j < peers; ++j) {
+    wait_flag(main, ready_mine[j], 1);
+    write_flag(main, ready_mine[j], 0);
+  }
+  at::Tensor out = at::empty(out_shape, As[0].options());
+  at::Tensor out2 = out.view({rows, own_slots.size(2)});
+  if (world == 2) {
+    at::add_out(out2, mine, own_slots.select(0, order[0]));  // fp32 math, one rounding
+  } else {
+    at::sum_out(out2, own_slots, std::vector<int64_t>{0});
+  }
+  join(main, side);  // our pushes are done: P may be overwritten by the next call
+  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  return out;
+}
+
+// all-gather -> GEMM: the side stream pushes our shard into every peer's slot and assembles the gathered
+// A (ours from A, each peer's from its slot once it landed); then one GEMM per weight over all rows.
+std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
+    const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
+    std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots, const std::vector<int64_t>& order,
+    const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
+    const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
+    int64_t side_handle) {
+  TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
+                        ready_mine.size(), done_theirs.size()});
+  const auto device = a_local.device().index();
+  c10::cuda::CUDAGuard guard(a_local.device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+  const int64_t rows = a_local.size(0), k = a_local.size(1);
+
+  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
+  at::Tensor rows_of = gathered.view({world, rows, k});
+  join(side, main);  // A is ready
+  for (size_t j = 0; j < peers; ++j) {
+    wait_flag(side, done_mine[j], 1);
+    write_flag(side, done_mine[j], 0);
+    copy_async(peer_slots[j], a_local, side);  // peer-to-peer: the copy engine
+    write_flag(side, ready_theirs[j], 1);
+  }
+  copy_async(rows_of.select(0, rank), a_local, side);
+  for (size_t j = 0; j < peers; ++j) {
+    wait_flag(side, ready_mine[j], 1);
+    write_flag(side, ready_mine[j], 0);
+    copy_async(rows_of.select(0, order[j]), my_slots[j], side);
+  }
+  for (size_t j = 0; j < peers; ++j) write_flag(side, done_theirs[j], 1);  // our slots are free again
+  join(main, side);
+  const at::Tensor all_rows = gathered.view({world * rows, k});
+  std::vector<at::Tensor> outs;
+  outs.reserve(Bs.size());
+  for (size_t i = 0; i < Bs.size(); ++i) {
+    at::Tensor out = at::empty({world * rows, Bs[i].size(-1)}, a_local.options());
+    if (biases[i].has_value()) {
+      at::addmm_out(out, *biases[i], all_rows, Bs[i]);
+    } else {
+      at::mm_out(out, all_rows, Bs[i]);
+    }
+    outs.push_back(out);
+  }
+  return {gathered, outs};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined (rs_cublas_pipelined.py)");
   m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
+  m.def("rs_unsplit", &rs_unsplit, "GEMM -> reduce-scatter: one GEMM, then the copy engine");
+  m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
 }

@@ -125,14 +125,24 @@ def all_gather_matmul(
     group_size: int,
     group_name: str,
     concurrent: bool = False,
+    unsplit: bool = False,
 ) -> tuple[Tensor, list[Tensor]]:
     """``concurrent``: each remote block's GEMM runs on a stream of its own as soon as its rows land, beside
     the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles (the split into
-    per-rank GEMMs costs up to a wave each otherwise: 15% at 1024 x 14336 on 132 SMs)."""
+    per-rank GEMMs costs up to a wave each otherwise: 15% at 1024 x 14336 on 132 SMs). ``unsplit``: the copy
+    engine gathers first, then one GEMM per weight over all rows (no overlap, no split: for small M)."""
     A, shard_rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     plan = _plan(shard_rows, k, A.dtype, group_size, group_name)
     a_local = A.view(shard_rows, k)
     seq = sequencer()
+    if unsplit:
+        if seq is not None:
+            return seq.ag_unsplit(
+                a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, plan.order,
+                plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.rank, plan.world,
+                side_stream().cuda_stream,
+            )  # fmt: skip
+        return _python_unsplit(a_local, Bs, biases, gathered_shape, plan)
     if seq is not None:
         compute = [_compute_stream(j).cuda_stream for j in range(len(plan.order))] if concurrent else []
         return seq.ag_pipelined(
@@ -181,6 +191,33 @@ def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], pla
     main.wait_stream(side)
     for addr in plan.done_theirs:
         stream_write(main, addr, 1)
+    return A_gathered, outs
+
+
+def _python_unsplit(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan):
+    """The same stream operations as csrc/pipelined.cpp's ag_unsplit, from Python (its fallback)."""
+    rank, world = plan.rank, plan.world
+    shard_rows, k = a_local.shape
+    main, side = torch.cuda.current_stream(), side_stream()
+    A_gathered = torch.empty(gathered_shape, dtype=a_local.dtype, device=a_local.device)
+    rows_of = A_gathered.view(world, shard_rows, k)
+    side.wait_stream(main)  # A is ready
+    with torch.cuda.stream(side):
+        for j in range(len(plan.order)):
+            stream_wait(side, plan.done_mine[j], 1)
+            stream_write(side, plan.done_mine[j], 0)
+            plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
+            stream_write(side, plan.ready_theirs[j], 1)
+        rows_of[rank].copy_(a_local)
+        for j, p in enumerate(plan.order):
+            stream_wait(side, plan.ready_mine[j], 1)
+            stream_write(side, plan.ready_mine[j], 0)
+            rows_of[p].copy_(plan.my_slots[j])
+        for addr in plan.done_theirs:
+            stream_write(side, addr, 1)  # our slots are free again
+    main.wait_stream(side)
+    all_rows = A_gathered.view(world * shard_rows, k)
+    outs = [torch.mm(all_rows, b) if x is None else torch.addmm(x, all_rows, b) for b, x in zip(Bs, biases)]
     return A_gathered, outs
 
 

@@ -1,7 +1,7 @@
 """Choices for fluxcompile.all_gather_matmul, and its CUDA implementation: the rank-synchronized
 autotuner picks one choice per call signature (identically on every rank) and runs it.
 
-Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py), ``torch_symm_mem`` (PyTorch's own
+Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py; ``:concurrent`` and ``:unsplit`` variants), ``torch_symm_mem`` (PyTorch's own
 ``symm_mem.fused_all_gather_matmul``), ``async_input_mm`` (PyTorch's CUTLASS GEMM that waits on per-chunk
 signals, fed by copy-engine pulls: ag_async_input_mm.py) and ``reference`` (NCCL + cuBLAS, registered by
 choices.py).
@@ -54,6 +54,14 @@ register_choice(
     Choice(
         f"{ag_cublas_pipelined.NAME}:concurrent",
         functools.partial(ag_cublas_pipelined.all_gather_matmul, concurrent=True),
+        ag_cublas_pipelined.supports,
+    ),
+)
+register_choice(
+    OP,
+    Choice(
+        f"{ag_cublas_pipelined.NAME}:unsplit",
+        functools.partial(ag_cublas_pipelined.all_gather_matmul, unsplit=True),
         ag_cublas_pipelined.supports,
     ),
 )

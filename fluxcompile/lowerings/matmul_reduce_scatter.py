@@ -2,7 +2,8 @@
 autotuner picks one choice per call signature (identically on every rank) and runs it.
 
 Choices: ``cublas_pipelined`` (zero-copy: cuBLAS stores each peer's row block straight into its symmetric
-slot) and ``cublas_pipelined:push`` (staged locally, pushed by the copy engine), both in rs_cublas_pipelined.py;
+slot), ``cublas_pipelined:push`` (staged locally, pushed by the copy engine) and ``cublas_pipelined:unsplit``
+(one GEMM over all rows, then the copy engine: no split for small M), all in rs_cublas_pipelined.py;
 ``torch_symm_mem`` (PyTorch's ``symm_mem.fused_matmul_reduce_scatter``: one product, no bias); ``reference``
 (NCCL + cuBLAS, registered by choices.py). ``triton:<tile>`` (rs_triton.py, the persistent kernel of
 kernels/gemm_rs.py) is registered but declines until it is validated on a GPU
@@ -73,6 +74,14 @@ register_choice(
     Choice(
         f"{rs_cublas_pipelined.NAME}:push",
         functools.partial(rs_cublas_pipelined.matmul_reduce_scatter, push=True),
+        rs_cublas_pipelined.supports,
+    ),
+)
+register_choice(
+    OP,
+    Choice(
+        f"{rs_cublas_pipelined.NAME}:unsplit",
+        functools.partial(rs_cublas_pipelined.matmul_reduce_scatter, unsplit=True),
         rs_cublas_pipelined.supports,
     ),
 )

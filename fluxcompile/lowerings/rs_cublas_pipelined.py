@@ -119,6 +119,7 @@ class _Plan:
     stage_slots: list[Tensor]
     own_slot: Tensor
     own_slots: Tensor  # [world, rows, n]
+    stage_all: Tensor | None  # unsplit: our whole [M, N] partial, after the slots
     done_mine: list[int]
     ready_theirs: list[int]
     ready_mine: list[int]
@@ -129,8 +130,10 @@ _plans: dict[tuple, _Plan] = {}
 _TAG = "matmul_reduce_scatter"
 
 
-def _plan(out_shape: Sequence[int], scatter_dim: int, group_size: int, group_name: str, dtype, push: bool) -> _Plan:
-    key = (group_name, torch.cuda.current_device(), tuple(out_shape), scatter_dim, dtype, push)
+def _plan(
+    out_shape: Sequence[int], scatter_dim: int, group_size: int, group_name: str, dtype, push: bool, unsplit: bool
+) -> _Plan:
+    key = (group_name, torch.cuda.current_device(), tuple(out_shape), scatter_dim, dtype, push, unsplit)
     plan = _plans.get(key)
     # A plan holds views of one buffer: valid while that is still the workspace (another signature may have
     # grown it since; every rank makes the same calls, so every rank rebuilds here alike).
@@ -139,8 +142,10 @@ def _plan(out_shape: Sequence[int], scatter_dim: int, group_size: int, group_nam
     _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
     itemsize = dtype.itemsize
     slot_bytes = -(-rows * n * itemsize // 256) * 256
-    # Slots 0..world-1: the partials of our rows by source rank; push also stages ours in world..2*world-1.
-    ws = workspace(group_name, slot_bytes * group_size * (2 if push else 1), tag=_TAG)
+    # Slots 0..world-1: the partials of our rows by source rank; push also stages ours in world..2*world-1;
+    # unsplit puts our whole partial after the slots.
+    stage_bytes = slot_bytes * group_size if push else rows * group_size * n * itemsize if unsplit else 0
+    ws = workspace(group_name, slot_bytes * group_size + stage_bytes, tag=_TAG)
     rank, world = ws.rank, ws.world_size
     if world != group_size:
         raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
@@ -157,6 +162,7 @@ def _plan(out_shape: Sequence[int], scatter_dim: int, group_size: int, group_nam
         stage_slots=[slot(rank, world + p) for p in order] if push else [],
         own_slot=slot(rank, rank),
         own_slots=mine.view(world, rows, n),
+        stage_all=ws.view(rank, (world * rows, n), dtype, world * slot_bytes) if unsplit else None,
         done_mine=[done.addr(rank, p) for p in order],
         ready_theirs=[ready.addr(p, rank) for p in order],
         ready_mine=[ready.addr(rank, p) for p in order],
@@ -177,9 +183,20 @@ def matmul_reduce_scatter(
     group_name: str,
     *,
     push: bool = False,
+    unsplit: bool = False,
 ) -> Tensor:
-    plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push)
+    """``push``: stage each peer's block locally, the copy engine moves it; ``unsplit``: one GEMM over all
+    rows, then the copy engine moves the peers' blocks (no overlap, no split: for small M)."""
+    plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push, unsplit)
     seq = sequencer()
+    if unsplit:
+        if seq is not None:
+            return seq.rs_unsplit(
+                list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots, plan.order,
+                plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.shape, plan.rank,
+                plan.rows, side_stream().cuda_stream,
+            )  # fmt: skip
+        return _python_unsplit(As, Bs, bias, plan)
     if seq is not None:
         side = side_stream().cuda_stream if push else 0
         return seq.rs_pipelined(
@@ -195,14 +212,7 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
     rows, main = plan.rows, torch.cuda.current_stream()
 
     def partial(owner: int, dst: Tensor) -> None:
-        """Our partial of ``owner``'s rows into ``dst`` (bias in the first product, as the reference)."""
-        lo, hi = owner * rows, (owner + 1) * rows
-        if bias is None:
-            torch.mm(As[0][lo:hi], Bs[0], out=dst)
-        else:
-            torch.addmm(bias, As[0][lo:hi], Bs[0], out=dst)
-        for a, b in zip(As[1:], Bs[1:]):
-            dst.addmm_(a[lo:hi], b)  # fp32 accumulate in cuBLAS over the previous products' sum
+        _matmul_rows(As, Bs, bias, owner * rows, rows, dst)
 
     if push:
         side = side_stream()
@@ -236,3 +246,45 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
     for addr in plan.done_theirs:
         stream_write(main, addr, 1)
     return out
+
+
+def _python_unsplit(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan) -> Tensor:
+    """The same stream operations as csrc/pipelined.cpp's rs_unsplit, from Python (its fallback)."""
+    rows, main, side = plan.rows, torch.cuda.current_stream(), side_stream()
+    P = plan.stage_all
+    _matmul_rows(As, Bs, bias, 0, P.shape[0], P)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for j, p in enumerate(plan.order):
+            stream_wait(side, plan.done_mine[j], 1)
+            stream_write(side, plan.done_mine[j], 0)
+            plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
+            stream_write(side, plan.ready_theirs[j], 1)
+    mine = P[plan.rank * rows : (plan.rank + 1) * rows]
+    if plan.world > 2:
+        plan.own_slot.copy_(mine)
+    for addr in plan.ready_mine:
+        stream_wait(main, addr, 1)
+        stream_write(main, addr, 0)
+    out = torch.empty(plan.shape, dtype=As[0].dtype, device=As[0].device)
+    out2 = out.view(rows, plan.n)
+    if plan.world == 2:
+        torch.add(mine, plan.own_slots[plan.order[0]], out=out2)
+    else:
+        torch.sum(plan.own_slots, dim=0, out=out2)
+    main.wait_stream(side)
+    for addr in plan.done_theirs:
+        stream_write(main, addr, 1)
+    return out
+
+
+def _matmul_rows(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, lo: int, count: int, dst: Tensor):
+    """dst <- sum_i As[i][lo : lo + count] @ Bs[i] (+ bias), as csrc/pipelined.cpp's matmul_rows: the bias in
+    the first product, later products accumulated in cuBLAS (fp32) over the sum so far."""
+    hi = lo + count
+    if bias is None:
+        torch.mm(As[0][lo:hi], Bs[0], out=dst)
+    else:
+        torch.addmm(bias, As[0][lo:hi], Bs[0], out=dst)
+    for a, b in zip(As[1:], Bs[1:]):
+        dst.addmm_(a[lo:hi], b)

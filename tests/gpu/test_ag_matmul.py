@@ -39,10 +39,13 @@ CASES = [
 ]
 
 
+VARIANTS = {"split": {}, "concurrent": {"concurrent": True}, "unsplit": {"unsplit": True}}
+
+
 @pytest.mark.parametrize("seq", ["cpp", "python"])
-@pytest.mark.parametrize("concurrent", [False, True])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize(("shape", "dim", "ns", "bias"), CASES)
-def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, concurrent, seq):
+def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, variant, seq):
     use_sequencer(seq, monkeypatch)
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, _seed())
@@ -51,7 +54,7 @@ def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, concurre
     ref_A, ref_outs = ops._all_gather_matmul_ref(*args)
     for _ in range(3):  # repeated calls reuse the workspace: stale data must never show
         poison_allocator()
-        got_A, got_outs = pipelined.all_gather_matmul(*args, concurrent=concurrent)
+        got_A, got_outs = pipelined.all_gather_matmul(*args, **VARIANTS[variant])
         assert_close(got_A, ref_A, 0.0, "gathered A")
         for i, (o, r) in enumerate(zip(got_outs, ref_outs)):
             assert o.shape == r.shape and o.stride() == r.stride()
@@ -68,17 +71,17 @@ def test_pipelined_declines_interleaved_rows():
 
 
 @pytest.mark.parametrize("seq", ["cpp", "python"])
-@pytest.mark.parametrize("concurrent", [False, True])
-def test_pipelined_in_cuda_graph(monkeypatch, seq, concurrent):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pipelined_in_cuda_graph(monkeypatch, seq, variant):
     use_sequencer(seq, monkeypatch)
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, _seed())
     args = lambda: (A, Bs, biases, 0, group.size(), group.group_name)  # noqa: E731
-    pipelined.all_gather_matmul(*args(), concurrent=concurrent)  # warm-up: workspace made outside capture
+    pipelined.all_gather_matmul(*args(), **VARIANTS[variant])  # warm-up: workspace made outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_A, static_outs = pipelined.all_gather_matmul(*args(), concurrent=concurrent)
+        static_A, static_outs = pipelined.all_gather_matmul(*args(), **VARIANTS[variant])
     for _ in range(5):
         A.copy_(torch.randn_like(A))  # fresh inputs, same addresses
         graph.replay()

@@ -20,8 +20,8 @@ OP = "matmul_reduce_scatter"
 # The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.
 TRITON = [f"triton:{v}" for v in sorted(rs_triton.VARIANTS)]
 # "@python": the cuBLAS-pipelined choice through its Python sequence instead of the C++ sequencer.
-CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined@python", "cublas_pipelined:push@python",
-           "torch_symm_mem", *TRITON]  # fmt: skip
+CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined@python",
+           "cublas_pipelined:push@python", "cublas_pipelined:unsplit@python", "torch_symm_mem", *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
 
 # (name, rows per rank, form, N, K of each product, bias); forms: "2d" [M, N] on dim 0, "sp" [1, M, N] on
@@ -111,8 +111,9 @@ def test_choice_matches_reference(monkeypatch, name, case):
 
 
 @pytest.mark.parametrize(
-    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:push@python", TRITON[0]]
-)
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:push@python", "cublas_pipelined:unsplit",
+             TRITON[0]]
+)  # fmt: skip
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:
     the done handshake (cuBLAS) / parity slots (Triton) must keep a fast rank off slots still being read."""
@@ -135,8 +136,9 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined@python", "torch_symm_mem", TRITON[0]]
-)
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined@python",
+             "torch_symm_mem", TRITON[0]]
+)  # fmt: skip
 def test_in_cuda_graph(monkeypatch, name):
     choice = _choice(name, monkeypatch)
     case = CASES[2] if name != "torch_symm_mem" else ("sp", 77, "sp", 128, (128,), False)
@@ -158,7 +160,7 @@ def test_in_cuda_graph(monkeypatch, name):
     assert_close(choice.fn(*args), ops._matmul_reduce_scatter_ref(*args), 1e-2, f"{name} eager after graph")
 
 
-@pytest.mark.parametrize("name", ["cublas_pipelined", TRITON[0]])
+@pytest.mark.parametrize("name", ["cublas_pipelined", "cublas_pipelined:unsplit", TRITON[0]])
 def test_second_group_gets_its_own_workspace(monkeypatch, name):
     choice = _choice(name, monkeypatch)
     world = dist.group.WORLD
