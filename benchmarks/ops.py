@@ -56,6 +56,18 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None
     return float(t)
 
 
+# --queued-us: a GPU sleep of this long is enqueued before each timed round, so the host enqueues the round
+# while the GPU is busy and the timings are the GPU's alone (as inside a model step whose GPU work is ahead
+# of its host). 0 (default): each round starts from an idle GPU, so a method's host latency shows in it.
+QUEUE_US = 0.0
+
+
+def _queue_gpu(us: float) -> None:
+    if us > 0:
+        clock_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 1_980_000)
+        torch.cuda._sleep(int(us * clock_khz / 1000))
+
+
 def timed_interleaved(
     fns: dict[str, Callable[[], object]], warmup: int, rounds: int, per_round: int, host: dict | None = None
 ) -> dict[str, float]:
@@ -76,6 +88,7 @@ def timed_interleaved(
             events = [
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)
             ]
+            _queue_gpu(QUEUE_US)
             for start, end in events:
                 t0 = time.perf_counter()
                 start.record()
@@ -216,7 +229,7 @@ def overlap_row(
     t["choices_ms"] = _tuned_times(op, tune_args, group)
     ect_nccl = t["nccl_cublas"] - t["gemm"]
     m, n, k = mnk
-    row = {"op": op, "model": model, "m": m, "n": n, "k": k, **t}
+    row = {"op": op, "model": model, "m": m, "n": n, "k": k, "queued_us": QUEUE_US, **t}
     for meth in ("async_tp", "fluxcompile"):
         row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
     return row
@@ -299,12 +312,21 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the methods (drift control)")
     p.add_argument("--no-triton-gemm", dest="triton_gemm", action="store_false")
+    p.add_argument(
+        "--queued-us",
+        type=float,
+        default=0.0,
+        help="GPU sleep before each timed round, so the host enqueues ahead and only GPU time is measured "
+        "(default 0: rounds start from an idle GPU and host latency counts)",
+    )
     here = os.path.dirname(os.path.abspath(__file__))
     present = ["ag"] + [o for o in ("rs", "decode") if os.path.exists(os.path.join(here, f"ops_{o}.py"))]
     p.add_argument(
         "--ops", default=",".join(present), help="comma-separated: ag, rs (ops_rs.py), decode (ops_decode.py)"
     )
     args = p.parse_args()
+    global QUEUE_US
+    QUEUE_US = args.queued_us
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -330,7 +352,8 @@ def main() -> None:
             plot(rows, os.path.join(args.out, "ops.png"))
         except Exception as e:
             print(f"plot failed: {e}")
-        print("== table (µs; OE = overlap efficiency vs NCCL+cuBLAS) ==")
+        mode = f"GPU queued {QUEUE_US:.0f} µs ahead of each round" if QUEUE_US else "rounds from an idle GPU"
+        print(f"== table (µs; OE = overlap efficiency vs NCCL+cuBLAS; {mode}) ==")
         print(table(rows), flush=True)
     if dist.get_rank() == 0 and extra_tables:
         print("== table (decode) ==\n" + "\n".join(extra_tables), flush=True)
