@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..schedules.orders import ring_after
 from ..symm_mem import Workspace, ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem.watchdog import Watch, flag_report, watch
 from .sequencer import sequencer
 
 NAME = "cublas_pipelined"
@@ -81,6 +82,7 @@ class _Plan:
     ready_theirs: list[int]
     ready_mine: list[int]
     done_theirs: list[int]
+    watch: Watch | None = None  # the bound on its flag waits (symm_mem/watchdog.py)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -113,6 +115,7 @@ def _plan(shard_rows: int, k: int, dtype, group_size: int, group_name: str) -> _
         ready_mine=[ready.addr(rank, p) for p in order],
         done_theirs=[done.addr(p, rank) for p in order],
     )  # fmt: skip
+    plan.watch = watch(f"all_gather_matmul (cublas_pipelined, {key})", rank, lambda: flag_report(ready, done, order))
     _plans[key] = plan
     return plan
 
@@ -134,6 +137,13 @@ def all_gather_matmul(
     A, shard_rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     plan = _plan(shard_rows, k, A.dtype, group_size, group_name)
     a_local = A.view(shard_rows, k)
+    outs = _issue(a_local, Bs, biases, gathered_shape, plan, concurrent, unsplit)
+    if plan.watch is not None and not torch.cuda.is_current_stream_capturing():
+        plan.watch.note()
+    return outs
+
+
+def _issue(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, concurrent: bool, unsplit: bool):
     seq = sequencer()
     if unsplit:
         if seq is not None:

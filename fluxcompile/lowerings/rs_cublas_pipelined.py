@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..schedules.orders import ring_after
 from ..symm_mem import Workspace, ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem.watchdog import Watch, flag_report, watch
 from .sequencer import sequencer
 
 NAME = "cublas_pipelined"
@@ -124,6 +125,7 @@ class _Plan:
     ready_theirs: list[int]
     ready_mine: list[int]
     done_theirs: list[int]
+    watch: Watch | None = None  # the bound on its flag waits (symm_mem/watchdog.py)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -168,6 +170,9 @@ def _plan(
         ready_mine=[ready.addr(rank, p) for p in order],
         done_theirs=[done.addr(p, rank) for p in order],
     )  # fmt: skip
+    plan.watch = watch(
+        f"matmul_reduce_scatter (cublas_pipelined, {key})", rank, lambda: flag_report(ready, done, order)
+    )
     _plans[key] = plan
     return plan
 
@@ -188,6 +193,13 @@ def matmul_reduce_scatter(
     """``push``: stage each peer's block locally, the copy engine moves it; ``unsplit``: one GEMM over all
     rows, then the copy engine moves the peers' blocks (no overlap, no split: for small M)."""
     plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push, unsplit)
+    out = _issue(As, Bs, bias, plan, push, unsplit)
+    if plan.watch is not None and not torch.cuda.is_current_stream_capturing():
+        plan.watch.note()
+    return out
+
+
+def _issue(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, push: bool, unsplit: bool):
     seq = sequencer()
     if unsplit:
         if seq is not None:

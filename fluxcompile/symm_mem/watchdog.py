@@ -1,0 +1,143 @@
+"""A bound on the flag waits that the GPU's front end runs (``cuStreamWaitValue32``, signals.py).
+
+Such a wait has no timeout: a peer that never signals (it crashed, or it does not call the same fused ops in
+the same order) leaves this rank's stream blocked in the driver for good, with no error. The watchdog bounds
+it from the host, as NCCL's watchdog does for collectives:
+
+* after each eager call, a choice that waits on flags records an event on its stream (``Watch.note``);
+* a daemon thread looks every ``POLL_S`` seconds at each watch whose last call is older than ``TIMEOUT_S``
+  and whose event has not completed: the stream has been stuck in or before that call for that long;
+* it then reads the watch's flags (a copy on a stream of its own, which the blocked stream does not block)
+  and reports, naming this rank, the op and every signal that is not in its expected state (which peer,
+  which flag), and ends the process: a stream blocked in the driver cannot be cancelled.
+
+Calls captured in CUDA graphs are not watched (a replay does not come back to the host).
+``FLUXCOMPILE_SIGNAL_TIMEOUT_S`` (default 600, like NCCL's) sets the bound; 0 turns the watchdog off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("fluxcompile.watchdog")
+
+TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_SIGNAL_TIMEOUT_S", "600"))
+POLL_S = min(5.0, max(0.05, TIMEOUT_S / 10))
+
+
+def _abort(message: str) -> None:
+    log.critical(message)
+    os._exit(134)  # like an abort: the blocked stream would otherwise keep the process alive
+
+
+class Watch:
+    """One watched call site (a fused-op choice and its plan). ``describe()`` returns the report of its flags
+    (it runs in the watchdog's thread, only on a timeout)."""
+
+    def __init__(self, what: str, rank: int, describe: Callable[[], str], event_factory: Callable[[], Any]):
+        self.what = what
+        self.rank = rank
+        self.describe = describe
+        self._event_factory = event_factory
+        self.event: Any = None
+        self.last = 0.0  # monotonic time of the last noted call; 0: none pending
+
+    def note(self) -> None:
+        """After an eager call: mark its end on the current stream."""
+        if self.event is None:
+            self.event = self._event_factory()
+        self.event.record()
+        self.last = time.monotonic()
+
+    def stuck_for(self, now: float) -> float:
+        """Seconds the last noted call has been pending (0 if it completed or none was noted)."""
+        if not self.last or self.event is None or self.event.query():
+            return 0.0
+        return now - self.last
+
+
+class Watchdog:
+    def __init__(
+        self, timeout_s: float, poll_s: float, on_timeout: Callable[[str], None] = _abort, clock=time.monotonic
+    ):
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.on_timeout = on_timeout
+        self.clock = clock
+        self.watches: list[Watch] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, watch: Watch) -> Watch:
+        with self._lock:
+            self.watches.append(watch)
+        if self._thread is None and self.timeout_s > 0:
+            self._thread = threading.Thread(target=self._run, name="fluxcompile-watchdog", daemon=True)
+            self._thread.start()
+        return watch
+
+    def check(self) -> str | None:
+        """One look at every watch: the report of the first one stuck past the timeout, else None."""
+        now = self.clock()
+        with self._lock:
+            watches = list(self.watches)
+        for w in watches:
+            waited = w.stuck_for(now)
+            if waited > self.timeout_s:
+                try:
+                    flags = w.describe()
+                except Exception as e:  # the report must not hide the timeout
+                    flags = f"(flags unreadable: {type(e).__name__}: {e})"
+                return (
+                    f"fluxcompile: rank {w.rank}: {w.what} has not finished after {waited:.0f} s "
+                    f"(FLUXCOMPILE_SIGNAL_TIMEOUT_S={self.timeout_s:g}); its stream waits on a peer's signal. "
+                    f"{flags}. A peer has died or does not call the same fused ops in the same order."
+                )
+        return None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            try:
+                report = self.check()
+            except Exception as e:  # a broken check must not take the process down; say it once and stop
+                log.warning("fluxcompile watchdog stopped: %s: %s", type(e).__name__, e)
+                return
+            if report is not None:
+                self.on_timeout(report)
+                return
+
+
+_dog = Watchdog(TIMEOUT_S, POLL_S)
+
+
+def watch(what: str, rank: int, describe: Callable[[], str]) -> Watch | None:
+    """A new watch (None when the watchdog is off). Call ``note()`` on it after each eager call."""
+    if _dog.timeout_s <= 0:
+        return None
+    import torch
+
+    return _dog.add(Watch(what, rank, describe, torch.cuda.Event))
+
+
+def flag_report(ready: Any, done: Any, peers: list[int]) -> str:
+    """The ready/done handshake flags (signals.ready_done_flags) this rank waits on, read from a stream of the
+    watchdog's own, as a sentence naming each peer's signal."""
+    import torch
+
+    stream = torch.cuda.Stream(device=ready.ws.buffer.device)
+    with torch.cuda.stream(stream):
+        r = ready.local().to("cpu").tolist()
+        d = done.local().to("cpu").tolist()
+    stream.synchronize()
+    parts = [
+        f"from rank {p}: ready={r[p]} ({'its data has landed' if r[p] else 'its data has not landed'}), "
+        f"done={d[p]} ({'it has freed our slot in its buffer' if d[p] else 'it still holds our slot'})"
+        for p in peers
+    ]
+    return "Signals " + "; ".join(parts)

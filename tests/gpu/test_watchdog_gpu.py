@@ -1,0 +1,43 @@
+"""The watchdog on GPUs: a rank whose peer is late past the timeout gets a report naming it, the op and the
+signal it waits for; once the peer calls, both finish and agree with the reference (nothing was lost)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fluxcompile import ops
+from fluxcompile.lowerings import rs_cublas_pipelined
+from fluxcompile.symm_mem import watchdog
+from fluxcompile.testing.numerics import assert_close
+
+
+@pytest.mark.parametrize("unsplit", [False, True])
+def test_late_peer_is_reported_then_both_finish(monkeypatch, unsplit):
+    reports: list[str] = []
+    monkeypatch.setattr(watchdog, "_dog", watchdog.Watchdog(2.0, 0.1, on_timeout=reports.append))
+    group = dist.new_group(list(range(dist.get_world_size())))  # fresh plans, watched by the short dog
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(1234 + rank)
+    a = torch.randn(64 * world, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16)
+    args = ([a], [b], None, [64 * world, 96], 0, "sum", world, group.group_name)
+    call = lambda: rs_cublas_pipelined.matmul_reduce_scatter(*args, unsplit=unsplit)  # noqa: E731
+    call()  # warm-up on every rank: plans, flags, workspace
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    if rank == world - 1:
+        time.sleep(4.0)  # late: the others' streams wait on this rank's signal meanwhile
+    out = call()
+    if rank != world - 1:
+        time.sleep(4.0)  # the host idles (GIL free) while the stream waits; the watchdog looks
+    torch.cuda.synchronize()
+    assert_close(out, ops._matmul_reduce_scatter_ref(*args), 1e-2, "after the late peer")
+    if rank != world - 1:
+        assert reports, "no report while the stream waited past the timeout"
+        assert f"rank {rank}" in reports[0] and "matmul_reduce_scatter" in reports[0]
+        assert f"from rank {world - 1}: ready=0" in reports[0] or "ready=0" in reports[0], reports[0]
+    dist.barrier(group)
