@@ -8,8 +8,9 @@ sees the flag.
 
 Protocol (graph-safe: values never depend on a call counter): a flag is set to 1 by its producer and
 consumed by its waiter, which resets it to 0 right after the wait. A CUDA graph replays the same
-values every time. The waits are unbounded in the driver: a peer that never signals hangs the stream
-(see the issue notes); all ranks call the same fused ops in the same order, as for any collective.
+values every time. The waits are unbounded in the driver: a peer that never signals would hang the stream.
+watchdog.py bounds them from the host (eager calls; FLUXCOMPILE_SIGNAL_TIMEOUT_S) with a report naming the
+rank and the signals. All ranks call the same fused ops in the same order, as for any collective.
 """
 
 from __future__ import annotations
