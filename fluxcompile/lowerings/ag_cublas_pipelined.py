@@ -30,10 +30,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..schedules.orders import ring_after
-from ..symm_mem import Workspace, ready_done_flags, side_stream, stream_wait, stream_write, workspace
-from ..symm_mem.watchdog import Watch, flag_report, watch
-from .sequencer import sequencer
+from ..symm_mem import Workspace, side_stream, stream_wait, stream_write, workspace
+from .sequencer import Handshake, handshake, sequencer
 
 NAME = "cublas_pipelined"
 
@@ -75,14 +73,9 @@ class _Plan:
     ws: Workspace
     rank: int
     world: int
-    order: list[int]
     peer_slots: list[Tensor]  # slot rank in peer order[j]'s buffer: our shard goes there
     my_slots: list[Tensor]  # slot order[j] in our buffer: its shard arrives there
-    done_mine: list[int]
-    ready_theirs: list[int]
-    ready_mine: list[int]
-    done_theirs: list[int]
-    watch: Watch | None = None  # the bound on its flag waits (symm_mem/watchdog.py)
+    hs: Handshake  # the flags, per peer in ring order
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -100,22 +93,18 @@ def _plan(shard_rows: int, k: int, dtype, group_size: int, group_name: str) -> _
     rank, world = ws.rank, ws.world_size
     if world != group_size:
         raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
-    ready, done = ready_done_flags(group_name, "all_gather_matmul.flags", world)
-    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
+    hs = handshake(group_name, "all_gather_matmul.flags", rank, world, f"all_gather_matmul (cublas_pipelined, {key})")
+    order = hs.order
 
     def slot(owner: int, src: int) -> Tensor:  # rows from rank src, in owner's buffer
         return ws.view(owner, (shard_rows, k), dtype, src * slot_bytes)
 
     plan = _Plan(
-        ws=ws, rank=rank, world=world, order=order,
+        ws=ws, rank=rank, world=world,
         peer_slots=[slot(p, rank) for p in order],
         my_slots=[slot(rank, p) for p in order],
-        done_mine=[done.addr(rank, p) for p in order],
-        ready_theirs=[ready.addr(p, rank) for p in order],
-        ready_mine=[ready.addr(rank, p) for p in order],
-        done_theirs=[done.addr(p, rank) for p in order],
+        hs=hs,
     )  # fmt: skip
-    plan.watch = watch(f"all_gather_matmul (cublas_pipelined, {key})", rank, lambda: flag_report(ready, done, order))
     _plans[key] = plan
     return plan
 
@@ -138,8 +127,7 @@ def all_gather_matmul(
     plan = _plan(shard_rows, k, A.dtype, group_size, group_name)
     a_local = A.view(shard_rows, k)
     outs = _issue(a_local, Bs, biases, gathered_shape, plan, concurrent, unsplit)
-    if plan.watch is not None and not torch.cuda.is_current_stream_capturing():
-        plan.watch.note()
+    plan.hs.note()
     return outs
 
 
@@ -148,17 +136,15 @@ def _issue(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, 
     if unsplit:
         if seq is not None:
             return seq.ag_unsplit(
-                a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, plan.order,
-                plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.rank, plan.world,
-                side_stream().cuda_stream,
+                a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, *plan.hs.lists,
+                plan.rank, plan.world, side_stream().cuda_stream,
             )  # fmt: skip
         return _python_unsplit(a_local, Bs, biases, gathered_shape, plan)
     if seq is not None:
-        compute = [_compute_stream(j).cuda_stream for j in range(len(plan.order))] if concurrent else []
+        compute = [_compute_stream(j).cuda_stream for j in range(len(plan.hs.order))] if concurrent else []
         return seq.ag_pipelined(
-            a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, plan.order,
-            plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.rank, plan.world,
-            side_stream().cuda_stream, compute,
+            a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, *plan.hs.lists,
+            plan.rank, plan.world, side_stream().cuda_stream, compute,
         )  # fmt: skip
     return _python_sequence(a_local, Bs, biases, gathered_shape, plan, concurrent)
 
@@ -172,25 +158,17 @@ def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], pla
     A_gathered = torch.empty(gathered_shape, dtype=a_local.dtype, device=a_local.device)
     rows_of = A_gathered.view(world, shard_rows, k)  # rank i's rows (gather dim has no leading dims)
     outs = [torch.empty((world * shard_rows, b.shape[-1]), dtype=a_local.dtype, device=a_local.device) for b in Bs]
+    _push_shard(plan, a_local, rows_of, main, side)
 
-    side.wait_stream(main)  # A is ready
-    with torch.cuda.stream(side):
-        for j in range(len(plan.order)):
-            stream_wait(side, plan.done_mine[j], 1)
-            stream_write(side, plan.done_mine[j], 0)
-            plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
-            stream_write(side, plan.ready_theirs[j], 1)
-        rows_of[rank].copy_(a_local)
-
-    compute = [_compute_stream(j) if concurrent else main for j in range(len(plan.order))]
+    compute = [_compute_stream(j) if concurrent else main for j in range(len(plan.hs.order))]
     for s in compute:
         if s is not main:
             s.wait_stream(main)  # A, the outputs and the flag reset are ready
     _mm_rows(a_local, Bs, biases, outs, rank, shard_rows)
-    for j, (p, s) in enumerate(zip(plan.order, compute)):
+    for j, (p, s) in enumerate(zip(plan.hs.order, compute)):
         with torch.cuda.stream(s):
-            stream_wait(s, plan.ready_mine[j], 1)
-            stream_write(s, plan.ready_mine[j], 0)
+            stream_wait(s, plan.hs.ready_mine[j], 1)
+            stream_write(s, plan.hs.ready_mine[j], 0)
             side.wait_stream(s)
             with torch.cuda.stream(side):
                 rows_of[p].copy_(plan.my_slots[j])
@@ -199,36 +177,43 @@ def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], pla
         if s is not main:
             main.wait_stream(s)
     main.wait_stream(side)
-    for addr in plan.done_theirs:
+    for addr in plan.hs.done_theirs:
         stream_write(main, addr, 1)
     return A_gathered, outs
 
 
 def _python_unsplit(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan):
     """The same stream operations as csrc/pipelined.cpp's ag_unsplit, from Python (its fallback)."""
-    rank, world = plan.rank, plan.world
+    world = plan.world
     shard_rows, k = a_local.shape
     main, side = torch.cuda.current_stream(), side_stream()
     A_gathered = torch.empty(gathered_shape, dtype=a_local.dtype, device=a_local.device)
     rows_of = A_gathered.view(world, shard_rows, k)
-    side.wait_stream(main)  # A is ready
+    _push_shard(plan, a_local, rows_of, main, side)
     with torch.cuda.stream(side):
-        for j in range(len(plan.order)):
-            stream_wait(side, plan.done_mine[j], 1)
-            stream_write(side, plan.done_mine[j], 0)
-            plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
-            stream_write(side, plan.ready_theirs[j], 1)
-        rows_of[rank].copy_(a_local)
-        for j, p in enumerate(plan.order):
-            stream_wait(side, plan.ready_mine[j], 1)
-            stream_write(side, plan.ready_mine[j], 0)
+        for j, p in enumerate(plan.hs.order):
+            stream_wait(side, plan.hs.ready_mine[j], 1)
+            stream_write(side, plan.hs.ready_mine[j], 0)
             rows_of[p].copy_(plan.my_slots[j])
-        for addr in plan.done_theirs:
+        for addr in plan.hs.done_theirs:
             stream_write(side, addr, 1)  # our slots are free again
     main.wait_stream(side)
     all_rows = A_gathered.view(world * shard_rows, k)
     outs = [torch.mm(all_rows, b) if x is None else torch.addmm(x, all_rows, b) for b, x in zip(Bs, biases)]
     return A_gathered, outs
+
+
+def _push_shard(plan: _Plan, a_local: Tensor, rows_of: Tensor, main, side) -> None:
+    """On the side stream, once A is ready: our shard into each peer's slot (the copy engine), then into our
+    rows of the gathered output."""
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for j in range(len(plan.hs.order)):
+            stream_wait(side, plan.hs.done_mine[j], 1)
+            stream_write(side, plan.hs.done_mine[j], 0)
+            plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
+            stream_write(side, plan.hs.ready_theirs[j], 1)
+        rows_of[plan.rank].copy_(a_local)
 
 
 _compute_streams: dict[tuple[int, int], torch.cuda.Stream] = {}

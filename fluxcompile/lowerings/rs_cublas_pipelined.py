@@ -36,10 +36,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..schedules.orders import ring_after
-from ..symm_mem import Workspace, ready_done_flags, side_stream, stream_wait, stream_write, workspace
-from ..symm_mem.watchdog import Watch, flag_report, watch
-from .sequencer import sequencer
+from ..symm_mem import Workspace, side_stream, stream_wait, stream_write, workspace
+from .sequencer import Handshake, handshake, sequencer
 
 NAME = "cublas_pipelined"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -115,17 +113,12 @@ class _Plan:
     rows: int
     n: int
     shape: list[int]
-    order: list[int]
     peer_slots: list[Tensor]
     stage_slots: list[Tensor]
     own_slot: Tensor
     own_slots: Tensor  # [world, rows, n]
     stage_all: Tensor | None  # unsplit: our whole [M, N] partial, after the slots
-    done_mine: list[int]
-    ready_theirs: list[int]
-    ready_mine: list[int]
-    done_theirs: list[int]
-    watch: Watch | None = None  # the bound on its flag waits (symm_mem/watchdog.py)
+    hs: Handshake  # the flags, per peer in ring order
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -151,28 +144,24 @@ def _plan(
     rank, world = ws.rank, ws.world_size
     if world != group_size:
         raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
-    ready, done = ready_done_flags(group_name, "matmul_reduce_scatter.flags", world)
-    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
+    hs = handshake(
+        group_name, "matmul_reduce_scatter.flags", rank, world, f"matmul_reduce_scatter (cublas_pipelined, {key})"
+    )
+    order = hs.order
 
     def slot(owner: int, index: int) -> Tensor:
         return ws.view(owner, (rows, n), dtype, index * slot_bytes)
 
     mine = ws.view(rank, (world * slot_bytes // itemsize,), dtype).view(world, -1)[:, : rows * n]
     plan = _Plan(
-        ws=ws, rank=rank, world=world, rows=rows, n=n, shape=shape, order=order,
+        ws=ws, rank=rank, world=world, rows=rows, n=n, shape=shape,
         peer_slots=[slot(p, rank) for p in order],
         stage_slots=[slot(rank, world + p) for p in order] if push else [],
         own_slot=slot(rank, rank),
         own_slots=mine.view(world, rows, n),
         stage_all=ws.view(rank, (world * rows, n), dtype, world * slot_bytes) if unsplit else None,
-        done_mine=[done.addr(rank, p) for p in order],
-        ready_theirs=[ready.addr(p, rank) for p in order],
-        ready_mine=[ready.addr(rank, p) for p in order],
-        done_theirs=[done.addr(p, rank) for p in order],
+        hs=hs,
     )  # fmt: skip
-    plan.watch = watch(
-        f"matmul_reduce_scatter (cublas_pipelined, {key})", rank, lambda: flag_report(ready, done, order)
-    )
     _plans[key] = plan
     return plan
 
@@ -194,8 +183,7 @@ def matmul_reduce_scatter(
     rows, then the copy engine moves the peers' blocks (no overlap, no split: for small M)."""
     plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push, unsplit)
     out = _issue(As, Bs, bias, plan, push, unsplit)
-    if plan.watch is not None and not torch.cuda.is_current_stream_capturing():
-        plan.watch.note()
+    plan.hs.note()
     return out
 
 
@@ -204,17 +192,15 @@ def _issue(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan
     if unsplit:
         if seq is not None:
             return seq.rs_unsplit(
-                list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots, plan.order,
-                plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.shape, plan.rank,
-                plan.rows, side_stream().cuda_stream,
+                list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
+                *plan.hs.lists, plan.shape, plan.rank, plan.rows, side_stream().cuda_stream,
             )  # fmt: skip
         return _python_unsplit(As, Bs, bias, plan)
     if seq is not None:
         side = side_stream().cuda_stream if push else 0
         return seq.rs_pipelined(
-            list(As), list(Bs), bias, plan.peer_slots, plan.stage_slots, plan.own_slot, plan.own_slots, plan.order,
-            plan.done_mine, plan.ready_theirs, plan.ready_mine, plan.done_theirs, plan.shape, plan.rank, plan.rows,
-            push, side,
+            list(As), list(Bs), bias, plan.peer_slots, plan.stage_slots, plan.own_slot, plan.own_slots,
+            *plan.hs.lists, plan.shape, plan.rank, plan.rows, push, side,
         )  # fmt: skip
     return _python_sequence(As, Bs, bias, plan, push)
 
@@ -228,36 +214,22 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
 
     if push:
         side = side_stream()
-        for j, p in enumerate(plan.order):
+        for j, p in enumerate(plan.hs.order):
             partial(p, plan.stage_slots[j])
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                stream_wait(side, plan.done_mine[j], 1)
-                stream_write(side, plan.done_mine[j], 0)
+                stream_wait(side, plan.hs.done_mine[j], 1)
+                stream_write(side, plan.hs.done_mine[j], 0)
                 plan.peer_slots[j].copy_(plan.stage_slots[j])  # peer-to-peer: the copy engine
-                stream_write(side, plan.ready_theirs[j], 1)
+                stream_write(side, plan.hs.ready_theirs[j], 1)
     else:
-        for j, p in enumerate(plan.order):
-            stream_wait(main, plan.done_mine[j], 1)
-            stream_write(main, plan.done_mine[j], 0)
+        for j, p in enumerate(plan.hs.order):
+            stream_wait(main, plan.hs.done_mine[j], 1)
+            stream_write(main, plan.hs.done_mine[j], 0)
             partial(p, plan.peer_slots[j])  # zero-copy: cuBLAS stores into p's memory
-            stream_write(main, plan.ready_theirs[j], 1)
+            stream_write(main, plan.hs.ready_theirs[j], 1)
     partial(plan.rank, plan.own_slot)
-
-    for addr in plan.ready_mine:
-        stream_wait(main, addr, 1)
-        stream_write(main, addr, 0)
-    out = torch.empty(plan.shape, dtype=As[0].dtype, device=As[0].device)
-    out2 = out.view(rows, plan.n)
-    if plan.world == 2:
-        torch.add(plan.own_slots[0], plan.own_slots[1], out=out2)  # fp32 math, one rounding
-    else:
-        torch.sum(plan.own_slots, dim=0, out=out2)  # accumulates in fp32, rounds once
-    if push:
-        main.wait_stream(side_stream())  # our pushes are done: the staging slots are free for the next call
-    for addr in plan.done_theirs:
-        stream_write(main, addr, 1)
-    return out
+    return _reduce_and_release(plan, plan.own_slot, As[0], side_stream() if push else None)
 
 
 def _python_unsplit(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan) -> Tensor:
@@ -267,25 +239,33 @@ def _python_unsplit(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | N
     _matmul_rows(As, Bs, bias, 0, P.shape[0], P)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        for j, p in enumerate(plan.order):
-            stream_wait(side, plan.done_mine[j], 1)
-            stream_write(side, plan.done_mine[j], 0)
+        for j, p in enumerate(plan.hs.order):
+            stream_wait(side, plan.hs.done_mine[j], 1)
+            stream_write(side, plan.hs.done_mine[j], 0)
             plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
-            stream_write(side, plan.ready_theirs[j], 1)
+            stream_write(side, plan.hs.ready_theirs[j], 1)
     mine = P[plan.rank * rows : (plan.rank + 1) * rows]
     if plan.world > 2:
-        plan.own_slot.copy_(mine)
-    for addr in plan.ready_mine:
+        plan.own_slot.copy_(mine)  # so one sum covers every source
+    return _reduce_and_release(plan, mine, As[0], side)
+
+
+def _reduce_and_release(plan: _Plan, mine: Tensor, like: Tensor, side) -> Tensor:
+    """Once the peers' partials of our rows have landed: ours (``mine``) plus theirs, then our slots are free
+    again for the peers (after ``side``'s pushes, if any: they read our staging)."""
+    main = torch.cuda.current_stream()
+    for addr in plan.hs.ready_mine:
         stream_wait(main, addr, 1)
         stream_write(main, addr, 0)
-    out = torch.empty(plan.shape, dtype=As[0].dtype, device=As[0].device)
-    out2 = out.view(rows, plan.n)
+    out = torch.empty(plan.shape, dtype=like.dtype, device=like.device)
+    out2 = out.view(plan.rows, plan.n)
     if plan.world == 2:
-        torch.add(mine, plan.own_slots[plan.order[0]], out=out2)
+        torch.add(mine, plan.own_slots[plan.hs.order[0]], out=out2)  # fp32 math, one rounding
     else:
-        torch.sum(plan.own_slots, dim=0, out=out2)
-    main.wait_stream(side)
-    for addr in plan.done_theirs:
+        torch.sum(plan.own_slots, dim=0, out=out2)  # accumulates in fp32, rounds once
+    if side is not None:
+        main.wait_stream(side)
+    for addr in plan.hs.done_theirs:
         stream_write(main, addr, 1)
     return out
 

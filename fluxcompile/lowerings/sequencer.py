@@ -12,11 +12,17 @@ ranks may even differ in which one they use.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from types import ModuleType
 
+import torch
+
 from .. import csrc_build
+from ..schedules.orders import ring_after
+from ..symm_mem import ready_done_flags
+from ..symm_mem.watchdog import Watch, flag_report, watch
 
 log = logging.getLogger("fluxcompile.sequencer")
 
@@ -36,3 +42,41 @@ def sequencer() -> ModuleType | None:
             log.warning("fluxcompile: the C++ sequencer is unavailable, using the Python sequences: %s", e)
     _state["mod"] = mod
     return mod
+
+
+@dataclasses.dataclass
+class Handshake:
+    """The ready/done flags (symm_mem/signals.py) of a pipelined call, as addresses per peer, ``j`` running over
+    the peers in ring order (their meaning: csrc/pipelined.cpp), and the watchdog's bound on their waits."""
+
+    order: list[int]
+    done_mine: list[int]  # done flag of peer order[j] here: may we write into our slot in its buffer?
+    ready_theirs: list[int]  # ready flag `rank` in order[j]'s flags: our data has landed there
+    ready_mine: list[int]  # ready flag order[j] here: its data has landed here
+    done_theirs: list[int]  # done flag `rank` in order[j]'s flags: its slot in our buffer is free again
+    watch: Watch | None
+
+    @property
+    def lists(self) -> tuple[list[int], ...]:
+        """(order, done_mine, ready_theirs, ready_mine, done_theirs): the C++ functions' argument order."""
+        return self.order, self.done_mine, self.ready_theirs, self.ready_mine, self.done_theirs
+
+    def note(self) -> None:
+        """After an eager call (graph captures are not watched: their replays do not come back here)."""
+        if self.watch is not None and not torch.cuda.is_current_stream_capturing():
+            self.watch.note()
+
+
+def handshake(group_name: str, tag: str, rank: int, world: int, what: str) -> Handshake:
+    """The flags of ``tag`` (made and zeroed on the first call of every rank), in Flux's ring order after
+    ``rank`` (from the schedule library)."""
+    ready, done = ready_done_flags(group_name, tag, world)
+    order = ring_after(rank, world)
+    return Handshake(
+        order=order,
+        done_mine=[done.addr(rank, p) for p in order],
+        ready_theirs=[ready.addr(p, rank) for p in order],
+        ready_mine=[ready.addr(rank, p) for p in order],
+        done_theirs=[done.addr(p, rank) for p in order],
+        watch=watch(what, rank, lambda: flag_report(ready, done, order)),
+    )

@@ -1,0 +1,129 @@
+"""The plans of the cuBLAS-pipelined choices (slot views and flag addresses, what csrc/pipelined.cpp is given),
+built on CPU over fake symmetric workspaces for 2, 4 and 8 ranks: each peer's slot is where the protocol
+says, and the flag lists pair up across ranks (what rank r sets in p is what p waits for from r)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fluxcompile.lowerings import ag_cublas_pipelined as ag
+from fluxcompile.lowerings import rs_cublas_pipelined as rs
+from fluxcompile.lowerings import sequencer
+from fluxcompile.symm_mem.signals import FlagArray
+
+BASE = 1 << 40  # fake address of rank 0's buffers; rank p's are at BASE + p * STRIDE
+STRIDE = 1 << 32
+
+
+class FakeWorkspace:
+    """World-many CPU byte buffers standing for one symmetric buffer; view(p, ...) views rank p's."""
+
+    def __init__(self, rank: int, world: int, nbytes: int, tag: str) -> None:
+        self.rank, self.world_size, self.tag = rank, world, tag
+        self.buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(world)]
+        self.buffer = self.buffers[rank]
+        base = BASE + (hash(tag) % 1024) * (1 << 24)
+        self.handle = types.SimpleNamespace(buffer_ptrs=[base + p * STRIDE for p in range(world)])
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def view(self, rank, shape, dtype, offset_bytes=0):
+        n = 1
+        for s in shape:
+            n *= s
+        raw = self.buffers[rank][offset_bytes : offset_bytes + n * dtype.itemsize]
+        return raw.view(dtype).view(shape)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    state = {"rank": 0, "world": 2, "ws": {}}
+
+    def workspace(group_name, nbytes, tag="default"):
+        key = (state["rank"], tag)
+        ws = state["ws"].get(key)
+        if ws is None or ws.nbytes < nbytes:
+            ws = FakeWorkspace(state["rank"], state["world"], max(nbytes, 1 << 16), tag)
+            state["ws"][key] = ws
+        return ws
+
+    def ready_done_flags(group_name, tag, world):
+        ws = workspace(group_name, 512, tag)
+        return FlagArray(ws, 0, world), FlagArray(ws, 256, world)
+
+    for mod in (rs, ag):
+        monkeypatch.setattr(mod, "workspace", workspace)
+        monkeypatch.setattr(mod, "_plans", {})
+    monkeypatch.setattr(sequencer, "ready_done_flags", ready_done_flags)
+    monkeypatch.setattr(sequencer, "watch", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return state
+
+
+def _flag(tag: str, owner: int, which: str, index: int) -> int:
+    base = BASE + (hash(tag) % 1024) * (1 << 24) + owner * STRIDE
+    return base + (0 if which == "ready" else 256) + 4 * index
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("variant", ["zero_copy", "push", "unsplit"])
+def test_rs_plan_slots_and_flags(fake, world, variant):
+    rows, n = 24, 40
+    tag = "matmul_reduce_scatter.flags"
+    for rank in range(world):
+        fake["rank"], fake["world"] = rank, world
+        plan = rs._plan([world * rows, n], 0, world, "g", torch.bfloat16, variant == "push", variant == "unsplit")
+        hs = plan.hs
+        assert sorted(hs.order) == [p for p in range(world) if p != rank] and hs.order[0] == (rank + 1) % world
+        for j, p in enumerate(hs.order):
+            # Our partial of p's rows goes to slot `rank` of p's buffer, and p's of ours arrives in slot p here.
+            assert plan.peer_slots[j].data_ptr() == plan.ws.view(p, (rows, n), torch.bfloat16, 0).data_ptr() + (
+                rank * plan.own_slots.stride(0) * 2
+            )
+            assert hs.ready_theirs[j] == _flag(tag, p, "ready", rank)
+            assert hs.ready_mine[j] == _flag(tag, rank, "ready", p)
+            assert hs.done_mine[j] == _flag(tag, rank, "done", p)
+            assert hs.done_theirs[j] == _flag(tag, p, "done", rank)
+        assert plan.own_slots.shape == (world, rows, n)
+        assert plan.own_slot.data_ptr() == plan.own_slots[rank].data_ptr()
+        if variant == "unsplit":
+            assert plan.stage_all.shape == (world * rows, n)
+            # after the receive slots, inside the buffer
+            assert plan.stage_all.data_ptr() >= plan.own_slots[world - 1].data_ptr() + rows * n * 2
+            end = plan.stage_all.data_ptr() + plan.stage_all.numel() * 2
+            assert end <= plan.ws.buffer.data_ptr() + plan.ws.nbytes
+        if variant == "push":
+            assert len(plan.stage_slots) == world - 1
+            assert all(s.data_ptr() >= plan.own_slots[world - 1].data_ptr() for s in plan.stage_slots)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ag_plan_slots_and_flags(fake, world):
+    rows, k = 16, 48
+    tag = "all_gather_matmul.flags"
+    for rank in range(world):
+        fake["rank"], fake["world"] = rank, world
+        plan = ag._plan(rows, k, torch.bfloat16, world, "g")
+        hs = plan.hs
+        assert hs.order[0] == (rank + 1) % world and len(hs.order) == world - 1
+        slot_bytes = -(-rows * k * 2 // 256) * 256  # slots are 256-byte aligned
+        for j, p in enumerate(hs.order):
+            assert plan.peer_slots[j].data_ptr() == plan.ws.buffers[p].data_ptr() + rank * slot_bytes
+            assert plan.my_slots[j].data_ptr() == plan.ws.buffer.data_ptr() + p * slot_bytes
+            assert hs.ready_theirs[j] == _flag(tag, p, "ready", rank)
+            assert hs.done_mine[j] == _flag(tag, rank, "done", p)
+        assert hs.lists == (hs.order, hs.done_mine, hs.ready_theirs, hs.ready_mine, hs.done_theirs)
+
+
+def test_plan_is_reused_until_the_workspace_grows(fake):
+    fake["rank"], fake["world"] = 0, 2
+    p1 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
+    assert rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False) is p1
+    rs._plan([4096, 512], 0, 2, "g", torch.bfloat16, False, False)  # grows the workspace
+    p2 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
+    assert p2 is not p1 and p2.ws is not p1.ws
