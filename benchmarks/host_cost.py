@@ -39,6 +39,25 @@ def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float
     return t.item()
 
 
+def host_us_by_position(fn: Callable[[], object], rounds: int, per_round: int, device: torch.device) -> list[float]:
+    """Host µs of the 1st, 2nd, ... call after a synchronize + barrier (the pattern of benchmarks/ops.py's
+    rounds), median over ``rounds``, slowest rank: shows whether calls right after an idle wait are slower."""
+    for _ in range(3):
+        fn()
+    per: list[list[float]] = [[] for _ in range(per_round)]
+    for _ in range(rounds):
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        for i in range(per_round):
+            t0 = time.perf_counter()
+            fn()
+            per[i].append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize(device)
+    t = torch.tensor([sorted(x)[len(x) // 2] for x in per], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", dest="m", type=int, default=512)
@@ -106,11 +125,22 @@ def main() -> None:
         row(f"{op} pick (memo hit)", lambda o=op, x=op_args: pick(o, x, group), 200)
         row(f"{op} via torch.ops (winner {pick(op, op_args, group).name})", lambda f=fused, x=op_args: f(*x))
 
+    by_position = {
+        "mm + dist.reduce_scatter_tensor": host_us_by_position(
+            lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), 8, 4, device
+        ),
+        "matmul_reduce_scatter via torch.ops": host_us_by_position(
+            lambda: torch.ops.fluxcompile.matmul_reduce_scatter(*rs_args), 8, 4, device
+        ),
+    }
     torch.cuda.synchronize(device)
     if rank == 0:
         print(f"== host table: µs per call, max over {world} ranks, m={m} n={n} k={k}")
         for name, t in rows:
             print(f"  {name:<64} {t:8.1f}")
+        print("== host µs of the 1st..4th call after a synchronize + barrier (benchmarks/ops.py's rounds)")
+        for name, ts in by_position.items():
+            print(f"  {name:<64} " + " ".join(f"{t:8.1f}" for t in ts))
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
         fused = getattr(torch.ops.fluxcompile, op)
         prof = cProfile.Profile()
