@@ -127,3 +127,10 @@ def test_plan_is_reused_until_the_workspace_grows(fake):
     rs._plan([4096, 512], 0, 2, "g", torch.bfloat16, False, False)  # grows the workspace
     p2 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
     assert p2 is not p1 and p2.ws is not p1.ws
+
+
+def test_handshake_refuses_more_ranks_than_it_holds():
+    from fluxcompile.symm_mem import signals
+
+    with pytest.raises(ValueError, match="65 ranks"):
+        signals.ready_done_flags("g", "x.flags", signals.MAX_HANDSHAKE_RANKS + 1)

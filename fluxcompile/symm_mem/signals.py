@@ -93,11 +93,16 @@ def init_flags(flags: FlagArray, value: int) -> None:
     _initialized.add(key)
 
 
+MAX_HANDSHAKE_RANKS = 64  # 256 bytes of int32 flags per array
+
+
 def ready_done_flags(group_name: str, tag: str, world: int) -> tuple[FlagArray, FlagArray]:
     """The slot handshake of the copy-based choices, in a small workspace of its own (``tag``): ``ready``
     (starts 0: the sender sets the receiver's flag once its data has landed) and ``done`` (starts 1: the
     receiver sets the sender's flag once the slot may be overwritten again). Each is indexed by peer rank
     (64 flags per array)."""
+    if world > MAX_HANDSHAKE_RANKS:
+        raise ValueError(f"fluxcompile: {tag}: {world} ranks, but the handshake holds {MAX_HANDSHAKE_RANKS}")
     ws = workspace(group_name, 512, tag=tag)
     ready, done = FlagArray(ws, 0, world), FlagArray(ws, 256, world)
     init_flags(ready, 0)
