@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .waits import bounded_wait
+
 MAX_TILES = 8192  # flag words per source rank; the reduced-tile flags follow the world's partial flags
 _MAX_TILES = tl.constexpr(MAX_TILES)  # the same, as the kernel sees it
 ERR_WORDS = 8  # code, rank, peer, tile, epoch, kind
@@ -55,34 +57,6 @@ def _tile_at(pos, rank, world, n_tiles):
         if tile < 0:
             rest -= hi - lo
     return tile
-
-
-@triton.jit
-def _wait(flag, e, err, max_spin, rank, peer, tile, kind, SYS: tl.constexpr):
-    """Bounded acquire-wait until ``*flag - e >= 0``; 1 when it passed, 0 on timeout (recorded once)."""
-    if SYS:
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    else:
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    bail = tl.load(err, volatile=True)
-    spins = 0
-    while ((seen - e) < 0) & (spins < max_spin) & (bail == 0):
-        if SYS:
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-        else:
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-        bail = tl.load(err, volatile=True)
-        spins += 1
-    ok = (seen - e) >= 0
-    if (seen - e) < 0:
-        if bail == 0:
-            if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
-                tl.atomic_xchg(err + 1, rank)
-                tl.atomic_xchg(err + 2, peer)
-                tl.atomic_xchg(err + 3, tile)
-                tl.atomic_xchg(err + 4, e)
-                tl.atomic_xchg(err + 5, kind)
-    return ok
 
 
 @triton.jit
@@ -192,7 +166,9 @@ def gemm_ar_kernel(
             for step in range(1, world):
                 src = (rank + step) % world
                 if ok != 0:
-                    ok = _wait(my_flags + src * _MAX_TILES + t, e, err, max_spin, rank, src, t, 1, True).to(tl.int32)
+                    ok = bounded_wait(my_flags + src * _MAX_TILES + t, e, err, max_spin, rank, src, t, 1, True).to(
+                        tl.int32
+                    )
             tl.debug_barrier()
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for src in range(world):
@@ -225,7 +201,7 @@ def gemm_ar_kernel(
                 cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
                 offs = rows[:, None] * N + cols[None, :]
-                _wait(my_flags + world * _MAX_TILES + t, e, err, max_spin, rank, owner, t, 2, True)
+                bounded_wait(my_flags + world * _MAX_TILES + t, e, err, max_spin, rank, owner, t, 2, True)
                 tl.debug_barrier()
                 r = tl.load(my_data + result_slot * slot_elems + offs, mask=mask, other=0.0, cache_modifier=".cg")
                 _write_output(r, rows, cols, mask, tn, out, residual, ss_part, M, N, n_tiles_n, TAIL, BLOCK_N)
@@ -238,7 +214,7 @@ def gemm_ar_kernel(
             tl.atomic_xchg(state + 2, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(state + 3, e, sem="release", scope="gpu")
         else:
-            _wait(state + 3, e, err, max_spin, rank, -1, -1, 3, False)
+            bounded_wait(state + 3, e, err, max_spin, rank, -1, -1, 3, False)
         tl.debug_barrier()
         for pos in range(pid, n_tiles, NUM_PROGS):
             t = _tile_at(pos, rank, world, n_tiles)

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .waits import bounded_wait
+
 MAX_PRODUCTS = 4
 MAX_TILES = 1 << 15  # flag words per source rank: tiles of one owner's rows
 ERR_WORDS = 8  # code, rank, peer, tile, epoch
@@ -130,28 +132,6 @@ def gemm_rs_kernel(
 
 
 @triton.jit
-def _wait(flag, e, err, max_spin, rank, peer, tile):
-    """Bounded acquire-wait until ``*flag - e >= 0``; 1 when it passed, 0 on timeout (the first one recorded;
-    once any wait timed out, the others give up at once instead of spinning ``max_spin`` each)."""
-    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    bail = tl.load(err, volatile=True)
-    spins = 0
-    while ((seen - e) < 0) & (spins < max_spin) & (bail == 0):
-        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-        bail = tl.load(err, volatile=True)
-        spins += 1
-    ok = (seen - e) >= 0
-    if (seen - e) < 0:
-        if bail == 0:
-            if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
-                tl.atomic_xchg(err + 1, rank)
-                tl.atomic_xchg(err + 2, peer)
-                tl.atomic_xchg(err + 3, tile)
-                tl.atomic_xchg(err + 4, e)
-    return ok
-
-
-@triton.jit
 def rs_reduce_kernel(
     out, peer_data, peer_flags, state, err,
     rows, N, slot_elems, parity_elems, m_tiles, n_tiles, rank, world, max_spin,
@@ -173,7 +153,7 @@ def rs_reduce_kernel(
         offs = lrows[:, None] * N + cols[None, :]
         for step in range(1, world):
             src = (rank + step) % world
-            _wait(my_flags + src * FLAG_STRIDE + t, e, err, max_spin, rank, src, t)
+            bounded_wait(my_flags + src * FLAG_STRIDE + t, e, err, max_spin, rank, src, t, 0, True)
         tl.debug_barrier()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for src in range(world):  # rank order on every rank: the same rounding everywhere

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_ar import _wait
+from .waits import bounded_wait
 
 WORDS = 16  # int32 words per instruction (layout in schedules/encoding.py)
 ACK_WORDS = 64  # per-source ack flags at the start of the flag array; message flags follow
@@ -97,11 +97,11 @@ def plan_exec_kernel(
         # Waits: same-rank dependencies, the incoming message, the peer's ack of the previous call.
         for d in range(dep_start, dep_start + dep_n):
             di = tl.load(deps + d)
-            _wait(done + di * S + s, e, err, max_spin, rank, -1, di, 13, False)
+            bounded_wait(done + di * S + s, e, err, max_spin, rank, -1, di, 13, False)
         if use_recv:
-            _wait(my_flags + 64 + recv_msg * S + s, e, err, max_spin, rank, recv_peer, recv_msg, 11, True)
+            bounded_wait(my_flags + 64 + recv_msg * S + s, e, err, max_spin, rank, recv_peer, recv_msg, 11, True)
         if do_send:
-            _wait(my_flags + send_peer, e - 1, err, max_spin, rank, send_peer, -1, 12, True)
+            bounded_wait(my_flags + send_peer, e - 1, err, max_spin, rank, send_peer, -1, 12, True)
         tl.debug_barrier()  # every thread reads after the (single-thread) acquires
         sp = _local_ptr(src_buf, inp, out, scr, mbox)
         dp = _local_ptr(dst_buf, inp, out, scr, mbox)
