@@ -56,6 +56,12 @@ void write_flag(const c10::cuda::CUDAStream& s, int64_t addr, uint32_t value) {
   TORCH_CHECK(rc == CUDA_SUCCESS, "fluxcompile: cuStreamWriteValue32 failed (", static_cast<int>(rc), ")");
 }
 
+// The waiter's half of the protocol (signals.stream_consume): wait until the flag is 1, then reset it to 0.
+void consume_flag(const c10::cuda::CUDAStream& s, int64_t addr) {
+  wait_flag(s, addr, 1);
+  write_flag(s, addr, 0);
+}
+
 // `waiter` waits for everything queued on `producer` so far (torch.cuda.Stream.wait_stream). One event per
 // device serves every join: a wait takes the event's state when it is issued, and each record here is
 // followed by its wait at once (inside graph capture the pair becomes a graph edge). Creating and
@@ -87,6 +93,40 @@ c10::cuda::CUDAStream external(int64_t handle, c10::DeviceIndex device) {
 
 void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
   for (size_t s : sizes) TORCH_CHECK(s == n, "fluxcompile: plan lists of different lengths");
+}
+
+// All-gather, on the side stream once A is ready: our shard into each peer's slot (the copy engine, once
+// the peer has freed it), then into our rows of the gathered output.
+void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& main, const at::Tensor& a_local,
+                std::vector<at::Tensor>& peer_slots, const std::vector<int64_t>& done_mine,
+                const std::vector<int64_t>& ready_theirs, const at::Tensor& rows_of, int64_t rank) {
+  join(side, main);
+  for (size_t j = 0; j < peer_slots.size(); ++j) {
+    consume_flag(side, done_mine[j]);
+    copy_async(peer_slots[j], a_local, side);  // peer-to-peer: the copy engine
+    write_flag(side, ready_theirs[j], 1);
+  }
+  copy_async(rows_of.select(0, rank), a_local, side);
+}
+
+// Reduce-scatter, once the peers' partials of our rows have landed: ours (`mine`; for > 2 ranks already in
+// our slot) plus theirs, then our slots are free again for the peers (after `side`'s pushes, if any: they
+// read our staging).
+at::Tensor reduce_and_release(const c10::cuda::CUDAStream& main, const std::optional<c10::cuda::CUDAStream>& side,
+                              const at::Tensor& mine, const at::Tensor& own_slots, const std::vector<int64_t>& order,
+                              const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
+                              const std::vector<int64_t>& out_shape, int64_t rows) {
+  for (int64_t addr : ready_mine) consume_flag(main, addr);
+  at::Tensor out = at::empty(out_shape, mine.options());
+  at::Tensor out2 = out.view({rows, own_slots.size(2)});
+  if (own_slots.size(0) == 2) {
+    at::add_out(out2, mine, own_slots.select(0, order[0]));  // fp32 math, one rounding
+  } else {
+    at::sum_out(out2, own_slots, std::vector<int64_t>{0});  // accumulates in fp32, rounds once
+  }
+  if (side.has_value()) join(main, *side);
+  for (int64_t addr : done_theirs) write_flag(main, addr, 1);
+  return out;
 }
 
 // dst <- sum_i As[i][lo : lo + count] @ Bs[i] (+ bias): the bias goes into the first product and later
@@ -130,40 +170,25 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
   // Our partial of `owner`'s rows into dst.
   auto partial = [&](int64_t owner, const at::Tensor& dst) { matmul_rows(As, Bs, bias, owner * rows, rows, dst); };
 
+  std::optional<c10::cuda::CUDAStream> side;
   if (push) {
-    const auto side = external(side_handle, device);
+    side = external(side_handle, device);
     for (size_t j = 0; j < peers; ++j) {
       partial(order[j], stage_slots[j]);
-      join(side, main);
-      wait_flag(side, done_mine[j], 1);
-      write_flag(side, done_mine[j], 0);
-      copy_async(peer_slots[j], stage_slots[j], side);  // peer-to-peer: the copy engine
-      write_flag(side, ready_theirs[j], 1);
+      join(*side, main);
+      consume_flag(*side, done_mine[j]);
+      copy_async(peer_slots[j], stage_slots[j], *side);  // peer-to-peer: the copy engine
+      write_flag(*side, ready_theirs[j], 1);
     }
   } else {
     for (size_t j = 0; j < peers; ++j) {
-      wait_flag(main, done_mine[j], 1);
-      write_flag(main, done_mine[j], 0);
+      consume_flag(main, done_mine[j]);
       partial(order[j], peer_slots[j]);  // zero-copy: cuBLAS stores into the peer's memory
       write_flag(main, ready_theirs[j], 1);
     }
   }
   partial(rank, own_slot);
-
-  for (size_t j = 0; j < peers; ++j) {
-    wait_flag(main, ready_mine[j], 1);
-    write_flag(main, ready_mine[j], 0);
-  }
-  at::Tensor out = at::empty(out_shape, As[0].options());
-  at::Tensor out2 = out.view({rows, own_slots.size(2)});
-  if (own_slots.size(0) == 2) {
-    at::add_out(out2, own_slots.select(0, 0), own_slots.select(0, 1));  // fp32 math, one rounding
-  } else {
-    at::sum_out(out2, own_slots, std::vector<int64_t>{0});  // accumulates in fp32, rounds once
-  }
-  if (push) join(main, external(side_handle, device));  // our pushes are done: staging slots free again
-  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
-  return out;
+  return reduce_and_release(main, side, own_slot, own_slots, order, ready_mine, done_theirs, out_shape, rows);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -181,6 +206,14 @@ void mm_rows(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::
       at::mm_out(dst, a, Bs[i]);
     }
   }
+}
+
+// One [m, N_i] output per weight.
+std::vector<at::Tensor> empty_outs(const std::vector<at::Tensor>& Bs, int64_t m, const at::TensorOptions& options) {
+  std::vector<at::Tensor> outs;
+  outs.reserve(Bs.size());
+  for (const auto& b : Bs) outs.push_back(at::empty({m, b.size(-1)}, options));
+  return outs;
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
@@ -205,21 +238,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
 
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
-  std::vector<at::Tensor> outs;
-  outs.reserve(Bs.size());
-  for (const auto& b : Bs) outs.push_back(at::empty({world * rows, b.size(-1)}, a_local.options()));
+  std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
 
-  join(side, main);  // A is ready
-  {
-    c10::cuda::CUDAStreamGuard on_side(side);
-    for (size_t j = 0; j < peers; ++j) {
-      wait_flag(side, done_mine[j], 1);
-      write_flag(side, done_mine[j], 0);
-      copy_async(peer_slots[j], a_local, side);  // peer-to-peer: the copy engine
-      write_flag(side, ready_theirs[j], 1);
-    }
-    copy_async(rows_of.select(0, rank), a_local, side);
-  }
+  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
 
   std::vector<c10::cuda::CUDAStream> compute;
   compute.reserve(peers);
@@ -231,8 +252,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   for (size_t j = 0; j < peers; ++j) {
     const auto& s = compute[j];
     c10::cuda::CUDAStreamGuard on_s(s);
-    wait_flag(s, ready_mine[j], 1);
-    write_flag(s, ready_mine[j], 0);
+    consume_flag(s, ready_mine[j]);
     join(side, s);
     copy_async(rows_of.select(0, order[j]), my_slots[j], side);
     mm_rows(my_slots[j], Bs, biases, outs, order[j], rows);
@@ -272,28 +292,14 @@ at::Tensor rs_unsplit(const std::vector<at::Tensor>& As, const std::vector<at::T
   matmul_rows(As, Bs, bias, 0, stage_all.size(0), stage_all);
   join(side, main);
   for (size_t j = 0; j < peers; ++j) {
-    wait_flag(side, done_mine[j], 1);
-    write_flag(side, done_mine[j], 0);
+    consume_flag(side, done_mine[j]);
     copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
     write_flag(side, ready_theirs[j], 1);
   }
   const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
-  const int64_t world = own_slots.size(0);
-  if (world > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
-  for (size_t j = 0; j < peers; ++j) {
-    wait_flag(main, ready_mine[j], 1);
-    write_flag(main, ready_mine[j], 0);
-  }
-  at::Tensor out = at::empty(out_shape, As[0].options());
-  at::Tensor out2 = out.view({rows, own_slots.size(2)});
-  if (world == 2) {
-    at::add_out(out2, mine, own_slots.select(0, order[0]));  // fp32 math, one rounding
-  } else {
-    at::sum_out(out2, own_slots, std::vector<int64_t>{0});
-  }
-  join(main, side);  // our pushes are done: P may be overwritten by the next call
-  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
-  return out;
+  if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
+  // Joining `side` also lets the next call's GEMM overwrite P only once our pushes have read it.
+  return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
 }
 
 // all-gather -> GEMM: the side stream pushes our shard into every peer's slot and assembles the gathered
@@ -317,33 +323,15 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
 
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});
-  join(side, main);  // A is ready
+  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
   for (size_t j = 0; j < peers; ++j) {
-    wait_flag(side, done_mine[j], 1);
-    write_flag(side, done_mine[j], 0);
-    copy_async(peer_slots[j], a_local, side);  // peer-to-peer: the copy engine
-    write_flag(side, ready_theirs[j], 1);
-  }
-  copy_async(rows_of.select(0, rank), a_local, side);
-  for (size_t j = 0; j < peers; ++j) {
-    wait_flag(side, ready_mine[j], 1);
-    write_flag(side, ready_mine[j], 0);
+    consume_flag(side, ready_mine[j]);
     copy_async(rows_of.select(0, order[j]), my_slots[j], side);
   }
   for (size_t j = 0; j < peers; ++j) write_flag(side, done_theirs[j], 1);  // our slots are free again
   join(main, side);
-  const at::Tensor all_rows = gathered.view({world * rows, k});
-  std::vector<at::Tensor> outs;
-  outs.reserve(Bs.size());
-  for (size_t i = 0; i < Bs.size(); ++i) {
-    at::Tensor out = at::empty({world * rows, Bs[i].size(-1)}, a_local.options());
-    if (biases[i].has_value()) {
-      at::addmm_out(out, *biases[i], all_rows, Bs[i]);
-    } else {
-      at::mm_out(out, all_rows, Bs[i]);
-    }
-    outs.push_back(out);
-  }
+  std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
+  mm_rows(gathered.view({world * rows, k}), Bs, biases, outs, 0, world * rows);
   return {gathered, outs};
 }
 

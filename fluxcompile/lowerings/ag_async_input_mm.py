@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..schedules.orders import ring_after
-from ..symm_mem import ready_done_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import ready_done_flags, side_stream, stream_consume, stream_write, workspace
 from .ag_cublas_pipelined import shard_layout
 
 NAME = "async_input_mm"
@@ -76,8 +76,7 @@ def all_gather_matmul(
     order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
 
     for p in order:  # our buffer is free once every peer has pulled the previous shard
-        stream_wait(main, done.addr(rank, p), 1)
-        stream_write(main, done.addr(rank, p), 0)
+        stream_consume(main, done.addr(rank, p))
     ws.view(rank, (rows, k), A.dtype).copy_(A.view(rows, k))
     rows_of[rank].copy_(A.view(rows, k))
     for p in order:
@@ -91,8 +90,7 @@ def all_gather_matmul(
     side.wait_event(published)
     with torch.cuda.stream(side):
         for p in order:
-            stream_wait(side, ready.addr(rank, p), 1)
-            stream_write(side, ready.addr(rank, p), 0)
+            stream_consume(side, ready.addr(rank, p))
             rows_of[p].copy_(ws.view(p, (rows, k), A.dtype))  # peer-to-peer: the copy engine
             stream_write(side, signals.data_ptr() + 4 * p, 1)
             stream_write(side, done.addr(p, rank), 1)

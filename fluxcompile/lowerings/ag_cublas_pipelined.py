@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import Workspace, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
 from .sequencer import Handshake, handshake, sequencer
 
 NAME = "cublas_pipelined"
@@ -167,8 +167,7 @@ def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], pla
     _mm_rows(a_local, Bs, biases, outs, rank, shard_rows)
     for j, (p, s) in enumerate(zip(plan.hs.order, compute)):
         with torch.cuda.stream(s):
-            stream_wait(s, plan.hs.ready_mine[j], 1)
-            stream_write(s, plan.hs.ready_mine[j], 0)
+            stream_consume(s, plan.hs.ready_mine[j])
             side.wait_stream(s)
             with torch.cuda.stream(side):
                 rows_of[p].copy_(plan.my_slots[j])
@@ -192,8 +191,7 @@ def _python_unsplit(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan
     _push_shard(plan, a_local, rows_of, main, side)
     with torch.cuda.stream(side):
         for j, p in enumerate(plan.hs.order):
-            stream_wait(side, plan.hs.ready_mine[j], 1)
-            stream_write(side, plan.hs.ready_mine[j], 0)
+            stream_consume(side, plan.hs.ready_mine[j])
             rows_of[p].copy_(plan.my_slots[j])
         for addr in plan.hs.done_theirs:
             stream_write(side, addr, 1)  # our slots are free again
@@ -209,8 +207,7 @@ def _push_shard(plan: _Plan, a_local: Tensor, rows_of: Tensor, main, side) -> No
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for j in range(len(plan.hs.order)):
-            stream_wait(side, plan.hs.done_mine[j], 1)
-            stream_write(side, plan.hs.done_mine[j], 0)
+            stream_consume(side, plan.hs.done_mine[j])
             plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
             stream_write(side, plan.hs.ready_theirs[j], 1)
         rows_of[plan.rank].copy_(a_local)

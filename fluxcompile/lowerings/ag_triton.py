@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import FlagArray, init_flags, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import FlagArray, init_flags, side_stream, stream_consume, stream_write, workspace
 from . import ag_cublas_pipelined
 
 ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_TRITON_AG", "0") == "1"
@@ -125,8 +125,7 @@ def all_gather_matmul(
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for p in order:
-            stream_wait(side, done.addr(rank, p), 1)
-            stream_write(side, done.addr(rank, p), 0)
+            stream_consume(side, done.addr(rank, p))
             peer_slot = ws.view(p, (rows, k), A.dtype, rank * rows * k * A.element_size())
             for c in range(n_chunks):
                 lo, hi = c * chunk_rows, min(rows, (c + 1) * chunk_rows)

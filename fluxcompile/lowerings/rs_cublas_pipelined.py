@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import Workspace, side_stream, stream_wait, stream_write, workspace
+from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
 from .sequencer import Handshake, handshake, sequencer
 
 NAME = "cublas_pipelined"
@@ -218,14 +218,12 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
             partial(p, plan.stage_slots[j])
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                stream_wait(side, plan.hs.done_mine[j], 1)
-                stream_write(side, plan.hs.done_mine[j], 0)
+                stream_consume(side, plan.hs.done_mine[j])
                 plan.peer_slots[j].copy_(plan.stage_slots[j])  # peer-to-peer: the copy engine
                 stream_write(side, plan.hs.ready_theirs[j], 1)
     else:
         for j, p in enumerate(plan.hs.order):
-            stream_wait(main, plan.hs.done_mine[j], 1)
-            stream_write(main, plan.hs.done_mine[j], 0)
+            stream_consume(main, plan.hs.done_mine[j])
             partial(p, plan.peer_slots[j])  # zero-copy: cuBLAS stores into p's memory
             stream_write(main, plan.hs.ready_theirs[j], 1)
     partial(plan.rank, plan.own_slot)
@@ -240,8 +238,7 @@ def _python_unsplit(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | N
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for j, p in enumerate(plan.hs.order):
-            stream_wait(side, plan.hs.done_mine[j], 1)
-            stream_write(side, plan.hs.done_mine[j], 0)
+            stream_consume(side, plan.hs.done_mine[j])
             plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
             stream_write(side, plan.hs.ready_theirs[j], 1)
     mine = P[plan.rank * rows : (plan.rank + 1) * rows]
@@ -255,8 +252,7 @@ def _reduce_and_release(plan: _Plan, mine: Tensor, like: Tensor, side) -> Tensor
     again for the peers (after ``side``'s pushes, if any: they read our staging)."""
     main = torch.cuda.current_stream()
     for addr in plan.hs.ready_mine:
-        stream_wait(main, addr, 1)
-        stream_write(main, addr, 0)
+        stream_consume(main, addr)
     out = torch.empty(plan.shape, dtype=like.dtype, device=like.device)
     out2 = out.view(plan.rows, plan.n)
     if plan.world == 2:

@@ -61,6 +61,12 @@ def stream_wait(stream: torch.cuda.Stream, addr: int, value: int) -> None:
     )
 
 
+def stream_consume(stream: torch.cuda.Stream, addr: int) -> None:
+    """The waiter's half of the protocol: wait until the flag is 1, then reset it to 0 for the next use."""
+    stream_wait(stream, addr, 1)
+    stream_write(stream, addr, 0)
+
+
 @dataclasses.dataclass
 class FlagArray:
     """``count`` int32 flags per rank at ``offset`` bytes into a workspace (one array on every rank)."""
