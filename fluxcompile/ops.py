@@ -53,12 +53,13 @@ from torch import Tensor
 _c10d = torch.ops._c10d_functional
 
 
-def _below_autograd():
-    """The functional collectives carry Python autograd kernels, which cost ~25 µs of host time per
-    collective + wait on the 2xH200 machine (BENCHMARKS.md, "Host time"). The fused ops have no autograd
-    formula (they appear only in post-grad graphs), so their references call the collectives below
-    autograd, as autograd kernels themselves do."""
-    return torch._C._AutoDispatchBelowAutograd()
+def _collective(op, *args) -> Tensor:
+    """A functional collective and its wait, dispatched below autograd. The functional collectives carry
+    Python autograd kernels, which cost ~25 µs of host time per collective + wait on the 2xH200 machine
+    (BENCHMARKS.md, "Host time"); the fused ops have no autograd formula (they appear only in post-grad
+    graphs), so their references skip them, as autograd kernels themselves do."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return _c10d.wait_tensor(op(*args))
 
 
 _lib = torch.library.Library("fluxcompile", "DEF")
@@ -136,8 +137,7 @@ def check_group(group_size: int, group_name: str) -> None:
 def gather(A: Tensor, gather_dim: int, group_size: int, group_name: str) -> Tensor:
     """all_gather along ``gather_dim`` (the functional collective gathers along dim 0)."""
     check_group(group_size, group_name)
-    with _below_autograd():
-        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(A.contiguous(), group_size, group_name))
+    gathered = _collective(_c10d.all_gather_into_tensor, A.contiguous(), group_size, group_name)
     if gather_dim == 0:
         return gathered
     return torch.cat(gathered.chunk(group_size, dim=0), dim=gather_dim)
@@ -152,8 +152,7 @@ def scatter(P: Tensor, scatter_dim: int, reduce_op: str, group_size: int, group_
         )
     if scatter_dim != 0:
         P = torch.cat(P.chunk(group_size, dim=scatter_dim), dim=0)
-    with _below_autograd():
-        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(P.contiguous(), reduce_op, group_size, group_name))
+    return _collective(_c10d.reduce_scatter_tensor, P.contiguous(), reduce_op, group_size, group_name)
 
 
 def _consumer_matmuls(A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
@@ -196,15 +195,11 @@ def _matmul_reduce_scatter_ref(As, Bs, bias, out_shape, scatter_dim, reduce_op, 
 @torch.library.impl(_lib, "matmul_all_reduce", "CompositeExplicitAutograd")
 def _matmul_all_reduce_ref(As, Bs, bias, out_shape, reduce_op, group_name):
     P = matmul_sum(As, Bs, bias).reshape(out_shape).contiguous()
-    with _below_autograd():
-        return _c10d.wait_tensor(_c10d.all_reduce(P, reduce_op, group_name))
+    return _collective(_c10d.all_reduce, P, reduce_op, group_name)
 
 
 def _exchange(A: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
-    with _below_autograd():
-        return _c10d.wait_tensor(
-            _c10d.all_to_all_single(A.contiguous(), output_split_sizes, input_split_sizes, group_name)
-        )
+    return _collective(_c10d.all_to_all_single, A.contiguous(), output_split_sizes, input_split_sizes, group_name)
 
 
 @torch.library.impl(_lib, "all_to_all_matmul", "CompositeExplicitAutograd")
@@ -233,8 +228,7 @@ def _all_reduce_rmsnorm_ref(
     x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name
 ):
     P = x if x is not None else matmul_sum(As, Bs, bias).reshape(out_shape)
-    with _below_autograd():
-        r = _c10d.wait_tensor(_c10d.all_reduce(P.contiguous(), reduce_op, group_name))
+    r = _collective(_c10d.all_reduce, P.contiguous(), reduce_op, group_name)
     h = residual + r
     return h, rms_norm(h, weight, eps, upcast, weight_after_cast)
 
