@@ -48,9 +48,12 @@ def host_us_by_position(fn: Callable[[], object], rounds: int, per_round: int, d
     for _ in range(rounds):
         torch.cuda.synchronize(device)
         dist.barrier()
-        for i in range(per_round):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in per]
+        for i, (start, end) in enumerate(events):
             t0 = time.perf_counter()
+            start.record()  # as ops.py's rounds do
             fn()
+            end.record()
             per[i].append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize(device)
     t = torch.tensor([sorted(x)[len(x) // 2] for x in per], dtype=torch.float64, device=device)
@@ -126,11 +129,12 @@ def main() -> None:
         row(f"{op} via torch.ops (winner {pick(op, op_args, group).name})", lambda f=fused, x=op_args: f(*x))
 
     by_position = {
+        "torch.mm": host_us_by_position(lambda: torch.mm(a, b), 8, 8, device),
         "mm + dist.reduce_scatter_tensor": host_us_by_position(
-            lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), 8, 4, device
+            lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), 8, 8, device
         ),
         "matmul_reduce_scatter via torch.ops": host_us_by_position(
-            lambda: torch.ops.fluxcompile.matmul_reduce_scatter(*rs_args), 8, 4, device
+            lambda: torch.ops.fluxcompile.matmul_reduce_scatter(*rs_args), 8, 8, device
         ),
     }
     torch.cuda.synchronize(device)
@@ -138,7 +142,7 @@ def main() -> None:
         print(f"== host table: µs per call, max over {world} ranks, m={m} n={n} k={k}")
         for name, t in rows:
             print(f"  {name:<64} {t:8.1f}")
-        print("== host µs of the 1st..4th call after a synchronize + barrier (benchmarks/ops.py's rounds)")
+        print("== host µs of the 1st..8th call after a synchronize + barrier (benchmarks/ops.py's rounds)")
         for name, ts in by_position.items():
             print(f"  {name:<64} " + " ".join(f"{t:8.1f}" for t in ts))
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):

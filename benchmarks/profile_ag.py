@@ -1,6 +1,8 @@
-"""GPU timeline of one all_gather_matmul call per method (which stream runs what, when, for how long).
+"""GPU timeline of one call per method (which stream runs what, when, for how long), all-gather+GEMM and
+GEMM+reduce-scatter: where a fused choice's time beyond its GEMM goes.
 
-python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --rows 1024 --n 49152 --k 12288
+python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op ag --rows 1024 --n 49152 --k 12288
+python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op rs --rows 2048 --n 4096 --k 14336
 """
 
 from __future__ import annotations
@@ -8,14 +10,46 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 
+def _methods(op: str, m: int, n: int, k: int, world: int, group: str) -> dict[str, Callable[[], object]]:
+    from fluxcompile.lowerings import ag_cublas_pipelined as ag
+    from fluxcompile.lowerings import rs_cublas_pipelined as rs
+
+    bf = torch.bfloat16
+    if op == "ag":
+        a = torch.randn(m // world, k, device="cuda", dtype=bf)
+        b = torch.randn(k, n // world, device="cuda", dtype=bf)
+        full = torch.randn(m, k, device="cuda", dtype=bf)
+        return {
+            "cublas (whole local GEMM)": lambda: full @ b,
+            "cublas_pipelined": lambda: ag.all_gather_matmul(a, [b], [None], 0, world, group),
+            "cublas_pipelined:concurrent": lambda: ag.all_gather_matmul(
+                a, [b], [None], 0, world, group, concurrent=True
+            ),
+            "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group),
+        }
+    a = torch.randn(m, k // world, device="cuda", dtype=bf)
+    b = torch.randn(k // world, n, device="cuda", dtype=bf) / k**0.5
+    args = ([a], [b], None, [m, n], 0, "sum", world, group)
+    out = torch.empty(m // world, n, device="cuda", dtype=bf)
+    return {
+        "cublas (whole local GEMM)": lambda: a @ b,
+        "nccl_cublas": lambda: dist.reduce_scatter_tensor(out, a @ b),
+        "cublas_pipelined": lambda: rs.matmul_reduce_scatter(*args),
+        "cublas_pipelined:push": lambda: rs.matmul_reduce_scatter(*args, push=True),
+        "cublas_pipelined:unsplit": lambda: rs.matmul_reduce_scatter(*args, unsplit=True),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--op", choices=("ag", "rs"), default="ag")
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--n", type=int, default=49152)
     p.add_argument("--k", type=int, default=12288)
@@ -25,34 +59,30 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", lr))
     from torch.distributed import _symmetric_memory as symm
 
-    from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
-
     group, world = dist.group.WORLD.group_name, dist.get_world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         symm.enable_symm_mem_for_group(group)
     for m in args.rows:
-        a = torch.randn(m // world, args.k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(args.k, args.n // world, device="cuda", dtype=torch.bfloat16)
-        fns = {
-            "ours": lambda a=a, b=b: pipelined.all_gather_matmul(a, [b], [None], 0, world, group),
-            "async_tp": lambda a=a, b=b: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group),
-        }
-        for name, fn in fns.items():
+        for name, fn in _methods(args.op, m, args.n, args.k, world, group).items():
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
             dist.barrier()
+            # A GPU sleep first, so the host enqueues both calls ahead of the GPU: the timeline is the GPU's.
+            torch.cuda._sleep(2_000_000)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(2):
                     fn()
                 torch.cuda.synchronize()
             if dist.get_rank() == 0:
                 evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                evs = [e for e in evs if "sleep" not in e.name]
                 evs.sort(key=lambda e: e.time_range.start)
                 half = evs[len(evs) // 2 :]  # the second call
                 t0 = half[0].time_range.start
-                print(f"== {name} m={m}: {len(half)} GPU events, span {half[-1].time_range.end - t0:.0f} us")
+                span = max(e.time_range.end for e in half) - t0
+                print(f"== {args.op} {name} m={m} n={args.n} k={args.k}: {len(half)} GPU events, span {span:.0f} us")
                 for e in half:
                     print(f"  {e.time_range.start - t0:8.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:90]}")
     dist.destroy_process_group()
