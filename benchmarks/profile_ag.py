@@ -1,8 +1,8 @@
 """GPU timeline of one call per method (which stream runs what, when, for how long), all-gather+GEMM and
 GEMM+reduce-scatter: where a fused choice's time beyond its GEMM goes.
 
-python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op ag --rows 1024 --n 49152 --k 12288
-python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op rs --rows 2048 --n 4096 --k 14336
+python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op ag --rows 1024 --cols 49152 --inner 12288
+python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op rs --rows 2048 --cols 4096 --inner 14336
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--op", choices=("ag", "rs"), default="ag")
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 8192])
-    p.add_argument("--n", type=int, default=49152)
-    p.add_argument("--k", type=int, default=12288)
+    p.add_argument("--cols", dest="n", type=int, default=49152)
+    p.add_argument("--inner", dest="k", type=int, default=12288)
     args = p.parse_args()
     lr = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(lr)
