@@ -32,6 +32,27 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> flo
     return err
 
 
+# Elementwise bounds (rtol; atol is 4x) for collectives checked element by element: bf16 sums that a ring
+# rounds hop by hop differ from a once-rounded fp32 reference by a few bf16 ulps.
+ELEMENTWISE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def elementwise_mismatch(got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
+    """None if ``got`` matches ``want`` element by element within the bound of ``got``'s dtype (read before
+    any upcast: a bf16 result gets bf16's bound, even against an fp32 reference), else why not. Unwritten
+    (NaN) elements never pass."""
+    tol = ELEMENTWISE_RTOL.get(got.dtype, 1e-5)
+    g, w = got.reshape(-1).float(), want.reshape(-1).float()
+    nans = int(torch.isnan(g).sum())
+    if nans:
+        return f"{what}: {nans} unwritten (NaN) output elements"
+    try:
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * 4, msg=lambda m: f"{what}: {m}")
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
 def grad_errors(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """Relative error of each gradient. One whose reference is at rounding-noise level (the key bias of
     softmax attention, whose true gradient is 0) is measured against 1% of the model's RMS gradient."""

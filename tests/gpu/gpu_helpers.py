@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def poison_allocator(nbytes: int = 1 << 30) -> None:
@@ -21,3 +22,13 @@ def use_sequencer(kind: str, monkeypatch) -> None:
         monkeypatch.setitem(sequencer._state, "mod", None)
     else:
         assert sequencer.sequencer() is not None, "csrc/pipelined.cpp did not build (see the log's warning)"
+
+
+def assert_on_every_rank(error: str | None, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if any rank has an ``error`` (its message and rank included), else nothing: a
+    check that fails on some ranks only must not send the others on into the next collective alone."""
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise AssertionError("\n".join(failed))

@@ -11,12 +11,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator
+from gpu_helpers import assert_on_every_rank, poison_allocator
 
 from fluxcompile import schedules
 from fluxcompile.schedules import gpu_executor, library
 from fluxcompile.schedules.collectives import library_plan
 from fluxcompile.schedules.gpu_executor import run_plan
+from fluxcompile.testing.numerics import elementwise_mismatch
 
 DTYPES = (torch.bfloat16, torch.float32)
 ROWS = (1, 7, 1000, 4099, 65544)  # elements per chunk: vector and scalar paths, one to many programs
@@ -74,12 +75,9 @@ def _reference(collective: str, x: torch.Tensor, group=None) -> torch.Tensor | N
 
 
 def _check(got: torch.Tensor, want: torch.Tensor | None, what: str) -> None:
-    if want is None:
-        return
-    got, want = got.reshape(-1).float(), want.reshape(-1).float()
-    assert not torch.isnan(got).any(), f"{what}: unwritten (NaN) output elements"
-    tol = 2e-2 if want.dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * 4, msg=lambda m: f"{what}: {m}")
+    """Every rank checks its own output, then all ranks fail together (with every failing rank's message),
+    so a rank that fails does not leave the others waiting in the test's next collective."""
+    assert_on_every_rank(None if want is None else elementwise_mismatch(got, want, what))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
