@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import pytest
@@ -30,3 +31,12 @@ def nccl_group():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+def pytest_runtest_logreport(report):
+    """A failure is printed at once, with its rank: pytest's own summary comes at the end of the session, which
+    a rank whose peers hang (or a step time limit) may never reach."""
+    if report.failed and "LOCAL_RANK" in os.environ:
+        text = report.longreprtext[-4000:]
+        sys.stderr.write(f"\n[rank {os.environ.get('RANK', '?')}] FAILED {report.nodeid} ({report.when}):\n{text}\n")
+        sys.stderr.flush()
