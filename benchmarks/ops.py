@@ -16,12 +16,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+if __name__ == "__main__":
+    # ops_rs.py and ops_decode.py import this file as `ops`: let that be the running module, so they see its
+    # settings (QUEUE_US). A second copy kept the defaults, so the GEMM+RS rows of "queued" runs were not.
+    sys.modules.setdefault("ops", sys.modules[__name__])
 
 # (n, k) with the whole n; weights column-sharded: each rank holds [k, n / world].
 AG_SHAPES = [
@@ -42,6 +48,7 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None
     dist.barrier()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    _queue_gpu(QUEUE_US)
     for s, e in zip(starts, ends):
         s.record()
         fn()

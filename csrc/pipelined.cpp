@@ -335,6 +335,72 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
   return {gathered, outs};
 }
 
+// ---------------------------------------------------------------------------------------------
+// all-gather -> GEMM, "lead" (":lead<d>" choices): a first GEMM over `lead` of our own rows hides the
+// shards' flight; then one GEMM (two for a rank in the middle of the order) over every other row, read
+// from our symmetric buffer, where the slots by source rank form the gathered [world * rows, k] (our own
+// rows are copied into our slot at the start). Two or three GEMMs instead of one per rank: a split costs
+// up to a wave per GEMM, and `lead` can be picked (by the autotuner) so that the two add no wave.
+// The lead rows are the first of ours, or the last for the last rank, so that the rest is contiguous.
+//   buffer: our whole symmetric buffer as [world * rows, k] (slot s = rows s * rows ..)
+std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
+    const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
+    std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
+    const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
+    const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
+    int64_t lead, int64_t side_handle) {
+  TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  const auto device = a_local.device().index();
+  c10::cuda::CUDAGuard guard(a_local.device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+  const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
+  TORCH_CHECK(0 < lead && lead < rows, "fluxcompile: lead must be in (0, rows)");
+  TORCH_CHECK(buffer.size(0) == m && buffer.size(1) == k, "fluxcompile: the buffer must be [world * rows, k]");
+
+  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
+  at::Tensor rows_of = gathered.view({world, rows, k});
+  std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
+  auto gemm = [&](const at::Tensor& a, int64_t lo) {  // rows lo .. lo + a.size(0) of every output
+    for (size_t i = 0; i < Bs.size(); ++i) {
+      at::Tensor dst = outs[i].narrow(0, lo, a.size(0));
+      if (biases[i].has_value()) {
+        at::addmm_out(dst, *biases[i], a, Bs[i]);
+      } else {
+        at::mm_out(dst, a, Bs[i]);
+      }
+    }
+  };
+
+  // Side: the pushes first (the peers wait for them), then our rows into our own slot (an SM copy, beside
+  // the lead GEMM).
+  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
+  copy_async(buffer.narrow(0, rank * rows, rows), a_local, side);
+
+  const bool last = rank == world - 1;
+  const int64_t lead_lo = last ? rows - lead : 0;  // within our rows
+  gemm(a_local.narrow(0, lead_lo, lead), rank * rows + lead_lo);
+  for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
+  join(main, side);  // our own slot is filled (and our pushes are done)
+  // The gathered output's peer rows: SM copies on the side stream, beside the rest GEMM (joined before
+  // that GEMM is queued, so they need not wait for it).
+  join(side, main);
+  for (size_t j = 0; j < peers; ++j) {
+    copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
+  }
+  // The rest: [0, lo) and [hi, m) of the gathered rows.
+  const int64_t lo = rank * rows + lead_lo, hi = lo + lead;
+  if (lo > 0) gemm(buffer.narrow(0, 0, lo), 0);
+  if (hi < m) gemm(buffer.narrow(0, hi, m - hi), hi);
+  join(main, side);  // then our slots are free again
+  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  return {gathered, outs};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -342,4 +408,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
   m.def("rs_unsplit", &rs_unsplit, "GEMM -> reduce-scatter: one GEMM, then the copy engine");
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
+  m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");
 }

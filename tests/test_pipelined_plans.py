@@ -118,6 +118,20 @@ def test_ag_plan_slots_and_flags(fake, world):
             assert hs.ready_theirs[j] == _flag(tag, p, "ready", rank)
             assert hs.done_mine[j] == _flag(tag, rank, "done", p)
         assert hs.lists == (hs.order, hs.done_mine, hs.ready_theirs, hs.ready_mine, hs.done_theirs)
+        # rows * k * 2 = 1536 bytes: the slots abut, so the lead choices read the buffer as the gathered A,
+        # each peer's rows where its slot is
+        assert plan.buffer is not None and tuple(plan.buffer.shape) == (world * rows, k)
+        for j, p in enumerate(hs.order):
+            assert plan.buffer[p * rows].data_ptr() == plan.my_slots[j].data_ptr()
+    fake["rank"] = 0
+    assert ag._plan(10, 24, torch.bfloat16, world, "g").buffer is None  # 480 bytes: padded slots
+
+
+def test_lead_rows_and_declines():
+    assert [ag.lead_rows(1024, d) for d in ag.LEADS] == [128, 256, 512]
+    assert ag.lead_rows(330, 2) == 128 and ag.lead_rows(330, 4) == 64 and ag.lead_rows(330, 8) == 0
+    A = torch.empty(330, 100, dtype=torch.bfloat16)  # CPU: declined before any size rule
+    assert ag.lead_supports(4)(A, [torch.empty(100, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
 
 
 def test_plan_is_reused_until_the_workspace_grows(fake):

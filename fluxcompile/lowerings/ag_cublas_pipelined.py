@@ -55,6 +55,38 @@ def supports(
     return None
 
 
+LEADS = (8, 4, 2)  # ":lead<d>" choices: the lead GEMM takes 1/d of our rows
+
+
+def lead_rows(shard_rows: int, d: int) -> int:
+    """Rows of the lead GEMM of ``:lead<d>``: 1/d of ours, rounded down to a multiple of 64 (0: none)."""
+    return shard_rows // d // 64 * 64
+
+
+def lead_supports(d: int):
+    """``supports`` of the ``:lead<d>`` choice."""
+
+    def supports_lead(
+        A: Tensor,
+        Bs: Sequence[Tensor],
+        biases: Sequence[Tensor | None],
+        gather_dim: int,
+        group_size: int,
+        group_name: str,
+    ) -> str | None:
+        reason = supports(A, Bs, biases, gather_dim, group_size, group_name)
+        if reason is not None:
+            return reason
+        rows = A.numel() // A.shape[-1]
+        if lead_rows(rows, d) == 0:
+            return f"{rows} rows per rank: 1/{d} of them is under 64"
+        if (rows * A.shape[-1] * A.dtype.itemsize) % 256:
+            return "a shard's bytes are not a multiple of 256 (the slots would not abut)"
+        return None
+
+    return supports_lead
+
+
 def shard_layout(A: Tensor, gather_dim: int, group_size: int) -> tuple[Tensor, int, int, list[int]]:
     """(contiguous shard, its rows, K, the gathered shape): the shard is one block of rows of the gathered
     [M, K] (``supports`` checked the gather dim has no leading dims)."""
@@ -76,6 +108,7 @@ class _Plan:
     peer_slots: list[Tensor]  # slot rank in peer order[j]'s buffer: our shard goes there
     my_slots: list[Tensor]  # slot order[j] in our buffer: its shard arrives there
     hs: Handshake  # the flags, per peer in ring order
+    buffer: Tensor | None  # our whole buffer as the gathered [world * rows, k], where the slots abut (lead)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -99,11 +132,13 @@ def _plan(shard_rows: int, k: int, dtype, group_size: int, group_name: str) -> _
     def slot(owner: int, src: int) -> Tensor:  # rows from rank src, in owner's buffer
         return ws.view(owner, (shard_rows, k), dtype, src * slot_bytes)
 
+    abut = slot_bytes == shard_rows * k * dtype.itemsize
     plan = _Plan(
         ws=ws, rank=rank, world=world,
         peer_slots=[slot(p, rank) for p in order],
         my_slots=[slot(rank, p) for p in order],
         hs=hs,
+        buffer=ws.view(rank, (world * shard_rows, k), dtype) if abut else None,
     )  # fmt: skip
     _plans[key] = plan
     return plan
@@ -118,14 +153,25 @@ def all_gather_matmul(
     group_name: str,
     concurrent: bool = False,
     unsplit: bool = False,
+    lead: int = 0,
 ) -> tuple[Tensor, list[Tensor]]:
     """``concurrent``: each remote block's GEMM runs on a stream of its own as soon as its rows land, beside
     the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles (the split into
     per-rank GEMMs costs up to a wave each otherwise: 15% at 1024 x 14336 on 132 SMs). ``unsplit``: the copy
-    engine gathers first, then one GEMM per weight over all rows (no overlap, no split: for small M)."""
+    engine gathers first, then one GEMM per weight over all rows (no overlap, no split: for small M).
+    ``lead`` (d > 0): a GEMM over 1/d of our rows while the shards fly, then one over all other rows, read
+    from the symmetric buffer (csrc/pipelined.cpp, ag_lead): two GEMMs instead of one per rank."""
     A, shard_rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     plan = _plan(shard_rows, k, A.dtype, group_size, group_name)
     a_local = A.view(shard_rows, k)
+    if lead:
+        if plan.buffer is None or lead_rows(shard_rows, lead) == 0:
+            raise ValueError(
+                f"fluxcompile: lead {lead} does not apply to {shard_rows} x {k} shards (see lead_supports)"
+            )
+        outs = _issue_lead(a_local, Bs, biases, gathered_shape, plan, lead_rows(shard_rows, lead))
+        plan.hs.note()
+        return outs
     outs = _issue(a_local, Bs, biases, gathered_shape, plan, concurrent, unsplit)
     plan.hs.note()
     return outs
@@ -147,6 +193,58 @@ def _issue(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, 
             plan.rank, plan.world, side_stream().cuda_stream, compute,
         )  # fmt: skip
     return _python_sequence(a_local, Bs, biases, gathered_shape, plan, concurrent)
+
+
+def _issue_lead(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, lead: int):
+    seq = sequencer()
+    if seq is not None and hasattr(seq, "ag_lead"):
+        return seq.ag_lead(
+            a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.buffer, *plan.hs.lists,
+            plan.rank, plan.world, lead, side_stream().cuda_stream,
+        )  # fmt: skip
+    return _python_lead(a_local, Bs, biases, gathered_shape, plan, lead)
+
+
+def _python_lead(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, lead: int):
+    """The same stream operations as csrc/pipelined.cpp's ag_lead, from Python (its fallback)."""
+    rank, world, buf = plan.rank, plan.world, plan.buffer
+    rows, k = a_local.shape
+    m = world * rows
+    main, side = torch.cuda.current_stream(), side_stream()
+    A_gathered = torch.empty(gathered_shape, dtype=a_local.dtype, device=a_local.device)
+    rows_of = A_gathered.view(world, rows, k)
+    outs = [torch.empty((m, b.shape[-1]), dtype=a_local.dtype, device=a_local.device) for b in Bs]
+    _push_shard(plan, a_local, rows_of, main, side)
+    with torch.cuda.stream(side):
+        buf[rank * rows : (rank + 1) * rows].copy_(a_local)  # our rows into our own slot
+    lead_lo = rows - lead if rank == world - 1 else 0  # so that the rest of the rows is contiguous
+    lo, hi = rank * rows + lead_lo, rank * rows + lead_lo + lead
+    _mm_at(a_local[lead_lo : lead_lo + lead], Bs, biases, outs, lo)
+    for addr in plan.hs.ready_mine:
+        stream_consume(main, addr)
+    main.wait_stream(side)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for p in plan.hs.order:
+            rows_of[p].copy_(buf[p * rows : (p + 1) * rows])
+    if lo > 0:
+        _mm_at(buf[:lo], Bs, biases, outs, 0)
+    if hi < m:
+        _mm_at(buf[hi:], Bs, biases, outs, hi)
+    main.wait_stream(side)
+    for addr in plan.hs.done_theirs:
+        stream_write(main, addr, 1)
+    return A_gathered, outs
+
+
+def _mm_at(a: Tensor, Bs, biases, outs: list[Tensor], lo: int) -> None:
+    """Rows ``lo .. lo + len(a)`` of every output: ``a @ B (+ bias)``."""
+    for b, bias, out in zip(Bs, biases, outs):
+        dst = out[lo : lo + a.shape[0]]
+        if bias is None:
+            torch.mm(a, b, out=dst)
+        else:
+            torch.addmm(bias, a, b, out=dst)
 
 
 def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, concurrent: bool):

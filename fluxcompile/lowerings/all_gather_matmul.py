@@ -1,7 +1,7 @@
 """Choices for fluxcompile.all_gather_matmul, and its CUDA implementation: the rank-synchronized
 autotuner picks one choice per call signature (identically on every rank) and runs it.
 
-Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py; ``:concurrent`` and ``:unsplit`` variants), ``torch_symm_mem`` (PyTorch's own
+Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py; ``:concurrent``, ``:unsplit`` and ``:lead<d>`` variants), ``torch_symm_mem`` (PyTorch's own
 ``symm_mem.fused_all_gather_matmul``), ``async_input_mm`` (PyTorch's CUTLASS GEMM that waits on per-chunk
 signals, fed by copy-engine pulls: ag_async_input_mm.py) and ``reference`` (NCCL + cuBLAS, registered by
 choices.py).
@@ -65,6 +65,15 @@ register_choice(
         ag_cublas_pipelined.supports,
     ),
 )
+for _d in ag_cublas_pipelined.LEADS:
+    register_choice(
+        OP,
+        Choice(
+            f"{ag_cublas_pipelined.NAME}:lead{_d}",
+            functools.partial(ag_cublas_pipelined.all_gather_matmul, lead=_d),
+            ag_cublas_pipelined.lead_supports(_d),
+        ),
+    )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
 register_choice(OP, Choice(ag_async_input_mm.NAME, ag_async_input_mm.all_gather_matmul, ag_async_input_mm.supports))
 for _variant in ag_triton.VARIANTS:  # experimental: they decline every call unless enabled
