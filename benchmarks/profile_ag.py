@@ -32,6 +32,8 @@ def _methods(op: str, m: int, n: int, k: int, world: int, group: str) -> dict[st
             "cublas_pipelined:concurrent": lambda: ag.all_gather_matmul(
                 a, [b], [None], 0, world, group, concurrent=True
             ),
+            "cublas_pipelined:lead2": lambda: ag.all_gather_matmul(a, [b], [None], 0, world, group, lead=2),
+            "cublas_pipelined:lead4": lambda: ag.all_gather_matmul(a, [b], [None], 0, world, group, lead=4),
             "async_tp": lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group),
         }
     a = torch.randn(m, k // world, device="cuda", dtype=bf)
