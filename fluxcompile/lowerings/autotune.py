@@ -12,7 +12,8 @@ on the group:
 3. **Tuning.** The candidates are the choices every rank supports. For each, in ``choices_for`` order,
    the ranks meet at a barrier, then run it ``WARMUP`` times; then, in ``ROUNDS`` interleaved rounds over
    the candidates, time it ``ITERS`` times in all (CUDA events on GPU, ``perf_counter`` on CPU), so clock
-   drift during tuning hits every candidate alike; a rank's time is its median, and the all-reduced MAX over ranks is the
+   drift during tuning hits every candidate alike (each round with the GPU queued ``QUEUE_US`` ahead, so
+   the GPU's time is measured, not the host's launch latency); a rank's time is its median, and the all-reduced MAX over ranks is the
    candidate's time (the slowest rank is what the step waits for). An exception makes that rank's time
    +inf, hence the candidate's. The winner is the smallest finite time, ties going to the earlier
    candidate; if nothing finished, ``"reference"``. Rank 0 writes the cache file (atomically) before
@@ -64,6 +65,13 @@ log = logging.getLogger("fluxcompile.autotune")
 WARMUP = 3
 ITERS = 12
 ROUNDS = 3  # the timed runs are interleaved over the candidates in this many rounds
+
+# Each timed round starts with the GPU queued this far ahead (a sleep kernel), so the host enqueues the
+# round while the GPU is busy and the events time the GPU's work, as in a model step whose host runs ahead.
+# From an idle GPU the first calls of a round wait for the host instead, and two choices whose GPU times
+# differed by 20% (GEMM+RS at 2048 x 4096 x 14336 on 2xH200) were ranked by host noise, differently per run.
+QUEUE_US = 3000.0
+TIMING = "gpu-queued"  # in the cache key: winners timed another way are tuned again
 
 GRAPH_CALLS = 10  # calls per captured graph when a call signature is timed as CUDA graph replays
 
@@ -284,6 +292,7 @@ def _run(
             events = [
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
             ]
+            _queue_gpu(run_device)
             for start, end in events:
                 start.record()
                 fn()
@@ -299,6 +308,13 @@ def _run(
     except Exception as e:
         log.warning("choice %s failed on this rank: %s: %s", choice.name, type(e).__name__, e)
         return False
+
+
+def _queue_gpu(device: torch.device) -> None:
+    """Keep ``device`` busy for ``QUEUE_US`` (a sleep kernel on the current stream)."""
+    if QUEUE_US > 0:
+        khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000
+        torch.cuda._sleep(int(QUEUE_US * khz / 1000))
 
 
 def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:
@@ -353,6 +369,7 @@ def _key(op_name: str, args: tuple, group_name: str, key_extra: str, candidates:
         "choices": [c.name for c in candidates],
         "fluxcompile": fluxcompile.__version__,
         "torch": torch.__version__,
+        "timing": TIMING,
     }
     return json.dumps(key, sort_keys=True)
 
