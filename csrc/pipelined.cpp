@@ -302,6 +302,43 @@ at::Tensor rs_unsplit(const std::vector<at::Tensor>& As, const std::vector<at::T
   return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
 }
 
+// GEMM -> reduce-scatter, "tail" (":tail<d>" choices): as unsplit, but `tail` of our own rows are left out
+// of the first GEMM and computed while the copy engine pushes the peers' blocks, which the first GEMM has
+// finished (unsplit leaves the pushes bare). The tail rows are the first of ours, or the last for the last
+// rank, so that the first GEMM's rows are one or two contiguous ranges.
+at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
+                   const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
+                   std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
+                   const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
+                   const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
+                   const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
+                   int64_t rows, int64_t tail, int64_t side_handle) {
+  TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
+  TORCH_CHECK(0 < tail && tail < rows, "fluxcompile: tail must be in (0, rows)");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  const auto device = As[0].device().index();
+  c10::cuda::CUDAGuard guard(As[0].device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+  const int64_t m = stage_all.size(0), world = static_cast<int64_t>(peers) + 1;
+  const int64_t lo = rank * rows + (rank == world - 1 ? rows - tail : 0), hi = lo + tail;
+
+  if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo));
+  if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi));
+  join(side, main);
+  for (size_t j = 0; j < peers; ++j) {
+    consume_flag(side, done_mine[j]);
+    copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
+    write_flag(side, ready_theirs[j], 1);
+  }
+  matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail));  // beside the pushes
+  const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
+  if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
+  return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
+}
+
 // all-gather -> GEMM: the side stream pushes our shard into every peer's slot and assembles the gathered
 // A (ours from A, each peer's from its slot once it landed); then one GEMM per weight over all rows.
 std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
@@ -407,6 +444,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined (rs_cublas_pipelined.py)");
   m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
   m.def("rs_unsplit", &rs_unsplit, "GEMM -> reduce-scatter: one GEMM, then the copy engine");
+  m.def("rs_tail", &rs_tail, "GEMM -> reduce-scatter: all rows but a tail of ours, then the tail beside the pushes");
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
   m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");
 }

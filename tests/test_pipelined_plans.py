@@ -134,6 +134,13 @@ def test_lead_rows_and_declines():
     assert ag.lead_supports(4)(A, [torch.empty(100, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
 
 
+def test_tail_rows_and_declines():
+    assert [rs.tail_rows(1024, d) for d in rs.TAILS] == [128, 256, 512]
+    assert rs.tail_rows(77, 2) == 0
+    A, B = torch.empty(154, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
+    assert rs.tail_supports(2)([A], [B], None, [154, 16], 0, "sum", 2, "g")  # CPU: declined
+
+
 def test_plan_is_reused_until_the_workspace_grows(fake):
     fake["rank"], fake["world"] = 0, 2
     p1 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)

@@ -3,7 +3,8 @@ autotuner picks one choice per call signature (identically on every rank) and ru
 
 Choices: ``cublas_pipelined`` (zero-copy: cuBLAS stores each peer's row block straight into its symmetric
 slot), ``cublas_pipelined:push`` (staged locally, pushed by the copy engine) and ``cublas_pipelined:unsplit``
-(one GEMM over all rows, then the copy engine: no split for small M), all in rs_cublas_pipelined.py;
+(one GEMM over all rows, then the copy engine: no split for small M) and ``cublas_pipelined:tail<d>`` (as
+unsplit, with 1/d of our rows computed beside the pushes), all in rs_cublas_pipelined.py;
 ``torch_symm_mem`` (PyTorch's ``symm_mem.fused_matmul_reduce_scatter``: one product, no bias); ``reference``
 (NCCL + cuBLAS, registered by choices.py). ``triton:<tile>`` (rs_triton.py, the persistent kernel of
 kernels/gemm_rs.py) is registered but declines until it is validated on a GPU
@@ -85,6 +86,15 @@ register_choice(
         rs_cublas_pipelined.supports,
     ),
 )
+for _d in rs_cublas_pipelined.TAILS:
+    register_choice(
+        OP,
+        Choice(
+            f"{rs_cublas_pipelined.NAME}:tail{_d}",
+            functools.partial(rs_cublas_pipelined.matmul_reduce_scatter, tail=_d),
+            rs_cublas_pipelined.tail_supports(_d),
+        ),
+    )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
 for _variant in rs_triton.VARIANTS:  # experimental: they decline every call unless enabled
     register_choice(OP, Choice(f"triton:{_variant}", *rs_triton.make(_variant)))

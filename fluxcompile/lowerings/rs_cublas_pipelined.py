@@ -40,6 +40,7 @@ from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, wor
 from .sequencer import Handshake, handshake, sequencer
 
 NAME = "cublas_pipelined"
+TAILS = (8, 4, 2)  # ":tail<d>" choices: 1/d of our rows (a multiple of 64) computed beside the pushes
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_WORLD = 64  # flags: 64 ready + 64 done words in a 512-byte flag workspace
 
@@ -100,6 +101,26 @@ def supports(
     if len({t.device for t in tensors}) > 1:
         return "operands on several devices"
     return None
+
+
+def tail_rows(rows: int, d: int) -> int:
+    """Rows of the tail GEMM of ``:tail<d>``: 1/d of ours, rounded down to a multiple of 64 (0: none)."""
+    return rows // d // 64 * 64
+
+
+def tail_supports(d: int):
+    """``supports`` of the ``:tail<d>`` choice."""
+
+    def supports_tail(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+        reason = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+        if reason is not None:
+            return reason
+        rows = row_layout(out_shape, scatter_dim, group_size)[2]
+        if tail_rows(rows, d) == 0:
+            return f"{rows} rows per rank: 1/{d} of them is under 64"
+        return None
+
+    return supports_tail
 
 
 @dataclasses.dataclass
@@ -178,9 +199,19 @@ def matmul_reduce_scatter(
     *,
     push: bool = False,
     unsplit: bool = False,
+    tail: int = 0,
 ) -> Tensor:
     """``push``: stage each peer's block locally, the copy engine moves it; ``unsplit``: one GEMM over all
-    rows, then the copy engine moves the peers' blocks (no overlap, no split: for small M)."""
+    rows, then the copy engine moves the peers' blocks (no overlap, no split: for small M); ``tail`` (d > 0):
+    as unsplit, but 1/d of our own rows are computed last, beside the pushes."""
+    if tail:
+        plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, False, True)
+        rows = tail_rows(plan.rows, tail)
+        if rows == 0:
+            raise ValueError(f"fluxcompile: tail {tail} does not apply to {plan.rows} rows per rank")
+        out = _issue_tail(As, Bs, bias, plan, rows)
+        plan.hs.note()
+        return out
     plan = _plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push, unsplit)
     out = _issue(As, Bs, bias, plan, push, unsplit)
     plan.hs.note()
@@ -203,6 +234,40 @@ def _issue(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan
             *plan.hs.lists, plan.shape, plan.rank, plan.rows, push, side,
         )  # fmt: skip
     return _python_sequence(As, Bs, bias, plan, push)
+
+
+def _issue_tail(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, tail: int) -> Tensor:
+    seq = sequencer()
+    if seq is not None and hasattr(seq, "rs_tail"):
+        return seq.rs_tail(
+            list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
+            *plan.hs.lists, plan.shape, plan.rank, plan.rows, tail, side_stream().cuda_stream,
+        )  # fmt: skip
+    return _python_tail(As, Bs, bias, plan, tail)
+
+
+def _python_tail(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, tail: int) -> Tensor:
+    """The same stream operations as csrc/pipelined.cpp's rs_tail, from Python (its fallback)."""
+    rows, rank, world, main, side = plan.rows, plan.rank, plan.world, torch.cuda.current_stream(), side_stream()
+    P = plan.stage_all
+    m = P.shape[0]
+    lo = rank * rows + (rows - tail if rank == world - 1 else 0)
+    hi = lo + tail
+    if lo > 0:
+        _matmul_rows(As, Bs, bias, 0, lo, P[:lo])
+    if hi < m:
+        _matmul_rows(As, Bs, bias, hi, m - hi, P[hi:])
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for j, p in enumerate(plan.hs.order):
+            stream_consume(side, plan.hs.done_mine[j])
+            plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
+            stream_write(side, plan.hs.ready_theirs[j], 1)
+    _matmul_rows(As, Bs, bias, lo, tail, P[lo:hi])  # beside the pushes
+    mine = P[rank * rows : (rank + 1) * rows]
+    if world > 2:
+        plan.own_slot.copy_(mine)  # so one sum covers every source
+    return _reduce_and_release(plan, mine, As[0], side)
 
 
 def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, push: bool):
