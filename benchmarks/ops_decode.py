@@ -16,6 +16,7 @@ the slowest rank:
   fluxcompile     the fused op as a compiled model runs it (autotuned over its choices)
   <choice>        each choice of the fused op that supports the shape (experimental ones enabled here)
   cuda_no_comm    the CUDA GEMV kernel on a one-rank group: its math and epilogue, no communication
+  read_weight     one read of the weight (a sum): the bandwidth yardstick (GB/s of weight per pass listed)
 ECT (effective communication time) = time − cuBLAS; the table gives each method's ECT as a fraction of
 NCCL's. Fresh random inputs every run; every method's output is checked against the reference first.
 """
@@ -130,6 +131,8 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         solo_args = (*op_args[:-1], _solo_group())
         if gemv.declines(*solo_args) is None:
             methods["cuda_no_comm"] = lambda c=gemv: c.fn(*solo_args)
+    # A bandwidth yardstick: one read of the weight (a reduction), what a memory-bound GEMV cannot beat by much.
+    methods["read_weight"] = lambda: W.sum(dtype=torch.float32)
     declined = {}
     for name, c in choices.items():
         why = c.declines(*op_args)
@@ -145,7 +148,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     local_refs = local if tail else (local,)
     failed = {}
     for name, fn in methods.items():
-        if name == "cublas":
+        if name in ("cublas", "read_weight"):
             continue
         try:
             out = fn()
@@ -173,7 +176,13 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         "choice": autotune.pick(op, op_args, group).name, "us": per_call, "failed": failed, "declined": declined,
     }  # fmt: skip
     base = per_call["cublas"]
-    ect = {name: v - base for name, v in per_call.items() if name != "cublas"}
+    # Weight bytes per µs of each memory-bound pass (GB/s): how far the GEMVs are from the HBM roofline.
+    row["weight_gbps"] = {
+        name: W.numel() * W.element_size() / (per_call[name] * 1e3)
+        for name in ("read_weight", "cublas", "cuda_no_comm")
+        if name in per_call
+    }
+    ect = {name: v - base for name, v in per_call.items() if name not in ("cublas", "read_weight")}
     row["ect_us"] = ect
     nccl_ect = ect.get("nccl", float("nan"))
     row["ect_vs_nccl"] = {name: (v / nccl_ect if nccl_ect > 0 else float("nan")) for name, v in ect.items()}
@@ -207,7 +216,10 @@ def table(rows: list[dict]) -> str:
             for name, v in sorted(r["ect_us"].items(), key=lambda kv: kv[1])
             if name not in ("nccl", "fluxcompile")
         ]
-        lines.append(f"  {r['op']} {r['proj']} m={r['m']}: " + ", ".join(parts))
+        bw = ", ".join(f"{name} {v:.0f}" for name, v in r.get("weight_gbps", {}).items())
+        lines.append(
+            f"  {r['op']} {r['proj']} m={r['m']}: " + ", ".join(parts) + (f"; weight GB/s: {bw}" if bw else "")
+        )
         if r["failed"]:
             lines.append(f"    FAILED: {r['failed']}")
     for tail in (False, True):
