@@ -52,3 +52,5 @@ def test_compiled_llama_block_matches_eager(batch):
     r = check_block(mesh, DemoArgs(dim=1024, heads=16, ffn=2816, batch=batch, seq=512, dtype="bfloat16"))
     assert r.ok, r
     assert r.counts["forward"]["all_gather_matmul"] == 2 and r.counts["forward"]["matmul_reduce_scatter"] == 2
+    # The backward mirrors it (as tests/test_llama_block.py pins on CPU): every collective fused there too.
+    assert r.counts["backward"]["all_gather_matmul"] == 2 and r.counts["backward"]["matmul_reduce_scatter"] == 2
