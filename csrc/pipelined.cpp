@@ -101,10 +101,12 @@ void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& 
                 std::vector<at::Tensor>& peer_slots, const std::vector<int64_t>& done_mine,
                 const std::vector<int64_t>& ready_theirs, const at::Tensor& rows_of, int64_t rank) {
   join(side, main);
-  for (size_t j = 0; j < peer_slots.size(); ++j) {
-    consume_flag(side, done_mine[j]);
-    copy_async(peer_slots[j], a_local, side);  // peer-to-peer: the copy engine
-    write_flag(side, ready_theirs[j], 1);
+  // rank-1 first, then rank-2, ...: the consumers take their peers in ring order (rank+1 first), which this
+  // makes the order of arrival (ag_cublas_pipelined.push_sequence).
+  for (size_t i = peer_slots.size(); i-- > 0;) {
+    consume_flag(side, done_mine[i]);
+    copy_async(peer_slots[i], a_local, side);  // peer-to-peer: the copy engine
+    write_flag(side, ready_theirs[i], 1);
   }
   copy_async(rows_of.select(0, rank), a_local, side);
 }

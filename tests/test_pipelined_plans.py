@@ -127,6 +127,25 @@ def test_ag_plan_slots_and_flags(fake, world):
     assert ag._plan(10, 24, torch.bfloat16, world, "g").buffer is None  # 480 bytes: padded slots
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_ag_shards_land_in_the_order_they_are_consumed(world):
+    """Rank r takes its peers' shards in ring order (r+1 first); with every rank pushing in push_sequence
+    order, one shard per step, order[j]'s shard lands at r at step j + 1, and at each step the ranks push to
+    distinct peers (no two into one peer's NVLink at once)."""
+    from fluxcompile.schedules.orders import ring_after
+
+    step_of: dict[tuple[int, int], int] = {}  # (src, dst) -> step of the push
+    for src in range(world):
+        order = ring_after(src, world)
+        for step, j in enumerate(ag.push_sequence(len(order)), start=1):
+            step_of[(src, order[j])] = step
+    for r in range(world):
+        assert [step_of[(p, r)] for p in ring_after(r, world)] == list(range(1, world))
+    for step in range(1, world):
+        targets = [dst for (src, dst), s in step_of.items() if s == step]
+        assert sorted(targets) == list(range(world))
+
+
 def test_lead_rows_and_declines():
     assert [ag.lead_rows(1024, d) for d in ag.LEADS] == [128, 256, 512]
     assert ag.lead_rows(330, 2) == 128 and ag.lead_rows(330, 4) == 64 and ag.lead_rows(330, 8) == 0

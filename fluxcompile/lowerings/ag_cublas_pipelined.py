@@ -2,9 +2,9 @@
 
 Per call, on rank r of a group of w, peers p in ring order after r:
 
-  side stream:  for p: wait done_p -> copy our shard into slot r of p's symmetric buffer (peer-to-peer,
-                copy engine) -> set ready_r on p;  then fill the gathered output: our rows from A, p's rows
-                from slot p once it arrived
+  side stream:  for p in reverse ring order (r-1 first: see push_sequence): wait done_p -> copy our shard
+                into slot r of p's symmetric buffer (peer-to-peer, copy engine) -> set ready_r on p;  then
+                fill the gathered output: our rows from A, p's rows from slot p once it arrived
   main stream:  mm(A) into our rows of the output;  for p: wait ready_p -> mm(slot p) into p's rows;
                 wait for the side stream -> set done_r on every p (its slot r in our buffer is free)
 
@@ -299,12 +299,22 @@ def _python_unsplit(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan
     return A_gathered, outs
 
 
+def push_sequence(peers: int) -> list[int]:
+    """The order (indices j into the ring order ``order = rank+1, rank+2, ...``) in which a rank pushes its
+    shard: rank-1 first, then rank-2, ... Every rank consumes its peers' shards in ring order (rank+1 first),
+    and rank+1 pushes to rank at its first step, rank+2 at its second, so shards land in the order they are
+    consumed; at each step the ranks push to distinct peers. (Pushing in ring order too, as before, made each
+    rank's first remote GEMM wait for the shard that lands last: no overlap beyond the local GEMM at 4+ ranks.)
+    csrc/pipelined.cpp's push_shard loops the same way."""
+    return list(range(peers - 1, -1, -1))
+
+
 def _push_shard(plan: _Plan, a_local: Tensor, rows_of: Tensor, main, side) -> None:
     """On the side stream, once A is ready: our shard into each peer's slot (the copy engine), then into our
     rows of the gathered output."""
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        for j in range(len(plan.hs.order)):
+        for j in push_sequence(len(plan.hs.order)):
             stream_consume(side, plan.hs.done_mine[j])
             plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
             stream_write(side, plan.hs.ready_theirs[j], 1)

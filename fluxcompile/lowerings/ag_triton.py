@@ -124,7 +124,7 @@ def all_gather_matmul(
 
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        for p in order:
+        for p in reversed(order):  # rank-1 first: shards land in the order the kernel's tiles take them
             stream_consume(side, done.addr(rank, p))
             peer_slot = ws.view(p, (rows, k), A.dtype, rank * rows * k * A.element_size())
             for c in range(n_chunks):
