@@ -440,6 +440,77 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   return {gathered, outs};
 }
 
+// all-gather -> GEMM, ":stages<g>" (ag_stages.py): the peers' shards in groups, one GEMM per group's row
+// range(s) of our symmetric buffer (its slots abut into the gathered [world * rows, k]), after a GEMM over our
+// own rows from A. group_js[g]: indices j of the group's peers (their ready flags); group_ranges[g]: its row
+// ranges, flattened [lo0, hi0, lo1, hi1, ...].
+std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
+    const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
+    std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
+    const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
+    const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
+    const std::vector<std::vector<int64_t>>& group_js, const std::vector<std::vector<int64_t>>& group_ranges,
+    int64_t side_handle) {
+  TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  TORCH_CHECK(group_js.size() == group_ranges.size(), "fluxcompile: one range list per group");
+  {  // every peer's ready flag is consumed exactly once per call, or a stale 1 would pass the next call's wait
+    std::vector<int> seen(peers, 0);
+    for (const auto& js : group_js) {
+      for (int64_t j : js) {
+        TORCH_CHECK(0 <= j && j < static_cast<int64_t>(peers), "fluxcompile: a group names no peer");
+        ++seen[j];
+      }
+    }
+    for (int c : seen) TORCH_CHECK(c == 1, "fluxcompile: the groups must take every peer exactly once");
+    for (const auto& rs : group_ranges) {
+      TORCH_CHECK(rs.size() % 2 == 0, "fluxcompile: ranges come as lo, hi pairs");
+      for (size_t i = 0; i < rs.size(); i += 2) {
+        TORCH_CHECK(0 <= rs[i] && rs[i] < rs[i + 1] && rs[i + 1] <= static_cast<int64_t>(world) * a_local.size(0),
+                    "fluxcompile: a row range out of bounds");
+      }
+    }
+  }
+  const auto device = a_local.device().index();
+  c10::cuda::CUDAGuard guard(a_local.device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+  const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
+  TORCH_CHECK(buffer.size(0) == m && buffer.size(1) == k, "fluxcompile: the buffer must be [world * rows, k]");
+
+  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
+  at::Tensor all_rows = gathered.view({m, k});
+  std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
+  auto gemm = [&](const at::Tensor& a, int64_t lo) {  // rows lo .. lo + a.size(0) of every output
+    for (size_t i = 0; i < Bs.size(); ++i) {
+      at::Tensor dst = outs[i].narrow(0, lo, a.size(0));
+      if (biases[i].has_value()) {
+        at::addmm_out(dst, *biases[i], a, Bs[i]);
+      } else {
+        at::mm_out(dst, a, Bs[i]);
+      }
+    }
+  };
+
+  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
+  gemm(a_local, rank * rows);
+  for (size_t g = 0; g < group_js.size(); ++g) {
+    const auto& rs = group_ranges[g];
+    for (int64_t j : group_js[g]) consume_flag(main, ready_mine[j]);
+    join(side, main);  // the group's rows have landed: the gathered output's copies, beside its GEMMs
+    for (size_t i = 0; i < rs.size(); i += 2) {
+      copy_async(all_rows.narrow(0, rs[i], rs[i + 1] - rs[i]), buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), side);
+    }
+    for (size_t i = 0; i < rs.size(); i += 2) gemm(buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), rs[i]);
+  }
+  join(main, side);  // then our slots are free again
+  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  return {gathered, outs};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -448,5 +519,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rs_unsplit", &rs_unsplit, "GEMM -> reduce-scatter: one GEMM, then the copy engine");
   m.def("rs_tail", &rs_tail, "GEMM -> reduce-scatter: all rows but a tail of ours, then the tail beside the pushes");
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
+  m.def("ag_stages", &ag_stages, "all-gather -> GEMM: our rows, then one GEMM per group of peers");
   m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");
 }

@@ -146,6 +146,47 @@ def test_ag_shards_land_in_the_order_they_are_consumed(world):
         assert sorted(targets) == list(range(world))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_ag_stage_groups_cover_every_peer_once_in_arrival_order(world, groups):
+    from fluxcompile.lowerings import ag_stages
+
+    rows = 5
+    for rank in range(world):
+        js = ag_stages.stage_groups(rank, world, groups)
+        assert [j for g in js for j in g] == list(range(world - 1))  # every peer once, in arrival order
+        assert len(js) == min(groups, world - 1) and all(js)
+        sizes = [len(g) for g in js]
+        assert sizes == sorted(sizes) and sizes[-1] - sizes[0] <= 1  # even, the larger ones last
+        covered = [False] * (world * rows)
+        for r in range(rank * rows, (rank + 1) * rows):
+            covered[r] = True  # our own rows: the first GEMM, from A
+        for g in js:
+            ranges = ag_stages.row_ranges(rank, world, rows, g)
+            assert 1 <= len(ranges) <= 2
+            want = sorted(
+                r for j in g for r in range(((rank + 1 + j) % world) * rows, ((rank + 1 + j) % world + 1) * rows)
+            )
+            assert sorted(r for lo, hi in ranges for r in range(lo, hi)) == want
+            for lo, hi in ranges:
+                assert lo < hi
+                for r in range(lo, hi):
+                    assert not covered[r]
+                    covered[r] = True
+        assert all(covered)
+
+
+def test_ag_stages_declines_unless_enabled(monkeypatch):
+    from fluxcompile.lowerings import ag_stages
+
+    A = torch.empty(64, 32, dtype=torch.bfloat16)
+    args = (A, [torch.empty(32, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
+    monkeypatch.setattr(ag_stages, "ENABLED", False)
+    assert "experimental" in ag_stages.supports(2)(*args)
+    monkeypatch.setattr(ag_stages, "ENABLED", True)
+    assert "CUDA" in ag_stages.supports(2)(*args)  # CPU tensors: declined by the pipelined rules
+
+
 def test_lead_rows_and_declines():
     assert [ag.lead_rows(1024, d) for d in ag.LEADS] == [128, 256, 512]
     assert ag.lead_rows(330, 2) == 128 and ag.lead_rows(330, 4) == 64 and ag.lead_rows(330, 8) == 0

@@ -1,7 +1,8 @@
 """Choices for fluxcompile.all_gather_matmul, and its CUDA implementation: the rank-synchronized
 autotuner picks one choice per call signature (identically on every rank) and runs it.
 
-Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py; ``:concurrent``, ``:unsplit`` and ``:lead<d>`` variants), ``torch_symm_mem`` (PyTorch's own
+Choices: ``cublas_pipelined`` (ag_cublas_pipelined.py; ``:concurrent``, ``:unsplit`` and ``:lead<d>`` variants;
+``:stages<g>``, ag_stages.py, experimental: one GEMM per group of peers), ``torch_symm_mem`` (PyTorch's own
 ``symm_mem.fused_all_gather_matmul``), ``async_input_mm`` (PyTorch's CUTLASS GEMM that waits on per-chunk
 signals, fed by copy-engine pulls: ag_async_input_mm.py) and ``reference`` (NCCL + cuBLAS, registered by
 choices.py).
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import ag_async_input_mm, ag_cublas_pipelined, ag_triton
+from . import ag_async_input_mm, ag_cublas_pipelined, ag_stages, ag_triton
 from .autotune import pick
 from .choices import Choice, register_choice
 
@@ -72,6 +73,15 @@ for _d in ag_cublas_pipelined.LEADS:
             f"{ag_cublas_pipelined.NAME}:lead{_d}",
             functools.partial(ag_cublas_pipelined.all_gather_matmul, lead=_d),
             ag_cublas_pipelined.lead_supports(_d),
+        ),
+    )
+for _g in ag_stages.GROUPS:  # experimental: they decline every call unless enabled
+    register_choice(
+        OP,
+        Choice(
+            f"{ag_cublas_pipelined.NAME}:stages{_g}",
+            functools.partial(ag_stages.all_gather_matmul, groups=_g),
+            ag_stages.supports(_g),
         ),
     )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))

@@ -9,6 +9,7 @@ from gpu_helpers import poison_allocator, use_sequencer
 
 from fluxcompile import ops
 from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
+from fluxcompile.lowerings import ag_stages
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
@@ -46,6 +47,8 @@ VARIANTS = {
     "unsplit": {"unsplit": True},
     "lead2": {"lead": 2},
     "lead4": {"lead": 4},
+    "stages2": {"groups": 2},  # ag_stages.py (experimental, enabled here)
+    "stages3": {"groups": 3},
 }
 
 
@@ -55,6 +58,24 @@ def _skip_if_declined(variant: str, args: tuple) -> None:
         reason = pipelined.lead_supports(d)(*args)
         if reason is not None:
             pytest.skip(f"lead{d} declines: {reason}")
+    g = VARIANTS[variant].get("groups")
+    if g:
+        reason = ag_stages.supports(g)(*args)
+        if reason is not None:
+            pytest.skip(f"stages{g} declines: {reason}")
+
+
+def _gather_matmul(variant: str, args: tuple):
+    """The variant's all_gather_matmul (the stages choices live in ag_stages.py)."""
+    kw = VARIANTS[variant]
+    if "groups" in kw:
+        return ag_stages.all_gather_matmul(*args, **kw)
+    return pipelined.all_gather_matmul(*args, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _stages_enabled(monkeypatch):
+    monkeypatch.setattr(ag_stages, "ENABLED", True)
 
 
 @pytest.mark.parametrize("seq", ["cpp", "python"])
@@ -70,7 +91,7 @@ def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, variant,
     ref_A, ref_outs = ops._all_gather_matmul_ref(*args)
     for _ in range(3):  # repeated calls reuse the workspace: stale data must never show
         poison_allocator()
-        got_A, got_outs = pipelined.all_gather_matmul(*args, **VARIANTS[variant])
+        got_A, got_outs = _gather_matmul(variant, args)
         assert_close(got_A, ref_A, 0.0, "gathered A")
         for i, (o, r) in enumerate(zip(got_outs, ref_outs)):
             assert o.shape == r.shape and o.stride() == r.stride()
@@ -93,11 +114,11 @@ def test_pipelined_in_cuda_graph(monkeypatch, seq, variant):
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, _seed())
     args = lambda: (A, Bs, biases, 0, group.size(), group.group_name)  # noqa: E731
-    pipelined.all_gather_matmul(*args(), **VARIANTS[variant])  # warm-up: workspace made outside capture
+    _gather_matmul(variant, args())  # warm-up: workspace made outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_A, static_outs = pipelined.all_gather_matmul(*args(), **VARIANTS[variant])
+        static_A, static_outs = _gather_matmul(variant, args())
     for _ in range(5):
         A.copy_(torch.randn_like(A))  # fresh inputs, same addresses
         graph.replay()
