@@ -440,6 +440,27 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   return {gathered, outs};
 }
 
+// The groups of the ":stages" choices: every peer's flag is taken exactly once per call (a stale 1 would pass
+// the next call's wait), and every range is rows lo < hi within [0, m). Checked before any stream operation.
+void check_groups(size_t peers, int64_t m, const std::vector<std::vector<int64_t>>& group_js,
+                  const std::vector<std::vector<int64_t>>& group_ranges) {
+  TORCH_CHECK(group_js.size() == group_ranges.size(), "fluxcompile: one range list per group");
+  std::vector<int> seen(peers, 0);
+  for (const auto& js : group_js) {
+    for (int64_t j : js) {
+      TORCH_CHECK(0 <= j && j < static_cast<int64_t>(peers), "fluxcompile: a group names no peer");
+      ++seen[j];
+    }
+  }
+  for (int c : seen) TORCH_CHECK(c == 1, "fluxcompile: the groups must take every peer exactly once");
+  for (const auto& rs : group_ranges) {
+    TORCH_CHECK(rs.size() % 2 == 0, "fluxcompile: ranges come as lo, hi pairs");
+    for (size_t i = 0; i < rs.size(); i += 2) {
+      TORCH_CHECK(0 <= rs[i] && rs[i] < rs[i + 1] && rs[i + 1] <= m, "fluxcompile: a row range out of bounds");
+    }
+  }
+}
+
 // all-gather -> GEMM, ":stages<g>" (ag_stages.py): the peers' shards in groups, one GEMM per group's row
 // range(s) of our symmetric buffer (its slots abut into the gathered [world * rows, k]), after a GEMM over our
 // own rows from A. group_js[g]: indices j of the group's peers (their ready flags); group_ranges[g]: its row
@@ -456,24 +477,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
                         done_theirs.size()});
-  TORCH_CHECK(group_js.size() == group_ranges.size(), "fluxcompile: one range list per group");
-  {  // every peer's ready flag is consumed exactly once per call, or a stale 1 would pass the next call's wait
-    std::vector<int> seen(peers, 0);
-    for (const auto& js : group_js) {
-      for (int64_t j : js) {
-        TORCH_CHECK(0 <= j && j < static_cast<int64_t>(peers), "fluxcompile: a group names no peer");
-        ++seen[j];
-      }
-    }
-    for (int c : seen) TORCH_CHECK(c == 1, "fluxcompile: the groups must take every peer exactly once");
-    for (const auto& rs : group_ranges) {
-      TORCH_CHECK(rs.size() % 2 == 0, "fluxcompile: ranges come as lo, hi pairs");
-      for (size_t i = 0; i < rs.size(); i += 2) {
-        TORCH_CHECK(0 <= rs[i] && rs[i] < rs[i + 1] && rs[i + 1] <= static_cast<int64_t>(world) * a_local.size(0),
-                    "fluxcompile: a row range out of bounds");
-      }
-    }
-  }
+  check_groups(peers, world * a_local.size(0), group_js, group_ranges);
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
   const auto main = c10::cuda::getCurrentCUDAStream(device);
@@ -511,12 +515,53 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   return {gathered, outs};
 }
 
+// GEMM -> reduce-scatter, ":stages<g>" (rs_stages.py): the peers' row blocks in groups, one GEMM per group's
+// row range(s) into our local partial P (stage_all), each group's blocks pushed by the copy engine as soon as
+// its GEMM is done, beside the next group's GEMM; our own block last, then the owner's sum.
+at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
+                     const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
+                     std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
+                     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
+                     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
+                     const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
+                     int64_t rows, const std::vector<std::vector<int64_t>>& group_js,
+                     const std::vector<std::vector<int64_t>>& group_ranges, int64_t side_handle) {
+  TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
+  const size_t peers = order.size();
+  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  check_groups(peers, stage_all.size(0), group_js, group_ranges);
+  const auto device = As[0].device().index();
+  c10::cuda::CUDAGuard guard(As[0].device());
+  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  const auto side = external(side_handle, device);
+
+  for (size_t g = 0; g < group_js.size(); ++g) {
+    const auto& rs = group_ranges[g];
+    for (size_t i = 0; i < rs.size(); i += 2) {
+      matmul_rows(As, Bs, bias, rs[i], rs[i + 1] - rs[i], stage_all.narrow(0, rs[i], rs[i + 1] - rs[i]));
+    }
+    join(side, main);
+    for (int64_t j : group_js[g]) {
+      consume_flag(side, done_mine[j]);
+      copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
+      write_flag(side, ready_theirs[j], 1);
+    }
+  }
+  // Our own block: straight into our slot where the sum reads every slot (> 2 ranks), else into P.
+  const bool two = own_slots.size(0) == 2;
+  const at::Tensor mine = two ? stage_all.narrow(0, rank * rows, rows) : own_slot;
+  matmul_rows(As, Bs, bias, rank * rows, rows, mine);
+  return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined (rs_cublas_pipelined.py)");
   m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
   m.def("rs_unsplit", &rs_unsplit, "GEMM -> reduce-scatter: one GEMM, then the copy engine");
+  m.def("rs_stages", &rs_stages, "GEMM -> reduce-scatter: one GEMM per group of peers, then our own block");
   m.def("rs_tail", &rs_tail, "GEMM -> reduce-scatter: all rows but a tail of ours, then the tail beside the pushes");
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
   m.def("ag_stages", &ag_stages, "all-gather -> GEMM: our rows, then one GEMM per group of peers");

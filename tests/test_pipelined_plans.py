@@ -176,6 +176,26 @@ def test_ag_stage_groups_cover_every_peer_once_in_arrival_order(world, groups):
         assert all(covered)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_stage_groups_index_the_ring_order(world):
+    """row_ranges takes group indices j as peers (rank + 1 + j) % world: the plans' ring order."""
+    from fluxcompile.schedules.orders import ring_after
+
+    for rank in range(world):
+        assert list(ring_after(rank, world)) == [(rank + 1 + j) % world for j in range(world - 1)]
+
+
+def test_rs_stages_declines_unless_enabled(monkeypatch):
+    from fluxcompile.lowerings import rs_stages
+
+    A, B = torch.empty(128, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
+    args = ([A], [B], None, [128, 16], 0, "sum", 2, "g")
+    monkeypatch.setattr(rs_stages, "ENABLED", False)
+    assert "experimental" in rs_stages.supports(2)(*args)
+    monkeypatch.setattr(rs_stages, "ENABLED", True)
+    assert "CUDA" in rs_stages.supports(2)(*args)
+
+
 def test_ag_stages_declines_unless_enabled(monkeypatch):
     from fluxcompile.lowerings import ag_stages
 

@@ -4,7 +4,8 @@ autotuner picks one choice per call signature (identically on every rank) and ru
 Choices: ``cublas_pipelined`` (zero-copy: cuBLAS stores each peer's row block straight into its symmetric
 slot), ``cublas_pipelined:push`` (staged locally, pushed by the copy engine) and ``cublas_pipelined:unsplit``
 (one GEMM over all rows, then the copy engine: no split for small M) and ``cublas_pipelined:tail<d>`` (as
-unsplit, with 1/d of our rows computed beside the pushes), all in rs_cublas_pipelined.py;
+unsplit, with 1/d of our rows computed beside the pushes), all in rs_cublas_pipelined.py; ``:stages<g>``
+(rs_stages.py, experimental: one GEMM per group of peers, each group pushed beside the next);
 ``torch_symm_mem`` (PyTorch's ``symm_mem.fused_matmul_reduce_scatter``: one product, no bias); ``reference``
 (NCCL + cuBLAS, registered by choices.py). ``triton:<tile>`` (rs_triton.py, the persistent kernel of
 kernels/gemm_rs.py) is registered but declines until it is validated on a GPU
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import rs_cublas_pipelined, rs_triton
+from . import rs_cublas_pipelined, rs_stages, rs_triton
 from .autotune import pick
 from .choices import Choice, register_choice
 
@@ -93,6 +94,15 @@ for _d in rs_cublas_pipelined.TAILS:
             f"{rs_cublas_pipelined.NAME}:tail{_d}",
             functools.partial(rs_cublas_pipelined.matmul_reduce_scatter, tail=_d),
             rs_cublas_pipelined.tail_supports(_d),
+        ),
+    )
+for _g in rs_stages.GROUPS:  # experimental: they decline every call unless enabled
+    register_choice(
+        OP,
+        Choice(
+            f"{rs_cublas_pipelined.NAME}:stages{_g}",
+            functools.partial(rs_stages.matmul_reduce_scatter, groups=_g),
+            rs_stages.supports(_g),
         ),
     )
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from gpu_helpers import poison_allocator, use_sequencer
 
 from fluxcompile import ops
-from fluxcompile.lowerings import choices_for, rs_triton
+from fluxcompile.lowerings import choices_for, rs_stages, rs_triton
 from fluxcompile.symm_mem import workspace
 from fluxcompile.testing.numerics import assert_close
 
@@ -22,7 +22,8 @@ TRITON = [f"triton:{v}" for v in sorted(rs_triton.VARIANTS)]
 # "@python": the cuBLAS-pipelined choice through its Python sequence instead of the C++ sequencer.
 CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined@python",
            "cublas_pipelined:push@python", "cublas_pipelined:unsplit@python", "cublas_pipelined:tail2",
-           "cublas_pipelined:tail4", "cublas_pipelined:tail4@python", "torch_symm_mem", *TRITON]  # fmt: skip
+           "cublas_pipelined:tail4", "cublas_pipelined:tail4@python", "cublas_pipelined:stages2",
+           "cublas_pipelined:stages3", "cublas_pipelined:stages2@python", "torch_symm_mem", *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
 
 # (name, rows per rank, form, N, K of each product, bias); forms: "2d" [M, N] on dim 0, "sp" [1, M, N] on
@@ -68,6 +69,8 @@ def _choice(name: str, monkeypatch):
     name, _, seq = name.partition("@")
     if name.startswith("cublas_pipelined"):
         use_sequencer(seq or "cpp", monkeypatch)
+    if ":stages" in name:
+        monkeypatch.setattr(rs_stages, "ENABLED", True)  # experimental: validated here
     if name.startswith("triton:"):
         monkeypatch.setattr(rs_triton, "ENABLED", True)
         monkeypatch.setattr(rs_triton, "CHECK_EACH_CALL", True)  # a timed-out wait fails the test at once
@@ -115,7 +118,7 @@ def test_choice_matches_reference(monkeypatch, name, case):
 
 @pytest.mark.parametrize(
     "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:push@python", "cublas_pipelined:unsplit",
-             "cublas_pipelined:tail4", TRITON[0]]
+             "cublas_pipelined:tail4", "cublas_pipelined:stages2", TRITON[0]]
 )  # fmt: skip
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:
@@ -140,7 +143,7 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
 
 @pytest.mark.parametrize(
     "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined@python",
-             "cublas_pipelined:tail2", "torch_symm_mem", TRITON[0]]
+             "cublas_pipelined:tail2", "cublas_pipelined:stages2", "torch_symm_mem", TRITON[0]]
 )  # fmt: skip
 def test_in_cuda_graph(monkeypatch, name):
     choice = _choice(name, monkeypatch)
