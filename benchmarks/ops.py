@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fluxcompile.lowerings.autotune import queue_gpu
+
 if __name__ == "__main__":
     # ops_rs.py and ops_decode.py import this file as `ops`: let that be the running module, so they see its
     # settings (QUEUE_US). A second copy kept the defaults, so the GEMM+RS rows of "queued" runs were not.
@@ -48,7 +50,7 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None
     dist.barrier()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    _queue_gpu(QUEUE_US)
+    queue_gpu(QUEUE_US)
     for s, e in zip(starts, ends):
         s.record()
         fn()
@@ -67,12 +69,6 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None
 # while the GPU is busy and the timings are the GPU's alone (as inside a model step whose GPU work is ahead
 # of its host). 0 (default): each round starts from an idle GPU, so a method's host latency shows in it.
 QUEUE_US = 0.0
-
-
-def _queue_gpu(us: float) -> None:
-    if us > 0:
-        clock_khz = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "clock_rate", 1_980_000)
-        torch.cuda._sleep(int(us * clock_khz / 1000))
 
 
 def timed_interleaved(
@@ -95,7 +91,7 @@ def timed_interleaved(
             events = [
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)
             ]
-            _queue_gpu(QUEUE_US)
+            queue_gpu(QUEUE_US)
             for start, end in events:
                 t0 = time.perf_counter()
                 start.record()

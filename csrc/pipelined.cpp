@@ -95,6 +95,15 @@ void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
   for (size_t s : sizes) TORCH_CHECK(s == n, "fluxcompile: plan lists of different lengths");
 }
 
+// On `side`: once the peer has freed its slot (its done flag), the copy engine moves `src` into it (peer to
+// peer), then the peer's ready flag.
+void send_block(const c10::cuda::CUDAStream& side, int64_t done, const at::Tensor& dst, const at::Tensor& src,
+                int64_t ready) {
+  consume_flag(side, done);
+  copy_async(dst, src, side);  // peer-to-peer: the copy engine
+  write_flag(side, ready, 1);
+}
+
 // All-gather, on the side stream once A is ready: our shard into each peer's slot (the copy engine, once
 // the peer has freed it), then into our rows of the gathered output.
 void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& main, const at::Tensor& a_local,
@@ -103,11 +112,7 @@ void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& 
   join(side, main);
   // rank-1 first, then rank-2, ...: the consumers take their peers in ring order (rank+1 first), which this
   // makes the order of arrival (ag_cublas_pipelined.push_sequence).
-  for (size_t i = peer_slots.size(); i-- > 0;) {
-    consume_flag(side, done_mine[i]);
-    copy_async(peer_slots[i], a_local, side);  // peer-to-peer: the copy engine
-    write_flag(side, ready_theirs[i], 1);
-  }
+  for (size_t i = peer_slots.size(); i-- > 0;) send_block(side, done_mine[i], peer_slots[i], a_local, ready_theirs[i]);
   copy_async(rows_of.select(0, rank), a_local, side);
 }
 
@@ -178,9 +183,7 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
     for (size_t j = 0; j < peers; ++j) {
       partial(order[j], stage_slots[j]);
       join(*side, main);
-      consume_flag(*side, done_mine[j]);
-      copy_async(peer_slots[j], stage_slots[j], *side);  // peer-to-peer: the copy engine
-      write_flag(*side, ready_theirs[j], 1);
+      send_block(*side, done_mine[j], peer_slots[j], stage_slots[j], ready_theirs[j]);
     }
   } else {
     for (size_t j = 0; j < peers; ++j) {
@@ -198,10 +201,11 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
 //   peer_slots[j]   slot `rank` in peer order[j]'s buffer (our shard goes there)
 //   my_slots[j]     slot order[j] in our buffer (its shard arrives there)
 //   flags as for rs_pipelined. compute_handles: one stream per peer (concurrent), or empty (main).
-void mm_rows(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::vector<std::optional<at::Tensor>>& biases,
-             std::vector<at::Tensor>& outs, int64_t src, int64_t rows) {
+// Rows lo .. lo + a.size(0) of every output: a @ B_i (+ bias_i).
+void mm_at(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::vector<std::optional<at::Tensor>>& biases,
+           std::vector<at::Tensor>& outs, int64_t lo) {
   for (size_t i = 0; i < Bs.size(); ++i) {
-    at::Tensor dst = outs[i].narrow(0, src * rows, rows);
+    at::Tensor dst = outs[i].narrow(0, lo, a.size(0));
     if (biases[i].has_value()) {
       at::addmm_out(dst, *biases[i], a, Bs[i]);
     } else {
@@ -250,14 +254,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   if (concurrent) {
     for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
   }
-  mm_rows(a_local, Bs, biases, outs, rank, rows);
+  mm_at(a_local, Bs, biases, outs, rank * rows);
   for (size_t j = 0; j < peers; ++j) {
     const auto& s = compute[j];
     c10::cuda::CUDAStreamGuard on_s(s);
     consume_flag(s, ready_mine[j]);
     join(side, s);
     copy_async(rows_of.select(0, order[j]), my_slots[j], side);
-    mm_rows(my_slots[j], Bs, biases, outs, order[j], rows);
+    mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
   }
   if (concurrent) {
     for (const auto& s : compute) join(main, s);
@@ -275,39 +279,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
 
 // GEMM -> reduce-scatter: P (our [m, n] partial, a local region of the symmetric buffer) in one GEMM;
 // the side stream pushes each peer's block of P into its slot; we add the peers' partials of our rows.
-at::Tensor rs_unsplit(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
-                      const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
-                      std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
-                      const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
-                      const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
-                      const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
-                      int64_t rows, int64_t side_handle) {
-  TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
-  const size_t peers = order.size();
-  check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
-                        done_theirs.size()});
-  const auto device = As[0].device().index();
-  c10::cuda::CUDAGuard guard(As[0].device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
-  const auto side = external(side_handle, device);
-
-  matmul_rows(As, Bs, bias, 0, stage_all.size(0), stage_all);
-  join(side, main);
-  for (size_t j = 0; j < peers; ++j) {
-    consume_flag(side, done_mine[j]);
-    copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
-    write_flag(side, ready_theirs[j], 1);
-  }
-  const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
-  if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
-  // Joining `side` also lets the next call's GEMM overwrite P only once our pushes have read it.
-  return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
-}
-
-// GEMM -> reduce-scatter, "tail" (":tail<d>" choices): as unsplit, but `tail` of our own rows are left out
-// of the first GEMM and computed while the copy engine pushes the peers' blocks, which the first GEMM has
-// finished (unsplit leaves the pushes bare). The tail rows are the first of ours, or the last for the last
-// rank, so that the first GEMM's rows are one or two contiguous ranges.
+// With `tail` > 0 (":tail<d>" choices), `tail` of our own rows are left out of that GEMM and computed while
+// the copy engine pushes the peers' blocks, which the first GEMM has finished (unsplit leaves the pushes
+// bare). The tail rows are the first of ours, or the last for the last rank, so that the first GEMM's rows
+// are one or two contiguous ranges.
 at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
                    const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
                    std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
@@ -316,7 +291,7 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
                    const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
                    int64_t rows, int64_t tail, int64_t side_handle) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
-  TORCH_CHECK(0 < tail && tail < rows, "fluxcompile: tail must be in (0, rows)");
+  TORCH_CHECK(0 <= tail && tail < rows, "fluxcompile: tail must be in [0, rows)");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
                         done_theirs.size()});
@@ -327,17 +302,20 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
   const int64_t m = stage_all.size(0), world = static_cast<int64_t>(peers) + 1;
   const int64_t lo = rank * rows + (rank == world - 1 ? rows - tail : 0), hi = lo + tail;
 
-  if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo));
-  if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi));
+  if (tail == 0) {
+    matmul_rows(As, Bs, bias, 0, m, stage_all);
+  } else {
+    if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo));
+    if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi));
+  }
   join(side, main);
   for (size_t j = 0; j < peers; ++j) {
-    consume_flag(side, done_mine[j]);
-    copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
-    write_flag(side, ready_theirs[j], 1);
+    send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
   }
-  matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail));  // beside the pushes
+  if (tail > 0) matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail));  // beside the pushes
   const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
   if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
+  // Joining `side` also lets the next call's GEMM overwrite P only once our pushes have read it.
   return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
 }
 
@@ -370,7 +348,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
   for (size_t j = 0; j < peers; ++j) write_flag(side, done_theirs[j], 1);  // our slots are free again
   join(main, side);
   std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
-  mm_rows(gathered.view({world * rows, k}), Bs, biases, outs, 0, world * rows);
+  mm_at(gathered.view({world * rows, k}), Bs, biases, outs, 0);
   return {gathered, outs};
 }
 
@@ -404,16 +382,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
-  auto gemm = [&](const at::Tensor& a, int64_t lo) {  // rows lo .. lo + a.size(0) of every output
-    for (size_t i = 0; i < Bs.size(); ++i) {
-      at::Tensor dst = outs[i].narrow(0, lo, a.size(0));
-      if (biases[i].has_value()) {
-        at::addmm_out(dst, *biases[i], a, Bs[i]);
-      } else {
-        at::mm_out(dst, a, Bs[i]);
-      }
-    }
-  };
+  auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
   // Side: the pushes first (the peers wait for them), then our rows into our own slot (an SM copy, beside
   // the lead GEMM).
@@ -488,16 +457,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor all_rows = gathered.view({m, k});
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
-  auto gemm = [&](const at::Tensor& a, int64_t lo) {  // rows lo .. lo + a.size(0) of every output
-    for (size_t i = 0; i < Bs.size(); ++i) {
-      at::Tensor dst = outs[i].narrow(0, lo, a.size(0));
-      if (biases[i].has_value()) {
-        at::addmm_out(dst, *biases[i], a, Bs[i]);
-      } else {
-        at::mm_out(dst, a, Bs[i]);
-      }
-    }
-  };
+  auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
   push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
   gemm(a_local, rank * rows);
@@ -543,9 +503,7 @@ at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Te
     }
     join(side, main);
     for (int64_t j : group_js[g]) {
-      consume_flag(side, done_mine[j]);
-      copy_async(peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), side);  // the copy engine
-      write_flag(side, ready_theirs[j], 1);
+      send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
     }
   }
   // Our own block: straight into our slot where the sum reads every slot (> 2 ranks), else into P.
@@ -560,9 +518,9 @@ at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined (rs_cublas_pipelined.py)");
   m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
-  m.def("rs_unsplit", &rs_unsplit, "GEMM -> reduce-scatter: one GEMM, then the copy engine");
   m.def("rs_stages", &rs_stages, "GEMM -> reduce-scatter: one GEMM per group of peers, then our own block");
-  m.def("rs_tail", &rs_tail, "GEMM -> reduce-scatter: all rows but a tail of ours, then the tail beside the pushes");
+  m.def("rs_tail", &rs_tail,
+        "GEMM -> reduce-scatter: all rows but a tail of ours (none: unsplit), then the tail beside the pushes");
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
   m.def("ag_stages", &ag_stages, "all-gather -> GEMM: our rows, then one GEMM per group of peers");
   m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");

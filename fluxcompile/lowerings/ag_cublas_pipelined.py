@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
-from .sequencer import Handshake, handshake, sequencer
+from .sequencer import Handshake, handshake, sequencer, slice_rows
 
 NAME = "cublas_pipelined"
 
@@ -58,9 +58,15 @@ def supports(
 LEADS = (8, 4, 2)  # ":lead<d>" choices: the lead GEMM takes 1/d of our rows
 
 
-def lead_rows(shard_rows: int, d: int) -> int:
-    """Rows of the lead GEMM of ``:lead<d>``: 1/d of ours, rounded down to a multiple of 64 (0: none)."""
-    return shard_rows // d // 64 * 64
+lead_rows = slice_rows  # rows of the lead GEMM of ``:lead<d>``
+
+
+def slots_abut(A: Tensor) -> str | None:
+    """None when the shards' slots abut in the symmetric buffer (no padding between them), so the buffer
+    reads as the gathered ``[world * rows, k]`` (the lead and stages choices need that), else why not."""
+    if (A.numel() * A.dtype.itemsize) % 256:
+        return "a shard's bytes are not a multiple of 256 (the slots would not abut)"
+    return None
 
 
 def lead_supports(d: int):
@@ -80,9 +86,7 @@ def lead_supports(d: int):
         rows = A.numel() // A.shape[-1]
         if lead_rows(rows, d) == 0:
             return f"{rows} rows per rank: 1/{d} of them is under 64"
-        if (rows * A.shape[-1] * A.dtype.itemsize) % 256:
-            return "a shard's bytes are not a multiple of 256 (the slots would not abut)"
-        return None
+        return slots_abut(A)
 
     return supports_lead
 
@@ -197,7 +201,7 @@ def _issue(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, 
 
 def _issue_lead(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, lead: int):
     seq = sequencer()
-    if seq is not None and hasattr(seq, "ag_lead"):
+    if seq is not None:
         return seq.ag_lead(
             a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.buffer, *plan.hs.lists,
             plan.rank, plan.world, lead, side_stream().cuda_stream,
@@ -262,14 +266,14 @@ def _python_sequence(a_local: Tensor, Bs, biases, gathered_shape: list[int], pla
     for s in compute:
         if s is not main:
             s.wait_stream(main)  # A, the outputs and the flag reset are ready
-    _mm_rows(a_local, Bs, biases, outs, rank, shard_rows)
+    _mm_at(a_local, Bs, biases, outs, rank * shard_rows)
     for j, (p, s) in enumerate(zip(plan.hs.order, compute)):
         with torch.cuda.stream(s):
             stream_consume(s, plan.hs.ready_mine[j])
             side.wait_stream(s)
             with torch.cuda.stream(side):
                 rows_of[p].copy_(plan.my_slots[j])
-            _mm_rows(plan.my_slots[j], Bs, biases, outs, p, shard_rows)
+            _mm_at(plan.my_slots[j], Bs, biases, outs, p * shard_rows)
     for s in compute:
         if s is not main:
             main.wait_stream(s)
@@ -315,9 +319,7 @@ def _push_shard(plan: _Plan, a_local: Tensor, rows_of: Tensor, main, side) -> No
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for j in push_sequence(len(plan.hs.order)):
-            stream_consume(side, plan.hs.done_mine[j])
-            plan.peer_slots[j].copy_(a_local)  # peer-to-peer: the copy engine
-            stream_write(side, plan.hs.ready_theirs[j], 1)
+            plan.hs.send(side, j, plan.peer_slots[j], a_local)
         rows_of[plan.rank].copy_(a_local)
 
 
@@ -329,12 +331,3 @@ def _compute_stream(i: int) -> torch.cuda.Stream:
     if key not in _compute_streams:
         _compute_streams[key] = torch.cuda.Stream()
     return _compute_streams[key]
-
-
-def _mm_rows(a: Tensor, Bs, biases, outs: list[Tensor], src: int, rows: int) -> None:
-    for b, bias, out in zip(Bs, biases, outs):
-        dst = out[src * rows : (src + 1) * rows]
-        if bias is None:
-            torch.mm(a, b, out=dst)
-        else:
-            torch.addmm(bias, a, b, out=dst)

@@ -16,6 +16,7 @@ Experimental until its GPU tests have run: it declines unless ``FLUXCOMPILE_EXPE
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -57,6 +58,17 @@ def row_ranges(rank: int, world: int, rows: int, js: Sequence[int]) -> list[tupl
     return ranges
 
 
+@functools.cache
+def stage_plan(
+    rank: int, world: int, rows: int, groups: int
+) -> tuple[list[list[int]], list[list[tuple[int, int]]], list[list[int]]]:
+    """Per call signature, once (the calls are a hot path): each group's peer indices, its row ranges, and the
+    ranges flattened to [lo0, hi0, lo1, hi1, ...] as the C++ sequencer takes them."""
+    js = stage_groups(rank, world, groups)
+    ranges = [row_ranges(rank, world, rows, g) for g in js]
+    return js, ranges, [[x for r in rs for x in r] for rs in ranges]
+
+
 def supports(groups: int):
     """``supports`` of ``:stages<groups>``."""
 
@@ -70,13 +82,7 @@ def supports(groups: int):
     ) -> str | None:
         if not ENABLED:
             return "experimental: FLUXCOMPILE_EXPERIMENTAL_AG_STAGES=1 enables it"
-        reason = pipelined.supports(A, Bs, biases, gather_dim, group_size, group_name)
-        if reason is not None:
-            return reason
-        rows = A.numel() // A.shape[-1]
-        if (rows * A.shape[-1] * A.dtype.itemsize) % 256:
-            return "a shard's bytes are not a multiple of 256 (the slots would not abut)"
-        return None
+        return pipelined.supports(A, Bs, biases, gather_dim, group_size, group_name) or pipelined.slots_abut(A)
 
     return supports_stages
 
@@ -95,11 +101,9 @@ def all_gather_matmul(
     if plan.buffer is None:
         raise ValueError(f"fluxcompile: {rows} x {k} shards: the slots do not abut (see ag_stages.supports)")
     a_local = A.view(rows, k)
-    js = stage_groups(plan.rank, plan.world, groups)
-    ranges = [row_ranges(plan.rank, plan.world, rows, g) for g in js]
+    js, ranges, flat = stage_plan(plan.rank, plan.world, rows, groups)
     seq = sequencer()
-    if seq is not None and hasattr(seq, "ag_stages"):
-        flat = [[x for r in rs for x in r] for rs in ranges]
+    if seq is not None:
         out = seq.ag_stages(
             a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.buffer, *plan.hs.lists,
             plan.rank, plan.world, js, flat, side_stream().cuda_stream,

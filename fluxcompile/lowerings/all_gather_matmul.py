@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import ag_async_input_mm, ag_cublas_pipelined, ag_stages, ag_triton
 from .autotune import pick
-from .choices import Choice, register_choice
+from .choices import Choice, register_choice, register_variants
 
 OP = "all_gather_matmul"
 
@@ -66,24 +66,15 @@ register_choice(
         ag_cublas_pipelined.supports,
     ),
 )
-for _d in ag_cublas_pipelined.LEADS:
-    register_choice(
-        OP,
-        Choice(
-            f"{ag_cublas_pipelined.NAME}:lead{_d}",
-            functools.partial(ag_cublas_pipelined.all_gather_matmul, lead=_d),
-            ag_cublas_pipelined.lead_supports(_d),
-        ),
-    )
-for _g in ag_stages.GROUPS:  # experimental: they decline every call unless enabled
-    register_choice(
-        OP,
-        Choice(
-            f"{ag_cublas_pipelined.NAME}:stages{_g}",
-            functools.partial(ag_stages.all_gather_matmul, groups=_g),
-            ag_stages.supports(_g),
-        ),
-    )
+_PIPELINED = ag_cublas_pipelined.NAME
+register_variants(
+    OP, f"{_PIPELINED}:lead", ag_cublas_pipelined.all_gather_matmul, "lead", ag_cublas_pipelined.LEADS,
+    ag_cublas_pipelined.lead_supports,
+)  # fmt: skip
+# experimental: they decline every call unless enabled
+register_variants(
+    OP, f"{_PIPELINED}:stages", ag_stages.all_gather_matmul, "groups", ag_stages.GROUPS, ag_stages.supports
+)
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
 register_choice(OP, Choice(ag_async_input_mm.NAME, ag_async_input_mm.all_gather_matmul, ag_async_input_mm.supports))
 for _variant in ag_triton.VARIANTS:  # experimental: they decline every call unless enabled

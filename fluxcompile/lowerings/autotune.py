@@ -292,7 +292,7 @@ def _run(
             events = [
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
             ]
-            _queue_gpu(run_device)
+            queue_gpu(QUEUE_US, run_device)
             for start, end in events:
                 start.record()
                 fn()
@@ -310,11 +310,13 @@ def _run(
         return False
 
 
-def _queue_gpu(device: torch.device) -> None:
-    """Keep ``device`` busy for ``QUEUE_US`` (a sleep kernel on the current stream)."""
-    if QUEUE_US > 0:
-        khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000
-        torch.cuda._sleep(int(QUEUE_US * khz / 1000))
+def queue_gpu(us: float, device: torch.device | None = None) -> None:
+    """Keep the GPU busy for about ``us`` µs (a sleep kernel on the current stream), so that what the host
+    enqueues next is timed on the GPU alone (also benchmarks/ops.py's ``--queued-us``)."""
+    if us > 0:
+        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        khz = getattr(props, "clock_rate", 0) or 1_980_000
+        torch.cuda._sleep(int(us * khz / 1000))
 
 
 def _barrier(group: dist.ProcessGroup, device: torch.device) -> None:

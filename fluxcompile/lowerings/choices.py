@@ -14,6 +14,7 @@ since a rank that leaves a collective early makes the others wait in it (see ``a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,15 @@ _REGISTRY: dict[str, dict[str, Choice]] = {}
 def register_choice(op_name: str, choice: Choice) -> None:
     """Register ``choice`` for ``op_name``; a choice of the same name is replaced in place (reloads)."""
     _REGISTRY.setdefault(op_name, {})[choice.name] = choice
+
+
+def register_variants(
+    op_name: str, prefix: str, fn: Callable[..., Any], param: str, values: Any, supports: Callable[[Any], Any]
+) -> None:
+    """One choice ``f"{prefix}{v}"`` per value ``v``: ``fn`` with ``param=v``, declining as ``supports(v)`` does
+    (e.g. ``cublas_pipelined:lead2`` .. ``:lead8``)."""
+    for v in values:
+        register_choice(op_name, Choice(f"{prefix}{v}", functools.partial(fn, **{param: v}), supports(v)))
 
 
 def choices_for(op_name: str) -> list[Choice]:

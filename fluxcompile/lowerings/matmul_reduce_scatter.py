@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import rs_cublas_pipelined, rs_stages, rs_triton
 from .autotune import pick
-from .choices import Choice, register_choice
+from .choices import Choice, register_choice, register_variants
 
 OP = "matmul_reduce_scatter"
 
@@ -87,24 +87,15 @@ register_choice(
         rs_cublas_pipelined.supports,
     ),
 )
-for _d in rs_cublas_pipelined.TAILS:
-    register_choice(
-        OP,
-        Choice(
-            f"{rs_cublas_pipelined.NAME}:tail{_d}",
-            functools.partial(rs_cublas_pipelined.matmul_reduce_scatter, tail=_d),
-            rs_cublas_pipelined.tail_supports(_d),
-        ),
-    )
-for _g in rs_stages.GROUPS:  # experimental: they decline every call unless enabled
-    register_choice(
-        OP,
-        Choice(
-            f"{rs_cublas_pipelined.NAME}:stages{_g}",
-            functools.partial(rs_stages.matmul_reduce_scatter, groups=_g),
-            rs_stages.supports(_g),
-        ),
-    )
+_PIPELINED = rs_cublas_pipelined.NAME
+register_variants(
+    OP, f"{_PIPELINED}:tail", rs_cublas_pipelined.matmul_reduce_scatter, "tail", rs_cublas_pipelined.TAILS,
+    rs_cublas_pipelined.tail_supports,
+)  # fmt: skip
+# experimental: they decline every call unless enabled
+register_variants(
+    OP, f"{_PIPELINED}:stages", rs_stages.matmul_reduce_scatter, "groups", rs_stages.GROUPS, rs_stages.supports
+)
 register_choice(OP, Choice("torch_symm_mem", _torch_symm_mem, _torch_symm_mem_supports))
 for _variant in rs_triton.VARIANTS:  # experimental: they decline every call unless enabled
     register_choice(OP, Choice(f"triton:{_variant}", *rs_triton.make(_variant)))

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
-from .sequencer import Handshake, handshake, sequencer
+from .sequencer import Handshake, handshake, sequencer, slice_rows
 
 NAME = "cublas_pipelined"
 TAILS = (8, 4, 2)  # ":tail<d>" choices: 1/d of our rows (a multiple of 64) computed beside the pushes
@@ -103,9 +103,7 @@ def supports(
     return None
 
 
-def tail_rows(rows: int, d: int) -> int:
-    """Rows of the tail GEMM of ``:tail<d>``: 1/d of ours, rounded down to a multiple of 64 (0: none)."""
-    return rows // d // 64 * 64
+tail_rows = slice_rows  # rows of the tail GEMM of ``:tail<d>``
 
 
 def tail_supports(d: int):
@@ -221,12 +219,7 @@ def matmul_reduce_scatter(
 def _issue(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, push: bool, unsplit: bool):
     seq = sequencer()
     if unsplit:
-        if seq is not None:
-            return seq.rs_unsplit(
-                list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
-                *plan.hs.lists, plan.shape, plan.rank, plan.rows, side_stream().cuda_stream,
-            )  # fmt: skip
-        return _python_unsplit(As, Bs, bias, plan)
+        return _issue_tail(As, Bs, bias, plan, 0)
     if seq is not None:
         side = side_stream().cuda_stream if push else 0
         return seq.rs_pipelined(
@@ -238,7 +231,7 @@ def _issue(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan
 
 def _issue_tail(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, tail: int) -> Tensor:
     seq = sequencer()
-    if seq is not None and hasattr(seq, "rs_tail"):
+    if seq is not None:
         return seq.rs_tail(
             list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
             *plan.hs.lists, plan.shape, plan.rank, plan.rows, tail, side_stream().cuda_stream,
@@ -247,23 +240,26 @@ def _issue_tail(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None,
 
 
 def _python_tail(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan, tail: int) -> Tensor:
-    """The same stream operations as csrc/pipelined.cpp's rs_tail, from Python (its fallback)."""
+    """The same stream operations as csrc/pipelined.cpp's rs_tail, from Python (its fallback); ``tail`` 0 is
+    the unsplit choice (one GEMM over every row)."""
     rows, rank, world, main, side = plan.rows, plan.rank, plan.world, torch.cuda.current_stream(), side_stream()
     P = plan.stage_all
     m = P.shape[0]
     lo = rank * rows + (rows - tail if rank == world - 1 else 0)
     hi = lo + tail
-    if lo > 0:
-        _matmul_rows(As, Bs, bias, 0, lo, P[:lo])
-    if hi < m:
-        _matmul_rows(As, Bs, bias, hi, m - hi, P[hi:])
+    if tail == 0:
+        _matmul_rows(As, Bs, bias, 0, m, P)
+    else:
+        if lo > 0:
+            _matmul_rows(As, Bs, bias, 0, lo, P[:lo])
+        if hi < m:
+            _matmul_rows(As, Bs, bias, hi, m - hi, P[hi:])
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for j, p in enumerate(plan.hs.order):
-            stream_consume(side, plan.hs.done_mine[j])
-            plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
-            stream_write(side, plan.hs.ready_theirs[j], 1)
-    _matmul_rows(As, Bs, bias, lo, tail, P[lo:hi])  # beside the pushes
+            plan.hs.send(side, j, plan.peer_slots[j], P[p * rows : (p + 1) * rows])
+    if tail > 0:
+        _matmul_rows(As, Bs, bias, lo, tail, P[lo:hi])  # beside the pushes
     mine = P[rank * rows : (rank + 1) * rows]
     if world > 2:
         plan.own_slot.copy_(mine)  # so one sum covers every source
@@ -283,9 +279,7 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
             partial(p, plan.stage_slots[j])
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                stream_consume(side, plan.hs.done_mine[j])
-                plan.peer_slots[j].copy_(plan.stage_slots[j])  # peer-to-peer: the copy engine
-                stream_write(side, plan.hs.ready_theirs[j], 1)
+                plan.hs.send(side, j, plan.peer_slots[j], plan.stage_slots[j])
     else:
         for j, p in enumerate(plan.hs.order):
             stream_consume(main, plan.hs.done_mine[j])
@@ -293,23 +287,6 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
             stream_write(main, plan.hs.ready_theirs[j], 1)
     partial(plan.rank, plan.own_slot)
     return _reduce_and_release(plan, plan.own_slot, As[0], side_stream() if push else None)
-
-
-def _python_unsplit(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan: _Plan) -> Tensor:
-    """The same stream operations as csrc/pipelined.cpp's rs_unsplit, from Python (its fallback)."""
-    rows, main, side = plan.rows, torch.cuda.current_stream(), side_stream()
-    P = plan.stage_all
-    _matmul_rows(As, Bs, bias, 0, P.shape[0], P)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for j, p in enumerate(plan.hs.order):
-            stream_consume(side, plan.hs.done_mine[j])
-            plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
-            stream_write(side, plan.hs.ready_theirs[j], 1)
-    mine = P[plan.rank * rows : (plan.rank + 1) * rows]
-    if plan.world > 2:
-        plan.own_slot.copy_(mine)  # so one sum covers every source
-    return _reduce_and_release(plan, mine, As[0], side)
 
 
 def _reduce_and_release(plan: _Plan, mine: Tensor, like: Tensor, side) -> Tensor:

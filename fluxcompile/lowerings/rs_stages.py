@@ -4,7 +4,7 @@ last, then the owner's sum (rs_cublas_pipelined.py's protocol and flags).
 
 The per-peer split of ``cublas_pipelined:push`` runs ``world`` GEMMs of m/world rows (eight at TP=8, each
 losing up to a wave); ``:unsplit``/``:tail`` run one or two but push only after them. The groups are
-ag_stages.stage_groups' (consecutive peers in ring order, as even as possible, the larger ones last).
+ag_stages.stage_plan's (consecutive peers in ring order, as even as possible, the larger ones last).
 Experimental until its GPU tests have run: it declines unless ``FLUXCOMPILE_EXPERIMENTAL_RS_STAGES=1``.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..symm_mem import side_stream, stream_consume, stream_write
+from ..symm_mem import side_stream
 from . import rs_cublas_pipelined as pipelined
-from .ag_stages import row_ranges, stage_groups
+from .ag_stages import stage_plan
 from .sequencer import sequencer
 
 ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_RS_STAGES", "0") == "1"
@@ -48,11 +48,9 @@ def matmul_reduce_scatter(
     groups: int = 2,
 ) -> Tensor:
     plan = pipelined._plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, False, True)
-    js = stage_groups(plan.rank, plan.world, groups)
-    ranges = [row_ranges(plan.rank, plan.world, plan.rows, g) for g in js]
+    js, ranges, flat = stage_plan(plan.rank, plan.world, plan.rows, groups)
     seq = sequencer()
-    if seq is not None and hasattr(seq, "rs_stages"):
-        flat = [[x for r in rs for x in r] for rs in ranges]
+    if seq is not None:
         out = seq.rs_stages(
             list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
             *plan.hs.lists, plan.shape, plan.rank, plan.rows, js, flat, side_stream().cuda_stream,
@@ -74,9 +72,7 @@ def _python_stages(As, Bs, bias, plan, js, ranges) -> Tensor:
         with torch.cuda.stream(side):
             for j in group:
                 p = plan.hs.order[j]
-                stream_consume(side, plan.hs.done_mine[j])
-                plan.peer_slots[j].copy_(P[p * rows : (p + 1) * rows])  # the copy engine
-                stream_write(side, plan.hs.ready_theirs[j], 1)
+                plan.hs.send(side, j, plan.peer_slots[j], P[p * rows : (p + 1) * rows])
     mine = P[rank * rows : (rank + 1) * rows] if plan.world == 2 else plan.own_slot
     pipelined._matmul_rows(As, Bs, bias, rank * rows, rows, mine)
     return pipelined._reduce_and_release(plan, mine, As[0], side)

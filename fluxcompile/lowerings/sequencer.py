@@ -21,7 +21,7 @@ import torch
 
 from .. import csrc_build
 from ..schedules.orders import ring_after
-from ..symm_mem import ready_done_flags
+from ..symm_mem import ready_done_flags, stream_consume, stream_write
 from ..symm_mem.watchdog import Watch, flag_report, watch
 
 log = logging.getLogger("fluxcompile.sequencer")
@@ -44,6 +44,12 @@ def sequencer() -> ModuleType | None:
     return mod
 
 
+def slice_rows(rows: int, d: int) -> int:
+    """Rows of the separate slice of the ``:lead<d>`` (all-gather) and ``:tail<d>`` (reduce-scatter) choices:
+    1/d of a rank's rows, rounded down to a multiple of 64 (0: none, the choice declines)."""
+    return rows // d // 64 * 64
+
+
 @dataclasses.dataclass
 class Handshake:
     """The ready/done flags (symm_mem/signals.py) of a pipelined call, as addresses per peer, ``j`` running over
@@ -60,6 +66,14 @@ class Handshake:
     def lists(self) -> tuple[list[int], ...]:
         """(order, done_mine, ready_theirs, ready_mine, done_theirs): the C++ functions' argument order."""
         return self.order, self.done_mine, self.ready_theirs, self.ready_mine, self.done_theirs
+
+    def send(self, stream: torch.cuda.Stream, j: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """On ``stream`` (the current stream): once peer ``order[j]`` has freed our slot in its buffer (its done
+        flag), ``src`` into that slot ``dst`` (peer to peer: the copy engine), then its ready flag. The Python
+        twin of csrc/pipelined.cpp's send_block."""
+        stream_consume(stream, self.done_mine[j])
+        dst.copy_(src)
+        stream_write(stream, self.ready_theirs[j], 1)
 
     def note(self) -> None:
         """After an eager call (graph captures are not watched: their replays do not come back here)."""
