@@ -1,0 +1,204 @@
+"""GEMV lab (one GPU): the CUDA decode kernel of csrc/gemv_ar.cu on a one-rank "group" (its math, epilogue and
+own-slot stores, no peers) against cuBLAS and a plain streaming read of the weight, all timed as CUDA graph
+replays, for kernel variants built side by side (in parallel):
+
+    python scripts/debug/gemv_lab.py [--variants cur,NAME=FILE@-DFLAG=1,...] [--shapes 8192x14336,8192x4096]
+                                     [--ms 1,16,64]
+
+A variant is ``cur`` (csrc/gemv_ar.cu as it is) or ``NAME=FILE`` (another gemv_ar.cu with the same header and
+binding), each optionally followed by ``@``-separated nvcc flags (``cur@-DFOO=2``). Every output is checked
+against an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the
+bandwidth ceiling the GEMV could reach. Run on a one-GPU kind (nvidia-h200: its time counts at half).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+CALLS = 20
+
+
+def _build(args: tuple[str, str, list[str]]):
+    name, src_dir, flags = args
+    from torch.utils import cpp_extension
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    bdir = Path(tempfile.gettempdir()) / f"gemv_lab_{name}"
+    bdir.mkdir(exist_ok=True)
+    cpp_extension.load(
+        name=f"gemv_lab_{name}",
+        sources=[f"{src_dir}/gemv_ar.cu", f"{src_dir}/gemv_ar_binding.cpp"],
+        extra_cuda_cflags=["-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags],
+        extra_include_paths=[src_dir],
+        build_directory=str(bdir),
+        with_cuda=True,
+    )
+    return name, str(bdir)
+
+
+READ_SRC = r"""
+#include <torch/extension.h>
+#include <cuda_runtime.h>
+// Streaming read of a whole tensor (16-byte loads, 4 in flight per thread, grid-stride): the bandwidth ceiling.
+__global__ void read_kernel(const uint4* __restrict__ p, long long n16, float* sink) {
+  unsigned acc = 0;
+  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    uint4 v0 = __ldcs(p + i), v1 = __ldcs(p + i + stride), v2 = __ldcs(p + i + 2 * stride), v3 = __ldcs(p + i + 3 * stride);
+    acc ^= v0.x ^ v1.y ^ v2.z ^ v3.w;
+  }
+  for (; i < n16; i += stride) { uint4 v = __ldcs(p + i); acc ^= v.x; }
+  if (acc == 0x12345678u) sink[threadIdx.x] = 1.f;
+}
+void read_all(torch::Tensor w, torch::Tensor sink) {
+  int sms = 0; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, w.get_device());
+  read_kernel<<<sms * 4, 512, 0, at::cuda::getCurrentCUDAStream()>>>(
+      (const uint4*)w.data_ptr(), w.numel() * w.element_size() / 16, sink.data_ptr<float>());
+}
+"""
+
+
+def read_yardstick():
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load_inline(
+        name="gemv_lab_read", cpp_sources="void read_all(torch::Tensor w, torch::Tensor sink);",
+        cuda_sources="#include <ATen/cuda/CUDAContext.h>\n" + READ_SRC, functions=["read_all"],
+        extra_cuda_cflags=["-O3"], with_cuda=True,
+    )  # fmt: skip
+
+
+def load_built(name: str, bdir: str):
+    import importlib.util
+
+    so = next(Path(bdir).glob(f"gemv_lab_{name}*.so"))
+    spec = importlib.util.spec_from_file_location(f"gemv_lab_{name}", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Solo:
+    """Workspaces of a one-rank launch (world = 1): the pointers a group's would hold."""
+
+    def __init__(self, m: int, n: int):
+        self.slot_bytes = (m * n * 2 + 255) // 256 * 256
+        self.data = torch.zeros(4 * self.slot_bytes, dtype=torch.uint8, device="cuda")
+        self.flags = torch.zeros(2 * 8192, dtype=torch.int32, device="cuda")
+        self.peer_data = torch.tensor([self.data.data_ptr()], dtype=torch.int64, device="cuda")
+        self.peer_flags = torch.tensor([self.flags.data_ptr()], dtype=torch.int64, device="cuda")
+        self.state = torch.zeros(4, dtype=torch.int32, device="cuda")
+        self.err = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+
+def run(ext, solo: Solo, a, w, out):
+    m, k = a.shape
+    n = w.shape[0]
+    tiles = -(-n // 32)
+    ext.launch(
+        a.data_ptr(), w.data_ptr(), 0, out.data_ptr(), 0, 0, 0, 0.0, False,
+        int(solo.peer_data.data_ptr()), int(solo.peer_flags.data_ptr()), solo.slot_bytes,
+        solo.state.data_ptr(), 0, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, tiles,
+        int(5e9), 0, tiles, torch.cuda.current_stream().cuda_stream,
+    )  # fmt: skip
+
+
+def graph_time(fn, reps: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / CALLS)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="cur")
+    p.add_argument("--shapes", default="8192x14336,8192x4096")
+    p.add_argument("--ms", default="1,16,64")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    jobs = []
+    for spec in names:
+        v, *flags = spec.split("@")
+        name, _, path = v.partition("=")
+        if path:
+            d = Path(tempfile.mkdtemp())
+            for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
+                shutil.copy(CSRC / f, d / f)
+            shutil.copy(path, d / "gemv_ar.cu")
+            jobs.append((name, str(d), flags))
+        else:
+            jobs.append((name, str(CSRC), flags))
+    names = [j[0] for j in jobs]
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        built = dict(pool.map(_build, jobs))
+    exts = {v: load_built(v, built[v]) for v in names}
+    try:
+        read_ext = read_yardstick()
+    except Exception as e:  # the yardstick is optional
+        print("read yardstick unavailable:", str(e)[-1500:], flush=True)
+        read_ext = None
+    sink = torch.zeros(1 << 16, dtype=torch.float32, device="cuda")
+    torch.manual_seed(int.from_bytes(os.urandom(2), "little"))
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in map(int, args.ms.split(",")):
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = a.float() @ w.float().t()
+            res = {"cublas": graph_time(lambda a=a, w=w: a @ w.t())}
+            if m == 1 and read_ext is not None:
+                res["read"] = graph_time(lambda w=w: read_ext.read_all(w, sink))
+            for v, ext in exts.items():
+                solo = Solo(m, n)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                try:
+                    run(ext, solo, a, w, out)
+                    torch.cuda.synchronize()
+                except RuntimeError as e:
+                    print(f"!! {v} n={n} k={k} m={m}: {e}", flush=True)
+                    continue
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                bad = solo.err.tolist()
+                if not err < 1e-2 or bad[0]:
+                    print(f"!! {v} n={n} k={k} m={m}: rel err {err:.2e}, err words {bad}", flush=True)
+                    continue
+                res[v] = graph_time(lambda e=ext, s=solo, a=a, w=w, o=out: run(e, s, a, w, o))
+            gb = w.numel() * 2
+            line = f"n={n:6d} k={k:6d} m={m:3d} " + " ".join(
+                f"{name} {t:6.1f}us {gb / t / 1e3:5.0f}GB/s" for name, t in res.items()
+            )
+            print(line, flush=True)
+            rows.append(line)
+    print("== lab table")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
