@@ -384,18 +384,18 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
-  // Side: the pushes first (the peers wait for them), then our rows into our own slot (an SM copy, beside
-  // the lead GEMM).
+  // Side: the pushes (the peers wait for them). Main: our rows into our own slot, then the lead GEMM. The
+  // own-slot copy is not queued behind the pushes on the side stream: the rest GEMM waited for those too
+  // (a 13 us gap at Llama gate+up m = 2048 in the sixth session's profile).
   push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
-  copy_async(buffer.narrow(0, rank * rows, rows), a_local, side);
+  copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);
 
   const bool last = rank == world - 1;
   const int64_t lead_lo = last ? rows - lead : 0;  // within our rows
   gemm(a_local.narrow(0, lead_lo, lead), rank * rows + lead_lo);
   for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
-  join(main, side);  // our own slot is filled (and our pushes are done)
-  // The gathered output's peer rows: SM copies on the side stream, beside the rest GEMM (joined before
-  // that GEMM is queued, so they need not wait for it).
+  // The gathered output's peer rows: SM copies on the side stream after the ready waits, beside the rest
+  // GEMM (which need not wait for them, nor for our pushes).
   join(side, main);
   for (size_t j = 0; j < peers; ++j) {
     copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);

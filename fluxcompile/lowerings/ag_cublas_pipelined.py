@@ -219,14 +219,12 @@ def _python_lead(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _
     rows_of = A_gathered.view(world, rows, k)
     outs = [torch.empty((m, b.shape[-1]), dtype=a_local.dtype, device=a_local.device) for b in Bs]
     _push_shard(plan, a_local, rows_of, main, side)
-    with torch.cuda.stream(side):
-        buf[rank * rows : (rank + 1) * rows].copy_(a_local)  # our rows into our own slot
+    buf[rank * rows : (rank + 1) * rows].copy_(a_local)  # our own slot, on main: not behind the pushes
     lead_lo = rows - lead if rank == world - 1 else 0  # so that the rest of the rows is contiguous
     lo, hi = rank * rows + lead_lo, rank * rows + lead_lo + lead
     _mm_at(a_local[lead_lo : lead_lo + lead], Bs, biases, outs, lo)
     for addr in plan.hs.ready_mine:
         stream_consume(main, addr)
-    main.wait_stream(side)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for p in plan.hs.order:
