@@ -109,6 +109,9 @@ def setup_vllm_distributed() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from vllm.config import set_current_vllm_config
 
+    # vLLM's CPU worker names its shared-memory communicator group by this before the groups exist; its
+    # CpuCommunicator reads it whenever vLLM's compiled CPU ops are loadable (KeyError without it).
+    os.environ.setdefault("VLLM_DIST_IDENT", f"fluxcompile-{os.environ['MASTER_PORT']}")
     with set_current_vllm_config(vllm_config("eager", "none")):
         ps.init_distributed_environment(
             world_size=world,

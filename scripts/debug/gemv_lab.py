@@ -61,6 +61,48 @@ __global__ void read_kernel(const uint4* __restrict__ p, long long n16, float* s
   for (; i < n16; i += stride) { uint4 v = __ldcs(p + i); acc ^= v.x; }
   if (acc == 0x12345678u) sink[threadIdx.x] = 1.f;
 }
+// The same bytes read in the GEMV kernel's shape: CTA b reads the 32 weight rows of tile b over all k, its 8
+// warps splitting k, 16 loads of 16 bytes in flight per thread; PAT picks what one warp instruction covers:
+// 0: 8 rows x 64 B (csrc's mma-fragment order), 1: 4 rows x 128 B, 2: 2 rows x 256 B, 3: 1 row x 512 B.
+template <int PAT>
+__global__ void __launch_bounds__(256, 2) tile_read(const __nv_bfloat16* __restrict__ w, int n, int k, int ldw,
+                                                      float* sink) {
+  constexpr int RPI = 8 >> PAT;          // rows per instruction
+  constexpr int BPR = 64 << PAT;         // bytes per row per instruction
+  constexpr int EPR = BPR / 2;           // elements per row per instruction
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r_in = lane / (32 / RPI), c_in = (lane % (32 / RPI)) * 8;
+  const int row0 = blockIdx.x * 32;
+  unsigned acc = 0;
+  constexpr int IPB = 32 / RPI;          // instructions to cover 32 rows of one k block
+  constexpr int KB = 16 / IPB > 0 ? 16 / IPB : 1;  // k blocks per iteration (16 loads)
+  constexpr int LOADS = 16;
+  for (int kb0 = warp; kb0 * EPR < k; kb0 += 8 * KB)
+#pragma unroll
+  for (int h = 0; h < IPB * KB / LOADS; ++h) {
+    uint4 v[LOADS];
+#pragma unroll
+    for (int ii = 0; ii < LOADS; ++ii) {
+      const int i = h * LOADS + ii;
+      const int kb = kb0 + (i / IPB) * 8, q = i % IPB;
+      const int row = row0 + q * RPI + r_in, col = kb * EPR + c_in;
+      v[ii] = (row < n && col < k) ? __ldcs(reinterpret_cast<const uint4*>(w + (long long)row * ldw + col))
+                                  : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) acc ^= v[i].x ^ v[i].w;
+  }
+  if (acc == 0x12345678u) sink[threadIdx.x] = 1.f;
+}
+void tile_read_all(torch::Tensor w, torch::Tensor sink, int64_t pat) {
+  auto s = at::cuda::getCurrentCUDAStream();
+  const int n = w.size(0), k = w.size(1), grid = (n + 31) / 32;
+  auto p = (const __nv_bfloat16*)w.data_ptr();
+  if (pat == 0) tile_read<0><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 1) tile_read<1><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 2) tile_read<2><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 3) tile_read<3><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+}
 void read_all(torch::Tensor w, torch::Tensor sink) {
   int sms = 0; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, w.get_device());
   read_kernel<<<sms * 4, 512, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -73,8 +115,9 @@ def read_yardstick():
     from torch.utils import cpp_extension
 
     return cpp_extension.load_inline(
-        name="gemv_lab_read", cpp_sources="void read_all(torch::Tensor w, torch::Tensor sink);",
-        cuda_sources="#include <ATen/cuda/CUDAContext.h>\n" + READ_SRC, functions=["read_all"],
+        name="gemv_lab_read", cpp_sources="void read_all(torch::Tensor w, torch::Tensor sink);\n"
+        "void tile_read_all(torch::Tensor w, torch::Tensor sink, int64_t pat);",
+        cuda_sources="#include <ATen/cuda/CUDAContext.h>\n#include <cuda_bf16.h>\n" + READ_SRC, functions=["read_all", "tile_read_all"],
         extra_cuda_cflags=["-O3"], with_cuda=True,
     )  # fmt: skip
 
@@ -114,7 +157,14 @@ def run(ext, solo: Solo, a, w, out):
     )  # fmt: skip
 
 
+ONCE = False  # --once: run each method once, eagerly (for ncu), no timing
+
+
 def graph_time(fn, reps: int = 30) -> float:
+    if ONCE:
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -140,7 +190,10 @@ def main() -> None:
     p.add_argument("--variants", default="cur")
     p.add_argument("--shapes", default="8192x14336,8192x4096")
     p.add_argument("--ms", default="1,16,64")
+    p.add_argument("--once", action="store_true", help="each method once, eagerly, untimed (to run under ncu)")
     args = p.parse_args()
+    global ONCE
+    ONCE = args.once
     names = args.variants.split(",")
     jobs = []
     for spec in names:
@@ -175,6 +228,8 @@ def main() -> None:
             res = {"cublas": graph_time(lambda a=a, w=w: a @ w.t())}
             if m == 1 and read_ext is not None:
                 res["read"] = graph_time(lambda w=w: read_ext.read_all(w, sink))
+                for pat in range(4):  # the same bytes in the GEMV's tile shape, 8/4/2/1 rows per instruction
+                    res[f"tile{pat}"] = graph_time(lambda w=w, pat=pat: read_ext.tile_read_all(w, sink, pat))
             for v, ext in exts.items():
                 solo = Solo(m, n)
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
