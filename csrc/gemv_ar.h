@@ -17,6 +17,11 @@ constexpr int kGemvErrWords = 8;    // err: code, rank, peer, tile, epoch, kind,
 // Data workspace (element type T), slot_bytes apart:
 //   slot (parity, src) = (parity * world + src)      partials written by src
 //   slot (parity, result) = (2 * world + parity)     reduced tiles from their owners (two-shot)
+// An opaque CUtensorMap (the kernel's bulk tensor copies read it from the kernel's parameters).
+struct alignas(64) GemvTmaMap {
+  unsigned long long opaque[16];
+};
+
 struct GemvArParams {
   const void* a;            // [m, k], row stride lda (elements), unit column stride
   const void* w;            // weight [n, k] (the op's B = w.t()), row stride ldw, unit column stride
@@ -36,6 +41,10 @@ struct GemvArParams {
   int m, n, k, lda, ldw;
   int rank, world, two_shot, n_tiles;
   long long timeout_ns;
+  // Filled by the launcher: tensor maps of w ([n, k] in boxes of kGemvTileN rows x 256 k) and A ([m, k] in
+  // boxes of a_box_rows x 256 k), for the bulk tensor copies that stage them in shared memory.
+  GemvTmaMap tmap_w, tmap_a;
+  int a_box_rows;
 };
 
 // dtype: 0 = bfloat16, 1 = float16. Returns the launch's CUDA error (cudaSuccess when queued).

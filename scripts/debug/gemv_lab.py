@@ -63,8 +63,21 @@ __global__ void read_kernel(const uint4* __restrict__ p, long long n16, float* s
 }
 // The same bytes read in the GEMV kernel's shape: CTA b reads the 32 weight rows of tile b over all k, its 8
 // warps splitting k, 16 loads of 16 bytes in flight per thread; PAT picks what one warp instruction covers:
-// 0: 8 rows x 64 B (csrc's mma-fragment order), 1: 4 rows x 128 B, 2: 2 rows x 256 B, 3: 1 row x 512 B.
-template <int PAT>
+// 0: 8 rows x 64 B (csrc's mma-fragment order), 1: 4 rows x 128 B, 2: 2 rows x 256 B, 3: 1 row x 512 B;
+// HINT: 0 ld.global.cs, 1 and 2 ld.global.nc with the L2::128B / L2::256B prefetch size.
+template <int HINT>
+__device__ __forceinline__ uint4 ld_hint(const void* p) {
+  uint4 v;
+  if (HINT == 0) v = __ldcs(reinterpret_cast<const uint4*>(p));
+  if (HINT == 1)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  if (HINT == 2)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+template <int PAT, int HINT = 0, int CONTIG = 0>
 __global__ void __launch_bounds__(256, 2) tile_read(const __nv_bfloat16* __restrict__ w, int n, int k, int ldw,
                                                       float* sink) {
   constexpr int RPI = 8 >> PAT;          // rows per instruction
@@ -77,17 +90,17 @@ __global__ void __launch_bounds__(256, 2) tile_read(const __nv_bfloat16* __restr
   constexpr int IPB = 32 / RPI;          // instructions to cover 32 rows of one k block
   constexpr int KB = 16 / IPB > 0 ? 16 / IPB : 1;  // k blocks per iteration (16 loads)
   constexpr int LOADS = 16;
-  for (int kb0 = warp; kb0 * EPR < k; kb0 += 8 * KB)
+  // CONTIG: a warp's KB k blocks abut (whole lines per warp) instead of interleaving with the other warps'.
+  for (int kb0 = CONTIG ? warp * KB : warp; kb0 * EPR < k; kb0 += 8 * KB)
 #pragma unroll
   for (int h = 0; h < IPB * KB / LOADS; ++h) {
     uint4 v[LOADS];
 #pragma unroll
     for (int ii = 0; ii < LOADS; ++ii) {
       const int i = h * LOADS + ii;
-      const int kb = kb0 + (i / IPB) * 8, q = i % IPB;
+      const int kb = kb0 + (i / IPB) * (CONTIG ? 1 : 8), q = i % IPB;
       const int row = row0 + q * RPI + r_in, col = kb * EPR + c_in;
-      v[ii] = (row < n && col < k) ? __ldcs(reinterpret_cast<const uint4*>(w + (long long)row * ldw + col))
-                                  : make_uint4(0, 0, 0, 0);
+      v[ii] = (row < n && col < k) ? ld_hint<HINT>(w + (long long)row * ldw + col) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) acc ^= v[i].x ^ v[i].w;
@@ -102,6 +115,10 @@ void tile_read_all(torch::Tensor w, torch::Tensor sink, int64_t pat) {
   if (pat == 1) tile_read<1><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
   if (pat == 2) tile_read<2><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
   if (pat == 3) tile_read<3><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 4) tile_read<0, 1><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 5) tile_read<0, 2><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 6) tile_read<0, 0, 1><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
+  if (pat == 7) tile_read<0, 2, 1><<<grid, 256, 0, s>>>(p, n, k, w.stride(0), sink.data_ptr<float>());
 }
 void read_all(torch::Tensor w, torch::Tensor sink) {
   int sms = 0; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, w.get_device());
@@ -228,7 +245,10 @@ def main() -> None:
             res = {"cublas": graph_time(lambda a=a, w=w: a @ w.t())}
             if m == 1 and read_ext is not None:
                 res["read"] = graph_time(lambda w=w: read_ext.read_all(w, sink))
-                for pat in range(4):  # the same bytes in the GEMV's tile shape, 8/4/2/1 rows per instruction
+                # The same bytes in the GEMV's tile shape: 8/4/2/1 rows per instruction; 8 rows with the
+                # L2::128B / L2::256B prefetch hints; 8 rows with each warp's k blocks abutting (6), and
+                # with the 256B hint too (7).
+                for pat in range(8):
                     res[f"tile{pat}"] = graph_time(lambda w=w, pat=pat: read_ext.tile_read_all(w, sink, pat))
             for v, ext in exts.items():
                 solo = Solo(m, n)
