@@ -1,11 +1,18 @@
 // GEMV + all-reduce (+ residual add + RMSNorm) for decode, as one persistent kernel per rank.
 //
 // out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 64), w [n, k] this rank's
-// row shard of the weight. Memory-bound: the weight is streamed once with 16-byte loads that skip L1, into
-// tensor-core MMAs (compute_tile), fp32 accumulation.
+// row shard of the weight. Memory-bound: the weight is streamed once into tensor-core MMAs, fp32
+// accumulation, by one of two loaders (Cfg below):
+//   m <= 16 (compute_tile): 16-byte loads straight into the MMA fragments, skipping L1, with the L2::256B
+//     prefetch size (measured 6% faster than without it on an H200);
+//   m > 16 (compute_tile_tma): bulk tensor copies (TMA) of the weight and A into a ring of shared-memory
+//     stages, two tiles per CTA: A is read from L2 by every CTA, so at m = 64 per-lane loads of it moved
+//     twice the weight's bytes (the kernel ran at half of cuBLAS's speed); the copy engine and a CTA twice
+//     as wide cut that to one weight's worth.
 //
-// A tile is kGemvTileN output columns for all m rows. Each CTA owns a fixed list of tiles (positions
-// blockIdx.x, +gridDim.x, ...) through three phases, so a tile is reduced by the CTA that computed it here:
+// A tile is kGemvTileN output columns for all m rows; a CTA computes kTpc adjacent tiles at once (a unit).
+// Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
+// tile is reduced by the CTA that computed it here:
 //   1. compute each tile's partial (+ bias, rounded to T like addmm's output) and store it straight into
 //      the destination ranks' symmetric slots (zero-copy, over NVLink), then release a flag per tile:
 //        one-shot: to every rank;   two-shot: only to the tile's owner (tiles are split in contiguous
@@ -45,28 +52,24 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCtasPerSm = 2;                      // 16 warps per SM keep enough weight loads in flight
-#ifndef FLUXCOMPILE_GEMV_L2_HINT
-#define FLUXCOMPILE_GEMV_L2_HINT 0  // lab: L2 prefetch size of the weight loads (0, 128, 256)
-#endif
-#ifndef FLUXCOMPILE_GEMV_KCONTIG
-#define FLUXCOMPILE_GEMV_KCONTIG 0  // lab: a warp's k blocks abut (1) or interleave with the other warps' (0)
-#endif
-#ifndef FLUXCOMPILE_GEMV_WIDE
-#define FLUXCOMPILE_GEMV_WIDE 0  // lab: 4 rows x 128 B per weight load instruction (compute_tile_wide)
-#endif
-#ifndef FLUXCOMPILE_GEMV_TMA
-#define FLUXCOMPILE_GEMV_TMA 0  // lab: weight and A staged by bulk tensor copies (compute_tile_tma)
-#endif
-#ifndef FLUXCOMPILE_GEMV_TMA_S1
-#define FLUXCOMPILE_GEMV_TMA_S1 4
-#endif
-#ifndef FLUXCOMPILE_GEMV_LAB_NOEPI
-#define FLUXCOMPILE_GEMV_LAB_NOEPI 0  // lab: the partial tile straight to out (no slots, flags or reduction)
-#endif
-#ifndef FLUXCOMPILE_GEMV_FMA
-#define FLUXCOMPILE_GEMV_FMA 0  // lab: m == 1 on CUDA cores, one row x 512 B per load instruction
-#endif
+constexpr int kTmaK = 256;                 // k per shared-memory stage of the bulk-copy loader
+constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
+
+// Per m16 count MT: the loader, tiles per CTA, CTAs per SM (register budget) and the stage ring.
+template <int MT>
+struct Cfg {
+  static constexpr bool kTma = MT >= 2;
+  static constexpr int kTpc = kTma ? 2 : 1;                // tiles per CTA: A's bytes from L2 halve
+  static constexpr int kCols = kGemvTileN * kTpc;          // a unit's output columns
+  static constexpr int kCtas = MT >= 3 ? 1 : 2;            // 16 warps per SM, or 8 with 96-128 accumulators
+  static constexpr int kStages = MT == 1 ? 0 : MT == 2 ? 2 : 3;
+  static constexpr int kWBytes = kCols * kTmaRowBytes;
+  static constexpr int kABytes = 16 * MT * kTmaRowBytes;
+  static constexpr int kStageBytes = kWBytes + kABytes;
+  static constexpr int kSmem = kStages * kStageBytes;      // dynamic shared memory (the TMA loader's)
+  static_assert(!kTma || kSmem >= kWarps * 16 * kCols * 4, "the warps' partial sums reuse the stages");
+};
+
 constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
 
 // Wait kinds reported in err[5].
@@ -102,17 +105,10 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   for (int j = 0; j < 8; ++j) e[j] = Num<T>::from_f(f[j]);
   return v;
 }
-
-// The weight is read once: keep it out of L1.
+// The weight is read once: keep it out of L1, and have L2 fetch 256 bytes per miss (measured faster).
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
-#if FLUXCOMPILE_GEMV_L2_HINT == 256
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-#elif FLUXCOMPILE_GEMV_L2_HINT == 128
-  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
-#else
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-#endif
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -176,16 +172,12 @@ __device__ __forceinline__ int first_tile(int owner, int n_tiles, int world) {
 }
 __device__ __forceinline__ int owner_of(int t, int n_tiles, int world) { return (t * world) / n_tiles; }
 
-// Communication-aware order: position -> tile, the tiles of owners rank+1, rank+2, ... first, own last.
-__device__ int tile_at(int pos, const GemvArParams& p) {
-  for (int step = 1; step <= p.world; ++step) {
-    int o = (p.rank + step) % p.world;
-    int lo = first_tile(o, p.n_tiles, p.world);
-    int cnt = first_tile(o + 1, p.n_tiles, p.world) - lo;
-    if (pos < cnt) return lo + pos;
-    pos -= cnt;
-  }
-  return -1;  // unreachable for pos < n_tiles
+// Communication-aware order: position -> unit (kTpc tiles). Owners' tile ranges are contiguous and in rank
+// order, so "the tiles of owners rank+1, rank+2, ..., rank" is the tile range rotated to start at rank+1's.
+template <int kTpc>
+__device__ __forceinline__ int unit_at(int pos, const GemvArParams& p) {
+  const int units = (p.n_tiles + kTpc - 1) / kTpc;
+  return (first_tile((p.rank + 1) % p.world, p.n_tiles, p.world) / kTpc + pos) % units;
 }
 
 template <typename T>
@@ -226,10 +218,37 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], unsigned a0, uns
 // as if they were the fragment's k = 2t, 2t+1, 2t+8, 2t+9. No shared-memory staging, no shuffles.
 // A warp covers the tile's 32 columns (4 n8 groups) over every kGemvWarps-th k block (split-K), so a
 // tile is 8 warps' worth of loads; the warps' partial sums are added in warp order through shared memory
-// (deterministic).
+// (deterministic).// The warps' accumulators (mt, group j: A rows mt*16 + g (+8), columns j*8 + 2t (+1)) summed in warp order
+// (deterministic) through red into tile_s[row][column of the unit].
+template <int MT, int NG>
+__device__ __forceinline__ void reduce_warps(const GemvArParams& p, const float (&c)[MT][NG][4],
+                                             float (*red)[16][NG * 8], float (*tile_s)[NG * 8]) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    if (mt * 16 >= p.m) break;  // uniform over the CTA
+#pragma unroll
+    for (int j = 0; j < NG; ++j) {
+      red[warp][g][j * 8 + 2 * t] = c[mt][j][0];
+      red[warp][g][j * 8 + 2 * t + 1] = c[mt][j][1];
+      red[warp][g + 8][j * 8 + 2 * t] = c[mt][j][2];
+      red[warp][g + 8][j * 8 + 2 * t + 1] = c[mt][j][3];
+    }
+    __syncthreads();
+    for (int e = tid; e < 16 * NG * 8; e += kThreads) {
+      const int i = e / (NG * 8), col = e % (NG * 8);
+      float v = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) v += red[ww][i][col];
+      tile_s[mt * 16 + i][col] = v;
+    }
+    __syncthreads();
+  }
+}
+
 template <typename T, int MT>
-__device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN],
-                             float (*red)[16][kGemvTileN]) {
+__device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
+  __shared__ float red[kWarps][16][kGemvTileN];
   // k blocks per iteration: loads in flight against registers (the accumulators grow with MT).
   constexpr int U = MT == 1 ? 4 : MT == 2 ? 2 : 1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -258,24 +277,19 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
       aoff[mt][h] = row < p.m ? row * p.lda : -1;
     }
   const uint4 zero = make_uint4(0, 0, 0, 0);
-#if FLUXCOMPILE_GEMV_KCONTIG
-  constexpr int kStepU = 32;  // a warp's U k blocks abut: whole 128-byte lines of each row per warp
-  for (int k0 = warp * 32 * U; k0 < p.k; k0 += kWarps * 32 * U) {
-#else
-  constexpr int kStepU = kWarps * 32;
+  // The warps' k blocks interleave (warp w: blocks w, w + 8, ...): measured faster than each warp's abutting.
   for (int k0 = warp * 32; k0 < p.k; k0 += kWarps * 32 * U) {
-#endif
     uint4 wv[U][4];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kStepU;  // k % 8 == 0: a lane's 8 elements are all in range or none
+      const int kk = k0 + u * kWarps * 32;  // k % 8 == 0: a lane's 8 elements are all in range or none
       const bool kok = kk + 8 * t < p.k;
 #pragma unroll
       for (int j = 0; j < 4; ++j) wv[u][j] = kok && woff[j] >= 0 ? ld_stream(w + woff[j] + kk) : zero;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kStepU;
+      const int kk = k0 + u * kWarps * 32;
       const bool kok = kk + 8 * t < p.k;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -289,155 +303,14 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
       }
     }
   }
-  // Accumulator (mt, j): rows mt*16 + g (+8), columns j*8 + 2t (+1). Sum over warps in warp order.
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (mt * 16 >= p.m) break;  // uniform over the CTA
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      red[warp][g][j * 8 + 2 * t] = c[mt][j][0];
-      red[warp][g][j * 8 + 2 * t + 1] = c[mt][j][1];
-      red[warp][g + 8][j * 8 + 2 * t] = c[mt][j][2];
-      red[warp][g + 8][j * 8 + 2 * t + 1] = c[mt][j][3];
-    }
-    __syncthreads();
-    for (int e = tid; e < 16 * kGemvTileN; e += kThreads) {
-      const int i = e / kGemvTileN, col = e % kGemvTileN;
-      float v = 0.f;
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) v += red[ww][i][col];
-      tile_s[mt * 16 + i][col] = v;
-    }
-    __syncthreads();
-  }
+  reduce_warps<MT, 4>(p, c, red, tile_s);
 }
 
-// Lab: the weight read as 4 rows x 128 contiguous bytes per load instruction (the fragments' 8 rows x 64 B
-// read measurably slower). A warp's k block is 64 wide. Of an n8 group (rows 0-7 of it), instruction 0 gives
-// lane (g, t) row g/2 at 16-byte chunk 4(g%2)+t, instruction 1 row 4+g/2 at chunk 4(1-g%2)+t. MMA pair "a"
-// multiplies A's chunk t with each lane's (g odd ? v1 : v0), pair "b" A's chunk 4+t with the other: every
-// lane of one t then holds one k chunk, as the k-permutation trick needs. Pair a's column c is row
-// (c even ? c/2 : 4+c/2) of the group and pair b's column c is pair a's column c^1, so pair b accumulates
-// into the same registers with each column pair swapped: accumulator (c0, c1) = rows (t, 4+t) of lane t.
-template <typename T>
-__device__ __forceinline__ void mma_swapped(float (&c)[4], const uint4& lo, const uint4& hi, unsigned b0,
-                                            unsigned b1, bool second) {
-  float s[4] = {c[1], c[0], c[3], c[2]};
-  if (second) mma16816<T>(s, lo.z, hi.z, lo.w, hi.w, b0, b1);
-  else mma16816<T>(s, lo.x, hi.x, lo.y, hi.y, b0, b1);
-  c[0] = s[1]; c[1] = s[0]; c[2] = s[3]; c[3] = s[2];
-}
-
-template <typename T, int MT>
-__device__ void compute_tile_wide(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN],
-                                  float (*red)[16][kGemvTileN]) {
-  constexpr int U = MT == 1 ? 2 : 1;  // 64-wide k blocks per iteration: 8 * U weight loads in flight
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const bool odd = g & 1;
-  const T* a = static_cast<const T*>(p.a);
-  const T* w = static_cast<const T*>(p.w);
-  float c[MT][4][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) c[mt][j][q] = 0.f;
-  // Element offsets of the lane's two weight rows per n8 group, with their k chunk's offset; -1: none.
-  const int ch0 = 8 * (4 * (g & 1) + t), ch1 = 8 * (4 * (1 - (g & 1)) + t);
-  int woff[4][2];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r0 = col0 + j * 8 + g / 2, r1 = r0 + 4;
-    woff[j][0] = r0 < p.n ? r0 * p.ldw + ch0 : -1;
-    woff[j][1] = r1 < p.n ? r1 * p.ldw + ch1 : -1;
-  }
-  int aoff[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = mt * 16 + g + 8 * h;
-      aoff[mt][h] = row < p.m ? row * p.lda + 8 * t : -1;
-    }
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int k0 = warp * 64; k0 < p.k; k0 += kWarps * 64 * U) {
-    uint4 wv[U][4][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kWarps * 64;
-      const bool ok0 = kk + ch0 < p.k, ok1 = kk + ch1 < p.k;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        wv[u][j][0] = ok0 && woff[j][0] >= 0 ? ld_stream(w + woff[j][0] + kk) : zero;
-        wv[u][j][1] = ok1 && woff[j][1] >= 0 ? ld_stream(w + woff[j][1] + kk) : zero;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kWarps * 64;
-#pragma unroll
-      for (int pr = 0; pr < 2; ++pr) {  // pair a: A chunk t; pair b: A chunk 4 + t
-        const bool kok = kk + 8 * t + 32 * pr < p.k;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint4 lo = kok && aoff[mt][0] >= 0 ? *reinterpret_cast<const uint4*>(a + aoff[mt][0] + kk + 32 * pr) : zero;
-          const uint4 hi = kok && aoff[mt][1] >= 0 ? *reinterpret_cast<const uint4*>(a + aoff[mt][1] + kk + 32 * pr) : zero;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint4 b = (odd != (pr == 1)) ? wv[u][j][1] : wv[u][j][0];
-            if (pr == 0) {
-              mma16816<T>(c[mt][j], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-              mma16816<T>(c[mt][j], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
-            } else {
-              mma_swapped<T>(c[mt][j], lo, hi, b.x, b.y, false);
-              mma_swapped<T>(c[mt][j], lo, hi, b.z, b.w, true);
-            }
-          }
-        }
-      }
-    }
-  }
-  // Accumulator (mt, j): A rows mt*16 + g (+8), tile columns j*8 + t and j*8 + 4 + t. Warp order sum.
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (mt * 16 >= p.m) break;  // uniform over the CTA
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      red[warp][g][j * 8 + t] = c[mt][j][0];
-      red[warp][g][j * 8 + 4 + t] = c[mt][j][1];
-      red[warp][g + 8][j * 8 + t] = c[mt][j][2];
-      red[warp][g + 8][j * 8 + 4 + t] = c[mt][j][3];
-    }
-    __syncthreads();
-    for (int e = tid; e < 16 * kGemvTileN; e += kThreads) {
-      const int i = e / kGemvTileN, col = e % kGemvTileN;
-      float v = 0.f;
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) v += red[ww][i][col];
-      tile_s[mt * 16 + i][col] = v;
-    }
-    __syncthreads();
-  }
-}
-
-// ---- Bulk tensor copies (TMA) into a ring of shared-memory stages ----
-// A stage holds 256 k of the tile's 32 weight rows (16 KB) and of A's rows. The bytes in flight sit in
-// shared memory, not in registers, so a CTA keeps 2-4 stages (48-96 KB) of the weight streaming while its
-// warps multiply the stage that landed. Warp w takes k = 32w .. 32w + 31 of a stage, with the register
-// layout of compute_tile (lane (g, t): 16 bytes at chunk t of row g).
-constexpr int kTmaK = 256;
-constexpr int kTmaRowBytes = kTmaK * 2;
-
-template <int MT>
-struct TmaCfg {
-  static constexpr int kStages = MT == 1 ? FLUXCOMPILE_GEMV_TMA_S1 : MT == 2 ? 3 : 2;
-  static constexpr int kWBytes = kGemvTileN * kTmaRowBytes;
-  static constexpr int kABytes = 16 * MT * kTmaRowBytes;
-  static constexpr int kStageBytes = kWBytes + kABytes;
-  static constexpr int kSmem = kStages * kStageBytes;
-  static_assert(kSmem >= kWarps * 16 * kGemvTileN * 4, "the warps' partial sums reuse the stages");
-};
+// ---- The bulk-copy loader (m > 16) ----
+// A stage holds 256 k of the unit's kCols weight rows and of A's rows, copied by the TMA engine and
+// completed on an mbarrier. Its bytes in flight sit in shared memory, not in registers. Warp w takes
+// k = 32w .. 32w + 31 of a stage for all the unit's columns, with compute_tile's register layout (lane
+// (g, t): the 16 bytes at chunk t of row g of each n8 group), so A's fragments serve kGroups MMAs.
 
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
   return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
@@ -448,6 +321,7 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned coun
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
+// Waits for a local copy (no peer is involved: it completes or the copy faults).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   unsigned ok = 0;
   while (!ok) {
@@ -464,19 +338,21 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, in
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
-// Generic-proxy accesses of shared memory before this are ordered before later bulk copies into it.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// The unit at col0 (kTpc tiles) into tile_s. `uses` counts the stages consumed so far by this CTA: stage
+// u % kStages, its barrier's phase (u / kStages) & 1.
 template <typename T, int MT>
-__device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN], char* smem,
+__device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT>::kCols], char* smem,
                                  unsigned long long* bars, unsigned& uses) {
-  using C = TmaCfg<MT>;
+  using C = Cfg<MT>;
+  constexpr int NG = C::kCols / 8;  // n8 MMA groups: a warp covers all the unit's columns
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int nst = (p.k + kTmaK - 1) / kTmaK;
   const unsigned q0 = uses;
   auto issue = [&](int it) {
     const unsigned s = (q0 + it) % C::kStages;
     char* st = smem + s * C::kStageBytes;
+    // Rows and k past the operands arrive as zeros, and count in the transaction bytes.
     mbar_expect_tx(&bars[s], C::kWBytes + p.a_box_rows * kTmaRowBytes);
     tma_load_2d(st, &p.tmap_w, it * kTmaK, col0, &bars[s]);
     tma_load_2d(st + C::kWBytes, &p.tmap_a, it * kTmaK, 0, &bars[s]);
@@ -484,11 +360,11 @@ __device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s
   if (tid == 0) {
     for (int it = 0; it < C::kStages && it < nst; ++it) issue(it);
   }
-  float c[MT][4][4];
+  float c[MT][NG][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < NG; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) c[mt][j][q] = 0.f;
   const int lane_off = warp * 64 + t * 16;
@@ -498,18 +374,21 @@ __device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s
     mbar_wait(&bars[s], (u / C::kStages) & 1u);
     const char* ws = smem + s * C::kStageBytes + lane_off;
     const char* as = ws + C::kWBytes;
-    uint4 wv[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const uint4*>(ws + (j * 8 + g) * kTmaRowBytes);
+    // A's fragments once per stage, then one weight vector per n8 group (fewer live registers).
+    uint4 lo[MT], hi[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int r = mt * 16 + g;
-      const uint4 lo = r < p.m ? *reinterpret_cast<const uint4*>(as + r * kTmaRowBytes) : zero;
-      const uint4 hi = r + 8 < p.m ? *reinterpret_cast<const uint4*>(as + (r + 8) * kTmaRowBytes) : zero;
+      lo[mt] = r < p.m ? *reinterpret_cast<const uint4*>(as + r * kTmaRowBytes) : zero;
+      hi[mt] = r + 8 < p.m ? *reinterpret_cast<const uint4*>(as + (r + 8) * kTmaRowBytes) : zero;
+    }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        mma16816<T>(c[mt][j], lo.x, hi.x, lo.y, hi.y, wv[j].x, wv[j].y);
-        mma16816<T>(c[mt][j], lo.z, hi.z, lo.w, hi.w, wv[j].z, wv[j].w);
+    for (int j = 0; j < NG; ++j) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(ws + (j * 8 + g) * kTmaRowBytes);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816<T>(c[mt][j], lo[mt].x, hi[mt].x, lo[mt].y, hi[mt].y, wv.x, wv.y);
+        mma16816<T>(c[mt][j], lo[mt].z, hi[mt].z, lo[mt].w, hi[mt].w, wv.z, wv.w);
       }
     }
     __syncthreads();  // every warp is done with stage s: refill it
@@ -517,75 +396,8 @@ __device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s
   }
   uses = q0 + nst;
   // The warps' partial sums reuse the stages (every copy has landed and been read).
-  float (*red)[16][kGemvTileN] = reinterpret_cast<float (*)[16][kGemvTileN]>(smem);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    if (mt * 16 >= p.m) break;  // uniform over the CTA
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      red[warp][g][j * 8 + 2 * t] = c[mt][j][0];
-      red[warp][g][j * 8 + 2 * t + 1] = c[mt][j][1];
-      red[warp][g + 8][j * 8 + 2 * t] = c[mt][j][2];
-      red[warp][g + 8][j * 8 + 2 * t + 1] = c[mt][j][3];
-    }
-    __syncthreads();
-    for (int e = tid; e < 16 * kGemvTileN; e += kThreads) {
-      const int i = e / kGemvTileN, col = e % kGemvTileN;
-      float v = 0.f;
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) v += red[ww][i][col];
-      tile_s[mt * 16 + i][col] = v;
-    }
-    __syncthreads();
-  }
-  fence_proxy_async();  // the next tile's copies overwrite what red wrote
-  __syncthreads();
-}
-
-// Lab: m == 1 on CUDA cores. Warp w owns the tile's rows 4w .. 4w + 3; its lanes read 512 contiguous bytes
-// of a row per instruction (16 loads in flight: 4 rows x 4 chunks), fp32 FMAs, a shuffle sum per row.
-template <typename T>
-__device__ void compute_tile_fma(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
-  constexpr int R = kGemvTileN / kWarps, KU = 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const T* a = static_cast<const T*>(p.a);
-  const T* w = static_cast<const T*>(p.w);
-  float acc[R];
-  int woff[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    acc[r] = 0.f;
-    const int col = col0 + warp * R + r;
-    woff[r] = col < p.n ? col * p.ldw : -1;
-  }
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int k0 = lane * 8; k0 < p.k; k0 += 256 * KU) {
-    uint4 wv[KU][R];
-#pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int kk = k0 + u * 256;
-#pragma unroll
-      for (int r = 0; r < R; ++r) wv[u][r] = kk < p.k && woff[r] >= 0 ? ld_stream(w + woff[r] + kk) : zero;
-    }
-#pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int kk = k0 + u * 256;
-      float af[8], wf[8];
-      unpack8<T>(kk < p.k ? *reinterpret_cast<const uint4*>(a + kk) : zero, af);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        unpack8<T>(wv[u][r], wf);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[r] = fmaf(af[q], wf[q], acc[r]);
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-    if (lane == 0) tile_s[0][warp * R + r] = acc[r];
-  }
+  reduce_warps<MT, NG>(p, c, reinterpret_cast<float (*)[16][NG * 8]>(smem), tile_s);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before the next unit's copies overwrite red
   __syncthreads();
 }
 
@@ -620,32 +432,29 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   for (int off = 1; off < kVecPerRow; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
-
 template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
+__global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
+  using C = Cfg<MT>;
   constexpr int MM = 16 * MT;
-#if FLUXCOMPILE_GEMV_TMA
-  extern __shared__ __align__(1024) char stages[];
-  __shared__ unsigned long long bars[TmaCfg<MT>::kStages];
-  unsigned uses = 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < TmaCfg<MT>::kStages; ++s) mbar_init(&bars[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-#else
-  __shared__ float red[kWarps][16][kGemvTileN];
-#endif
-  __shared__ float tile_s[MM][kGemvTileN];
+  constexpr int kTpc = C::kTpc;
+  extern __shared__ __align__(1024) char stages[];  // the TMA loader's ring (empty for the direct loader)
+  __shared__ unsigned long long bars[C::kTma ? C::kStages : 1];
+  __shared__ float tile_s[MM][C::kCols];
   __shared__ unsigned s_epoch;
   __shared__ int s_ok;
   __shared__ float s_inv[MM];
 
   const int tid = threadIdx.x;
   const bool tail = p.normed != nullptr;
-  // The epoch is first needed after the first tile's math: its load's latency hides behind the weight stream.
+  unsigned uses = 0;
+  if (C::kTma && tid == 0) {
+    for (int s = 0; s < C::kStages; ++s) mbar_init(&bars[s], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The epoch is first needed after the first unit's math: its load's latency hides behind the weight stream.
   unsigned prev_epoch = 0;
   if (tid == 0) prev_epoch = *reinterpret_cast<volatile unsigned*>(&p.state[0]);
-  __syncthreads();  // (and the copies' barriers are initialized)
+  __syncthreads();
   unsigned e = 0;
   int parity = 0, result_slot = 0;
   bool have_epoch = false;  // uniform over the CTA
@@ -662,72 +471,63 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __g
   // The thread's 16-byte vector of a tile: row v / kVecPerRow, columns (v % kVecPerRow) * 8 .. + 8.
   const int v = tid, vi = v / kVecPerRow, vc = (v % kVecPerRow) * 8;
   const bool has_vec = v < p.m * kVecPerRow;
+  const int n_units = (p.n_tiles + kTpc - 1) / kTpc;
+  // Every phase visits the CTA's tiles: unit positions blockIdx.x, + gridDim.x, ..., kTpc tiles each (the
+  // last unit may hold fewer). `for_tiles(f)` calls f(tile, index of the tile in its unit).
+  auto for_tiles = [&](auto&& f) {
+    for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
+      const int t0 = unit_at<kTpc>(pos, p) * kTpc;
+      for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) f(t0 + sub, sub);
+    }
+  };
 
   // Phase 1: partials, pushed to the ranks that reduce them.
-  for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
-    const int t = tile_at(pos, p);
-    const int col0 = t * kGemvTileN;
-#if FLUXCOMPILE_GEMV_FMA
-    if (MT == 1 && p.m == 1) compute_tile_fma<T>(p, col0, tile_s); else
-#endif
-#if FLUXCOMPILE_GEMV_TMA
-    compute_tile_tma<T, MT>(p, col0, tile_s, stages, bars, uses);
-#elif FLUXCOMPILE_GEMV_WIDE
-    compute_tile_wide<T, MT>(p, col0, tile_s, red);
-#else
-    compute_tile<T, MT>(p, col0, tile_s, red);
-#endif
-    take_epoch();
-#if FLUXCOMPILE_GEMV_LAB_NOEPI
-    if (has_vec && col0 + vc < p.n) {
-      float f[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) f[q] = tile_s[vi][vc + q];
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + static_cast<long long>(vi) * p.n + col0 + vc) = pack8<T>(f);
+  for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
+    const int t0 = unit_at<kTpc>(pos, p) * kTpc;
+    if constexpr (C::kTma) {
+      compute_tile_tma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
+    } else {
+      compute_tile<T, MT>(p, t0 * kGemvTileN, tile_s);
     }
-    __syncthreads();
-    continue;
-#endif
-    const int owner = owner_of(t, p.n_tiles, p.world);
-    if (has_vec && col0 + vc < p.n) {
-      float f[8];
+    take_epoch();
+    for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) {
+      const int t = t0 + sub, col0 = t * kGemvTileN;
+      const int owner = owner_of(t, p.n_tiles, p.world);
+      if (has_vec && col0 + vc < p.n) {
+        float f[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        f[q] = tile_s[vi][vc + q];
-        if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col0 + vc + q]);
+        for (int q = 0; q < 8; ++q) {
+          f[q] = tile_s[vi][sub * kGemvTileN + vc + q];
+          if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col0 + vc + q]);
+        }
+        const uint4 part = pack8<T>(f);
+        const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+        const int src_slot = parity * p.world + p.rank;
+        if (p.two_shot) {
+          st_cg(slot<T>(p, owner, src_slot) + off, part);
+        } else {
+          for (int step = 0; step < p.world; ++step) {  // peers first, own slot last
+            const int dst = (p.rank + 1 + step) % p.world;
+            st_cg(slot<T>(p, dst, src_slot) + off, part);
+          }
+        }
       }
-      const uint4 part = pack8<T>(f);
-      const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
-      const int src_slot = parity * p.world + p.rank;
-      if (p.two_shot) {
-        st_cg(slot<T>(p, owner, src_slot) + off, part);
-      } else {
-        for (int step = 0; step < p.world; ++step) {  // peers first, own slot last
-          const int dst = (p.rank + 1 + step) % p.world;
-          st_cg(slot<T>(p, dst, src_slot) + off, part);
+      __syncthreads();  // every store of the tile is issued before the flag's release (cumulative)
+      if (tid == 0) {
+        for (int step = 1; step < p.world; ++step) {
+          const int dst = (p.rank + step) % p.world;
+          if (!p.two_shot || dst == owner)
+            st_release_sys(p.peer_flags[dst] + p.rank * kGemvMaxTiles + t, e);
         }
       }
     }
-    __syncthreads();  // every store of the tile is issued before the flag's release (cumulative)
-    if (tid == 0) {
-      for (int step = 1; step < p.world; ++step) {
-        const int dst = (p.rank + step) % p.world;
-        if (!p.two_shot || dst == owner)
-          st_release_sys(p.peer_flags[dst] + p.rank * kGemvMaxTiles + t, e);
-      }
-    }
   }
-
-  take_epoch();  // (a CTA without tiles)
-#if FLUXCOMPILE_GEMV_LAB_NOEPI
-  return;
-#endif
+  take_epoch();  // (a CTA without units)
 
   // Phase 2: reduce the tiles this rank reduces.
-  for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
-    const int t = tile_at(pos, p);
+  for_tiles([&](int t, int) {
     const int col0 = t * kGemvTileN;
-    if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) continue;
+    if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
     if (tid == 0) {
       bool ok = true;
       for (int step = 1; step < p.world && ok; ++step) {
@@ -759,15 +559,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __g
       for (int step = 1; step < p.world; ++step)
         st_release_sys(p.peer_flags[(p.rank + step) % p.world] + p.world * kGemvMaxTiles + t, e);
     }
-  }
+  });
 
   // Phase 3 (two-shot): the tiles other ranks reduced.
   if (p.two_shot) {
-    for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
-      const int t = tile_at(pos, p);
+    for_tiles([&](int t, int) {
       const int col0 = t * kGemvTileN;
       const int owner = owner_of(t, p.n_tiles, p.world);
-      if (owner == p.rank) continue;
+      if (owner == p.rank) return;
       if (tid == 0) s_ok = wait_epoch<true>(my_flags + p.world * kGemvMaxTiles + t, e, p, owner, t, kWaitReduced);
       __syncthreads();
       float ss = 0.f;
@@ -777,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __g
       }
       if (tail) store_row_ss(p, ss, v, t);
       __syncthreads();
-    }
+    });
   }
 
   if (tail) {
@@ -808,8 +607,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __g
         if (lane == 0) s_inv[i] = rsqrtf(s / static_cast<float>(p.n) + p.eps);
       }
       __syncthreads();
-      for (int pos = blockIdx.x; pos < p.n_tiles; pos += gridDim.x) {
-        const int col0 = tile_at(pos, p) * kGemvTileN;
+      for_tiles([&](int t, int) {
+        const int col0 = t * kGemvTileN;
         if (has_vec && col0 + vc < p.n) {
           const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
           float h[8], wt[8], o[8];
@@ -822,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __g
           }
           *reinterpret_cast<uint4*>(static_cast<T*>(p.normed) + off) = pack8<T>(o);
         }
-      }
+      });
     }
   }
 
@@ -838,16 +637,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) gemv_ar_kernel(const __g
   }
 }
 
-// Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
-// CTA running), and no more than there are tiles.
 template <typename T>
 constexpr CUtensorMapDataType tma_dtype() {
-  return sizeof(T) == 2 && std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                          : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 }
 
 // A 2-D tensor map of a row-major [rows, cols] matrix (row stride ld elements of T) in boxes of
-// box_rows x box_cols; reads past the matrix land as zeros.
+// box_rows x box_cols; reads past the matrix land as zeros. Host-only work (no GPU call).
 template <typename T>
 cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, int ld, int box_rows, int box_cols) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
@@ -868,25 +664,33 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
+// CTA running), and no more than there are units.
 template <typename T, int MT>
 cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
+  using C = Cfg<MT>;
   GemvArParams p = p_in;
-  int device = 0, sms = 0, per_sm = 0, smem = 0;
+  int device = 0, sms = 0, per_sm = 0;
   cudaError_t rc = cudaGetDevice(&device);
   if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-#if FLUXCOMPILE_GEMV_TMA
-  smem = TmaCfg<MT>::kSmem;
-  p.a_box_rows = (p.m + 7) / 8 * 8;
-  if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, kGemvTileN, kTmaK);
-  if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, kTmaK);
+  if (C::kTma) {
+    p.a_box_rows = (p.m + 7) / 8 * 8;
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols, kTmaK);
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, kTmaK);
+    static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
+    if (rc == cudaSuccess && !(raised >> device & 1ull)) {
+      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+      if (rc == cudaSuccess) raised |= 1ull << device;
+    }
+  }
   if (rc == cudaSuccess)
-    rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-#endif
-  if (rc == cudaSuccess) rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT>, kThreads, smem);
+    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT>, kThreads, C::kSmem);
   if (rc != cudaSuccess) return rc;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
+  const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
+  grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
-  gemv_ar_kernel<T, MT><<<dim3(grid), dim3(kThreads), smem, stream>>>(p);
+  gemv_ar_kernel<T, MT><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

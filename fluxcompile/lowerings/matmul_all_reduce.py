@@ -54,6 +54,8 @@ def _symm_supports(two_shot: bool, x, As, Bs, bias, out_shape, reduce_op, group_
     if reduce_op != "sum":
         return f"reduce_op {reduce_op!r} (PyTorch's symm_mem all-reduces only sum)"
     name = "two_shot_all_reduce_out" if two_shot else "one_shot_all_reduce_out"
+    if two_shot and decode_ar._group(group_name).size() < 2:
+        return "PyTorch's two-shot all-reduce needs 2+ ranks (it raises 'Not implemented for world_size=1')"
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, name):
         return f"torch.ops.symm_mem.{name} is not available"
     dtype = _product_dtype(x, As, Bs)

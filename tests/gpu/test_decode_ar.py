@@ -19,7 +19,8 @@ from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
 K_LOCAL = 1024  # this rank's rows of the row-sharded weight
-MS = (1, 5, 16, 40, 77, 256)  # 40: three m16 MMA tiles of the CUDA kernel, the last partial
+MS = (1, 5, 16, 24, 40, 64, 77, 256)  # CUDA kernel: <= 16 direct loads; 24, 40, 64 its bulk-copy loader with
+# two, three (the last partial) and four m16 MMA tiles
 NS = (8192, 200, 77)  # 200: a ragged last tile; 77: not a multiple of 8 (the CUDA kernel declines it)
 # (bias, tail): tail None, "before" (nn.RMSNorm: weight before the cast) or "after" (HF Llama)
 VARIANTS = ((False, None), (True, None), (False, "before"), (True, "after"))
@@ -93,7 +94,7 @@ def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
         tiles = -(-m // v.block[0]) * -(-n // v.block[1])
         return v.min_m <= m <= v.max_m and (not v.two_shot or tiles >= world)
     if name.startswith("torch_symm_mem:"):
-        return (m * n * 2) % 16 == 0
+        return (m * n * 2) % 16 == 0 and (name != "torch_symm_mem:two_shot" or world > 1)
     if name.startswith("schedules:"):  # the schedule language's all-reduce after cuBLAS
         return name == "schedules:one_shot" or (m * n) % world == 0
     raise AssertionError(f"unknown choice {name}")
@@ -144,6 +145,8 @@ def test_triton_weight_kn_layout(name):
 GRAPH_CHOICES = [
     ("cuda:gemv-oneshot", 1, None),
     ("cuda:gemv-twoshot", 5, "before"),
+    ("cuda:gemv-oneshot", 64, None),  # the bulk-copy loader: its stage barriers' phases run on across replays
+    ("cuda:gemv-twoshot", 24, "after"),
     ("triton:oneshot-16x64x128", 16, None),
     ("triton:twoshot-64x64x64", 77, "after"),
     ("torch_symm_mem:one_shot", 16, "before"),
@@ -232,6 +235,8 @@ def test_graph_timed_tuning_times_replays():
 def test_missing_peer_is_a_bounded_error(monkeypatch, name):
     """Rank 0 calls once more than the others: its kernel gives up after the timeout and the error names the
     rank, the peer and the signal. A group of its own, since its epochs are out of step afterwards."""
+    if dist.get_world_size() < 2:
+        pytest.skip("needs a peer")
     monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", False)
     lonely = dist.new_group(list(range(dist.get_world_size())))
     choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
