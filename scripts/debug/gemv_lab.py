@@ -208,6 +208,7 @@ def main() -> None:
     p.add_argument("--shapes", default="8192x14336,8192x4096")
     p.add_argument("--ms", default="1,16,64")
     p.add_argument("--once", action="store_true", help="each method once, eagerly, untimed (to run under ncu)")
+    p.add_argument("--time-wrong", action="store_true", help="time variants whose output is wrong (diagnostics)")
     args = p.parse_args()
     global ONCE
     ONCE = args.once
@@ -263,7 +264,8 @@ def main() -> None:
                 bad = solo.err.tolist()
                 if not err < 1e-2 or bad[0]:
                     print(f"!! {v} n={n} k={k} m={m}: rel err {err:.2e}, err words {bad}", flush=True)
-                    continue
+                    if not args.time_wrong:
+                        continue
                 res[v] = graph_time(lambda e=ext, s=solo, a=a, w=w, o=out: run(e, s, a, w, o))
             gb = w.numel() * 2
             line = f"n={n:6d} k={k:6d} m={m:3d} " + " ".join(
