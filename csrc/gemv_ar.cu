@@ -50,42 +50,24 @@
 namespace fluxcompile {
 namespace {
 
-constexpr int kThreads = 256;                // the consumer (MMA) threads
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-#ifndef FLUXCOMPILE_GEMV_PRODUCER
-#define FLUXCOMPILE_GEMV_PRODUCER 0
-#endif
-#ifndef FLUXCOMPILE_GEMV_STAGE_K
-#define FLUXCOMPILE_GEMV_STAGE_K 256
-#endif
-#ifndef FLUXCOMPILE_GEMV_STAGE_BYTES
-#define FLUXCOMPILE_GEMV_STAGE_BYTES 98304  // a CTA's ring (2 CTAs per SM), twice this at 1 CTA per SM
-#endif
+constexpr int kTmaK = 256;                 // k per shared-memory stage of the bulk-copy loader
+constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
 
-// Per m16 count MT: the loader, tiles per CTA, the stage ring, and how the warps split a stage: warp w takes
-// k slice w % kSlices (32 wide) of the stage for the columns of group w / kSlices.
+// Per m16 count MT: the loader, tiles per CTA, CTAs per SM (register budget) and the stage ring.
 template <int MT>
 struct Cfg {
   static constexpr bool kTma = MT >= 2;
   static constexpr int kTpc = kTma ? 2 : 1;                // tiles per CTA: A's bytes from L2 halve
   static constexpr int kCols = kGemvTileN * kTpc;          // a unit's output columns
-  static constexpr int kStageK = FLUXCOMPILE_GEMV_STAGE_K; // k per shared-memory stage
-  static constexpr int kRowBytes = kStageK * 2;            // a stage row (T is 2 bytes)
-  static constexpr int kSlices = kTma ? kStageK / 32 : kWarps;
-  static constexpr int kWarpCols = kCols / (kWarps / kSlices);
-  static constexpr int kAcc = MT * kWarpCols / 2;          // accumulator floats per thread
-  static constexpr int kCtas = kAcc > 64 ? 1 : 2;          // 16 warps per SM unless the accumulators need 8
-  static constexpr int kStages = kTma ? FLUXCOMPILE_GEMV_STAGE_BYTES * (3 - kCtas) / ((kCols + 16 * MT) * kRowBytes) : 0;
-  static constexpr int kWBytes = kCols * kRowBytes;
-  static constexpr int kABytes = 16 * MT * kRowBytes;
+  static constexpr int kCtas = MT >= 3 ? 1 : 2;            // 16 warps per SM, or 8 with 96-128 accumulators
+  static constexpr int kStages = MT == 1 ? 0 : MT == 2 ? 2 : 3;
+  static constexpr int kWBytes = kCols * kTmaRowBytes;
+  static constexpr int kABytes = 16 * MT * kTmaRowBytes;
   static constexpr int kStageBytes = kWBytes + kABytes;
   static constexpr int kSmem = kStages * kStageBytes;      // dynamic shared memory (the TMA loader's)
-  // The TMA loader's copies come from a warp of their own (a producer), which waits per stage for the 8
-  // consumer warps' release instead of a CTA barrier after every stage.
-  static constexpr bool kProducer = kTma && FLUXCOMPILE_GEMV_PRODUCER;
-  static constexpr int kCtaThreads = kThreads + (kProducer ? 32 : 0);
-  static_assert(!kTma || kSmem >= kSlices * 16 * kCols * 4, "the warps' partial sums reuse the stages");
-  static_assert(!kTma || kStages >= 2, "a ring of at least two stages");
+  static_assert(!kTma || kSmem >= kWarps * 16 * kCols * 4, "the warps' partial sums reuse the stages");
 };
 
 constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
@@ -236,31 +218,28 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], unsigned a0, uns
 // as if they were the fragment's k = 2t, 2t+1, 2t+8, 2t+9. No shared-memory staging, no shuffles.
 // A warp covers the tile's 32 columns (4 n8 groups) over every kGemvWarps-th k block (split-K), so a
 // tile is 8 warps' worth of loads; the warps' partial sums are added in warp order through shared memory
-// (deterministic).// The warps' accumulators summed over the k slices in slice order (deterministic) through red into
-// tile_s[row][column of the unit]. A warp's accumulator (mt, group j): A rows mt*16 + g (+8), columns
-// col_off + j*8 + 2t (+1).
-template <int MT, int NG, int KS, int COLS>
-__device__ __forceinline__ void reduce_warps(const GemvArParams& p, const float (&c)[MT][NG][4], int ks, int col_off,
-                                             float (*red)[16][COLS], float (*tile_s)[COLS]) {
-  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+// (deterministic).// The warps' accumulators (mt, group j: A rows mt*16 + g (+8), columns j*8 + 2t (+1)) summed in warp order
+// (deterministic) through red into tile_s[row][column of the unit].
+template <int MT, int NG>
+__device__ __forceinline__ void reduce_warps(const GemvArParams& p, const float (&c)[MT][NG][4],
+                                             float (*red)[16][NG * 8], float (*tile_s)[NG * 8]) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     if (mt * 16 >= p.m) break;  // uniform over the CTA
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
-      if (tid >= kThreads) break;  // the producer warp holds no accumulators
-      const int col = col_off + j * 8 + 2 * t;
-      red[ks][g][col] = c[mt][j][0];
-      red[ks][g][col + 1] = c[mt][j][1];
-      red[ks][g + 8][col] = c[mt][j][2];
-      red[ks][g + 8][col + 1] = c[mt][j][3];
+      red[warp][g][j * 8 + 2 * t] = c[mt][j][0];
+      red[warp][g][j * 8 + 2 * t + 1] = c[mt][j][1];
+      red[warp][g + 8][j * 8 + 2 * t] = c[mt][j][2];
+      red[warp][g + 8][j * 8 + 2 * t + 1] = c[mt][j][3];
     }
     __syncthreads();
-    for (int e = tid; e < 16 * COLS; e += blockDim.x) {
-      const int i = e / COLS, col = e % COLS;
+    for (int e = tid; e < 16 * NG * 8; e += kThreads) {
+      const int i = e / (NG * 8), col = e % (NG * 8);
       float v = 0.f;
 #pragma unroll
-      for (int k = 0; k < KS; ++k) v += red[k][i][col];
+      for (int ww = 0; ww < kWarps; ++ww) v += red[ww][i][col];
       tile_s[mt * 16 + i][col] = v;
     }
     __syncthreads();
@@ -324,7 +303,7 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
       }
     }
   }
-  reduce_warps<MT, 4, kWarps, kGemvTileN>(p, c, warp, 0, red, tile_s);
+  reduce_warps<MT, 4>(p, c, red, tile_s);
 }
 
 // ---- The bulk-copy loader (m > 16) ----
@@ -343,9 +322,6 @@ __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // Waits for a local copy (no peer is involved: it completes or the copy faults).
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   unsigned ok = 0;
   while (!ok) {
@@ -369,32 +345,19 @@ template <typename T, int MT>
 __device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT>::kCols], char* smem,
                                  unsigned long long* bars, unsigned& uses) {
   using C = Cfg<MT>;
-  constexpr int NG = C::kWarpCols / 8;  // a warp's n8 MMA groups
-  constexpr int RB = C::kRowBytes;
+  constexpr int NG = C::kCols / 8;  // n8 MMA groups: a warp covers all the unit's columns
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int ks = warp % C::kSlices, cg = warp / C::kSlices;
-  const int nst = (p.k + C::kStageK - 1) / C::kStageK;
+  const int nst = (p.k + kTmaK - 1) / kTmaK;
   const unsigned q0 = uses;
   auto issue = [&](int it) {
     const unsigned s = (q0 + it) % C::kStages;
     char* st = smem + s * C::kStageBytes;
     // Rows and k past the operands arrive as zeros, and count in the transaction bytes.
-    mbar_expect_tx(&bars[s], C::kWBytes + p.a_box_rows * RB);
-    tma_load_2d(st, &p.tmap_w, it * C::kStageK, col0, &bars[s]);
-    tma_load_2d(st + C::kWBytes, &p.tmap_a, it * C::kStageK, 0, &bars[s]);
+    mbar_expect_tx(&bars[s], C::kWBytes + p.a_box_rows * kTmaRowBytes);
+    tma_load_2d(st, &p.tmap_w, it * kTmaK, col0, &bars[s]);
+    tma_load_2d(st + C::kWBytes, &p.tmap_a, it * kTmaK, 0, &bars[s]);
   };
-  if constexpr (C::kProducer) {
-    if (warp == kWarps) {  // the producer: refill a stage once the consumers released its last use
-      if (lane == 0) {
-        for (int it = 0; it < nst; ++it) {
-          const unsigned u = q0 + it;
-          if (u >= C::kStages) mbar_wait(&bars[C::kStages + u % C::kStages], (u / C::kStages - 1) & 1u);
-          issue(it);
-        }
-      }
-      __syncwarp();
-    }
-  } else if (tid == 0) {
+  if (tid == 0) {
     for (int it = 0; it < C::kStages && it < nst; ++it) issue(it);
   }
   float c[MT][NG][4];
@@ -404,50 +367,36 @@ __device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s
     for (int j = 0; j < NG; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) c[mt][j][q] = 0.f;
-  const int lane_off = ks * 64 + t * 16;
+  const int lane_off = warp * 64 + t * 16;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int it = 0; it < nst && warp < kWarps; ++it) {
+  for (int it = 0; it < nst; ++it) {
     const unsigned u = q0 + it, s = u % C::kStages;
     mbar_wait(&bars[s], (u / C::kStages) & 1u);
-    const char* ws = smem + s * C::kStageBytes + cg * C::kWarpCols * RB + lane_off;
-    const char* as = smem + s * C::kStageBytes + C::kWBytes + lane_off;
+    const char* ws = smem + s * C::kStageBytes + lane_off;
+    const char* as = ws + C::kWBytes;
     // A's fragments once per stage, then one weight vector per n8 group (fewer live registers).
     uint4 lo[MT], hi[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const int r = mt * 16 + g;
-#if FLUXCOMPILE_GEMV_LAB_SKIP == 2  // lab diagnostic (wrong results): A's fragments not read per stage
-      lo[mt] = make_uint4(r, it, ks, 1); hi[mt] = make_uint4(r + 8, it, ks, 2);
-#else
-      lo[mt] = r < p.m ? *reinterpret_cast<const uint4*>(as + r * RB) : zero;
-      hi[mt] = r + 8 < p.m ? *reinterpret_cast<const uint4*>(as + (r + 8) * RB) : zero;
-#endif
+      lo[mt] = r < p.m ? *reinterpret_cast<const uint4*>(as + r * kTmaRowBytes) : zero;
+      hi[mt] = r + 8 < p.m ? *reinterpret_cast<const uint4*>(as + (r + 8) * kTmaRowBytes) : zero;
     }
 #pragma unroll
     for (int j = 0; j < NG; ++j) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(ws + (j * 8 + g) * RB);
+      const uint4 wv = *reinterpret_cast<const uint4*>(ws + (j * 8 + g) * kTmaRowBytes);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-#if FLUXCOMPILE_GEMV_LAB_SKIP == 1  // lab diagnostic (wrong results): no MMAs, the loads kept alive
-        c[mt][j][0] += __uint_as_float(wv.x ^ wv.z ^ lo[mt].x ^ hi[mt].w);
-#else
         mma16816<T>(c[mt][j], lo[mt].x, hi[mt].x, lo[mt].y, hi[mt].y, wv.x, wv.y);
         mma16816<T>(c[mt][j], lo[mt].z, hi[mt].z, lo[mt].w, hi[mt].w, wv.z, wv.w);
-#endif
       }
     }
-    if constexpr (C::kProducer) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&bars[C::kStages + s]);  // this warp is done with stage s
-    } else {
-      __syncthreads();  // every warp is done with stage s: refill it
-      if (tid == 0 && it + C::kStages < nst) issue(it + C::kStages);
-    }
+    __syncthreads();  // every warp is done with stage s: refill it
+    if (tid == 0 && it + C::kStages < nst) issue(it + C::kStages);
   }
   uses = q0 + nst;
   // The warps' partial sums reuse the stages (every copy has landed and been read).
-  reduce_warps<MT, NG, C::kSlices, C::kCols>(p, c, ks, cg * C::kWarpCols,
-                                            reinterpret_cast<float (*)[16][C::kCols]>(smem), tile_s);
+  reduce_warps<MT, NG>(p, c, reinterpret_cast<float (*)[16][NG * 8]>(smem), tile_s);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before the next unit's copies overwrite red
   __syncthreads();
 }
@@ -484,12 +433,12 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
 template <typename T, int MT>
-__global__ void __launch_bounds__(Cfg<MT>::kCtaThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
+__global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
   using C = Cfg<MT>;
   constexpr int MM = 16 * MT;
   constexpr int kTpc = C::kTpc;
   extern __shared__ __align__(1024) char stages[];  // the TMA loader's ring (empty for the direct loader)
-  __shared__ unsigned long long bars[C::kTma ? 2 * C::kStages : 1];  // full [0, S), empty [S, 2S) (producer)
+  __shared__ unsigned long long bars[C::kTma ? C::kStages : 1];
   __shared__ float tile_s[MM][C::kCols];
   __shared__ unsigned s_epoch;
   __shared__ int s_ok;
@@ -500,7 +449,6 @@ __global__ void __launch_bounds__(Cfg<MT>::kCtaThreads, Cfg<MT>::kCtas) gemv_ar_
   unsigned uses = 0;
   if (C::kTma && tid == 0) {
     for (int s = 0; s < C::kStages; ++s) mbar_init(&bars[s], 1);
-    for (int s = 0; s < C::kStages; ++s) mbar_init(&bars[C::kStages + s], kWarps);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // The epoch is first needed after the first unit's math: its load's latency hides behind the weight stream.
@@ -651,7 +599,7 @@ __global__ void __launch_bounds__(Cfg<MT>::kCtaThreads, Cfg<MT>::kCtas) gemv_ar_
     if (s_ok) {
       // 1 / rms per row from the per-tile sums (the same order on every CTA).
       const int lane = tid & 31, warp = tid >> 5;
-      for (int i = warp; i < p.m; i += blockDim.x / 32) {
+      for (int i = warp; i < p.m; i += kWarps) {
         float s = 0.f;
         for (int tt = lane; tt < p.n_tiles; tt += 32) s += __ldcg(p.ss_part + i * p.n_tiles + tt);
 #pragma unroll
@@ -727,8 +675,8 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
   if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (C::kTma) {
     p.a_box_rows = (p.m + 7) / 8 * 8;
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols, C::kStageK);
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, C::kStageK);
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols, kTmaK);
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, kTmaK);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
       rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
@@ -736,13 +684,13 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
     }
   }
   if (rc == cudaSuccess)
-    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT>, C::kCtaThreads, C::kSmem);
+    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT>, kThreads, C::kSmem);
   if (rc != cudaSuccess) return rc;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
   grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
-  gemv_ar_kernel<T, MT><<<dim3(grid), dim3(C::kCtaThreads), C::kSmem, stream>>>(p);
+  gemv_ar_kernel<T, MT><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
