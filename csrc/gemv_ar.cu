@@ -3,6 +3,7 @@
 // out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 64), w [n, k] this rank's
 // row shard of the weight. Memory-bound: the weight is streamed once into tensor-core MMAs, fp32
 // accumulation, by one of two loaders (Cfg below):
+//   m == 1 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
 //   m <= 16 (compute_tile): 16-byte loads straight into the MMA fragments, skipping L1, with the L2::256B
 //     prefetch size (measured 6% faster than without it on an H200);
 //   m > 16 (compute_tile_tma): bulk tensor copies (TMA) of the weight and A into a ring of shared-memory
@@ -25,12 +26,12 @@
 //   tail: a grid barrier, then RMSNorm of the CTA's tiles from the per-tile sums of squares of h.
 //
 // Flags carry epochs: state[0] counts this kernel's calls on this rank (every rank makes the same calls,
-// so the counts agree); a call uses e = state[0] + 1 and its last CTA stores e back. A wait succeeds when
-// flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never passes and nothing is reset
-// between calls or CUDA graph replays. Data slots alternate by the epoch's parity: a rank can start call
-// e + 1 while a peer still reads call e's slots, but it cannot start call e + 2 before having received
-// something the peer produced in call e + 1 (one-shot: every tile; two-shot: every rank owns >= 1 tile),
-// i.e. after the peer finished reading call e.
+// so the counts agree); a call uses e = state[0] + 1, and the last of its CTAs to read state[0] stores e
+// back. A wait succeeds when flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never
+// passes and nothing is reset between calls or CUDA graph replays. Data slots alternate by the epoch's
+// parity: a rank can start call e + 1 while a peer still reads call e's slots, but it cannot start call
+// e + 2 before having received something the peer produced in call e + 1 (one-shot: every tile; two-shot:
+// every rank owns >= 1 tile), i.e. after the peer finished reading call e.
 //
 // Every wait is bounded (timeout_ns on %globaltimer): the first timeout records (rank, peer, tile, epoch,
 // kind) in err, and every later wait of the call gives up at once, so a missing peer costs one timeout.
@@ -105,12 +106,20 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   for (int j = 0; j < 8; ++j) e[j] = Num<T>::from_f(f[j]);
   return v;
 }
-// The weight is read once: keep it out of L1, and have L2 fetch 256 bytes per miss (measured faster).
+// The weight is read once: keep it out of L1. kPrefetch: L2 fetches 256 bytes per miss (measured faster
+// for the fragment loads' 64-byte pieces of 8 rows, slower for whole 512-byte row pieces).
+template <bool kPrefetch>
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if (kPrefetch) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  }
   return v;
 }
 
@@ -285,7 +294,7 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
       const int kk = k0 + u * kWarps * 32;  // k % 8 == 0: a lane's 8 elements are all in range or none
       const bool kok = kk + 8 * t < p.k;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wv[u][j] = kok && woff[j] >= 0 ? ld_stream(w + woff[j] + kk) : zero;
+      for (int j = 0; j < 4; ++j) wv[u][j] = kok && woff[j] >= 0 ? ld_stream<true>(w + woff[j] + kk) : zero;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -304,6 +313,55 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
     }
   }
   reduce_warps<MT, 4>(p, c, red, tile_s);
+}
+
+// m == 1 on CUDA cores (an MMA would waste 15 of its 16 rows, and its fragments read 64-byte pieces of 8
+// rows per load instruction, measured slower than whole 512-byte pieces of one row). Warp w owns the tile's
+// rows 4w .. 4w + 3; its lanes read 512 contiguous bytes of a row per instruction (16 loads in flight:
+// 4 rows x 4 chunks), fp32 FMAs, a shuffle sum per row.
+template <typename T>
+__device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
+  constexpr int R = kGemvTileN / kWarps, KU = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T* a = static_cast<const T*>(p.a);
+  const T* w = static_cast<const T*>(p.w);
+  float acc[R];
+  int woff[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    acc[r] = 0.f;
+    const int col = col0 + warp * R + r;
+    woff[r] = col < p.n ? col * p.ldw : -1;
+  }
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int k0 = lane * 8; k0 < p.k; k0 += 256 * KU) {
+    uint4 wv[KU][R];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int kk = k0 + u * 256;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[u][r] = kk < p.k && woff[r] >= 0 ? ld_stream<false>(w + woff[r] + kk) : zero;
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int kk = k0 + u * 256;
+      float af[8], wf[8];
+      unpack8<T>(kk < p.k ? *reinterpret_cast<const uint4*>(a + kk) : zero, af);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        unpack8<T>(wv[u][r], wf);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[r] = fmaf(af[q], wf[q], acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    if (lane == 0) tile_s[0][warp * R + r] = acc[r];
+  }
+  __syncthreads();
 }
 
 // ---- The bulk-copy loader (m > 16) ----
@@ -466,6 +524,15 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     parity = static_cast<int>(e & 1u);
     result_slot = 2 * p.world + parity;
     have_epoch = true;
+    // Every CTA has read the old epoch once all have counted in here: the last one publishes the new epoch
+    // for the next call (stream order makes it visible) now, not behind the kernel's last writes.
+    if (tid == 0) {
+      unsigned* done = reinterpret_cast<unsigned*>(&p.state[1]);
+      if (atomicAdd(done, 1u) == gridDim.x - 1) {
+        *done = 0;
+        p.state[0] = static_cast<int>(e);
+      }
+    }
   };
   unsigned* const my_flags = p.peer_flags[p.rank];
   // The thread's 16-byte vector of a tile: row v / kVecPerRow, columns (v % kVecPerRow) * 8 .. + 8.
@@ -486,6 +553,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
       compute_tile_tma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
+    } else if (p.m == 1) {
+      compute_tile_row<T>(p, t0 * kGemvTileN, tile_s);
     } else {
       compute_tile<T, MT>(p, t0 * kGemvTileN, tile_s);
     }
@@ -625,16 +694,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     }
   }
 
-  // The last CTA to finish publishes this call's epoch for the next call (stream order makes it visible).
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    unsigned* done = reinterpret_cast<unsigned*>(&p.state[1]);
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {
-      *done = 0;
-      p.state[0] = static_cast<int>(e);
-    }
-  }
 }
 
 template <typename T>

@@ -127,6 +127,8 @@ def test_choice_matches_reference(op, name):
                     _check(op, got, _reference(op, args), f"{name} m={m} n={n} bias={bias} tail={tail} call {rep}")
                     A.normal_()
                 ran += 1
+    if not ran and not any(_expected(name, m, n) for m in MS for n in NS):
+        pytest.skip(f"{name} takes no shape at world size {dist.get_world_size()} (its declines were checked)")
     assert ran > 0
 
 
