@@ -44,6 +44,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
     from fluxcompile.lowerings import decode_ar
 
     decode_ar.ENABLED = True  # the experimental kernels are what this benchmark is for
+    decode_ar.CUDA_PEERS = True
     rows = []
     for model, proj, n, k in SHAPES:
         for m in MS:

@@ -62,3 +62,22 @@ def test_decode_sized_calls_are_tuned_as_graph_replays():
             assert predicate(tuple(args)) is graphs, (op, rows)
         args[shape_at] = [2, 8, 32]  # N-D: the rows are every dim but the last
         assert predicate(tuple(args))
+
+
+def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
+    """The rewritten csrc kernel has run on one GPU only: at world size 2 it declines unless enabled."""
+
+    class Pair:
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(decode_ar, "_common_supports", lambda *a, **k: None)
+    monkeypatch.setattr(decode_ar, "_group", lambda name: Pair())
+    a = torch.randn(4, 64, dtype=torch.bfloat16)
+    b = torch.randn(32, 64, dtype=torch.bfloat16).t()  # nn.Linear's weight, transposed
+    args = ([a], [b], None, [4, 32], "sum", "0")
+    monkeypatch.setattr(decode_ar, "CUDA_PEERS", False)
+    for two_shot in (False, True):
+        assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(two_shot, *args) or "")
+    monkeypatch.setattr(decode_ar, "CUDA_PEERS", True)
+    assert "GEMV_PEERS" not in (decode_ar.cuda_supports(False, *args) or "")

@@ -34,6 +34,9 @@ from torch import Tensor
 from ..symm_mem import FlagArray, Workspace, init_flags, workspace
 
 ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_DECODE", "1") == "1"  # GPU tests passed on 2x H200
+# csrc/gemv_ar.cu was rewritten (its loaders, units of two tiles, the epoch's publication) and has passed
+# its GPU tests on one GPU only: between GPUs it stays off until they pass there too.
+CUDA_PEERS = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS", "0") == "1"
 CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
 # A peer that has not signalled after this long is an error (generous: a peer may be compiling).
 TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_DECODE_TIMEOUT_S", "60"))
@@ -224,8 +227,14 @@ def cuda_supports(two_shot: bool, As, Bs, bias, out_shape, reduce_op, group_name
         return "k, n and row strides must be multiples of 8 elements (16-byte vectors)"
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
+    world = _group(group_name).size()
+    if world > 1 and not CUDA_PEERS:
+        return (
+            "csrc/gemv_ar.cu has not yet run between GPUs since its rewrite "
+            "(FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 enables it)"
+        )
     tiles = -(-n // CUDA_TILE_N)
-    if tiles > MAX_TILES or (two_shot and tiles < _group(group_name).size()):
+    if tiles > MAX_TILES or (two_shot and tiles < world):
         return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
     from .. import csrc_build
 

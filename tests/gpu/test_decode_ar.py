@@ -30,6 +30,7 @@ VARIANTS = ((False, None), (True, None), (False, "before"), (True, "after"))
 @pytest.fixture(autouse=True)
 def experimental(monkeypatch):
     monkeypatch.setattr(decode_ar, "ENABLED", True)
+    monkeypatch.setattr(decode_ar, "CUDA_PEERS", True)  # what these tests are to validate between GPUs
     monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", True)  # a timed-out wait fails the call at once
     from fluxcompile.lowerings import matmul_all_reduce
 
