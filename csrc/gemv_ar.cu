@@ -1,11 +1,11 @@
 // GEMV + all-reduce (+ residual add + RMSNorm) for decode, as one persistent kernel per rank.
 //
 // out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 64), w [n, k] this rank's
-// row shard of the weight. Memory-bound: the weight is streamed once into tensor-core MMAs, fp32
-// accumulation, by one of two loaders (Cfg below):
+// row shard of the weight. Memory-bound: the weight is streamed once, with fp32 accumulation, by one of
+// three loaders (Cfg below):
 //   m == 1 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
-//   m <= 16 (compute_tile): 16-byte loads straight into the MMA fragments, skipping L1, with the L2::256B
-//     prefetch size (measured 6% faster than without it on an H200);
+//   2 <= m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
+//     with the L2::256B prefetch size (measured 6% faster than without it on an H200);
 //   m > 16 (compute_tile_tma): bulk tensor copies (TMA) of the weight and A into a ring of shared-memory
 //     stages, two tiles per CTA: A is read from L2 by every CTA, so at m = 64 per-lane loads of it moved
 //     twice the weight's bytes (the kernel ran at half of cuBLAS's speed); the copy engine and a CTA twice
@@ -217,17 +217,7 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], unsigned a0, uns
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Phase-1 work: the fp32 partial tile (without bias) into tile_s[i][c], on tensor cores.
-//
-// The weight is streamed at memory speed only if many 16-byte loads are in flight, and m up to 64 needs
-// tensor cores (CUDA-core FMAs cap far below the bandwidth at m = 16). Both come from one layout trick: a
-// sum over k may visit k in any order as long as A and B agree, so lane (g = lane / 4, t = lane % 4) of a
-// warp loads 16 contiguous bytes, k = 8t .. 8t + 7 of a 32-wide k block, of weight row g of an n8 group and
-// of A rows g and g + 8 of an m16 tile, and feeds elements 0-3 to one m16n8k16 MMA and 4-7 to a second,
-// as if they were the fragment's k = 2t, 2t+1, 2t+8, 2t+9. No shared-memory staging, no shuffles.
-// A warp covers the tile's 32 columns (4 n8 groups) over every kGemvWarps-th k block (split-K), so a
-// tile is 8 warps' worth of loads; the warps' partial sums are added in warp order through shared memory
-// (deterministic).// The warps' accumulators (mt, group j: A rows mt*16 + g (+8), columns j*8 + 2t (+1)) summed in warp order
+// The warps' accumulators (mt, group j: A rows mt*16 + g (+8), columns j*8 + 2t (+1)) summed in warp order
 // (deterministic) through red into tile_s[row][column of the unit].
 template <int MT, int NG>
 __device__ __forceinline__ void reduce_warps(const GemvArParams& p, const float (&c)[MT][NG][4],
@@ -255,6 +245,17 @@ __device__ __forceinline__ void reduce_warps(const GemvArParams& p, const float 
   }
 }
 
+// Phase-1 work: the fp32 partial tile (without bias) into tile_s[i][c], on tensor cores.
+//
+// The weight is streamed at memory speed only if many 16-byte loads are in flight, and m up to 64 needs
+// tensor cores (CUDA-core FMAs cap far below the bandwidth at m = 16). Both come from one layout trick: a
+// sum over k may visit k in any order as long as A and B agree, so lane (g = lane / 4, t = lane % 4) of a
+// warp loads 16 contiguous bytes, k = 8t .. 8t + 7 of a 32-wide k block, of weight row g of an n8 group and
+// of A rows g and g + 8 of an m16 tile, and feeds elements 0-3 to one m16n8k16 MMA and 4-7 to a second,
+// as if they were the fragment's k = 2t, 2t+1, 2t+8, 2t+9. No shared-memory staging, no shuffles.
+// A warp covers the tile's 32 columns (4 n8 groups) over every kGemvWarps-th k block (split-K), so a
+// tile is 8 warps' worth of loads; the warps' partial sums are added in warp order through shared memory
+// (deterministic).
 template <typename T, int MT>
 __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
   __shared__ float red[kWarps][16][kGemvTileN];
@@ -368,7 +369,7 @@ __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s
 // A stage holds 256 k of the unit's kCols weight rows and of A's rows, copied by the TMA engine and
 // completed on an mbarrier. Its bytes in flight sit in shared memory, not in registers. Warp w takes
 // k = 32w .. 32w + 31 of a stage for all the unit's columns, with compute_tile's register layout (lane
-// (g, t): the 16 bytes at chunk t of row g of each n8 group), so A's fragments serve kGroups MMAs.
+// (g, t): the 16 bytes at chunk t of row g of each n8 group), so A's fragments serve all its n8 groups.
 
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
   return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
@@ -490,7 +491,9 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   for (int off = 1; off < kVecPerRow; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
-template <typename T, int MT>
+
+// kRow (MT == 1 only): m == 1 on CUDA cores, an instantiation of its own so each loader gets its registers.
+template <typename T, int MT, bool kRow>
 __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
   using C = Cfg<MT>;
   constexpr int MM = 16 * MT;
@@ -553,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
       compute_tile_tma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
-    } else if (p.m == 1) {
+    } else if constexpr (kRow) {
       compute_tile_row<T>(p, t0 * kGemvTileN, tile_s);
     } else {
       compute_tile<T, MT>(p, t0 * kGemvTileN, tile_s);
@@ -725,7 +728,7 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
 
 // Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
 // CTA running), and no more than there are units.
-template <typename T, int MT>
+template <typename T, int MT, bool kRow = false>
 cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
   using C = Cfg<MT>;
   GemvArParams p = p_in;
@@ -738,25 +741,25 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
     if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, kTmaK);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
-      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRow>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
       if (rc == cudaSuccess) raised |= 1ull << device;
     }
   }
   if (rc == cudaSuccess)
-    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT>, kThreads, C::kSmem);
+    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT, kRow>, kThreads, C::kSmem);
   if (rc != cudaSuccess) return rc;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
   grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
-  gemv_ar_kernel<T, MT><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
+  gemv_ar_kernel<T, MT, kRow><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
   switch ((p.m + 15) / 16) {
-    case 1: return launch_mt<T, 1>(p, grid, stream);
+    case 1: return p.m == 1 ? launch_mt<T, 1, true>(p, grid, stream) : launch_mt<T, 1>(p, grid, stream);
     case 2: return launch_mt<T, 2>(p, grid, stream);
     case 3: return launch_mt<T, 3>(p, grid, stream);
     default: return launch_mt<T, 4>(p, grid, stream);
