@@ -3,8 +3,8 @@
 // out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 64), w [n, k] this rank's
 // row shard of the weight. Memory-bound: the weight is streamed once, with fp32 accumulation, by one of
 // three loaders (Cfg below):
-//   m == 1 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
-//   2 <= m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
+//   m <= 2 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
+//   2 < m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
 //     with the L2::256B prefetch size (measured 6% faster than without it on an H200);
 //   m > 16 (compute_tile_tma): bulk tensor copies (TMA) of the weight and A into a ring of shared-memory
 //     stages, two tiles per CTA: A is read from L2 by every CTA, so at m = 64 per-lane loads of it moved
@@ -316,21 +316,24 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
   reduce_warps<MT, 4>(p, c, red, tile_s);
 }
 
-// m == 1 on CUDA cores (an MMA would waste 15 of its 16 rows, and its fragments read 64-byte pieces of 8
+// m <= 2 on CUDA cores (an MMA would waste most of its 16 rows, and its fragments read 64-byte pieces of 8
 // rows per load instruction, measured slower than whole 512-byte pieces of one row). Warp w owns the tile's
 // rows 4w .. 4w + 3; its lanes read 512 contiguous bytes of a row per instruction (16 loads in flight:
-// 4 rows x 4 chunks), fp32 FMAs, a shuffle sum per row.
-template <typename T>
+// 4 rows x 4 chunks), fp32 FMAs with each of A's M rows, a shuffle sum per output. At m = 3-4 (measured
+// with 8 loads in flight, the registers' limit) this was 10-25% slower than the MMA loader.
+template <typename T, int M>
 __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
+  static_assert(M == 1 || M == 2, "the MMA loaders take m > 2");
   constexpr int R = kGemvTileN / kWarps, KU = 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const T* a = static_cast<const T*>(p.a);
   const T* w = static_cast<const T*>(p.w);
-  float acc[R];
+  float acc[M][R];
   int woff[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    acc[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[i][r] = 0.f;
     const int col = col0 + warp * R + r;
     woff[r] = col < p.n ? col * p.ldw : -1;
   }
@@ -346,22 +349,28 @@ __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int kk = k0 + u * 256;
-      float af[8], wf[8];
-      unpack8<T>(kk < p.k ? *reinterpret_cast<const uint4*>(a + kk) : zero, af);
+      float af[M][8], wf[8];
+#pragma unroll
+      for (int i = 0; i < M; ++i)
+        unpack8<T>(kk < p.k && i < p.m ? *reinterpret_cast<const uint4*>(a + i * p.lda + kk) : zero, af[i]);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         unpack8<T>(wv[u][r], wf);
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[r] = fmaf(af[q], wf[q], acc[r]);
+        for (int i = 0; i < M; ++i)
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[i][r] = fmaf(af[i][q], wf[q], acc[i][r]);
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int i = 0; i < M; ++i)
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-    if (lane == 0) tile_s[0][warp * R + r] = acc[r];
-  }
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], off);
+      if (lane == 0) tile_s[i][warp * R + r] = acc[i][r];
+    }
   __syncthreads();
 }
 
@@ -492,8 +501,9 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
 
-// kRow (MT == 1 only): m == 1 on CUDA cores, an instantiation of its own so each loader gets its registers.
-template <typename T, int MT, bool kRow>
+// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 or 2; 0: the MMA loaders), an instantiation of its own
+// so each loader gets its registers.
+template <typename T, int MT, int kRowM>
 __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
   using C = Cfg<MT>;
   constexpr int MM = 16 * MT;
@@ -556,8 +566,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
       compute_tile_tma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
-    } else if constexpr (kRow) {
-      compute_tile_row<T>(p, t0 * kGemvTileN, tile_s);
+    } else if constexpr (kRowM > 0) {
+      compute_tile_row<T, kRowM>(p, t0 * kGemvTileN, tile_s);
     } else {
       compute_tile<T, MT>(p, t0 * kGemvTileN, tile_s);
     }
@@ -728,7 +738,7 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
 
 // Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
 // CTA running), and no more than there are units.
-template <typename T, int MT, bool kRow = false>
+template <typename T, int MT, int kRowM = 0>
 cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
   using C = Cfg<MT>;
   GemvArParams p = p_in;
@@ -741,25 +751,28 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
     if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, kTmaK);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
-      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRow>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRowM>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
       if (rc == cudaSuccess) raised |= 1ull << device;
     }
   }
   if (rc == cudaSuccess)
-    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT, kRow>, kThreads, C::kSmem);
+    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT, kRowM>, kThreads, C::kSmem);
   if (rc != cudaSuccess) return rc;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
   grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
-  gemv_ar_kernel<T, MT, kRow><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
+  gemv_ar_kernel<T, MT, kRowM><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
   switch ((p.m + 15) / 16) {
-    case 1: return p.m == 1 ? launch_mt<T, 1, true>(p, grid, stream) : launch_mt<T, 1>(p, grid, stream);
+    case 1:
+      if (p.m == 1) return launch_mt<T, 1, 1>(p, grid, stream);
+      if (p.m == 2) return launch_mt<T, 1, 2>(p, grid, stream);
+      return launch_mt<T, 1>(p, grid, stream);
     case 2: return launch_mt<T, 2>(p, grid, stream);
     case 3: return launch_mt<T, 3>(p, grid, stream);
     default: return launch_mt<T, 4>(p, grid, stream);

@@ -19,8 +19,8 @@ from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
 K_LOCAL = 1024  # this rank's rows of the row-sharded weight
-MS = (1, 5, 16, 24, 40, 64, 77, 256)  # CUDA kernel: <= 16 direct loads; 24, 40, 64 its bulk-copy loader with
-# two, three (the last partial) and four m16 MMA tiles
+MS = (1, 2, 3, 5, 16, 24, 40, 64, 77, 256)  # CUDA kernel: 1, 2 its CUDA-core loader; 3, 5, 16 direct fragment
+# loads; 24, 40, 64 its bulk-copy loader with two, three (the last partial) and four m16 MMA tiles
 NS = (8192, 16392, 200, 77)  # 16392: more tiles than CTAs fit at once (several per CTA), the last ragged;
 # 200: a ragged last tile; 77: not a multiple of 8 (the CUDA kernel declines it)
 # (bias, tail): tail None, "before" (nn.RMSNorm: weight before the cast) or "after" (HF Llama)
