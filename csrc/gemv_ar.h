@@ -41,8 +41,8 @@ struct GemvArParams {
   int m, n, k, lda, ldw;
   int rank, world, two_shot, n_tiles;
   long long timeout_ns;
-  // Filled by the launcher: tensor maps of w ([n, k] in boxes of kGemvTileN rows x 256 k) and A ([m, k] in
-  // boxes of a_box_rows x 256 k), for the bulk tensor copies that stage them in shared memory.
+  // Filled by the launcher for m > 16: tensor maps of w ([n, k] in boxes of one unit's rows, 2 * kGemvTileN,
+  // x 256 k) and A ([m, k] in boxes of a_box_rows x 256 k), for the bulk copies into shared memory.
   GemvTmaMap tmap_w, tmap_a;
   int a_box_rows;
 };
