@@ -316,61 +316,105 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
   reduce_warps<MT, 4>(p, c, red, tile_s);
 }
 
+// Sums each of a lane's N values over the warp's 32 lanes with N - 1 + 5 - log2(N) shuffles (not 5 N):
+// every halving step trades half the values with the partner lane. Returns the sum of value
+// index_of(lane) (each index on two or more lanes).
+template <int N>
+__device__ __forceinline__ float warp_sum_many(float (&v)[N], int lane) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "a power of two up to 32");
+  constexpr int kSteps = N >= 32 ? 5 : N >= 16 ? 4 : N >= 8 ? 3 : N >= 4 ? 2 : N >= 2 ? 1 : 0;
+  // Affine loop bounds, so both loops unroll fully and every index is a constant (v stays in registers).
+#pragma unroll
+  for (int st = 0; st < kSteps; ++st) {
+    const int half = (N >> st) / 2, o = 16 >> st;
+    const bool upper = lane & o;
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      if (j < half) {
+        const float send = upper ? v[j] : v[j + half];
+        const float keep = upper ? v[j + half] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+    }
+  }
+  float s = v[0];
+#pragma unroll
+  for (int o = 16 >> kSteps; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+// The value index whose sum warp_sum_many<N> leaves on `lane`: lane bits 4, 3, ... give the index's
+// bits log2(N) - 1, log2(N) - 2, ...
+template <int N>
+__device__ __forceinline__ int index_of(int lane) {
+  int idx = 0;
+#pragma unroll
+  for (int o = 16; o > 16 / N; o >>= 1) idx = idx * 2 + ((lane & o) ? 1 : 0);
+  return idx;
+}
+
 // m <= 2 on CUDA cores (an MMA would waste most of its 16 rows, and its fragments read 64-byte pieces of 8
-// rows per load instruction, measured slower than whole 512-byte pieces of one row). Warp w owns the tile's
-// rows 4w .. 4w + 3; its lanes read 512 contiguous bytes of a row per instruction (16 loads in flight:
-// 4 rows x 4 chunks), fp32 FMAs with each of A's M rows, a shuffle sum per output. At m = 3-4 (measured
-// with 8 loads in flight, the registers' limit) this was 10-25% slower than the MMA loader.
+// rows per load instruction, measured slower than whole 512-byte pieces of one row). The pure read's
+// fastest shape (the lab's tile3): a load instruction is 512 contiguous bytes of one row (a k block of 256),
+// warp w reads 16 rows of the tile (row group w % 2) at the k blocks w / 2, w / 2 + 4, ... (the warps of a
+// group interleave), 16 loads in flight; A's 8 elements per lane are loaded once per k block for all 16
+// rows. Per warp: fp32 FMAs, then one shuffle reduction of all its rows; the 4 warps of a row group are
+// added in warp order through shared memory (deterministic). Measured 1.6-1.9 us faster at down_proj
+// m = 1-2 than 4 rows per warp over all k (lab run 16).
 template <typename T, int M>
 __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
   static_assert(M == 1 || M == 2, "the MMA loaders take m > 2");
-  constexpr int R = kGemvTileN / kWarps, KU = 4;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const T* a = static_cast<const T*>(p.a);
-  const T* w = static_cast<const T*>(p.w);
-  float acc[M][R];
-  int woff[R];
+  // RW rows per warp (32 spill), CH loads in flight per chunk.
+  constexpr int RW = 16, G = kGemvTileN / RW, WPG = kWarps / G, KB = 256, CH = 16;
+  static_assert(RW % CH == 0 && kGemvTileN % RW == 0, "whole chunks per warp");
+  __shared__ float red[kWarps][M][RW];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = (warp % G) * RW;
+  const T* a = static_cast<const T*>(p.a) + lane * 8;
+  const T* w = static_cast<const T*>(p.w) + static_cast<long long>(col0 + r0) * p.ldw + lane * 8;
+  const int nr = p.n - col0 - r0;  // rows of this warp inside the weight
+  float acc[M][RW];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+  for (int i = 0; i < M; ++i)
 #pragma unroll
-    for (int i = 0; i < M; ++i) acc[i][r] = 0.f;
-    const int col = col0 + warp * R + r;
-    woff[r] = col < p.n ? col * p.ldw : -1;
-  }
+    for (int r = 0; r < RW; ++r) acc[i][r] = 0.f;
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int k0 = lane * 8; k0 < p.k; k0 += 256 * KU) {
-    uint4 wv[KU][R];
+  for (int kk = (warp / G) * KB; kk < p.k; kk += WPG * KB) {
+    const bool kok = kk + lane * 8 < p.k;  // k % 8 == 0: a lane's 8 elements are all in range or none
+    uint4 apk[M];  // A stays packed (half the registers); its elements are converted where used
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int kk = k0 + u * 256;
+    for (int i = 0; i < M; ++i) apk[i] = kok ? __ldg(reinterpret_cast<const uint4*>(a + i * p.lda + kk)) : zero;
 #pragma unroll
-      for (int r = 0; r < R; ++r) wv[u][r] = kk < p.k && woff[r] >= 0 ? ld_stream<false>(w + woff[r] + kk) : zero;
-    }
+    for (int h = 0; h < RW / CH; ++h) {
+      uint4 wv[CH];
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int kk = k0 + u * 256;
-      float af[M][8], wf[8];
+      for (int r = 0; r < CH; ++r)
+        wv[r] = kok && h * CH + r < nr ? ld_stream<false>(w + (h * CH + r) * p.ldw + kk) : zero;
 #pragma unroll
-      for (int i = 0; i < M; ++i)
-        unpack8<T>(kk < p.k && i < p.m ? *reinterpret_cast<const uint4*>(a + i * p.lda + kk) : zero, af[i]);
+      for (int r = 0; r < CH; ++r) {
+        float wf[8];
+        unpack8<T>(wv[r], wf);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        unpack8<T>(wv[u][r], wf);
+        for (int i = 0; i < M; ++i) {
+          float af[8];
+          unpack8<T>(apk[i], af);
 #pragma unroll
-        for (int i = 0; i < M; ++i)
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[i][r] = fmaf(af[i][q], wf[q], acc[i][r]);
+          for (int q = 0; q < 8; ++q) acc[i][h * CH + r] = fmaf(af[q], wf[q], acc[i][h * CH + r]);
+        }
       }
     }
   }
 #pragma unroll
-  for (int i = 0; i < M; ++i)
+  for (int i = 0; i < M; ++i) {
+    const float s = warp_sum_many<RW>(acc[i], lane);
+    if (lane < RW * (32 / RW) && (lane & (32 / RW - 1)) == 0) red[warp][i][index_of<RW>(lane)] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < M * kGemvTileN) {
+    const int i = threadIdx.x / kGemvTileN, col = threadIdx.x % kGemvTileN, grp = col / RW, r = col % RW;
+    float s = 0.f;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], off);
-      if (lane == 0) tile_s[i][warp * R + r] = acc[i][r];
-    }
+    for (int ww = grp; ww < kWarps; ww += G) s += red[ww][i][r];
+    tile_s[i][col] = s;
+  }
   __syncthreads();
 }
 
