@@ -25,6 +25,10 @@
 //   3. two-shot: wait for the tiles other ranks own and copy them out.
 //   tail: a grid barrier, then RMSNorm of the CTA's tiles from the per-tile sums of squares of h.
 //
+// LL (p.ll, one-shot only): the partials to peers travel as LL words (data and epoch in every 8 bytes, see
+// st_ll) into LL regions after the regular slots, and each reader thread waits for its own words: no
+// release fence and no flag per tile on the writer's critical path.
+//
 // Flags carry epochs: state[0] counts this kernel's calls on this rank (every rank makes the same calls,
 // so the counts agree); a call uses e = state[0] + 1, and the last of its CTAs to read state[0] stores e
 // back. A wait succeeds when flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never
@@ -149,6 +153,27 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
+// The bookkeeping of a bounded wait, called every spin with its iteration count: true once the wait must
+// give up, because another wait of this call already timed out or because this one has now (the first
+// timeout records rank, peer, tile, epoch and kind in err).
+__device__ __forceinline__ bool give_up(unsigned iter, unsigned long long& t0, unsigned e, const GemvArParams& p,
+                                        int peer, int tile, int kind) {
+  if (iter & 255u) return false;
+  const unsigned long long now = global_ns();
+  if (t0 == 0) t0 = now;
+  if (*reinterpret_cast<volatile int*>(p.err) != 0) return true;
+  if (static_cast<long long>(now - t0) <= p.timeout_ns) return false;
+  if (atomicCAS(p.err, 0, 1) == 0) {
+    p.err[1] = p.rank;
+    p.err[2] = peer;
+    p.err[3] = tile;
+    p.err[4] = static_cast<int>(e);
+    p.err[5] = kind;
+    __threadfence_system();
+  }
+  return true;
+}
+
 // Bounded wait (one thread) until *flag has reached epoch e. False on timeout or when another wait of
 // this call already timed out; the first timeout is recorded in err.
 template <bool kSys>
@@ -157,22 +182,40 @@ __device__ bool wait_epoch(const unsigned* flag, unsigned e, const GemvArParams&
   for (unsigned iter = 0;; ++iter) {
     unsigned v = kSys ? ld_acquire_sys(flag) : ld_acquire_gpu(flag);
     if (static_cast<int>(v - e) >= 0) return true;
-    if ((iter & 255u) == 0) {
-      unsigned long long now = global_ns();
-      if (t0 == 0) t0 = now;
-      if (*reinterpret_cast<volatile int*>(p.err) != 0) return false;
-      if (static_cast<long long>(now - t0) > p.timeout_ns) {
-        if (atomicCAS(p.err, 0, 1) == 0) {
-          p.err[1] = p.rank;
-          p.err[2] = peer;
-          p.err[3] = tile;
-          p.err[4] = static_cast<int>(e);
-          p.err[5] = kind;
-          __threadfence_system();
-        }
-        return false;
-      }
+    if (give_up(iter, t0, e, p, peer, tile, kind)) return false;
+  }
+}
+
+// LL ("low latency", NCCL's name) words: 16 bytes of data travel as two 16-byte stores {d0, e, d1, e},
+// {d2, e, d3, e}, each 8-byte half a data word and the epoch. A reader that sees the epoch in both halves
+// of both stores has the data (8-byte halves land whole, as NCCL's LL protocol relies on), so the
+// writer needs no fence and no flag after its data: one NVLink crossing instead of data, fence, flag.
+__device__ __forceinline__ void st_ll(char* dst, const uint4& d, unsigned e) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(d.x), "r"(e), "r"(d.y), "r"(e)
+               : "memory");
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst + 16), "r"(d.z), "r"(e), "r"(d.w),
+               "r"(e)
+               : "memory");
+}
+// Bounded wait (every thread for its own vector) until the LL words at src carry epoch e; their data in d.
+// Not inlined: inlined, it pushed the m <= 16 fragment loader's instantiation past its 128 registers.
+__device__ __noinline__ bool wait_ll(const char* src, unsigned e, uint4& d, const GemvArParams& p, int peer, int tile) {
+  unsigned long long t0 = 0;
+  for (unsigned iter = 0;; ++iter) {
+    uint4 lo, hi;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(lo.x), "=r"(lo.y), "=r"(lo.z), "=r"(lo.w)
+                 : "l"(src)
+                 : "memory");
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(hi.x), "=r"(hi.y), "=r"(hi.z), "=r"(hi.w)
+                 : "l"(src + 16)
+                 : "memory");
+    if (lo.y == e && lo.w == e && hi.y == e && hi.w == e) {
+      d = make_uint4(lo.x, lo.z, hi.x, hi.z);
+      return true;
     }
+    if (give_up(iter, t0, e, p, peer, tile, kWaitPartial)) return false;
   }
 }
 
@@ -192,6 +235,13 @@ __device__ __forceinline__ int unit_at(int pos, const GemvArParams& p) {
 template <typename T>
 __device__ __forceinline__ T* slot(const GemvArParams& p, int dst, int index) {
   return reinterpret_cast<T*>(p.peer_data[dst] + static_cast<long long>(index) * p.slot_bytes);
+}
+// LL region of partial slot `index` (parity * world + src) on rank dst: two slots after the regular ones;
+// element offset off of the partial is at byte 4 * off * sizeof(T) / 2 (twice the data's bytes).
+template <typename T>
+__device__ __forceinline__ char* ll_slot(const GemvArParams& p, int dst, int index, long long off) {
+  return p.peer_data[dst] + static_cast<long long>(2 * p.world + 2 + 2 * index) * p.slot_bytes +
+         off * static_cast<long long>(2 * sizeof(T));
 }
 
 // One m16n8k16 tensor-core MMA, fp32 accumulate: c += a (16x16, row) * b (16x8, col).
@@ -634,12 +684,16 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
         } else {
           for (int step = 0; step < p.world; ++step) {  // peers first, own slot last
             const int dst = (p.rank + 1 + step) % p.world;
-            st_cg(slot<T>(p, dst, src_slot) + off, part);
+            if (p.ll && dst != p.rank) {
+              st_ll(ll_slot<T>(p, dst, src_slot, off), part, e);
+            } else {
+              st_cg(slot<T>(p, dst, src_slot) + off, part);
+            }
           }
         }
       }
       __syncthreads();  // every store of the tile is issued before the flag's release (cumulative)
-      if (tid == 0) {
+      if (tid == 0 && !p.ll) {  // LL words carry their own epoch
         for (int step = 1; step < p.world; ++step) {
           const int dst = (p.rank + step) % p.world;
           if (!p.two_shot || dst == owner)
@@ -656,7 +710,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
     if (tid == 0) {
       bool ok = true;
-      for (int step = 1; step < p.world && ok; ++step) {
+      for (int step = 1; step < p.world && ok && !p.ll; ++step) {  // LL: each thread waits for its words
         const int src = (p.rank + step) % p.world;
         ok = wait_epoch<true>(my_flags + src * kGemvMaxTiles + t, e, p, src, t, kWaitPartial);
       }
@@ -667,17 +721,27 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
     if (s_ok && has_vec && col0 + vc < p.n) {
       const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
       float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int src = 0; src < p.world; ++src) {  // rank order, as every rank sums
+      bool ok = true;
+      for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
+        uint4 d;
+        if (p.ll && src != p.rank) {
+          ok = wait_ll(ll_slot<T>(p, p.rank, parity * p.world + src, off), e, d, p, src, t);
+        } else {
+          d = ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
+        }
         float f[8];
-        unpack8<T>(ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off), f);
+        unpack8<T>(d, f);
 #pragma unroll
         for (int q = 0; q < 8; ++q) sum[q] += f[q];
       }
-      const uint4 r = pack8<T>(sum);
-      if (p.two_shot) {
-        for (int step = 1; step < p.world; ++step) st_cg(slot<T>(p, (p.rank + step) % p.world, result_slot) + off, r);
+      if (ok) {  // else a peer's words never came: err names it, the output stays unwritten
+        const uint4 r = pack8<T>(sum);
+        if (p.two_shot) {
+          for (int step = 1; step < p.world; ++step)
+            st_cg(slot<T>(p, (p.rank + step) % p.world, result_slot) + off, r);
+        }
+        ss = write_output<T>(p, vi, col0 + vc, r, tail);
       }
-      ss = write_output<T>(p, vi, col0 + vc, r, tail);
     }
     if (tail) store_row_ss(p, ss, v, t);
     __syncthreads();
@@ -829,7 +893,8 @@ cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStrea
   const long long w_elems = static_cast<long long>(p.n) * p.ldw, a_elems = static_cast<long long>(p.m) * p.lda;
   if (w_elems >= (1ll << 31) || a_elems >= (1ll << 31)) return cudaErrorInvalidValue;  // 32-bit row offsets
   if (p.m < 1 || p.m > kGemvMaxM || p.n_tiles > kGemvMaxTiles || p.k % 8 || p.n % 8 || grid < 1 ||
-      grid > p.n_tiles || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world)) {
+      grid > p.n_tiles || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world) ||
+      (p.ll && p.two_shot)) {
     return cudaErrorInvalidValue;
   }
   return dtype == 0 ? launch_typed<__nv_bfloat16>(p, grid, stream) : launch_typed<__half>(p, grid, stream);

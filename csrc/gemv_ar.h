@@ -17,6 +17,8 @@ constexpr int kGemvErrWords = 8;    // err: code, rank, peer, tile, epoch, kind,
 // Data workspace (element type T), slot_bytes apart:
 //   slot (parity, src) = (parity * world + src)      partials written by src
 //   slot (parity, result) = (2 * world + parity)     reduced tiles from their owners (two-shot)
+//   LL region (parity, src) = slots 2 * world + 2 + 2 * (parity * world + src) and the next one: partials
+//     written by src as LL words (one-shot with ll), twice the data's bytes; 6 * world + 2 slots in all
 // An opaque CUtensorMap (the kernel's bulk tensor copies read it from the kernel's parameters).
 struct alignas(64) GemvTmaMap {
   unsigned long long opaque[16];
@@ -40,6 +42,7 @@ struct GemvArParams {
   int* err;                 // [kGemvErrWords]
   int m, n, k, lda, ldw;
   int rank, world, two_shot, n_tiles;
+  int ll;                   // one-shot only: partials to peers as LL words (no flags)
   long long timeout_ns;
   // Filled by the launcher for m > 16: tensor maps of w ([n, k] in boxes of one unit's rows, 2 * kGemvTileN,
   // x 256 k) and A ([m, k] in boxes of a_box_rows x 256 k), for the bulk copies into shared memory.

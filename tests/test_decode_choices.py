@@ -20,7 +20,8 @@ def _args(op: str):
 def test_registered_for_both_ops():
     for op in OPS:
         names = [c.name for c in choices_for(op)]
-        assert {"cuda:gemv-oneshot", "cuda:gemv-twoshot", "torch_symm_mem:one_shot", "reference"} <= set(names)
+        assert {f"cuda:gemv-{mode}" for mode in decode_ar.CUDA_MODES} <= set(names)
+        assert {"torch_symm_mem:one_shot", "reference"} <= set(names)
         assert {f"triton:{v}" for v in decode_ar.TRITON_VARIANTS} <= set(names)
         assert names[-1] == "reference"
 
@@ -77,7 +78,22 @@ def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
     b = torch.randn(32, 64, dtype=torch.bfloat16).t()  # nn.Linear's weight, transposed
     args = ([a], [b], None, [4, 32], "sum", "0")
     monkeypatch.setattr(decode_ar, "CUDA_PEERS", False)
-    for two_shot in (False, True):
-        assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(two_shot, *args) or "")
+    for mode in decode_ar.CUDA_MODES:
+        assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(mode, *args) or "")
     monkeypatch.setattr(decode_ar, "CUDA_PEERS", True)
-    assert "GEMV_PEERS" not in (decode_ar.cuda_supports(False, *args) or "")
+    assert "GEMV_PEERS" not in (decode_ar.cuda_supports("oneshot", *args) or "")
+
+
+def test_ll_variant_needs_a_peer(monkeypatch):
+    """LL words only travel between ranks: at world size 1 the LL choice would be the one-shot one again."""
+
+    class Solo:
+        def size(self):
+            return 1
+
+    monkeypatch.setattr(decode_ar, "_common_supports", lambda *a, **k: None)
+    monkeypatch.setattr(decode_ar, "_group", lambda name: Solo())
+    a = torch.randn(4, 64, dtype=torch.bfloat16)
+    b = torch.randn(32, 64, dtype=torch.bfloat16).t()
+    args = ([a], [b], None, [4, 32], "sum", "0")
+    assert "one rank" in (decode_ar.cuda_supports("oneshot-ll", *args) or "")

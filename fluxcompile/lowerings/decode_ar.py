@@ -2,9 +2,11 @@
 kernel of csrc/gemv_ar.cu for m <= 64 and the Triton kernel of kernels/gemm_ar.py for any m, each in a
 one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's header):
 
-* a symmetric data workspace per kernel family, cut into ``2 * world + 2`` slots of equal size (partials of
-  each source rank for both epoch parities, then the two-shot result slots), and a symmetric flag workspace
-  of ``(world + 1) * MAX_TILES`` int32 (zeroed once, with a barrier, when created);
+* a symmetric data workspace per kernel family, cut into slots of equal size: partials of each source rank
+  for both epoch parities, then the two-shot result slots (``2 * world + 2``); the CUDA family adds two slots
+  per partial slot for its LL variant (``6 * world + 2`` in all, zeroed with a barrier when created, since an
+  LL word is valid by its content alone); and a symmetric flag workspace of ``(world + 1) * MAX_TILES`` int32
+  (zeroed once, with a barrier, when created);
 * a per-rank ``state`` (epoch, done count, grid-barrier count and epoch) that the kernel itself advances,
   so CUDA graph replays need nothing from the host;
 * an error buffer the kernel fills when a bounded wait times out; it is copied to pinned host memory after
@@ -117,13 +119,23 @@ def _get_state(family: str, group_name: str) -> _State:
     return st
 
 
+def _slots(family: str, world: int) -> int:
+    return 6 * world + 2 if family == "cuda" else 2 * world + 2  # csrc/gemv_ar.h; kernels/gemm_ar.py
+
+
 def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) -> tuple[Workspace, int]:
     """The data workspace with slots of at least ``slot_need`` bytes, and its slot size. The slot size follows
     from the buffer's capacity (equal on all ranks), so calls of any shape agree on where a slot starts."""
-    slots = 2 * world + 2
+    slots = _slots(family, world)
     need = slots * (-(-slot_need // _SLOT_ALIGN) * _SLOT_ALIGN)
     ws = workspace(group_name, need, tag=f"decode_ar.{family}")  # a collective when it grows (never in capture)
     if st.data is not ws:
+        if family == "cuda":
+            # LL words are read by their content: no stale bytes of an earlier owner of this memory may pass
+            # for one. Zeroed on every rank before any rank's kernel writes into it.
+            ws.buffer.zero_()
+            torch.cuda.synchronize()
+            dist.barrier(group=_group(group_name))
         st.data = ws
         st.peer_data = torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
         _kept.extend((ws, st.peer_data))
@@ -211,10 +223,18 @@ def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tai
     return None
 
 
-def cuda_supports(two_shot: bool, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
+# The CUDA kernel's variants (choice "cuda:gemv-<mode>"): one-shot, two-shot, and one-shot whose partials
+# travel as LL words (data and epoch together: no fence and no flag per tile on the writer's side).
+CUDA_MODES = ("oneshot", "twoshot", "oneshot-ll")
+
+
+def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
     why = _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x, tail)
     if why:
         return why
+    if mode not in CUDA_MODES:
+        return f"unknown mode {mode!r}"
+    two_shot = mode == "twoshot"
     a, b = As[0], Bs[0]
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if a.dtype not in (torch.bfloat16, torch.float16):
@@ -228,6 +248,8 @@ def cuda_supports(two_shot: bool, As, Bs, bias, out_shape, reduce_op, group_name
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
     world = _group(group_name).size()
+    if mode == "oneshot-ll" and world < 2:
+        return "LL words travel between ranks: with one rank this is the one-shot choice"
     if world > 1 and not CUDA_PEERS:
         return (
             "csrc/gemv_ar.cu has not yet run between GPUs since its rewrite "
@@ -272,11 +294,10 @@ def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, T
     return out, normed
 
 
-def run_cuda(
-    two_shot: bool, As, Bs, bias, out_shape, group_name: str, tail: Tail = None
-) -> Tensor | tuple[Tensor, Tensor]:
+def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None) -> Tensor | tuple[Tensor, Tensor]:
     from .. import csrc_build
 
+    two_shot, ll = mode == "twoshot", mode == "oneshot-ll"
     ext = csrc_build.load("gemv_ar")
     a, b = As[0], Bs[0]
     if a.data_ptr() % 16:
@@ -306,12 +327,12 @@ def run_cuda(
     else:
         ss_part = None
         tail_ptrs = (0, 0, 0, 0.0, False)
-    _sync_ranks_once(("cuda", two_shot, a.dtype, m, n, k, tail is not None, group_name), group_name)
+    _sync_ranks_once(("cuda", mode, a.dtype, m, n, k, tail is not None, group_name), group_name)
     ext.launch(
         a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
         int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
         st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.err.data_ptr(),
-        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, n_tiles, int(TIMEOUT_S * 1e9),
+        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(TIMEOUT_S * 1e9),
         0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
     _after_launch(st, group_name)

@@ -191,8 +191,8 @@ def _register(name: str, pair_mar, pair_arn) -> None:
     register_choice("all_reduce_rmsnorm", Choice(name, *pair_arn))
 
 
-for _shot, _two in (("oneshot", False), ("twoshot", True)):
-    _register(f"cuda:gemv-{_shot}", *_fused_choices(decode_ar.run_cuda, decode_ar.cuda_supports, _two))
+for _mode in decode_ar.CUDA_MODES:
+    _register(f"cuda:gemv-{_mode}", *_fused_choices(decode_ar.run_cuda, decode_ar.cuda_supports, _mode))
 for _variant in decode_ar.TRITON_VARIANTS:
     _register(f"triton:{_variant}", *_fused_choices(decode_ar.run_triton, decode_ar.triton_supports, _variant))
 _register("torch_symm_mem:one_shot", *_symm_choices(False))

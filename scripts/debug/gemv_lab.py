@@ -169,7 +169,7 @@ def run(ext, solo: Solo, a, w, out):
     ext.launch(
         a.data_ptr(), w.data_ptr(), 0, out.data_ptr(), 0, 0, 0, 0.0, False,
         int(solo.peer_data.data_ptr()), int(solo.peer_flags.data_ptr()), solo.slot_bytes,
-        solo.state.data_ptr(), 0, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, tiles,
+        solo.state.data_ptr(), 0, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, False, tiles,
         int(5e9), 0, tiles, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
 
