@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 from helpers import fresh_compiles
+from torch.torch_version import TorchVersion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +81,11 @@ def test_benchmark_runs_on_cpu(ranks, tmp_path):
     }
     assert "grad feed_forward.w2.weight" in train["errors"]["fluxcompile"]
     assert decode["zero_comm"] == [{"all_reduce": 2}]
-    assert decode["fused"]["inference"]["fused"] == 2
+    # Torch 2.11 does not tell the post-grad pass that a graph is an inference graph, so the report names
+    # it "forward" there (measured on the GPU machine); 2.13 does.
+    kinds = ("inference",) if TorchVersion(torch.__version__) >= "2.13" else ("inference", "forward")
+    assert len(decode["fused"]) == 1 and next(iter(decode["fused"])) in kinds, decode["fused"]
+    assert next(iter(decode["fused"].values()))["fused"] == 2
     assert "output (CUDA graph)" in decode["errors"]["fluxcompile"]  # the chained-call path
     lines = text.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("== table"))

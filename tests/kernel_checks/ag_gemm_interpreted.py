@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
 
 from fluxcompile.kernels.ag_gemm import ag_gemm, check_error
