@@ -65,18 +65,24 @@ def test_decode_sized_calls_are_tuned_as_graph_replays():
         assert predicate(tuple(args))
 
 
-def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
-    """The rewritten csrc kernel has run on one GPU only: at world size 2 it declines unless enabled."""
+def _cuda_args(monkeypatch, world: int):
+    """Arguments of a bf16 call the CUDA kernel takes, on a stub group of ``world`` ranks (the checks shared
+    with the other kernels pass)."""
 
-    class Pair:
+    class Group:
         def size(self):
-            return 2
+            return world
 
     monkeypatch.setattr(decode_ar, "_common_supports", lambda *a, **k: None)
-    monkeypatch.setattr(decode_ar, "_group", lambda name: Pair())
+    monkeypatch.setattr(decode_ar, "_group", lambda name: Group())
     a = torch.randn(4, 64, dtype=torch.bfloat16)
     b = torch.randn(32, 64, dtype=torch.bfloat16).t()  # nn.Linear's weight, transposed
-    args = ([a], [b], None, [4, 32], "sum", "0")
+    return ([a], [b], None, [4, 32], "sum", "0")
+
+
+def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
+    """The rewritten csrc kernel has run on one GPU only: at world size 2 it declines unless enabled."""
+    args = _cuda_args(monkeypatch, 2)
     monkeypatch.setattr(decode_ar, "CUDA_PEERS", False)
     for mode in decode_ar.CUDA_MODES:
         assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(mode, *args) or "")
@@ -86,14 +92,5 @@ def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
 
 def test_ll_variant_needs_a_peer(monkeypatch):
     """LL words only travel between ranks: at world size 1 the LL choice would be the one-shot one again."""
-
-    class Solo:
-        def size(self):
-            return 1
-
-    monkeypatch.setattr(decode_ar, "_common_supports", lambda *a, **k: None)
-    monkeypatch.setattr(decode_ar, "_group", lambda name: Solo())
-    a = torch.randn(4, 64, dtype=torch.bfloat16)
-    b = torch.randn(32, 64, dtype=torch.bfloat16).t()
-    args = ([a], [b], None, [4, 32], "sum", "0")
+    args = _cuda_args(monkeypatch, 1)
     assert "one rank" in (decode_ar.cuda_supports("oneshot-ll", *args) or "")

@@ -174,6 +174,26 @@ def run(ext, solo: Solo, a, w, out):
     )  # fmt: skip
 
 
+def build_variants(spec: str, prefix: str = "") -> dict:
+    """The extensions of ``--variants`` (``cur`` or ``NAME=FILE``, each with ``@``-separated nvcc flags), built
+    in parallel, by name; ``prefix`` keeps another script's builds apart from the lab's."""
+    jobs = []
+    for item in spec.split(","):
+        v, *flags = item.split("@")
+        name, _, path = v.partition("=")
+        src = str(CSRC)
+        if path:
+            d = Path(tempfile.mkdtemp())
+            for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
+                shutil.copy(CSRC / f, d / f)
+            shutil.copy(path, d / "gemv_ar.cu")
+            src = str(d)
+        jobs.append((prefix + name, src, flags))
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        built = dict(pool.map(_build, jobs))
+    return {name: load_built(name, bdir) for name, bdir in built.items()}
+
+
 ONCE = False  # --once: run each method once, eagerly (for ncu), no timing
 
 
@@ -212,23 +232,7 @@ def main() -> None:
     args = p.parse_args()
     global ONCE
     ONCE = args.once
-    names = args.variants.split(",")
-    jobs = []
-    for spec in names:
-        v, *flags = spec.split("@")
-        name, _, path = v.partition("=")
-        if path:
-            d = Path(tempfile.mkdtemp())
-            for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
-                shutil.copy(CSRC / f, d / f)
-            shutil.copy(path, d / "gemv_ar.cu")
-            jobs.append((name, str(d), flags))
-        else:
-            jobs.append((name, str(CSRC), flags))
-    names = [j[0] for j in jobs]
-    with mp.get_context("spawn").Pool(len(jobs)) as pool:
-        built = dict(pool.map(_build, jobs))
-    exts = {v: load_built(v, built[v]) for v in names}
+    exts = build_variants(args.variants)
     try:
         read_ext = read_yardstick()
     except Exception as e:  # the yardstick is optional

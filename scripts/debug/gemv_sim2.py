@@ -13,17 +13,14 @@ its times are not the exchange's cost between GPUs (each rank has half the GPU):
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_lab import CSRC, _build, load_built
+from gemv_lab import build_variants, graph_time
 
 TILE, MAX_TILES, WORLD = 32, 8192, 2
 TIMEOUT_NS = int(2e8)  # 0.2 s: a launch that never meets its peer ends in an error, not a hang
@@ -115,7 +112,7 @@ def run_case(ext, m, n, k, mode, tail, grid, eager_calls, replays) -> tuple[str 
         why = check(ranks, f"eager call {it}")
         if why:
             return why, float("nan")
-    # A graph of one call, replayed with new inputs each time, then a graph of 20 calls for the time.
+    # A graph of one call, replayed with new inputs each time, then the lab's timed graph of 20 calls.
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         call(ext, ranks, peer_data, peer_flags, mode, grid)
@@ -127,22 +124,8 @@ def run_case(ext, m, n, k, mode, tail, grid, eager_calls, replays) -> tuple[str 
             why = check(ranks, f"replay {it}")
             if why:
                 return why, float("nan")
-    g20 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g20):
-        for _ in range(20):
-            call(ext, ranks, peer_data, peer_flags, mode, grid)
-    g20.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g20.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / 20)
-    why = check(ranks, "after the timed replays")
-    return why, sorted(times)[len(times) // 2]
+    t = graph_time(lambda: call(ext, ranks, peer_data, peer_flags, mode, grid), reps=20)
+    return check(ranks, "after the timed replays"), t
 
 
 def main() -> int:
@@ -154,21 +137,7 @@ def main() -> int:
     p.add_argument("--eager", type=int, default=20)
     p.add_argument("--replays", type=int, default=300)
     args = p.parse_args()
-    jobs = []
-    for spec in args.variants.split(","):
-        v, *flags = spec.split("@")
-        name, _, path = v.partition("=")
-        src = str(CSRC)
-        if path:
-            d = Path(tempfile.mkdtemp())
-            for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
-                shutil.copy(CSRC / f, d / f)
-            shutil.copy(path, d / "gemv_ar.cu")
-            src = str(d)
-        jobs.append((f"sim_{name}", src, flags))
-    with mp.get_context("spawn").Pool(len(jobs)) as pool:
-        built = dict(pool.map(_build, jobs))
-    exts = {name: load_built(name, bdir) for name, bdir in built.items()}
+    exts = build_variants(args.variants, prefix="sim_")
     torch.manual_seed(int.from_bytes(os.urandom(2), "little"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, failures = [], 0
