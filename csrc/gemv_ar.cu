@@ -6,10 +6,11 @@
 //   m <= 2 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
 //   2 < m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
 //     with the L2::256B prefetch size (measured 6% faster than without it on an H200);
-//   m > 16 (compute_tile_tma): bulk tensor copies (TMA) of the weight and A into a ring of shared-memory
-//     stages, two tiles per CTA: A is read from L2 by every CTA, so at m = 64 per-lane loads of it moved
-//     twice the weight's bytes (the kernel ran at half of cuBLAS's speed); the copy engine and a CTA twice
-//     as wide cut that to one weight's worth.
+//   m > 16 (compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of 128-byte-swizzled
+//     shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory, two tiles per
+//     CTA. Per-lane loads of A from L2 had moved twice the weight's bytes at m = 64; mma.sync fed from the
+//     same stages by per-lane shared-memory loads ran 74.5 us where the ring alone streams in 56 and wgmma
+//     runs 63.1 (down_proj, m = 64, H200; BENCHMARKS.md run F).
 //
 // A tile is kGemvTileN output columns for all m rows; a CTA computes kTpc adjacent tiles at once (a unit).
 // Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
@@ -52,6 +53,16 @@
 
 #include "gemv_ar.h"
 
+// Lab knobs (scripts/debug/gemv_lab.py builds variants with -D...): the wgmma loader's stage-ring depth cap
+// (3 or 4 stages measured alike), and the weight's L2 evict-first hint (on: 1.4 us faster at down_proj m = 64,
+// 0.5-1.4 us at m = 24-64 elsewhere, run 23).
+#ifndef GEMV_WG_MAX_STAGES
+#define GEMV_WG_MAX_STAGES 8
+#endif
+#ifndef GEMV_WG_HINT
+#define GEMV_WG_HINT 1
+#endif
+
 namespace fluxcompile {
 namespace {
 
@@ -60,19 +71,21 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTmaK = 256;                 // k per shared-memory stage of the bulk-copy loader
 constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
 
-// Per m16 count MT: the loader, tiles per CTA, CTAs per SM (register budget) and the stage ring.
-template <int MT>
+// Per m16 count MT (and kRowM, the CUDA-core loader's m, 0 for the others): the loader, tiles per CTA, CTAs
+// per SM and the wgmma loader's stage ring (as many stages as fit in 200 KB, at most GEMV_WG_MAX_STAGES).
+template <int MT, int kRowM = 0>
 struct Cfg {
-  static constexpr bool kTma = MT >= 2;
-  static constexpr int kTpc = kTma ? 2 : 1;                // tiles per CTA: A's bytes from L2 halve
+  static constexpr bool kTma = kRowM == 0 && MT >= 2;  // (wgmma at m = 3-16: slower at m = 3-8, run 23)
+  static constexpr int kTpc = kTma ? 2 : 1;                // tiles per CTA: wgmma's M = 64, A's bytes from L2 halve
   static constexpr int kCols = kGemvTileN * kTpc;          // a unit's output columns
-  static constexpr int kCtas = MT >= 3 ? 1 : 2;            // 16 warps per SM, or 8 with 96-128 accumulators
-  static constexpr int kStages = MT == 1 ? 0 : MT == 2 ? 2 : 3;
+  static constexpr int kCtas = kTma ? 1 : 2;
+  static constexpr int kARows = 16 * MT;                   // wgmma's N: A's rows in a stage (zeros past m)
   static constexpr int kWBytes = kCols * kTmaRowBytes;
-  static constexpr int kABytes = 16 * MT * kTmaRowBytes;
+  static constexpr int kABytes = kARows * kTmaRowBytes;
   static constexpr int kStageBytes = kWBytes + kABytes;
-  static constexpr int kSmem = kStages * kStageBytes;      // dynamic shared memory (the TMA loader's)
-  static_assert(!kTma || kSmem >= kWarps * 16 * kCols * 4, "the warps' partial sums reuse the stages");
+  static constexpr int kFit = 200 * 1024 / kStageBytes;
+  static constexpr int kStages = !kTma ? 0 : kFit < GEMV_WG_MAX_STAGES ? kFit : GEMV_WG_MAX_STAGES;
+  static constexpr int kSmem = kStages * kStageBytes;      // dynamic shared memory (the wgmma loader's)
 };
 
 constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
@@ -468,11 +481,7 @@ __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s
   __syncthreads();
 }
 
-// ---- The bulk-copy loader (m > 16) ----
-// A stage holds 256 k of the unit's kCols weight rows and of A's rows, copied by the TMA engine and
-// completed on an mbarrier. Its bytes in flight sit in shared memory, not in registers. Warp w takes
-// k = 32w .. 32w + 31 of a stage for all the unit's columns, with compute_tile's register layout (lane
-// (g, t): the 16 bytes at chunk t of row g of each n8 group), so A's fragments serve all its n8 groups.
+// ---- The bulk-copy helpers of the wgmma loader ----
 
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
   return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
@@ -494,73 +503,146 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
         : "memory");
   }
 }
-__device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, int c0, int c1, unsigned long long* bar) {
+__device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, int c0, int c1, unsigned long long* bar,
+                                            unsigned long long policy = 0) {
+  if (GEMV_WG_HINT && policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "l"(policy)
+        : "memory");
+    return;
+  }
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
 
-// The unit at col0 (kTpc tiles) into tile_s. `uses` counts the stages consumed so far by this CTA: stage
+// ---- The wgmma loader (m > 16) ----
+// A stage holds 256 k of the unit's 64 weight rows and of A's 16 * MT rows (zeros past m), copied by the TMA
+// engine in 128-byte-swizzled boxes of 64 k (4 of the weight, 4 of A) and completed on an mbarrier; its bytes
+// in flight sit in shared memory, not in registers. Warpgroup MMAs read them straight from there: the weight
+// is wgmma's A operand (M = 64 rows = the unit's columns), A its B operand (N = 16 * MT). Warpgroup 0 takes
+// the stage's boxes 0-1, warpgroup 1 boxes 2-3; their accumulators are summed in that order into tile_s
+// (deterministic). Thread 0 refills a stage once both warpgroups are done with it.
+
+// A K-major, 128-byte-swizzled operand of 8-row atoms 1024 bytes apart (the TMA box layout).
+__device__ __forceinline__ unsigned long long wg_desc(const void* p) {
+  const unsigned long long a = smem_u32(p);
+  return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+#define GEMV_WG_R8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                      "+f"(d[i + 6]), "+f"(d[i + 7])
+// d (64 x N fp32, wgmma's accumulator layout) += A-desc (64 x 16) * B-desc (16 x N).
+template <typename T>
+struct WgPtx;
+template <>
+struct WgPtx<__nv_bfloat16> {
+  template <int N>
+  static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long da, unsigned long long db);
+};
+template <>
+struct WgPtx<__half> {
+  template <int N>
+  static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long da, unsigned long long db);
+};
+#define GEMV_WG_DEF(TY, PT, N, NREG, REGS, OPS, ...)                                                         \
+  template <>                                                                                                \
+  __device__ __forceinline__ void WgPtx<TY>::mma<N>(float (&d)[N / 2], unsigned long long da,               \
+                                                    unsigned long long db) {                                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT " {" REGS "}, " OPS            \
+                 ", p, 1, 1, 0, 0;\n}"                                                                       \
+                 : __VA_ARGS__                                                                               \
+                 : "l"(da), "l"(db));                                                                        \
+  }
+#define GEMV_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define GEMV_REGS24 GEMV_REGS16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define GEMV_REGS32 GEMV_REGS24 ", %24, %25, %26, %27, %28, %29, %30, %31"
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 32, 16, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 48, 24, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 64, 32, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
+            GEMV_WG_R8(24))
+GEMV_WG_DEF(__half, "f16", 32, 16, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
+GEMV_WG_DEF(__half, "f16", 48, 24, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
+GEMV_WG_DEF(__half, "f16", 64, 32, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
+            GEMV_WG_R8(24))
+
+// The unit at col0 (64 columns) into tile_s. `uses` counts the stages consumed so far by this CTA: stage
 // u % kStages, its barrier's phase (u / kStages) & 1.
 template <typename T, int MT>
-__device__ void compute_tile_tma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT>::kCols], char* smem,
-                                 unsigned long long* bars, unsigned& uses) {
+__device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT>::kCols], char* smem,
+                                   unsigned long long* bars, unsigned& uses) {
   using C = Cfg<MT>;
-  constexpr int NG = C::kCols / 8;  // n8 MMA groups: a warp covers all the unit's columns
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  constexpr int N = 16 * MT;
+  constexpr int kBoxW = C::kCols * 128, kBoxA = N * 128;  // one 64-k box of the weight / of A
+  static_assert(C::kCols == 64, "wgmma's M is the unit's 64 columns");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t = lane & 3;
   const int nst = (p.k + kTmaK - 1) / kTmaK;
   const unsigned q0 = uses;
+  unsigned long long policy = 0;  // the weight is read once: first out of L2 (GEMV_WG_HINT)
+  if (GEMV_WG_HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   auto issue = [&](int it) {
     const unsigned s = (q0 + it) % C::kStages;
     char* st = smem + s * C::kStageBytes;
-    // Rows and k past the operands arrive as zeros, and count in the transaction bytes.
-    mbar_expect_tx(&bars[s], C::kWBytes + p.a_box_rows * kTmaRowBytes);
-    tma_load_2d(st, &p.tmap_w, it * kTmaK, col0, &bars[s]);
-    tma_load_2d(st + C::kWBytes, &p.tmap_a, it * kTmaK, 0, &bars[s]);
+    mbar_expect_tx(&bars[s], C::kStageBytes);  // boxes past the operands arrive as zeros and count
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      tma_load_2d(st + b * kBoxW, &p.tmap_w, it * kTmaK + b * 64, col0, &bars[s], policy);
+      tma_load_2d(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * 64, 0, &bars[s]);
+    }
   };
   if (tid == 0) {
     for (int it = 0; it < C::kStages && it < nst; ++it) issue(it);
   }
-  float c[MT][NG][4];
+  float d[N / 2];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < NG; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) c[mt][j][q] = 0.f;
-  const int lane_off = warp * 64 + t * 16;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int q = 0; q < N / 2; ++q) d[q] = 0.f;
   for (int it = 0; it < nst; ++it) {
     const unsigned u = q0 + it, s = u % C::kStages;
     mbar_wait(&bars[s], (u / C::kStages) & 1u);
-    const char* ws = smem + s * C::kStageBytes + lane_off;
-    const char* as = ws + C::kWBytes;
-    // A's fragments once per stage, then one weight vector per n8 group (fewer live registers).
-    uint4 lo[MT], hi[MT];
+    const char* st = smem + s * C::kStageBytes;
+    wg_fence();
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int r = mt * 16 + g;
-      lo[mt] = r < p.m ? *reinterpret_cast<const uint4*>(as + r * kTmaRowBytes) : zero;
-      hi[mt] = r + 8 < p.m ? *reinterpret_cast<const uint4*>(as + (r + 8) * kTmaRowBytes) : zero;
+    for (int b = 2 * wg; b < 2 * wg + 2; ++b) {
+      const unsigned long long dw = wg_desc(st + b * kBoxW), da = wg_desc(st + C::kWBytes + b * kBoxA);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) WgPtx<T>::template mma<N>(d, dw + 2 * kk, da + 2 * kk);  // +32 bytes
     }
-#pragma unroll
-    for (int j = 0; j < NG; ++j) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(ws + (j * 8 + g) * kTmaRowBytes);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma16816<T>(c[mt][j], lo[mt].x, hi[mt].x, lo[mt].y, hi[mt].y, wv.x, wv.y);
-        mma16816<T>(c[mt][j], lo[mt].z, hi[mt].z, lo[mt].w, hi[mt].w, wv.z, wv.w);
-      }
-    }
-    __syncthreads();  // every warp is done with stage s: refill it
+    wg_commit();
+    wg_wait0();
+    __syncthreads();  // every warpgroup is done with stage s: refill it
     if (tid == 0 && it + C::kStages < nst) issue(it + C::kStages);
   }
   uses = q0 + nst;
-  // The warps' partial sums reuse the stages (every copy has landed and been read).
-  reduce_warps<MT, NG>(p, c, reinterpret_cast<float (*)[16][NG * 8]>(smem), tile_s);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before the next unit's copies overwrite red
-  __syncthreads();
+  // Accumulator layout: warp w % 4 of the warpgroup holds weight rows (unit columns) 16 (w % 4) + g (+ 8),
+  // A rows 8 j + 2 t (+ 1) in d[4 j .. 4 j + 3].
+  const int col = (warp & 3) * 16 + g;
+  for (int half = 0; half < 2; ++half) {
+    if (wg == half) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) {
+        const int i = 8 * j + 2 * t;
+        if (half == 0) {
+          tile_s[i][col] = d[4 * j];
+          tile_s[i + 1][col] = d[4 * j + 1];
+          tile_s[i][col + 8] = d[4 * j + 2];
+          tile_s[i + 1][col + 8] = d[4 * j + 3];
+        } else {
+          tile_s[i][col] += d[4 * j];
+          tile_s[i + 1][col] += d[4 * j + 1];
+          tile_s[i][col + 8] += d[4 * j + 2];
+          tile_s[i + 1][col + 8] += d[4 * j + 3];
+        }
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // Writes the reduced vector r (8 columns of row i) to the output: r itself, or with the tail
@@ -598,8 +680,8 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
 // kRowM (MT == 1 only): m == kRowM on CUDA cores (1 or 2; 0: the MMA loaders), an instantiation of its own
 // so each loader gets its registers.
 template <typename T, int MT, int kRowM>
-__global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
-  using C = Cfg<MT>;
+__global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
+  using C = Cfg<MT, kRowM>;
   constexpr int MM = 16 * MT;
   constexpr int kTpc = C::kTpc;
   extern __shared__ __align__(1024) char stages[];  // the TMA loader's ring (empty for the direct loader)
@@ -659,7 +741,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT>::kCtas) gemv_ar_kernel(const
   for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
-      compute_tile_tma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
+      compute_tile_wgmma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
     } else if constexpr (kRowM > 0) {
       compute_tile_row<T, kRowM>(p, t0 * kGemvTileN, tile_s);
     } else {
@@ -825,7 +907,8 @@ constexpr CUtensorMapDataType tma_dtype() {
 // A 2-D tensor map of a row-major [rows, cols] matrix (row stride ld elements of T) in boxes of
 // box_rows x box_cols; reads past the matrix land as zeros. Host-only work (no GPU call).
 template <typename T>
-cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, int ld, int box_rows, int box_cols) {
+cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, int ld, int box_rows, int box_cols,
+                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     void* fn = nullptr;
@@ -839,7 +922,7 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   CUresult r = encode(reinterpret_cast<CUtensorMap*>(map), tma_dtype<T>(), 2, const_cast<void*>(base), dims, strides,
-                      box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                      box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -848,15 +931,16 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
 // CTA running), and no more than there are units.
 template <typename T, int MT, int kRowM = 0>
 cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
-  using C = Cfg<MT>;
+  using C = Cfg<MT, kRowM>;
   GemvArParams p = p_in;
   int device = 0, sms = 0, per_sm = 0;
   cudaError_t rc = cudaGetDevice(&device);
   if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (C::kTma) {
-    p.a_box_rows = (p.m + 7) / 8 * 8;
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols, kTmaK);
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, kTmaK);
+    p.a_box_rows = C::kARows;
+    const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols, 64, swz);
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, 64, swz);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
       rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRowM>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);

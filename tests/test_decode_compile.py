@@ -85,6 +85,13 @@ def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
     assert " 0 bytes spill stores" in out.stderr and "bytes spill stores" not in out.stderr.replace(
         " 0 bytes spill stores", ""
     ), f"register spills:\n{out.stderr[-3000:]}"
+    # The m > 16 loader's math must be Hopper's warpgroup MMA fed by bulk tensor copies (mma.sync fed from
+    # shared memory ran 18% slower at m = 64).
+    cuobjdump = Path(nvcc).parent / "cuobjdump"
+    if cuobjdump.exists():
+        sass = subprocess.run([str(cuobjdump), "-sass", str(tmp_path / "gemv_ar.o")], capture_output=True, text=True)
+        assert sass.returncode == 0, sass.stderr[-2000:]
+        assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout
 
 
 def test_pipelined_cpp_compiles(tmp_path):
