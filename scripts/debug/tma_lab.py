@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gemv_lab  # noqa: E402
+import gemv_lab
 
 
 def main() -> None:
@@ -39,14 +39,17 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         a = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
         res = {
-            "read": gemv_lab.graph_time(lambda: read_ext.read_all(w, sink)),
-            "cublas64": gemv_lab.graph_time(lambda: a @ w.t()),
-            "cublas16": gemv_lab.graph_time(lambda: a[:16] @ w.t()),
+            "read": gemv_lab.graph_time(lambda w=w: read_ext.read_all(w, sink)),
+            "cublas64": gemv_lab.graph_time(lambda a=a, w=w: a @ w.t()),
+            "cublas16": gemv_lab.graph_time(lambda a=a, w=w: a[:16] @ w.t()),
         }
         for name in names:
             fn = getattr(ext, name)
             try:
-                res[name] = gemv_lab.graph_time(lambda fn=fn: fn(w, a, sink, torch.cuda.current_stream().cuda_stream))
+                # the stream is looked up per call: graph capture runs on a side stream
+                res[name] = gemv_lab.graph_time(
+                    lambda fn=fn, a=a, w=w: fn(w, a, sink, torch.cuda.current_stream().cuda_stream)
+                )
             except RuntimeError as e:
                 print(f"!! {name} {shape}: {e}", flush=True)
         gb = w.numel() * 2
