@@ -54,13 +54,16 @@
 #include "gemv_ar.h"
 
 // Lab knobs (scripts/debug/gemv_lab.py builds variants with -D...): the wgmma loader's stage-ring depth cap
-// (3 or 4 stages measured alike), and the weight's L2 evict-first hint (on: 1.4 us faster at down_proj m = 64,
-// 0.5-1.4 us at m = 24-64 elsewhere, run 23).
+// (3 or 4 stages measured alike), its k per stage (128 and 512 no faster, run 25), and the weight's L2
+// evict-first hint (on: 1.4 us faster at down_proj m = 64, 0.5-1.4 us at m = 24-64 elsewhere, run 23).
 #ifndef GEMV_WG_MAX_STAGES
 #define GEMV_WG_MAX_STAGES 8
 #endif
 #ifndef GEMV_WG_HINT
 #define GEMV_WG_HINT 1
+#endif
+#ifndef GEMV_WG_STAGE_K
+#define GEMV_WG_STAGE_K 256
 #endif
 
 namespace fluxcompile {
@@ -68,7 +71,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTmaK = 256;                 // k per shared-memory stage of the bulk-copy loader
+constexpr int kTmaK = GEMV_WG_STAGE_K;     // k per shared-memory stage of the wgmma loader (4 boxes of 64)
 constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
 
 // Per m16 count MT (and kRowM, the CUDA-core loader's m, 0 for the others): the loader, tiles per CTA, CTAs
@@ -581,7 +584,9 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
   using C = Cfg<MT>;
   constexpr int N = 16 * MT;
   constexpr int kBoxW = C::kCols * 128, kBoxA = N * 128;  // one 64-k box of the weight / of A
+  constexpr int kBoxes = kTmaK / 64, kMine = kBoxes / 2;  // boxes per stage, per warpgroup
   static_assert(C::kCols == 64, "wgmma's M is the unit's 64 columns");
+  static_assert(kBoxes % 2 == 0, "the two warpgroups split a stage's boxes");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t = lane & 3;
   const int nst = (p.k + kTmaK - 1) / kTmaK;
   const unsigned q0 = uses;
@@ -592,7 +597,7 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
     char* st = smem + s * C::kStageBytes;
     mbar_expect_tx(&bars[s], C::kStageBytes);  // boxes past the operands arrive as zeros and count
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
+    for (int b = 0; b < kBoxes; ++b) {
       tma_load_2d(st + b * kBoxW, &p.tmap_w, it * kTmaK + b * 64, col0, &bars[s], policy);
       tma_load_2d(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * 64, 0, &bars[s]);
     }
@@ -609,13 +614,13 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
     const char* st = smem + s * C::kStageBytes;
     wg_fence();
 #pragma unroll
-    for (int b = 2 * wg; b < 2 * wg + 2; ++b) {
+    for (int b = kMine * wg; b < kMine * wg + kMine; ++b) {
       const unsigned long long dw = wg_desc(st + b * kBoxW), da = wg_desc(st + C::kWBytes + b * kBoxA);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgPtx<T>::template mma<N>(d, dw + 2 * kk, da + 2 * kk);  // +32 bytes
     }
     wg_commit();
-    wg_wait0();
+    wg_wait0();  // (keeping one stage's MMAs in flight was no faster, run 25)
     __syncthreads();  // every warpgroup is done with stage s: refill it
     if (tid == 0 && it + C::kStages < nst) issue(it + C::kStages);
   }
