@@ -554,7 +554,7 @@ struct WgPtx<__half> {
   template <int N>
   static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long da, unsigned long long db);
 };
-#define GEMV_WG_DEF(TY, PT, N, NREG, REGS, OPS, ...)                                                         \
+#define GEMV_WG_DEF(TY, PT, N, REGS, OPS, ...)                                                               \
   template <>                                                                                                \
   __device__ __forceinline__ void WgPtx<TY>::mma<N>(float (&d)[N / 2], unsigned long long da,               \
                                                     unsigned long long db) {                                 \
@@ -567,13 +567,13 @@ struct WgPtx<__half> {
 #define GEMV_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define GEMV_REGS24 GEMV_REGS16 ", %16, %17, %18, %19, %20, %21, %22, %23"
 #define GEMV_REGS32 GEMV_REGS24 ", %24, %25, %26, %27, %28, %29, %30, %31"
-GEMV_WG_DEF(__nv_bfloat16, "bf16", 32, 16, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
-GEMV_WG_DEF(__nv_bfloat16, "bf16", 48, 24, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
-GEMV_WG_DEF(__nv_bfloat16, "bf16", 64, 32, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 32, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 48, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
             GEMV_WG_R8(24))
-GEMV_WG_DEF(__half, "f16", 32, 16, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
-GEMV_WG_DEF(__half, "f16", 48, 24, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
-GEMV_WG_DEF(__half, "f16", 64, 32, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
+GEMV_WG_DEF(__half, "f16", 32, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
+GEMV_WG_DEF(__half, "f16", 48, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
+GEMV_WG_DEF(__half, "f16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
             GEMV_WG_R8(24))
 
 // The unit at col0 (64 columns) into tile_s. `uses` counts the stages consumed so far by this CTA: stage

@@ -45,7 +45,8 @@ struct GemvArParams {
   int ll;                   // one-shot only: partials to peers as LL words (no flags)
   long long timeout_ns;
   // Filled by the launcher for m > 16: tensor maps of w ([n, k] in boxes of one unit's rows, 2 * kGemvTileN,
-  // x 256 k) and A ([m, k] in boxes of a_box_rows x 256 k), for the bulk copies into shared memory.
+  // x 64 k) and A ([m, k] in boxes of a_box_rows = 16 * ceil(m / 16) x 64 k), 128-byte swizzled, for the
+  // bulk copies into the wgmma loader's shared-memory stages.
   GemvTmaMap tmap_w, tmap_a;
   int a_box_rows;
 };
