@@ -73,6 +73,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTmaK = GEMV_WG_STAGE_K;     // k per shared-memory stage of the wgmma loader (4 boxes of 64)
 constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
+constexpr int kBoxK = 64;                  // k per TMA box: 128 bytes, the width of the 128-byte swizzle
 
 // Per m16 count MT (and kRowM, the CUDA-core loader's m, 0 for the others): the loader, tiles per CTA, CTAs
 // per SM and the wgmma loader's stage ring (as many stages as fit in 200 KB, at most GEMV_WG_MAX_STAGES).
@@ -583,8 +584,8 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
                                    unsigned long long* bars, unsigned& uses) {
   using C = Cfg<MT>;
   constexpr int N = 16 * MT;
-  constexpr int kBoxW = C::kCols * 128, kBoxA = N * 128;  // one 64-k box of the weight / of A
-  constexpr int kBoxes = kTmaK / 64, kMine = kBoxes / 2;  // boxes per stage, per warpgroup
+  constexpr int kBoxW = C::kCols * kBoxK * 2, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
+  constexpr int kBoxes = kTmaK / kBoxK, kMine = kBoxes / 2;            // boxes per stage, per warpgroup
   static_assert(C::kCols == 64, "wgmma's M is the unit's 64 columns");
   static_assert(kBoxes % 2 == 0, "the two warpgroups split a stage's boxes");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t = lane & 3;
@@ -598,8 +599,8 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
     mbar_expect_tx(&bars[s], C::kStageBytes);  // boxes past the operands arrive as zeros and count
 #pragma unroll
     for (int b = 0; b < kBoxes; ++b) {
-      tma_load_2d(st + b * kBoxW, &p.tmap_w, it * kTmaK + b * 64, col0, &bars[s], policy);
-      tma_load_2d(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * 64, 0, &bars[s]);
+      tma_load_2d(st + b * kBoxW, &p.tmap_w, it * kTmaK + b * kBoxK, col0, &bars[s], policy);
+      tma_load_2d(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * kBoxK, 0, &bars[s]);
     }
   };
   if (tid == 0) {
@@ -617,7 +618,7 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
     for (int b = kMine * wg; b < kMine * wg + kMine; ++b) {
       const unsigned long long dw = wg_desc(st + b * kBoxW), da = wg_desc(st + C::kWBytes + b * kBoxA);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) WgPtx<T>::template mma<N>(d, dw + 2 * kk, da + 2 * kk);  // +32 bytes
+      for (int kk = 0; kk < kBoxK / 16; ++kk) WgPtx<T>::template mma<N>(d, dw + 2 * kk, da + 2 * kk);  // k16: +32 B
     }
     wg_commit();
     wg_wait0();  // (keeping one stage's MMAs in flight was no faster, run 25)
@@ -909,11 +910,11 @@ constexpr CUtensorMapDataType tma_dtype() {
   return std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 }
 
-// A 2-D tensor map of a row-major [rows, cols] matrix (row stride ld elements of T) in boxes of
-// box_rows x box_cols; reads past the matrix land as zeros. Host-only work (no GPU call).
+// A 2-D tensor map of a row-major [rows, cols] matrix (row stride ld elements of T) in boxes of box_rows x
+// kBoxK columns, 128-byte swizzled (the wgmma loader's stages); reads past the matrix land as zeros. Host-only
+// work (no GPU call).
 template <typename T>
-cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, int ld, int box_rows, int box_cols,
-                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
+cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, int ld, int box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     void* fn = nullptr;
@@ -924,10 +925,10 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
   }
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(T)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {kBoxK, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   CUresult r = encode(reinterpret_cast<CUtensorMap*>(map), tma_dtype<T>(), 2, const_cast<void*>(base), dims, strides,
-                      box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                      box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -942,10 +943,8 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
   cudaError_t rc = cudaGetDevice(&device);
   if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (C::kTma) {
-    p.a_box_rows = C::kARows;
-    const auto swz = CU_TENSOR_MAP_SWIZZLE_128B;
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols, 64, swz);
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, p.a_box_rows, 64, swz);
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols);
+    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, C::kARows);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
       rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRowM>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);

@@ -45,10 +45,9 @@ struct GemvArParams {
   int ll;                   // one-shot only: partials to peers as LL words (no flags)
   long long timeout_ns;
   // Filled by the launcher for m > 16: tensor maps of w ([n, k] in boxes of one unit's rows, 2 * kGemvTileN,
-  // x 64 k) and A ([m, k] in boxes of a_box_rows = 16 * ceil(m / 16) x 64 k), 128-byte swizzled, for the
-  // bulk copies into the wgmma loader's shared-memory stages.
+  // x 64 k) and A ([m, k] in boxes of 16 * ceil(m / 16) rows x 64 k), 128-byte swizzled, for the bulk copies
+  // into the wgmma loader's shared-memory stages.
   GemvTmaMap tmap_w, tmap_a;
-  int a_box_rows;
 };
 
 // dtype: 0 = bfloat16, 1 = float16. Returns the launch's CUDA error (cudaSuccess when queued).

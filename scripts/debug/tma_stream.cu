@@ -62,18 +62,21 @@ __global__ void __launch_bounds__(32 * (CW + (WS ? 1 : 0)))
   }
   __syncthreads();
   const int units = (n + R - 1) / R, ksteps = (k + KB * NB - 1) / (KB * NB);
+  // This CTA's iterations i = 0 .. n_it - 1 and their global index g (unit * ksteps + k step): stream-K gives
+  // it a contiguous range of all units' k steps, otherwise it walks units blockIdx.x, + gridDim.x, ...
   const long long total = static_cast<long long>(units) * ksteps;
-  long long it0, it1;  // this CTA's global iterations (unit * ksteps + kstep)
-  if (SK) {
-    it0 = total * blockIdx.x / gridDim.x;
-    it1 = total * (blockIdx.x + 1) / gridDim.x;
-  } else {
-    it0 = 0;
-    it1 = 0;  // unused: the loops below walk units
-  }
+  const long long it0 = total * blockIdx.x / gridDim.x;
+  const int my_units = blockIdx.x < units ? (units - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int n_it = SK ? static_cast<int>(total * (blockIdx.x + 1) / gridDim.x - it0) : my_units * ksteps;
+  auto g_of = [&](int i) -> long long {
+    if (SK) return it0 + i;
+    const int u = blockIdx.x + (i / ksteps) * gridDim.x;
+    return static_cast<long long>(u) * ksteps + i % ksteps;
+  };
   unsigned long long policy = 0;
   if (HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  auto issue = [&](int i, long long g) {  // local iteration i, global g
+  auto issue = [&](int i) {
+    const long long g = g_of(i);
     const int s = i % S, unit = static_cast<int>(g / ksteps), ks = static_cast<int>(g % ksteps);
     char* st = smem + s * SB;
     bar_expect(&full[s], SB);
@@ -83,50 +86,32 @@ __global__ void __launch_bounds__(32 * (CW + (WS ? 1 : 0)))
       if (AR) tma2d<false>(st + NB * WB + b * AB, &am, (ks * NB + b) * KB, 0, &full[s], 0);
     }
   };
-  // The global iterations of this CTA, in order.
-  auto for_iters = [&](auto&& f) {
-    if (SK) {
-      int i = 0;
-      for (long long g = it0; g < it1; ++g, ++i) f(i, g);
-    } else {
-      int i = 0;
-      for (int u = blockIdx.x; u < units; u += gridDim.x)
-        for (int ks = 0; ks < ksteps; ++ks, ++i) f(i, static_cast<long long>(u) * ksteps + ks);
-    }
-  };
   unsigned acc = 0;
   if (WS) {
     if (warp == CW) {
       if (lane == 0) {
-        for_iters([&](int i, long long g) {
+        for (int i = 0; i < n_it; ++i) {
           bar_wait(&empty[i % S], ((i / S) & 1) ^ 1);
-          issue(i, g);
-        });
+          issue(i);
+        }
       }
     } else {
-      for_iters([&](int i, long long) {
+      for (int i = 0; i < n_it; ++i) {
         bar_wait(&full[i % S], (i / S) & 1);
         acc ^= *reinterpret_cast<const unsigned*>(smem + (i % S) * SB + (tid * 16) % SB);
         __syncwarp();
         if (lane == 0) bar_arrive(&empty[i % S]);
-      });
+      }
     }
   } else {
     // thread 0 issues the first S, then refills stage s behind a CTA barrier once every warp read it.
-    auto g_of = [&](int i) -> long long {
-      if (SK) return it0 + i;
-      const int u = blockIdx.x + (i / ksteps) * gridDim.x;
-      return static_cast<long long>(u) * ksteps + i % ksteps;
-    };
-    int n_it = 0;
-    for_iters([&](int i, long long) { n_it = i + 1; });
     if (tid == 0)
-      for (int i = 0; i < S && i < n_it; ++i) issue(i, g_of(i));
+      for (int i = 0; i < S && i < n_it; ++i) issue(i);
     for (int i = 0; i < n_it; ++i) {
       bar_wait(&full[i % S], (i / S) & 1);
       acc ^= *reinterpret_cast<const unsigned*>(smem + (i % S) * SB + (tid * 16) % SB);
       __syncthreads();
-      if (tid == 0 && i + S < n_it) issue(i + S, g_of(i + S));
+      if (tid == 0 && i + S < n_it) issue(i + S);
     }
   }
   if (acc == 0x12345678u) sink[tid] = 1.f;
