@@ -16,7 +16,8 @@
 // Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
 // tile is reduced by the CTA that computed it here:
 //   1. compute each tile's partial (+ bias, rounded to T like addmm's output) and store it straight into
-//      the destination ranks' symmetric slots (zero-copy, over NVLink), then release a flag per tile:
+//      the destination ranks' symmetric slots (zero-copy, over NVLink; the CTA's last unit keeps its own
+//      partial in shared memory for phase 2), then release a flag per tile:
 //        one-shot: to every rank;   two-shot: only to the tile's owner (tiles are split in contiguous
 //        ranges over the ranks). Tiles that other ranks need come first (communication-aware order: on
 //        rank r the owners r+1, r+2, ..., r).
@@ -32,8 +33,9 @@
 //
 // Flags carry epochs: state[0] counts this kernel's calls on this rank (every rank makes the same calls,
 // so the counts agree); a call uses e = state[0] + 1, and the last of its CTAs to read state[0] stores e
-// back. A wait succeeds when flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never
-// passes and nothing is reset between calls or CUDA graph replays. Data slots alternate by the epoch's
+// back (it learns it is last from an atomic count whose reply it awaits only after its first stores). A
+// wait succeeds when flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never passes
+// and nothing is reset between calls or CUDA graph replays. Data slots alternate by the epoch's
 // parity: a rank can start call e + 1 while a peer still reads call e's slots, but it cannot start call
 // e + 2 before having received something the peer produced in call e + 1 (one-shot: every tile; two-shot:
 // every rank owns >= 1 tile), i.e. after the peer finished reading call e.
@@ -64,6 +66,18 @@
 #endif
 #ifndef GEMV_WG_STAGE_K
 #define GEMV_WG_STAGE_K 256
+#endif
+// The CUDA-core loader takes m <= GEMV_ROW_MAX_M; at m > 2 with GEMV_ROW_RW rows per warp and GEMV_ROW_CH
+// loads in flight (run 34, m = 3: 8 x 4 1.4 us faster than the fragment loader at down_proj, 8 x 8 1.1,
+// 4 x 4 5 us slower, 16 rows spill; m = 4: 8 x 8 0.5 us slower than the fragment loader, 8 x 4 8 us).
+#ifndef GEMV_ROW_MAX_M
+#define GEMV_ROW_MAX_M 2
+#endif
+#ifndef GEMV_ROW_RW
+#define GEMV_ROW_RW 8
+#endif
+#ifndef GEMV_ROW_CH
+#define GEMV_ROW_CH 4
 #endif
 
 namespace fluxcompile {
@@ -419,19 +433,23 @@ __device__ __forceinline__ int index_of(int lane) {
   return idx;
 }
 
-// m <= 2 on CUDA cores (an MMA would waste most of its 16 rows, and its fragments read 64-byte pieces of 8
+// m <= 3 on CUDA cores (an MMA would waste most of its 16 rows, and its fragments read 64-byte pieces of 8
 // rows per load instruction, measured slower than whole 512-byte pieces of one row). The pure read's
 // fastest shape (the lab's tile3): a load instruction is 512 contiguous bytes of one row (a k block of 256),
-// warp w reads 16 rows of the tile (row group w % 2) at the k blocks w / 2, w / 2 + 4, ... (the warps of a
-// group interleave), 16 loads in flight; A's 8 elements per lane are loaded once per k block for all 16
-// rows. Per warp: fp32 FMAs, then one shuffle reduction of all its rows; the 4 warps of a row group are
+// m <= 2: warp w reads 16 rows of the tile (row group w % 2) at the k blocks w / 2, w / 2 + 4, ... (the
+// warps of a group interleave), 16 loads in flight; m = 3: 8 rows per warp (4 row groups), 4 loads in
+// flight (registers: 3 x 8 accumulators per row). A's 8 elements per lane are loaded once per k block for
+// all the warp's rows. Per warp: fp32 FMAs, then one shuffle reduction of all its rows; the 4 warps of a row group are
 // added in warp order through shared memory (deterministic). Measured 1.6-1.9 us faster at down_proj
 // m = 1-2 than 4 rows per warp over all k (lab run 16).
 template <typename T, int M>
 __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
-  static_assert(M == 1 || M == 2, "the MMA loaders take m > 2");
-  // RW rows per warp (32 spill), CH loads in flight per chunk.
-  constexpr int RW = 16, G = kGemvTileN / RW, WPG = kWarps / G, KB = 256, CH = 16;
+  static_assert(M >= 1 && M <= 4, "the MMA loaders take m > 4");
+  // RW rows per warp (32 spill), CH loads in flight per chunk; m > 2 (more accumulators, A kept unpacked)
+  // takes GEMV_ROW_RW / GEMV_ROW_CH.
+  constexpr bool kWide = M > 2;
+  constexpr int RW = kWide ? GEMV_ROW_RW : 16, G = kGemvTileN / RW, WPG = kWarps / G, KB = 256;
+  constexpr int CH = kWide ? GEMV_ROW_CH : 16;
   static_assert(RW % CH == 0 && kGemvTileN % RW == 0, "whole chunks per warp");
   __shared__ float red[kWarps][M][RW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = (warp % G) * RW;
@@ -446,9 +464,14 @@ __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int kk = (warp / G) * KB; kk < p.k; kk += WPG * KB) {
     const bool kok = kk + lane * 8 < p.k;  // k % 8 == 0: a lane's 8 elements are all in range or none
-    uint4 apk[M];  // A stays packed (half the registers); its elements are converted where used
+    uint4 apk[M];  // m <= 2: A stays packed (half the registers); its elements are converted where used
 #pragma unroll
     for (int i = 0; i < M; ++i) apk[i] = kok ? __ldg(reinterpret_cast<const uint4*>(a + i * p.lda + kk)) : zero;
+    float afw[kWide ? M : 1][8];  // m > 2: A unpacked once per k block (its conversions would outnumber the FMAs)
+    if constexpr (kWide) {
+#pragma unroll
+      for (int i = 0; i < M; ++i) unpack8<T>(apk[i], afw[i]);
+    }
 #pragma unroll
     for (int h = 0; h < RW / CH; ++h) {
       uint4 wv[CH];
@@ -462,7 +485,12 @@ __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s
 #pragma unroll
         for (int i = 0; i < M; ++i) {
           float af[8];
-          unpack8<T>(apk[i], af);
+          if constexpr (kWide) {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) af[q] = afw[i][q];
+          } else {
+            unpack8<T>(apk[i], af);
+          }
 #pragma unroll
           for (int q = 0; q < 8; ++q) acc[i][h * CH + r] = fmaf(af[q], wf[q], acc[i][h * CH + r]);
         }
@@ -683,7 +711,7 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
 
-// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 or 2; 0: the MMA loaders), an instantiation of its own
+// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders), an instantiation of its own
 // so each loader gets its registers.
 template <typename T, int MT, int kRowM>
 __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
@@ -711,23 +739,32 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   unsigned e = 0;
   int parity = 0, result_slot = 0;
   bool have_epoch = false;  // uniform over the CTA
-  auto take_epoch = [&]() {
-    if (have_epoch) return;
+  // The CTA that counted in last (its ticket: the count before its own) publishes the new epoch for the next
+  // call (stream order makes it visible).
+  auto publish_epoch = [&](unsigned ticket) {
+    if (tid == 0 && ticket == gridDim.x - 1) {
+      p.state[1] = 0;
+      p.state[0] = static_cast<int>(e);
+    }
+  };
+  // The count's reply is awaited only once the CTA's first stores are issued (publish_epoch(ticket) after
+  // them), except in the fragment loader: it is at its 128-register cap, where holding the ticket spills
+  // (and deferring gained nothing there, lab run 31).
+  constexpr bool kDeferPublish = !(MT == 1 && kRowM == 0);
+  // Returns thread 0's ticket on the first call when publishing is deferred, else ~0u (nothing to publish).
+  auto take_epoch = [&]() -> unsigned {
+    if (have_epoch) return ~0u;
     if (tid == 0) s_epoch = prev_epoch + 1u;
     __syncthreads();
     e = s_epoch;
     parity = static_cast<int>(e & 1u);
     result_slot = 2 * p.world + parity;
     have_epoch = true;
-    // Every CTA has read the old epoch once all have counted in here: the last one publishes the new epoch
-    // for the next call (stream order makes it visible) now, not behind the kernel's last writes.
-    if (tid == 0) {
-      unsigned* done = reinterpret_cast<unsigned*>(&p.state[1]);
-      if (atomicAdd(done, 1u) == gridDim.x - 1) {
-        *done = 0;
-        p.state[0] = static_cast<int>(e);
-      }
-    }
+    // Every CTA has read the old epoch once all have counted in here.
+    const unsigned ticket = tid == 0 ? atomicAdd(reinterpret_cast<unsigned*>(&p.state[1]), 1u) : 0u;
+    if (kDeferPublish) return ticket;
+    publish_epoch(ticket);
+    return ~0u;
   };
   unsigned* const my_flags = p.peer_flags[p.rank];
   // The thread's 16-byte vector of a tile: row v / kVecPerRow, columns (v % kVecPerRow) * 8 .. + 8.
@@ -739,8 +776,18 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   auto for_tiles = [&](auto&& f) {
     for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
       const int t0 = unit_at<kTpc>(pos, p) * kTpc;
-      for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) f(t0 + sub, sub);
+      for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) f(t0 + sub, sub, pos + gridDim.x >= n_units);
     }
+  };
+  // The partial of tile `sub` of the unit in tile_s as this rank's slot holds it (bias added, rounded to T).
+  auto own_partial = [&](int col0, int sub) {
+    float f[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      f[q] = tile_s[vi][sub * kGemvTileN + vc + q];
+      if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col0 + vc + q]);
+    }
+    return pack8<T>(f);
   };
 
   // Phase 1: partials, pushed to the ranks that reduce them.
@@ -753,24 +800,21 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
     } else {
       compute_tile<T, MT>(p, t0 * kGemvTileN, tile_s);
     }
-    take_epoch();
+    const unsigned ticket = take_epoch();
+    // The CTA's last unit keeps its own partial in tile_s for phase 2: no store to its own slot and load back
+    // on the way to the output (0.5-1 us at world size 1, lab run 31).
+    const bool keep_own = pos + gridDim.x >= n_units;
     for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) {
       const int t = t0 + sub, col0 = t * kGemvTileN;
       const int owner = owner_of(t, p.n_tiles, p.world);
       if (has_vec && col0 + vc < p.n) {
-        float f[8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          f[q] = tile_s[vi][sub * kGemvTileN + vc + q];
-          if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col0 + vc + q]);
-        }
-        const uint4 part = pack8<T>(f);
+        const uint4 part = own_partial(col0, sub);
         const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
         const int src_slot = parity * p.world + p.rank;
         if (p.two_shot) {
-          st_cg(slot<T>(p, owner, src_slot) + off, part);
+          if (!(keep_own && owner == p.rank)) st_cg(slot<T>(p, owner, src_slot) + off, part);
         } else {
-          for (int step = 0; step < p.world; ++step) {  // peers first, own slot last
+          for (int step = 0; step < p.world - (keep_own ? 1 : 0); ++step) {  // peers first, own slot last
             const int dst = (p.rank + 1 + step) % p.world;
             if (p.ll && dst != p.rank) {
               st_ll(ll_slot<T>(p, dst, src_slot, off), part, e);
@@ -789,11 +833,12 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
         }
       }
     }
+    if (kDeferPublish && pos == blockIdx.x) publish_epoch(ticket);  // the reply came back behind the stores
   }
-  take_epoch();  // (a CTA without units)
+  if (blockIdx.x >= n_units) publish_epoch(take_epoch());  // a CTA without units
 
   // Phase 2: reduce the tiles this rank reduces.
-  for_tiles([&](int t, int) {
+  for_tiles([&](int t, int sub, bool last_unit) {
     const int col0 = t * kGemvTileN;
     if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
     if (tid == 0) {
@@ -814,6 +859,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
         uint4 d;
         if (p.ll && src != p.rank) {
           ok = wait_ll(ll_slot<T>(p, p.rank, parity * p.world + src, off), e, d, p, src, t);
+        } else if (last_unit && src == p.rank) {
+          d = own_partial(col0, sub);
         } else {
           d = ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
         }
@@ -841,7 +888,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
 
   // Phase 3 (two-shot): the tiles other ranks reduced.
   if (p.two_shot) {
-    for_tiles([&](int t, int) {
+    for_tiles([&](int t, int, bool) {
       const int col0 = t * kGemvTileN;
       const int owner = owner_of(t, p.n_tiles, p.world);
       if (owner == p.rank) return;
@@ -885,7 +932,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
         if (lane == 0) s_inv[i] = rsqrtf(s / static_cast<float>(p.n) + p.eps);
       }
       __syncthreads();
-      for_tiles([&](int t, int) {
+      for_tiles([&](int t, int, bool) {
         const int col0 = t * kGemvTileN;
         if (has_vec && col0 + vc < p.n) {
           const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
@@ -902,7 +949,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
       });
     }
   }
-
 }
 
 template <typename T>
@@ -968,6 +1014,12 @@ cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
     case 1:
       if (p.m == 1) return launch_mt<T, 1, 1>(p, grid, stream);
       if (p.m == 2) return launch_mt<T, 1, 2>(p, grid, stream);
+      if constexpr (GEMV_ROW_MAX_M >= 3) {
+        if (p.m == 3) return launch_mt<T, 1, 3>(p, grid, stream);
+      }
+      if constexpr (GEMV_ROW_MAX_M >= 4) {
+        if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, stream);
+      }
       return launch_mt<T, 1>(p, grid, stream);
     case 2: return launch_mt<T, 2>(p, grid, stream);
     case 3: return launch_mt<T, 3>(p, grid, stream);
