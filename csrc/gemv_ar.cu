@@ -3,8 +3,8 @@
 // out = all_reduce_sum(A @ w.t() + bias) over the ranks of a group, A [m, k] (m <= 64), w [n, k] this rank's
 // row shard of the weight. Memory-bound: the weight is streamed once, with fp32 accumulation, by one of
 // three loaders (Cfg below):
-//   m <= 2 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
-//   2 < m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
+//   m <= 3 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
+//   3 < m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
 //     with the L2::256B prefetch size (measured 6% faster than without it on an H200);
 //   m > 16 (compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of 128-byte-swizzled
 //     shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory, two tiles per
@@ -71,7 +71,7 @@
 // loads in flight (run 34, m = 3: 8 x 4 1.4 us faster than the fragment loader at down_proj, 8 x 8 1.1,
 // 4 x 4 5 us slower, 16 rows spill; m = 4: 8 x 8 0.5 us slower than the fragment loader, 8 x 4 8 us).
 #ifndef GEMV_ROW_MAX_M
-#define GEMV_ROW_MAX_M 2
+#define GEMV_ROW_MAX_M 3
 #endif
 #ifndef GEMV_ROW_RW
 #define GEMV_ROW_RW 8
