@@ -438,9 +438,9 @@ __device__ __forceinline__ int index_of(int lane) {
 // fastest shape (the lab's tile3): a load instruction is 512 contiguous bytes of one row (a k block of 256),
 // m <= 2: warp w reads 16 rows of the tile (row group w % 2) at the k blocks w / 2, w / 2 + 4, ... (the
 // warps of a group interleave), 16 loads in flight; m = 3: 8 rows per warp (4 row groups), 4 loads in
-// flight (registers: 3 x 8 accumulators per row). A's 8 elements per lane are loaded once per k block for
-// all the warp's rows. Per warp: fp32 FMAs, then one shuffle reduction of all its rows; the 4 warps of a row group are
-// added in warp order through shared memory (deterministic). Measured 1.6-1.9 us faster at down_proj
+// flight (registers: 3 x 8 accumulators per lane). A's 8 elements per lane are loaded once per k block for
+// all the warp's rows. Per warp: fp32 FMAs, then one shuffle reduction of all its rows; the warps of a row
+// group are added in warp order through shared memory (deterministic). Measured 1.6-1.9 us faster at down_proj
 // m = 1-2 than 4 rows per warp over all k (lab run 16).
 template <typename T, int M>
 __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
@@ -711,8 +711,8 @@ __device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, in
   if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
 }
 
-// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders), an instantiation of its own
-// so each loader gets its registers.
+// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders), an
+// instantiation of its own so each loader gets its registers.
 template <typename T, int MT, int kRowM>
 __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
   using C = Cfg<MT, kRowM>;
