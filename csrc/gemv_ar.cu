@@ -552,12 +552,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, in
 }
 
 // ---- The wgmma loader (m > 16) ----
-// A stage holds 256 k of the unit's 64 weight rows and of A's 16 * MT rows (zeros past m), copied by the TMA
-// engine in 128-byte-swizzled boxes of 64 k (4 of the weight, 4 of A) and completed on an mbarrier; its bytes
-// in flight sit in shared memory, not in registers. Warpgroup MMAs read them straight from there: the weight
-// is wgmma's A operand (M = 64 rows = the unit's columns), A its B operand (N = 16 * MT). Warpgroup 0 takes
-// the stage's boxes 0-1, warpgroup 1 boxes 2-3; their accumulators are summed in that order into tile_s
-// (deterministic). Thread 0 refills a stage once both warpgroups are done with it.
+// A stage holds kTmaK (256) k of the unit's 64 weight rows and of A's 16 * MT rows (zeros past m), copied by
+// the TMA engine in 128-byte-swizzled boxes of 64 k (at 256: 4 of the weight, 4 of A) and completed on an
+// mbarrier; its bytes in flight sit in shared memory, not in registers. Warpgroup MMAs read them straight from
+// there: the weight is wgmma's A operand (M = 64 rows = the unit's columns), A its B operand (N = 16 * MT).
+// Warpgroup 0 takes the first half of the stage's boxes, warpgroup 1 the second; their accumulators are
+// summed in that order into tile_s (deterministic). Thread 0 refills a stage once both warpgroups are done
+// with it.
 
 // A K-major, 128-byte-swizzled operand of 8-row atoms 1024 bytes apart (the TMA box layout).
 __device__ __forceinline__ unsigned long long wg_desc(const void* p) {
@@ -611,7 +612,7 @@ template <typename T, int MT>
 __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT>::kCols], char* smem,
                                    unsigned long long* bars, unsigned& uses) {
   using C = Cfg<MT>;
-  constexpr int N = 16 * MT;
+  constexpr int N = C::kARows;
   constexpr int kBoxW = C::kCols * kBoxK * 2, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
   constexpr int kBoxes = kTmaK / kBoxK, kMine = kBoxes / 2;            // boxes per stage, per warpgroup
   static_assert(C::kCols == 64, "wgmma's M is the unit's 64 columns");
