@@ -57,6 +57,10 @@ class Config:
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
     cache_dir: str = ""
 
+    # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
+    # (the dispatcher's host time per call: lowerings/direct_calls.py).
+    direct_calls: bool = True
+
     # Log the rewrite report of every compiled graph at INFO on the "fluxcompile" logger.
     log_report: bool = True
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from . import ag_async_input_mm, ag_cublas_pipelined, ag_stages, ag_triton
 from .autotune import pick
 from .choices import Choice, register_choice, register_variants
+from .direct_calls import cuda_impl
 
 OP = "all_gather_matmul"
 
@@ -81,7 +82,7 @@ for _variant in ag_triton.VARIANTS:  # experimental: they decline every call unl
     register_choice(OP, Choice(f"triton:{_variant}", *ag_triton.make(_variant)))
 
 
-@torch.library.impl("fluxcompile::all_gather_matmul", "CUDA")
+@cuda_impl(OP, probe=lambda args: args[0])
 def _cuda_all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
 ) -> tuple[Tensor, list[Tensor]]:

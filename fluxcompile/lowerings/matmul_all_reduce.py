@@ -33,6 +33,7 @@ from ..symm_mem import workspace
 from . import decode_ar
 from .autotune import pick, time_in_cuda_graphs
 from .choices import Choice, register_choice
+from .direct_calls import cuda_impl
 
 OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
 
@@ -210,7 +211,7 @@ time_in_cuda_graphs("all_reduce_rmsnorm", lambda args: math.prod(args[4][:-1]) <
 # The CUDA implementations of the ops.
 
 
-@torch.library.impl("fluxcompile::matmul_all_reduce", "CUDA")
+@cuda_impl("matmul_all_reduce", probe=lambda args: args[0][0])
 def _cuda_matmul_all_reduce(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], reduce_op: str,
     group_name: str,
@@ -219,7 +220,7 @@ def _cuda_matmul_all_reduce(
     return pick("matmul_all_reduce", args, group_name).fn(*args)
 
 
-@torch.library.impl("fluxcompile::all_reduce_rmsnorm", "CUDA")
+@cuda_impl("all_reduce_rmsnorm", probe=lambda args: args[5])  # the residual
 def _cuda_all_reduce_rmsnorm(
     x: Tensor | None, As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
     residual: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool, reduce_op: str,

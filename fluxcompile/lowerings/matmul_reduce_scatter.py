@@ -25,6 +25,7 @@ from torch import Tensor
 from . import rs_cublas_pipelined, rs_stages, rs_triton
 from .autotune import pick
 from .choices import Choice, register_choice, register_variants
+from .direct_calls import cuda_impl
 
 OP = "matmul_reduce_scatter"
 
@@ -101,7 +102,7 @@ for _variant in rs_triton.VARIANTS:  # experimental: they decline every call unl
     register_choice(OP, Choice(f"triton:{_variant}", *rs_triton.make(_variant)))
 
 
-@torch.library.impl("fluxcompile::matmul_reduce_scatter", "CUDA")
+@cuda_impl(OP, probe=lambda args: args[0][0])
 def _cuda_matmul_reduce_scatter(
     As: Sequence[Tensor],
     Bs: Sequence[Tensor],
