@@ -5,6 +5,13 @@ measures the host side alone. Shapes are tiny, so the GPU always keeps up and a 
 times the host time. Prints one table (rank 0; max over ranks) and a cProfile of the op path.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/host_cost.py
+
+``--loopback`` (one process, one GPU: ``python benchmarks/host_cost.py --loopback``) runs the fused ops'
+2-rank host sequence against this rank itself: the peer's slots are views of our own buffer and its flags
+alias ours (``addr(peer, i) == addr(rank, i + 1)``), so each wait is satisfied by our own write and the
+host enqueues exactly what it would with a real peer. The NCCL rows then run on a 1-rank group, which
+may enqueue less than a 2-rank one; read them as a lower bound on the baseline's host cost. For
+machines with one GPU (torch's symmetric memory refuses two ranks on one device); host times only.
 """
 
 from __future__ import annotations
@@ -19,6 +26,39 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+
+class _LoopbackHandle:
+    """A 1-rank symmetric-memory handle seen as two ranks: rank 1's buffer is ours, and its pointer is ours
+    plus 4 bytes, so flag ``i`` of rank 1 is our flag ``i + 1`` (see the docstring)."""
+
+    def __init__(self, handle: object) -> None:
+        self._handle = handle
+        base = int(handle.buffer_ptrs[0])
+        self.buffer_ptrs = [base, base + 4]
+
+    def get_buffer(self, rank: int, shape: list[int], dtype: torch.dtype, offset: int) -> torch.Tensor:
+        return self._handle.get_buffer(0, shape, dtype, offset)
+
+
+def loopback_peers() -> None:
+    """Make the fused ops' workspaces (this process, from now on) 2-rank loopbacks of this 1-rank group."""
+    import dataclasses
+
+    from fluxcompile.lowerings import ag_cublas_pipelined, rs_cublas_pipelined
+    from fluxcompile.symm_mem import signals
+
+    real = signals.workspace
+    seen: dict[int, object] = {}
+
+    def workspace(group_name: str, nbytes: int, tag: str = "default"):
+        ws = real(group_name, nbytes, tag)
+        if id(ws) not in seen:  # one loopback per real workspace, so `plan.ws is workspace(...)` holds
+            seen[id(ws)] = dataclasses.replace(ws, handle=_LoopbackHandle(ws.handle), rank=0, world_size=2)
+        return seen[id(ws)]
+
+    for mod in (ag_cublas_pipelined, rs_cublas_pipelined, signals):
+        mod.workspace = workspace
 
 
 def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
@@ -37,6 +77,27 @@ def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float
     t = torch.tensor([sorted(per)[2]], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int, rounds: int, device: torch.device):
+    """Host µs per call of each of ``fns``, timed in turn within each round (so a drift of the host's speed
+    hits them all alike): the median over rounds, the slowest rank."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per[name].append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize(device)
+    t = torch.tensor([sorted(x)[len(x) // 2] for x in per.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(per, t.tolist()))
 
 
 def host_us_by_position(fn: Callable[[], object], rounds: int, per_round: int, device: torch.device) -> list[float]:
@@ -68,14 +129,24 @@ def main() -> None:
     p.add_argument("--inner", dest="k", type=int, default=1024)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--profile-calls", type=int, default=300)
+    p.add_argument("--loopback", action="store_true", help="one process, two ranks' host sequence (see above)")
     args = p.parse_args()
 
+    if args.loopback:
+        os.environ.setdefault("RANK", "0"), os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.environ.setdefault("MASTER_PORT", "29511")
     dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
-    import fluxcompile  # noqa: F401  (registers the ops and their CUDA implementations)
-    from fluxcompile.lowerings import choices_for, pick
+    import fluxcompile  # registers the ops and their CUDA implementations
+    from fluxcompile.lowerings import choices_for, direct_calls, pick
+
+    world = dist.get_world_size()
+    if args.loopback:
+        loopback_peers()
+        fluxcompile.config.autotune = False  # its reference candidate cannot run 2 ranks' NCCL on 1
+        world = 2
     from fluxcompile.symm_mem import stream_wait, stream_write, workspace
 
     group = dist.group.WORLD.group_name
@@ -89,14 +160,16 @@ def main() -> None:
     a = torch.randn(m, k // world, device=device, dtype=bf)
     b = torch.randn(k // world, n, device=device, dtype=bf)
     out = torch.empty(m, n, device=device, dtype=bf)
-    rs_out = torch.empty(m // world, n, device=device, dtype=bf)
+    rs_out = torch.empty(m // dist.get_world_size(), n, device=device, dtype=bf)
     row("torch.mm", lambda: torch.mm(a, b))
     row("torch.mm(out=)", lambda: torch.mm(a, b, out=out))
     row("mm + dist.reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)))
     funcol = torch.ops._c10d_functional
 
+    group_ranks = dist.get_world_size()  # 1 under --loopback: NCCL's own group
+
     def funcol_rs():
-        return funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b), "sum", world, group))
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b), "sum", group_ranks, group))
 
     row("mm + funcol reduce_scatter + wait", funcol_rs)
 
@@ -123,10 +196,26 @@ def main() -> None:
                 except Exception as e:  # a table row, not a crash
                     if rank == 0:
                         print(f"{op} {choice.name}: {type(e).__name__}: {e}")
-        fused = getattr(torch.ops.fluxcompile, op)
+        fused = getattr(torch.ops.fluxcompile, op).default  # as Inductor's generated code calls it
         fused(*op_args)  # tunes (a collective) before anything is timed
         row(f"{op} pick (memo hit)", lambda o=op, x=op_args: pick(o, x, group), 200)
+        # The body of the op's CUDA implementation (lowerings/<op>.py), without the dispatcher around it.
+        row(f"{op} pick + winner, no dispatcher", lambda o=op, x=op_args: pick(o, x, group).fn(*x))
         row(f"{op} via torch.ops (winner {pick(op, op_args, group).name})", lambda f=fused, x=op_args: f(*x))
+
+    # The op path's layers, interleaved: what the dispatcher and the autotuner's lookup add to the winner.
+    layers: dict[str, Callable[[], object]] = {"torch.mm": lambda: torch.mm(a, b)}
+    for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
+        fused, winner = getattr(torch.ops.fluxcompile, op).default, pick(op, op_args, group)
+        layers[f"{op} {winner.name} (direct)"] = lambda c=winner, x=op_args: c.fn(*x)
+        layers[f"{op} pick + winner, no dispatcher"] = lambda o=op, x=op_args: pick(o, x, group).fn(*x)
+        layers[f"{op} via torch.ops (.default)"] = lambda f=fused, x=op_args: f(*x)
+        direct = direct_calls.registered().get(op)
+        if direct is not None:  # what Inductor's generated code calls (lowerings/direct_calls.py)
+            layers[f"{op} via its direct entry"] = lambda f=direct, x=op_args: f(*x)
+        packet = getattr(torch.ops.fluxcompile, op)
+        layers[f"{op} via the overload packet"] = lambda f=packet, x=op_args: f(*x)
+    interleaved = host_us_interleaved(layers, args.calls, 9, device)
 
     by_position = {
         "torch.mm": host_us_by_position(lambda: torch.mm(a, b), 8, 8, device),
@@ -134,19 +223,36 @@ def main() -> None:
             lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), 8, 8, device
         ),
         "matmul_reduce_scatter via torch.ops": host_us_by_position(
-            lambda: torch.ops.fluxcompile.matmul_reduce_scatter(*rs_args), 8, 8, device
+            lambda: torch.ops.fluxcompile.matmul_reduce_scatter.default(*rs_args), 8, 8, device
         ),
     }
     torch.cuda.synchronize(device)
     if rank == 0:
-        print(f"== host table: µs per call, max over {world} ranks, m={m} n={n} k={k}")
+        print(f"== host table: µs per call, slowest of {dist.get_world_size()} processes, m={m} n={n} k={k}")
         for name, t in rows:
+            print(f"  {name:<64} {t:8.1f}")
+        print("== the op path's layers, interleaved (median of 9 rounds)")
+        for name, t in interleaved.items():
             print(f"  {name:<64} {t:8.1f}")
         print("== host µs of the 1st..8th call after a synchronize + barrier (benchmarks/ops.py's rounds)")
         for name, ts in by_position.items():
             print(f"  {name:<64} " + " ".join(f"{t:8.1f}" for t in ts))
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
-        fused = getattr(torch.ops.fluxcompile, op)
+        # What the host spends inside the C++ sequence: aten ops and CUDA runtime calls (torch.profiler).
+        fused = getattr(torch.ops.fluxcompile, op).default
+        calls = 50
+        dist.barrier()
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as kprof:
+            for _ in range(calls):
+                fused(*op_args)
+            torch.cuda.synchronize(device)
+        if rank == 0:
+            print(f"== torch.profiler of {calls} calls of {op} via torch.ops (host µs per call)")
+            for e in sorted(kprof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:24]:
+                print(f"  {e.key[:60]:<60} {e.count / calls:6.1f}x {e.self_cpu_time_total / calls:8.1f} self "
+                      f"{e.cpu_time_total / calls:8.1f} total")  # fmt: skip
         prof = cProfile.Profile()
         dist.barrier()
         prof.enable()
