@@ -4,6 +4,7 @@ says, and the flag lists pair up across ranks (what rank r sets in p is what p w
 
 from __future__ import annotations
 
+import importlib
 import types
 
 import pytest
@@ -40,6 +41,9 @@ class FakeWorkspace:
         return raw.view(dtype).view(shape)
 
 
+workspace_module = importlib.import_module("fluxcompile.symm_mem.workspace")  # the package's name is the function
+
+
 @pytest.fixture
 def fake(monkeypatch):
     state = {"rank": 0, "world": 2, "ws": {}}
@@ -50,6 +54,7 @@ def fake(monkeypatch):
         if ws is None or ws.nbytes < nbytes:
             ws = FakeWorkspace(state["rank"], state["world"], max(nbytes, 1 << 16), tag)
             state["ws"][key] = ws
+            workspace_module._generation += 1  # as the real one does: plans built before are stale
         return ws
 
     def ready_done_flags(group_name, tag, world):
@@ -65,6 +70,13 @@ def fake(monkeypatch):
     return state
 
 
+def _become(state: dict, rank: int, world: int) -> None:
+    """Play another rank: as a new process, with no plans yet (the plans' cache is per process, not per rank)."""
+    state["rank"], state["world"] = rank, world
+    rs._plans.clear()
+    ag._plans.clear()
+
+
 def _flag(tag: str, owner: int, which: str, index: int) -> int:
     base = BASE + (hash(tag) % 1024) * (1 << 24) + owner * STRIDE
     return base + (0 if which == "ready" else 256) + 4 * index
@@ -76,7 +88,7 @@ def test_rs_plan_slots_and_flags(fake, world, variant):
     rows, n = 24, 40
     tag = "matmul_reduce_scatter.flags"
     for rank in range(world):
-        fake["rank"], fake["world"] = rank, world
+        _become(fake, rank, world)
         plan = rs._plan([world * rows, n], 0, world, "g", torch.bfloat16, variant == "push", variant == "unsplit")
         hs = plan.hs
         assert sorted(hs.order) == [p for p in range(world) if p != rank] and hs.order[0] == (rank + 1) % world
@@ -107,7 +119,7 @@ def test_ag_plan_slots_and_flags(fake, world):
     rows, k = 16, 48
     tag = "all_gather_matmul.flags"
     for rank in range(world):
-        fake["rank"], fake["world"] = rank, world
+        _become(fake, rank, world)
         plan = ag._plan(rows, k, torch.bfloat16, world, "g")
         hs = plan.hs
         assert hs.order[0] == (rank + 1) % world and len(hs.order) == world - 1
@@ -123,7 +135,7 @@ def test_ag_plan_slots_and_flags(fake, world):
         assert plan.buffer is not None and tuple(plan.buffer.shape) == (world * rows, k)
         for j, p in enumerate(hs.order):
             assert plan.buffer[p * rows].data_ptr() == plan.my_slots[j].data_ptr()
-    fake["rank"] = 0
+    _become(fake, 0, world)
     assert ag._plan(10, 24, torch.bfloat16, world, "g").buffer is None  # 480 bytes: padded slots
 
 
@@ -222,7 +234,7 @@ def test_tail_rows_and_declines():
 
 
 def test_plan_is_reused_until_the_workspace_grows(fake):
-    fake["rank"], fake["world"] = 0, 2
+    _become(fake, 0, 2)
     p1 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
     assert rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False) is p1
     rs._plan([4096, 512], 0, 2, "g", torch.bfloat16, False, False)  # grows the workspace

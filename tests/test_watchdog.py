@@ -14,7 +14,7 @@ class FakeEvent:
         self.done = False
         self.records = 0
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:  # torch.cuda.Event.record's signature
         self.records += 1
         self.done = False
 

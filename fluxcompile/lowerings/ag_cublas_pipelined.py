@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
+from ..symm_mem.workspace import generation as workspace_generation
 from .sequencer import Handshake, handshake, sequencer, slice_rows
 
 NAME = "cublas_pipelined"
@@ -113,6 +114,7 @@ class _Plan:
     my_slots: list[Tensor]  # slot order[j] in our buffer: its shard arrives there
     hs: Handshake  # the flags, per peer in ring order
     buffer: Tensor | None  # our whole buffer as the gathered [world * rows, k], where the slots abut (lead)
+    generation: int = 0  # workspace.generation() once built: the views are valid while it holds
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -122,8 +124,8 @@ _TAG = "all_gather_matmul"
 def _plan(shard_rows: int, k: int, dtype, group_size: int, group_name: str) -> _Plan:
     key = (group_name, torch.cuda.current_device(), shard_rows, k, dtype)
     plan = _plans.get(key)
-    # Views of one buffer: valid while it is still the workspace (every rank rebuilds alike when it grew).
-    if plan is not None and workspace(group_name, 0, tag=_TAG) is plan.ws:
+    # Views of one buffer: valid while no workspace was made or grown since (every rank rebuilds alike).
+    if plan is not None and plan.generation == workspace_generation():
         return plan
     slot_bytes = -(-shard_rows * k * dtype.itemsize // 256) * 256
     ws = workspace(group_name, slot_bytes * group_size, tag=_TAG)
@@ -144,6 +146,7 @@ def _plan(shard_rows: int, k: int, dtype, group_size: int, group_name: str) -> _
         hs=hs,
         buffer=ws.view(rank, (world * shard_rows, k), dtype) if abut else None,
     )  # fmt: skip
+    plan.generation = workspace_generation()  # after the plan's own workspaces were made
     _plans[key] = plan
     return plan
 

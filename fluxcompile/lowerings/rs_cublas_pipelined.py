@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
+from ..symm_mem.workspace import generation as workspace_generation
 from .sequencer import Handshake, handshake, sequencer, slice_rows
 
 NAME = "cublas_pipelined"
@@ -138,6 +139,7 @@ class _Plan:
     own_slots: Tensor  # [world, rows, n]
     stage_all: Tensor | None  # unsplit: our whole [M, N] partial, after the slots
     hs: Handshake  # the flags, per peer in ring order
+    generation: int = 0  # workspace.generation() once built: the views are valid while it holds
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -149,9 +151,9 @@ def _plan(
 ) -> _Plan:
     key = (group_name, torch.cuda.current_device(), tuple(out_shape), scatter_dim, dtype, push, unsplit)
     plan = _plans.get(key)
-    # A plan holds views of one buffer: valid while that is still the workspace (another signature may have
-    # grown it since; every rank makes the same calls, so every rank rebuilds here alike).
-    if plan is not None and workspace(group_name, 0, tag=_TAG) is plan.ws:
+    # A plan holds views of one buffer: valid while no workspace was made or grown since (another signature
+    # may have grown this one; every rank makes the same calls, so every rank rebuilds here alike).
+    if plan is not None and plan.generation == workspace_generation():
         return plan
     _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
     itemsize = dtype.itemsize
@@ -181,6 +183,7 @@ def _plan(
         stage_all=ws.view(rank, (world * rows, n), dtype, world * slot_bytes) if unsplit else None,
         hs=hs,
     )  # fmt: skip
+    plan.generation = workspace_generation()  # after the plan's own workspaces were made
     _plans[key] = plan
     return plan
 

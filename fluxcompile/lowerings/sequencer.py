@@ -23,6 +23,7 @@ from .. import csrc_build
 from ..schedules.orders import ring_after
 from ..symm_mem import ready_done_flags, stream_consume, stream_write
 from ..symm_mem.watchdog import Watch, flag_report, watch
+from ..symm_mem.workspace import current_stream
 
 log = logging.getLogger("fluxcompile.sequencer")
 
@@ -78,7 +79,7 @@ class Handshake:
     def note(self) -> None:
         """After an eager call (graph captures are not watched: their replays do not come back here)."""
         if self.watch is not None and not torch.cuda.is_current_stream_capturing():
-            self.watch.note()
+            self.watch.note(current_stream())
 
 
 def handshake(group_name: str, tag: str, rank: int, world: int, what: str) -> Handshake:

@@ -47,11 +47,11 @@ class Watch:
         self.event: Any = None
         self.last = 0.0  # monotonic time of the last noted call; 0: none pending
 
-    def note(self) -> None:
-        """After an eager call: mark its end on the current stream."""
+    def note(self, stream: Any = None) -> None:
+        """After an eager call: mark its end on ``stream`` (default: the current stream)."""
         if self.event is None:
             self.event = self._event_factory()
-        self.event.record()
+        self.event.record(stream)
         self.last = time.monotonic()
 
     def stuck_for(self, now: float) -> float:

@@ -45,6 +45,14 @@ class Workspace:
 _workspaces: dict[tuple[str, int, str], Workspace] = {}
 _retired: list[torch.Tensor] = []  # outgrown buffers, kept alive for graphs captured over them
 _side_streams: dict[int, torch.cuda.Stream] = {}
+_current_streams: dict[int, torch.cuda.Stream] = {}  # by raw cudaStream_t
+_generation = 0  # bumped whenever a workspace is made or grown
+
+
+def generation() -> int:
+    """A counter that changes whenever any workspace is made or grown: views cached from workspaces (the
+    choices' plans) are still valid while it has not changed, checked without a lookup per call."""
+    return _generation
 
 
 def _enable_group(group_name: str) -> None:
@@ -81,7 +89,19 @@ def workspace(group_name: str, nbytes: int, tag: str = "default") -> Workspace:
     group = dist.distributed_c10d._resolve_process_group(group_name)
     ws = Workspace(group_name, buf, handle, group.rank(), group.size())
     _workspaces[key] = ws
+    global _generation
+    _generation += 1
     return ws
+
+
+def current_stream() -> torch.cuda.Stream:
+    """``torch.cuda.current_stream()`` for the hot path: that builds a new Stream object per call (9 µs of
+    host time on the H100 machine); this returns one cached per raw stream handle (two C calls)."""
+    raw = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    stream = _current_streams.get(raw)
+    if stream is None:
+        stream = _current_streams[raw] = torch.cuda.current_stream()
+    return stream
 
 
 def side_stream() -> torch.cuda.Stream:
