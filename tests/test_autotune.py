@@ -351,3 +351,24 @@ def memo_fast_path(cache: str) -> tuple[str, int, int]:
 def test_memoized_calls_take_the_fast_path(ranks, tmp_path):
     for name, slow_keys, runs in ranks(2).run(memo_fast_path, str(tmp_path)):
         assert name.startswith("fake:") and slow_keys == 0 and runs == 0
+
+
+def test_fast_key_describes_tensors_exactly_in_every_form():
+    from fluxcompile.lowerings.autotune import _fast_key
+
+    a, b = torch.randn(4, 6), torch.randn(6, 3)
+
+    def key(*args):
+        return _fast_key("op", args, "g", "")
+
+    base = key([a], [b], None, [4, 3], 0, "sum", 2, "g")
+    # A Parameter, a tuple instead of a list, a nested list: the same description, never the object's identity.
+    assert key([torch.nn.Parameter(a.clone())], [b], None, [4, 3], 0, "sum", 2, "g") == base
+    assert key((a,), (b,), None, (4, 3), 0, "sum", 2, "g") == base
+    assert key([[a]], [b], None, [4, 3], 0, "sum", 2, "g") == key([[a.clone()]], [b], None, [4, 3], 0, "sum", 2, "g")
+    # What a choice's support depends on changes the key: strides, dtype, shape, a bias, a scalar.
+    assert key([a.t().contiguous().t()], [b], None, [4, 3], 0, "sum", 2, "g") != base
+    assert key([a.double()], [b], None, [4, 3], 0, "sum", 2, "g") != base
+    assert key([a[:3]], [b], None, [3, 3], 0, "sum", 2, "g") != base
+    assert key([a], [b], torch.zeros(3), [4, 3], 0, "sum", 2, "g") != base
+    assert key([a], [b], None, [4, 3], 1, "sum", 2, "g") != base
