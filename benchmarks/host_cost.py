@@ -205,6 +205,11 @@ def main() -> None:
 
     # The op path's layers, interleaved: what the dispatcher and the autotuner's lookup add to the winner.
     layers: dict[str, Callable[[], object]] = {"torch.mm": lambda: torch.mm(a, b)}
+    # What Inductor emits for the unfused pairs (under --loopback over NCCL's 1-rank group: a lower bound).
+    layers["Inductor's RS: mm + funcol reduce_scatter + wait"] = funcol_rs
+    layers["Inductor's AG: funcol all_gather + wait + mm"] = lambda: torch.mm(
+        funcol.wait_tensor(funcol.all_gather_into_tensor(ag_a, group_ranks, group)), ag_b
+    )
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
         fused, winner = getattr(torch.ops.fluxcompile, op).default, pick(op, op_args, group)
         layers[f"{op} {winner.name} (direct)"] = lambda c=winner, x=op_args: c.fn(*x)
@@ -215,6 +220,28 @@ def main() -> None:
             layers[f"{op} via its direct entry"] = lambda f=direct, x=op_args: f(*x)
         packet = getattr(torch.ops.fluxcompile, op)
         layers[f"{op} via the overload packet"] = lambda f=packet, x=op_args: f(*x)
+    # Pieces of the winners' Python side (rs/ag_cublas_pipelined.py): plan lookup, watchdog note, side stream.
+    from fluxcompile.lowerings import ag_cublas_pipelined as agp
+    from fluxcompile.lowerings import rs_cublas_pipelined as rsp
+    from fluxcompile.lowerings.sequencer import sequencer
+    from fluxcompile.symm_mem import side_stream
+
+    rs_plan = lambda: rsp._plan([m, n], 0, world, group, bf, False, False)  # noqa: E731
+    ag_plan = lambda: agp._plan(m // world, k, bf, world, group)  # noqa: E731
+    layers["matmul_reduce_scatter plan lookup"] = rs_plan
+    layers["all_gather_matmul plan lookup"] = ag_plan
+    hs = rs_plan().hs
+    layers["handshake note (watchdog event)"] = hs.note
+    layers["side_stream()"] = side_stream
+    layers["torch.cuda.current_device()"] = torch.cuda.current_device
+    seq = sequencer()
+    if seq is not None:  # the zero-copy reduce-scatter's C++ sequence alone (rs_cublas_pipelined._issue)
+        p = rs_plan()
+        layers["matmul_reduce_scatter C++ sequence alone (zero-copy)"] = lambda: seq.rs_pipelined(
+            [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
+            p.rank, p.rows, False, 0,
+        )  # fmt: skip
+    layers["torch.cuda.current_stream()"] = torch.cuda.current_stream
     interleaved = host_us_interleaved(layers, args.calls, 9, device)
 
     by_position = {
