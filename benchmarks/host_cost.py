@@ -53,7 +53,7 @@ def loopback_peers() -> None:
 
     def workspace(group_name: str, nbytes: int, tag: str = "default"):
         ws = real(group_name, nbytes, tag)
-        if id(ws) not in seen:  # one loopback per real workspace, so `plan.ws is workspace(...)` holds
+        if id(ws) not in seen:  # one loopback object per real workspace, as the real function returns one
             seen[id(ws)] = dataclasses.replace(ws, handle=_LoopbackHandle(ws.handle), rank=0, world_size=2)
         return seen[id(ws)]
 
