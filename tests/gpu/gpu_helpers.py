@@ -32,3 +32,10 @@ def assert_on_every_rank(error: str | None, group: dist.ProcessGroup | None = No
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     if failed:
         raise AssertionError("\n".join(failed))
+
+
+def shared_seed() -> int:
+    """A fresh random seed, the same on every rank (rank 0's): each run draws new inputs."""
+    s = torch.randint(0, 2**30, (1,), device="cuda")
+    dist.broadcast(s, 0)
+    return int(s)

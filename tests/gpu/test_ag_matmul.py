@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator, use_sequencer
+from gpu_helpers import poison_allocator, shared_seed, use_sequencer
 
 from fluxcompile import ops
 from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
@@ -23,12 +23,6 @@ def _inputs(shard_shape, ns, bias, gen_seed):
     Bs = [torch.randn(k, n, device="cuda", dtype=BF16, generator=g) / k**0.5 for n in ns]
     biases = [torch.randn(n, device="cuda", dtype=BF16, generator=g) if bias else None for n in ns]
     return A, Bs, biases
-
-
-def _seed() -> int:
-    s = torch.randint(0, 2**30, (1,), device="cuda")
-    dist.broadcast(s, 0)
-    return int(s)
 
 
 CASES = [
@@ -84,7 +78,7 @@ def _stages_enabled(monkeypatch):
 def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, variant, seq):
     use_sequencer(seq, monkeypatch)
     group = dist.group.WORLD
-    A, Bs, biases = _inputs(shape, ns, bias, _seed())
+    A, Bs, biases = _inputs(shape, ns, bias, shared_seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
     assert pipelined.supports(*args) is None
     _skip_if_declined(variant, args)
@@ -112,7 +106,7 @@ def test_pipelined_declines_interleaved_rows():
 def test_pipelined_in_cuda_graph(monkeypatch, seq, variant):
     use_sequencer(seq, monkeypatch)
     group = dist.group.WORLD
-    A, Bs, biases = _inputs((256, 512), (640, 128), True, _seed())
+    A, Bs, biases = _inputs((256, 512), (640, 128), True, shared_seed())
     args = lambda: (A, Bs, biases, 0, group.size(), group.group_name)  # noqa: E731
     _gather_matmul(variant, args())  # warm-up: workspace made outside capture
     torch.cuda.synchronize()
@@ -133,7 +127,7 @@ def test_second_group_gets_its_own_workspace():
 
     world = dist.group.WORLD
     other = dist.new_group(list(range(world.size())))
-    A, Bs, biases = _inputs((128, 64), (32,), False, _seed())
+    A, Bs, biases = _inputs((128, 64), (32,), False, shared_seed())
     for g in (world, other):
         got_A, got = pipelined.all_gather_matmul(A, Bs, biases, 0, g.size(), g.group_name)
         ref_A, ref = ops._all_gather_matmul_ref(A, Bs, biases, 0, g.size(), g.group_name)
@@ -156,7 +150,7 @@ def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
     monkeypatch.setattr(ag_triton, "ENABLED", True)
     monkeypatch.setattr(ag_triton, "CHECK_EACH_CALL", True)  # a timed-out wait fails the test at once
     group = dist.group.WORLD
-    A, Bs, biases = _inputs(shape, ns, bias, _seed())
+    A, Bs, biases = _inputs(shape, ns, bias, shared_seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
     run, supports = ag_triton.make(variant)
     assert supports(*args) is None
@@ -175,7 +169,7 @@ def test_triton_in_cuda_graph(monkeypatch):
 
     monkeypatch.setattr(ag_triton, "ENABLED", True)
     group = dist.group.WORLD
-    A, Bs, biases = _inputs((256, 512), (640, 128), True, _seed())
+    A, Bs, biases = _inputs((256, 512), (640, 128), True, shared_seed())
     args = (A, Bs, biases, 0, group.size(), group.group_name)
     run, _ = ag_triton.make(TRITON_VARIANTS[0])
     run(*args)
@@ -210,7 +204,7 @@ def test_async_input_mm_matches_reference(shape, dim, layout):
     from fluxcompile.lowerings import ag_async_input_mm as amm
 
     group = dist.group.WORLD
-    seed = _seed()
+    seed = shared_seed()
     A, _, _ = _inputs(shape, (), False, seed)
     Bs = [_weight(shape[-1], 640, layout, seed + 1 + dist.get_rank())]
     args = (A, Bs, [None], dim, group.size(), group.group_name)
@@ -231,7 +225,7 @@ def test_async_input_mm_in_cuda_graph():
     from fluxcompile.lowerings import ag_async_input_mm as amm
 
     group = dist.group.WORLD
-    A, _, _ = _inputs((256, 256), (), False, _seed())
+    A, _, _ = _inputs((256, 256), (), False, shared_seed())
     Bs = [_weight(256, 384, "kn", 5)]
     args = (A, Bs, [None], 0, group.size(), group.group_name)
     if amm.supports(*args) is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator
+from gpu_helpers import poison_allocator, shared_seed
 from torch.distributed.device_mesh import init_device_mesh
 
 from fluxcompile import ops
@@ -14,15 +14,9 @@ from fluxcompile.demo import DemoArgs, check_block
 from fluxcompile.testing.numerics import assert_close
 
 
-def _seed() -> int:
-    s = torch.randint(0, 2**30, (1,), device="cuda")
-    dist.broadcast(s, 0)
-    return int(s)
-
-
 def test_dispatch_picks_a_choice_and_matches_reference():
     group = dist.group.WORLD
-    g = torch.Generator(device="cuda").manual_seed(_seed() + dist.get_rank())
+    g = torch.Generator(device="cuda").manual_seed(shared_seed() + dist.get_rank())
     A = torch.randn(1, 200, 256, device="cuda", dtype=torch.bfloat16, generator=g)
     Bs = [torch.randn(256, n, device="cuda", dtype=torch.bfloat16, generator=g) / 16 for n in (384, 128)]
     args = (A, Bs, [None, None], 1, group.size(), group.group_name)

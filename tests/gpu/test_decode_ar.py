@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator
+from gpu_helpers import poison_allocator, shared_seed
 
 from fluxcompile import ops
 from fluxcompile.lowerings import choices_for, decode_ar
@@ -35,12 +35,6 @@ def experimental(monkeypatch):
     from fluxcompile.lowerings import matmul_all_reduce
 
     monkeypatch.setattr(matmul_all_reduce, "SCHEDULES_ENABLED", True)
-
-
-def _seed() -> int:
-    s = torch.randint(0, 2**30, (1,), device="cuda")
-    dist.broadcast(s, 0)
-    return int(s)
 
 
 def _out_shape(m: int, n: int) -> list[int]:
@@ -119,7 +113,7 @@ def test_choice_matches_reference(op, name):
             for bias, tail in VARIANTS:
                 if (tail is None) != (op == "matmul_all_reduce"):
                     continue
-                A, B, b, extra = _inputs(m, n, bias, tail, _seed())
+                A, B, b, extra = _inputs(m, n, bias, tail, shared_seed())
                 args = _args(op, A, B, b, extra, m, n, group.group_name)
                 why = choice.declines(*args)
                 assert (why is None) == _expected(name, m, n), f"{name} m={m} n={n}: supports -> {why}"
@@ -142,7 +136,7 @@ def test_triton_weight_kn_layout(name):
     choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
     m = 16 if "16x" in name else 128
     n = 64 * max(5, group.size() + 1)  # two-shot: at least a tile per rank (one row of tiles at m <= BLOCK_M)
-    A, B, b, _ = _inputs(m, n, True, None, _seed(), layout="kn")
+    A, B, b, _ = _inputs(m, n, True, None, shared_seed(), layout="kn")
     args = _args("matmul_all_reduce", A, B, b, None, m, n, group.group_name)
     assert choice.declines(*args) is None
     _check("matmul_all_reduce", choice.fn(*args), _reference("matmul_all_reduce", args), f"{name} [k, n] weight")
@@ -170,7 +164,7 @@ def test_cuda_graph_replays(name, m, tail):
     group = dist.group.WORLD
     n = 8192
     choice = {c.name: c for c in choices_for(op)}[name]
-    A, B, b, extra = _inputs(m, n, True, tail, _seed())
+    A, B, b, extra = _inputs(m, n, True, tail, shared_seed())
     args = _args(op, A, B, b, extra, m, n, group.group_name)
     if not _expected(name, m, n):
         pytest.skip(f"{name} needs a peer")
@@ -180,7 +174,7 @@ def test_cuda_graph_replays(name, m, tail):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = choice.fn(*args)
-    rng = random.Random(_seed())
+    rng = random.Random(shared_seed())
     checks = {*rng.sample(range(10_000), 25), 9_999}
     t0 = time.perf_counter()
     for i in range(10_000):
@@ -205,10 +199,10 @@ def test_cuda_modes_interleaved():
     names = [f"cuda:gemv-{mode}" for mode in decode_ar.CUDA_MODES]
     names = [name for name in names if _expected(name, 16, 8192)]
     choices = {c.name: c for c in choices_for(op)}
-    rng = random.Random(_seed())
+    rng = random.Random(shared_seed())
     for i in range(60):
         name, m = rng.choice(names), rng.choice((1, 3, 16, 40))
-        A, B, b, extra = _inputs(m, 8192, i % 2 == 0, None, _seed())
+        A, B, b, extra = _inputs(m, 8192, i % 2 == 0, None, shared_seed())
         args = _args(op, A, B, b, extra, m, 8192, group.group_name)
         poison_allocator(1 << 26)
         _check(op, choices[name].fn(*args), _reference(op, args), f"call {i}: {name} m={m}")
@@ -223,7 +217,7 @@ def test_second_group_has_its_own_state():
         choice = {c.name: c for c in choices_for(op)}[name]
         for _ in range(2):
             for g in (world, other, world):  # interleaved: each group's epochs advance on their own
-                A, B, b, _ = _inputs(m, 512, True, None, _seed())
+                A, B, b, _ = _inputs(m, 512, True, None, shared_seed())
                 args = _args(op, A, B, b, None, m, 512, g.group_name)
                 _check(op, choice.fn(*args), _reference(op, args), f"{name} on group {g.group_name}")
     states = {key[1] for key in decode_ar._states}
@@ -238,7 +232,7 @@ def test_autotuned_op(op, m):
 
     autotune.clear_memo()
     group = dist.group.WORLD
-    A, B, b, extra = _inputs(m, 8192, False, None if op == "matmul_all_reduce" else "before", _seed())
+    A, B, b, extra = _inputs(m, 8192, False, None if op == "matmul_all_reduce" else "before", shared_seed())
     args = _args(op, A, B, b, extra, m, 8192, group.group_name)
     got = getattr(torch.ops.fluxcompile, op)(*args)
     _check(op, got, _reference(op, args), f"autotuned {op} m={m} ({autotune.pick(op, args, group.group_name).name})")
@@ -250,7 +244,7 @@ def test_graph_timed_tuning_times_replays():
     from fluxcompile.lowerings import autotune
 
     group = dist.group.WORLD
-    A, B, b, _ = _inputs(16, 8192, True, None, _seed())
+    A, B, b, _ = _inputs(16, 8192, True, None, shared_seed())
     args = _args("matmul_all_reduce", A, B, b, None, 16, 8192, group.group_name)
     cands = [c for c in choices_for("matmul_all_reduce") if c.declines(*args) is None]
     assert {"cuda:gemv-oneshot", "torch_symm_mem:one_shot", "reference"} <= {c.name for c in cands}
@@ -269,7 +263,7 @@ def test_missing_peer_is_a_bounded_error(monkeypatch, name):
     monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", False)
     lonely = dist.new_group(list(range(dist.get_world_size())))
     choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
-    A, B, b, _ = _inputs(16, 256, False, None, _seed())
+    A, B, b, _ = _inputs(16, 256, False, None, shared_seed())
     args = _args("matmul_all_reduce", A, B, b, None, 16, 256, lonely.group_name)
     choice.fn(*args)  # together: creates the state and synchronizes the first call
     decode_ar.check_errors()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from gpu_helpers import shared_seed
 from torch._inductor.utils import run_and_get_code
 
 from fluxcompile import ops
@@ -14,16 +15,10 @@ from fluxcompile.lowerings import direct_calls
 from fluxcompile.testing.numerics import assert_close
 
 
-def _seed() -> int:
-    s = torch.randint(0, 2**30, (1,), device="cuda")
-    dist.broadcast(s, 0)
-    return int(s)
-
-
 def test_compiled_calls_go_through_the_entries():
     group = dist.group.WORLD
     world, name = group.size(), group.group_name
-    g = torch.Generator(device="cuda").manual_seed(_seed() + dist.get_rank())
+    g = torch.Generator(device="cuda").manual_seed(shared_seed() + dist.get_rank())
 
     def rnd(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * scale

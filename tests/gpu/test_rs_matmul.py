@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator, use_sequencer
+from gpu_helpers import poison_allocator, shared_seed, use_sequencer
 
 from fluxcompile import ops
 from fluxcompile.lowerings import choices_for, rs_stages, rs_triton
@@ -35,12 +35,6 @@ CASES = [
     ("two-products", 200, "2d", 264, (128, 192), True),  # the backward's g1 @ W1 + g3 @ W3
     ("3d", 128, "3d", 96, (64,), False),
 ]
-
-
-def _seed() -> int:
-    s = torch.randint(0, 2**30, (1,), device="cuda")
-    dist.broadcast(s, 0)
-    return int(s)
 
 
 def _case_args(case, group, seed):
@@ -103,7 +97,7 @@ def _poison_workspace(name: str, group_name: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_choice_matches_reference(monkeypatch, name, case):
     choice = _choice(name, monkeypatch)
-    args = _case_args(case, dist.group.WORLD, _seed())
+    args = _case_args(case, dist.group.WORLD, shared_seed())
     _supported_or_skip(choice, args)
     for i in range(3):  # repeated calls reuse the workspace and flags: stale data must never show
         if i:
@@ -125,7 +119,7 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
     the done handshake (cuBLAS) / parity slots (Triton) must keep a fast rank off slots still being read."""
     choice = _choice(name, monkeypatch)
     group = dist.group.WORLD
-    seed = _seed()
+    seed = shared_seed()
     cases = [_case_args(CASES[0], group, seed), _case_args(CASES[3], group, seed + 1)]
     for args in cases:
         _supported_or_skip(choice, args)
@@ -150,7 +144,7 @@ def test_in_cuda_graph(monkeypatch, name):
     case = CASES[2] if name != "torch_symm_mem" else ("sp", 77, "sp", 128, (128,), False)
     if ":tail" in name:
         case = CASES[1]  # 333 rows: a ragged tail of 128
-    args = _case_args(case, dist.group.WORLD, _seed())
+    args = _case_args(case, dist.group.WORLD, shared_seed())
     _supported_or_skip(choice, args)
     choice.fn(*args)  # warm-up: creates the workspace and flags outside capture
     torch.cuda.synchronize()
@@ -173,7 +167,7 @@ def test_second_group_gets_its_own_workspace(monkeypatch, name):
     choice = _choice(name, monkeypatch)
     world = dist.group.WORLD
     other = dist.new_group(list(range(world.size())))
-    seed = _seed()
+    seed = shared_seed()
     for g in (world, other, world):
         args = _case_args(CASES[1], g, seed)
         _supported_or_skip(choice, args)
@@ -188,7 +182,7 @@ def test_dispatch_picks_a_choice_and_matches_reference():
     """Through torch.ops.fluxcompile (the autotuner picks, the same on every rank), then in a CUDA graph."""
     from fluxcompile.lowerings import autotune
 
-    args = _case_args(CASES[3], dist.group.WORLD, _seed())
+    args = _case_args(CASES[3], dist.group.WORLD, shared_seed())
     poison_allocator()
     got = torch.ops.fluxcompile.matmul_reduce_scatter(*args)
     assert_close(got, ops._matmul_reduce_scatter_ref(*args), 1e-2, "dispatch")

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import assert_on_every_rank, poison_allocator
+from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import schedules
 from fluxcompile.schedules import gpu_executor, library
@@ -35,12 +35,6 @@ def _names() -> list[str]:
     for name in library.HIERARCHICAL:
         names += [f"{name}:{R // g}x{g}" for g in range(1, R + 1) if R % g == 0]
     return names
-
-
-def _seed() -> int:
-    s = torch.randint(0, 2**30, (1,), device="cuda")
-    dist.broadcast(s, 0)
-    return int(s)
 
 
 def _input(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -86,7 +80,7 @@ def test_library_program_matches_nccl(name, dtype):
     plan = library_plan(name, _world())
     for rows in ROWS:
         numel = plan.in_chunks * rows
-        x = _input(numel, dtype, _seed())
+        x = _input(numel, dtype, shared_seed())
         ref = _reference(plan.collective, x.float() if dtype == torch.bfloat16 else x)
         out_numel = plan.out_chunks * rows
         for call in range(2):  # the second call reuses tables, flags and mailbox at the next epoch
@@ -100,7 +94,7 @@ def test_library_program_matches_nccl(name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
 def test_helpers_and_shapes(dtype):
     R = _world()
-    x = _input(R * 6 * 128, dtype, _seed()).view(R * 6, 128)
+    x = _input(R * 6 * 128, dtype, shared_seed()).view(R * 6, 128)
     y = schedules.all_reduce(x)
     assert y.shape == x.shape
     _check(y, _reference("all_reduce", x.float()).to(dtype), "all_reduce helper")
