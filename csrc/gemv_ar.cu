@@ -484,13 +484,9 @@ __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s
         unpack8<T>(wv[r], wf);
 #pragma unroll
         for (int i = 0; i < M; ++i) {
-          float af[8];
-          if constexpr (kWide) {
-#pragma unroll
-            for (int q = 0; q < 8; ++q) af[q] = afw[i][q];
-          } else {
-            unpack8<T>(apk[i], af);
-          }
+          float au[8];  // m <= 2: A converted where used
+          if constexpr (!kWide) unpack8<T>(apk[i], au);
+          const float* af = kWide ? afw[i] : au;
 #pragma unroll
           for (int q = 0; q < 8; ++q) acc[i][h * CH + r] = fmaf(af[q], wf[q], acc[i][h * CH + r]);
         }
@@ -773,7 +769,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   const bool has_vec = v < p.m * kVecPerRow;
   const int n_units = (p.n_tiles + kTpc - 1) / kTpc;
   // Every phase visits the CTA's tiles: unit positions blockIdx.x, + gridDim.x, ..., kTpc tiles each (the
-  // last unit may hold fewer). `for_tiles(f)` calls f(tile, index of the tile in its unit).
+  // last unit may hold fewer). `for_tiles(f)` calls f(tile, index of the tile in its unit, whether that unit
+  // is the CTA's last).
   auto for_tiles = [&](auto&& f) {
     for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
       const int t0 = unit_at<kTpc>(pos, p) * kTpc;

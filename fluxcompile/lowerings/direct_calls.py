@@ -2,10 +2,10 @@
 
 A fused op is a ``torch.library`` op with a Python CUDA implementation. Called through the dispatcher, its
 list arguments are boxed into IValues and unboxed back into Python objects on every call: 9–10 µs of host
-time for the schema of ``matmul_reduce_scatter`` with a trivial body, 12–40 µs for the real ops (host
-speed varies between machines; scripts/debug/dispatch_cost.py and benchmarks/host_cost.py --loopback, H100
-machine), a sixth to a fifth of a call's host time. Where a step is host-bound (a 2048-token training step, vLLM's prefill, which runs
-outside CUDA graphs) that is time the GPU waits.
+time for the schema of ``matmul_reduce_scatter`` with a trivial body, 12–40 µs for the real ops (host speed
+varies between machines; scripts/debug/dispatch_cost.py and benchmarks/host_cost.py --loopback, H100
+machine), a sixth to a fifth of a call's host time. Where a step is host-bound (a 2048-token training step,
+vLLM's prefill, which runs outside CUDA graphs) that is time the GPU waits.
 
 So each op's fallback line in Inductor's Python wrapper, ``bufN = torch.ops.fluxcompile.<op>.default(...)``,
 becomes ``bufN = extern_kernels.fluxcompile_<op>(...)``: an entry that runs the CUDA implementation itself
