@@ -61,6 +61,24 @@ def loopback_peers() -> None:
         mod.workspace = workspace
 
 
+def without_replays(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the C++ sequences' replays off (config.sequence_graphs = 0) for its call; the flip skips
+    Config.__setattr__'s field check, so it costs next to nothing."""
+    import fluxcompile
+
+    cfg = fluxcompile.config
+
+    def run() -> object:
+        limit = cfg.sequence_graphs
+        object.__setattr__(cfg, "sequence_graphs", 0)
+        try:
+            return fn()
+        finally:
+            object.__setattr__(cfg, "sequence_graphs", limit)
+
+    return run
+
+
 def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     """Median over 5 loops of the host µs per call (enqueue time), the slowest rank."""
     for _ in range(3):
@@ -218,8 +236,21 @@ def main() -> None:
         direct = direct_calls.registered().get(op)
         if direct is not None:  # what Inductor's generated code calls (lowerings/direct_calls.py)
             layers[f"{op} via its direct entry"] = lambda f=direct, x=op_args: f(*x)
+            layers[f"{op} via its direct entry, replays off"] = without_replays(lambda f=direct, x=op_args: f(*x))
         packet = getattr(torch.ops.fluxcompile, op)
         layers[f"{op} via the overload packet"] = lambda f=packet, x=op_args: f(*x)
+        # The winner's whole stream sequence captured by hand and replayed: the floor of the C++ sequences' own
+        # replays (config.sequence_graphs), which add the key and the output allocations.
+        winner.fn(*op_args)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            winner.fn(*op_args)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        layers[f"{op} {winner.name} captured by hand: graph.replay()"] = graph.replay
+    out_like = torch.empty(m, n, device=device, dtype=bf)
+    layers["torch.empty_like (an output)"] = lambda: torch.empty_like(out_like)
     # Pieces of the winners' Python side (rs/ag_cublas_pipelined.py): plan lookup, watchdog note, side stream.
     from fluxcompile.lowerings import ag_cublas_pipelined as agp
     from fluxcompile.lowerings import rs_cublas_pipelined as rsp
@@ -239,7 +270,11 @@ def main() -> None:
         p = rs_plan()
         layers["matmul_reduce_scatter C++ sequence alone (zero-copy)"] = lambda: seq.rs_pipelined(
             [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
-            p.rank, p.rows, False, 0,
+            p.rank, p.rows, False, 0, 0,
+        )  # fmt: skip
+        layers["matmul_reduce_scatter C++ sequence alone, replayed"] = lambda: seq.rs_pipelined(
+            [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
+            p.rank, p.rows, False, 0, 64,
         )  # fmt: skip
     layers["torch.cuda.current_stream()"] = torch.cuda.current_stream
     interleaved = host_us_interleaved(layers, args.calls, 9, device)
@@ -254,7 +289,11 @@ def main() -> None:
         ),
     }
     torch.cuda.synchronize(device)
+    from fluxcompile.lowerings.sequencer import replay_stats
+
+    stats = replay_stats()
     if rank == 0:
+        print(f"== C++ sequence replays over the whole run: {stats}")
         print(f"== host table: µs per call, slowest of {dist.get_world_size()} processes, m={m} n={n} k={k}")
         for name, t in rows:
             print(f"  {name:<64} {t:8.1f}")

@@ -11,13 +11,17 @@
 // cuStreamWaitValue32, no SM), with the protocol of fluxcompile/symm_mem/signals.py.
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -95,6 +99,236 @@ void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
   for (size_t s : sizes) TORCH_CHECK(s == n, "fluxcompile: plan lists of different lengths");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Replays. A sequence below is a pure function of its arguments: the same pointers, shapes, flag addresses
+// and streams enqueue the same work. So a call whose arguments (outputs included: they are allocated
+// before the sequence) were seen before is captured once as a CUDA graph and replayed from then on: one
+// graph launch instead of the 10-30 stream operations, a fifth of the host time (benchmarks/host_cost.py).
+// In a training step or a prefill loop the caching allocator hands out the same addresses every step, so
+// the keys repeat. Rules:
+// - a key is captured the second time it is seen (a one-off call is not worth a capture), at most
+//   `limit` graphs per process (then new keys run directly: a workload whose addresses never repeat costs
+//   `limit` captures once, not one per call); limit 0 turns replays off;
+// - inside the caller's own capture (vLLM's decode graphs) the sequence is issued as it is, into that graph;
+// - a capture that fails (or allocates: see Replays::capture) leaves its key to run directly from then on;
+//   after a few such failures nothing new is captured.
+// Replaying or not makes no difference to the GPU's work, so ranks need not agree on it.
+class Key {
+ public:
+  void add(int64_t v) { words_.push_back(v); }
+  void add(const at::Tensor& t) {
+    if (!t.defined()) return add(-1);
+    add(reinterpret_cast<int64_t>(t.data_ptr()));
+    add(static_cast<int64_t>(t.scalar_type()));
+    add(t.dim());
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      add(t.size(d));
+      add(t.stride(d));
+    }
+  }
+  void add(const std::optional<at::Tensor>& t) { t.has_value() ? add(*t) : add(-2); }
+  template <class T>
+  void add(const std::vector<T>& xs) {
+    add(static_cast<int64_t>(xs.size()));
+    for (const auto& x : xs) add(x);
+  }
+  const std::vector<int64_t>& words() const { return words_; }
+
+ private:
+  std::vector<int64_t> words_;
+};
+
+template <class... Args>
+std::vector<int64_t> key_of(const Args&... args) {
+  Key k;
+  (k.add(args), ...);
+  return k.words();
+}
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& w) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int64_t x : w) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+struct ReplayStats {
+  int64_t replays = 0, captures = 0, direct = 0, failed = 0;
+};
+
+// An instantiated capture.
+class Graph {
+ public:
+  explicit Graph(cudaGraphExec_t exec) : exec_(exec) {}
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  ~Graph() { (void)cudaGraphExecDestroy(exec_); }  // one in flight is freed when it completes
+  void launch(cudaStream_t s) const { C10_CUDA_CHECK(cudaGraphLaunch(exec_, s)); }
+
+ private:
+  cudaGraphExec_t exec_;
+};
+
+class Replays {
+ public:
+  // issue() enqueues the sequence on the current stream; it runs directly, or into a new graph (then
+  // replayed), or not at all where its graph is replayed.
+  template <class F>
+  void run(std::vector<int64_t> key, int64_t limit, c10::DeviceIndex device, F&& issue) {
+    const auto current = c10::cuda::getCurrentCUDAStream(device);
+    if (limit <= 0 || capturing(current)) return direct(issue);
+    key.push_back(device);
+    key.push_back(blas_settings());
+    auto it = graphs_.find(key);
+    if (it != graphs_.end()) {
+      it->second->launch(current.stream());
+      ++stats_.replays;
+      return;
+    }
+    if (static_cast<int64_t>(graphs_.size()) >= limit || stats_.failed >= kMaxFailures || refused_.count(key) ||
+        first_sight(key))
+      return direct(issue);
+    std::string why;
+    std::unique_ptr<Graph> graph = capture(device, issue, why);
+    if (!graph) {
+      refused_.emplace(std::move(key), true);
+      if (++stats_.failed == 1 || stats_.failed == kMaxFailures) {
+        TORCH_WARN("fluxcompile: a pipelined sequence could not be captured as a CUDA graph (", why,
+                   "); it runs directly", stats_.failed == kMaxFailures ? ", and so will every new one from now" : "");
+      }
+      return direct(issue);  // a bad argument throws here, as it would have without replays
+    }
+    graph->launch(current.stream());
+    ++stats_.captures;
+    graphs_.emplace(std::move(key), std::move(graph));
+  }
+
+  std::vector<int64_t> stats() const {
+    return {stats_.replays, stats_.captures, stats_.direct, stats_.failed, static_cast<int64_t>(graphs_.size())};
+  }
+  void clear() {
+    graphs_.clear();
+    seen_.clear();
+    refused_.clear();
+    stats_ = {};
+  }
+
+ private:
+  static constexpr int64_t kMaxFailures = 8;  // then capturing stops for the process
+
+  // The capture uses CUDA's stream capture directly, not torch's CUDAGraph: that one also puts the
+  // caching allocator and the RNG into capture mode, and a capture that fails part-way leaves both stuck
+  // there. Instead a capture during which the caching allocator handed out memory is thrown away (such a
+  // block would return to the general pool while the graph still used it); the sequences allocate
+  // nothing, their outputs come before.
+  template <class F>
+  std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue, std::string& why) {
+    const auto cs = capture_stream(device);  // first: making it allocates (its warm-up)
+    int64_t before = 0;
+    if (!allocations(device, before)) {
+      why = "the caching allocator keeps no statistics here";
+      return nullptr;
+    }
+    cudaGraph_t g = nullptr;
+    {
+      c10::cuda::CUDAStreamGuard on_capture(cs);
+      // Thread-local: CUDA calls of other threads (NCCL's watchdog) do not break the capture.
+      C10_CUDA_CHECK(cudaStreamBeginCapture(cs.stream(), cudaStreamCaptureModeThreadLocal));
+      try {
+        issue();
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      cudaError_t rc = cudaStreamEndCapture(cs.stream(), &g);  // also when issue() threw: leave capture mode
+      if (rc != cudaSuccess && why.empty()) why = cudaGetErrorString(rc);
+      (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
+    }
+    int64_t after = 0;
+    if (why.empty() && (!allocations(device, after) || after != before)) why = "memory was allocated during capture";
+    cudaGraphExec_t exec = nullptr;
+    if (why.empty()) {
+      cudaError_t rc = cudaGraphInstantiateWithFlags(&exec, g, 0);
+      if (rc != cudaSuccess) {
+        why = cudaGetErrorString(rc);
+        (void)cudaGetLastError();
+      }
+    }
+    if (g != nullptr) (void)cudaGraphDestroy(g);
+    if (!why.empty()) return nullptr;
+    return std::make_unique<Graph>(exec);
+  }
+
+  // The cuBLAS settings a capture bakes in that a user may change between calls (reduced-precision
+  // reductions of fp16/bf16 GEMMs). TF32 is left out: reading it throws where the old and new precision
+  // APIs were mixed, and these sequences run fp16/bf16 in practice.
+  static int64_t blas_settings() {
+    const auto& ctx = at::globalContext();
+    return static_cast<int64_t>(ctx.allowFP16ReductionCuBLAS()) |
+           static_cast<int64_t>(ctx.allowBF16ReductionCuBLAS()) << 4;
+  }
+
+  // How many blocks the caching allocator has handed out on `device`, ever (false if it cannot say).
+  static bool allocations(c10::DeviceIndex device, int64_t& count) {
+    try {
+      count = c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocation[0].allocated;  // 0: aggregate
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+
+  template <class F>
+  void direct(F&& issue) {
+    ++stats_.direct;
+    issue();
+  }
+  static bool capturing(const c10::cuda::CUDAStream& s) {
+    cudaStreamCaptureStatus status{};
+    C10_CUDA_CHECK(cudaStreamIsCapturing(s.stream(), &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+  bool first_sight(const std::vector<int64_t>& key) {
+    if (seen_.size() > 4096) seen_.clear();  // keys that never came back
+    return seen_.emplace(key, true).second;
+  }
+  // A stream of our own per device (never the legacy default stream, which cannot capture). One from
+  // torch's pool may be the side or a compute stream of these very sequences (torch.cuda.Stream() draws
+  // from that pool), which would fold their branches into one. Its cuBLAS workspaces are made here, eagerly:
+  // made during a capture they would count as an allocation.
+  static c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
+    static std::unordered_map<c10::DeviceIndex, cudaStream_t> streams;
+    auto it = streams.find(device);
+    if (it == streams.end()) {
+      cudaStream_t raw = nullptr;
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));  // the current device's (guarded)
+      it = streams.emplace(device, raw).first;
+      const auto s = c10::cuda::getStreamFromExternal(raw, device);
+      c10::cuda::CUDAStreamGuard on_s(s);
+      for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+        at::Tensor a = at::ones({16, 16}, at::TensorOptions().dtype(dtype).device(at::kCUDA, device));
+        at::Tensor bias = at::ones({16}, a.options());
+        at::mm(a, a);
+        at::addmm(bias, a, a);  // the cuBLASLt path (bias epilogue)
+      }
+      C10_CUDA_CHECK(cudaStreamSynchronize(raw));
+    }
+    return c10::cuda::getStreamFromExternal(it->second, device);
+  }
+
+  std::unordered_map<std::vector<int64_t>, std::unique_ptr<Graph>, KeyHash> graphs_;
+  std::unordered_map<std::vector<int64_t>, bool, KeyHash> seen_, refused_;
+  ReplayStats stats_;
+};
+
+// Which sequence a key belongs to (its first word).
+enum SequenceId : int64_t { kRsPipelined = 1, kAgPipelined, kRsTail, kAgUnsplit, kAgLead, kAgStages, kRsStages };
+
+Replays& replays() {
+  static Replays* r = new Replays();  // never destroyed: graphs must not be freed after the CUDA context
+  return *r;
+}
+
 // On `side`: once the peer has freed its slot (its done flag), the copy engine moves `src` into it (peer to
 // peer), then the peer's ready flag.
 void send_block(const c10::cuda::CUDAStream& side, int64_t done, const at::Tensor& dst, const at::Tensor& src,
@@ -117,23 +351,23 @@ void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& 
 }
 
 // Reduce-scatter, once the peers' partials of our rows have landed: ours (`mine`; for > 2 ranks already in
-// our slot) plus theirs, then our slots are free again for the peers (after `side`'s pushes, if any: they
+// our slot) plus theirs, into `out`; then our slots are free again for the peers (after `side`'s pushes, if any: they
 // read our staging).
-at::Tensor reduce_and_release(const c10::cuda::CUDAStream& main, const std::optional<c10::cuda::CUDAStream>& side,
-                              const at::Tensor& mine, const at::Tensor& own_slots, const std::vector<int64_t>& order,
-                              const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
-                              const std::vector<int64_t>& out_shape, int64_t rows) {
+void reduce_and_release(const c10::cuda::CUDAStream& main, const std::optional<c10::cuda::CUDAStream>& side,
+                        const at::Tensor& mine, const at::Tensor& own_slots, const std::vector<int64_t>& order,
+                        const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
+                        const at::Tensor& out, int64_t rows) {
   for (int64_t addr : ready_mine) consume_flag(main, addr);
-  at::Tensor out = at::empty(out_shape, mine.options());
   at::Tensor out2 = out.view({rows, own_slots.size(2)});
-  if (own_slots.size(0) == 2) {
+  if (own_slots.size(0) == 1) {
+    out2.copy_(mine);  // one rank (tests of the sequences themselves: the choices decline it)
+  } else if (own_slots.size(0) == 2) {
     at::add_out(out2, mine, own_slots.select(0, order[0]));  // fp32 math, one rounding
   } else {
     at::sum_out(out2, own_slots, std::vector<int64_t>{0});  // accumulates in fp32, rounds once
   }
   if (side.has_value()) join(main, *side);
   for (int64_t addr : done_theirs) write_flag(main, addr, 1);
-  return out;
 }
 
 // dst <- sum_i As[i][lo : lo + count] @ Bs[i] (+ bias): the bias goes into the first product and later
@@ -164,7 +398,7 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
                         const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
                         const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
                         const std::vector<int64_t>& out_shape, int64_t rank, int64_t rows, bool push,
-                        int64_t side_handle) {
+                        int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -172,28 +406,37 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
   if (push) check_lengths(peers, {stage_slots.size()});
   const auto device = As[0].device().index();
   c10::cuda::CUDAGuard guard(As[0].device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
+  at::Tensor out = at::empty(out_shape, As[0].options());
+  std::optional<c10::cuda::CUDAStream> side;
+  if (push) side = external(side_handle, device);
 
   // Our partial of `owner`'s rows into dst.
   auto partial = [&](int64_t owner, const at::Tensor& dst) { matmul_rows(As, Bs, bias, owner * rows, rows, dst); };
-
-  std::optional<c10::cuda::CUDAStream> side;
-  if (push) {
-    side = external(side_handle, device);
-    for (size_t j = 0; j < peers; ++j) {
-      partial(order[j], stage_slots[j]);
-      join(*side, main);
-      send_block(*side, done_mine[j], peer_slots[j], stage_slots[j], ready_theirs[j]);
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    if (push) {
+      for (size_t j = 0; j < peers; ++j) {
+        partial(order[j], stage_slots[j]);
+        join(*side, main);
+        send_block(*side, done_mine[j], peer_slots[j], stage_slots[j], ready_theirs[j]);
+      }
+    } else {
+      for (size_t j = 0; j < peers; ++j) {
+        consume_flag(main, done_mine[j]);
+        partial(order[j], peer_slots[j]);  // zero-copy: cuBLAS stores into the peer's memory
+        write_flag(main, ready_theirs[j], 1);
+      }
     }
-  } else {
-    for (size_t j = 0; j < peers; ++j) {
-      consume_flag(main, done_mine[j]);
-      partial(order[j], peer_slots[j]);  // zero-copy: cuBLAS stores into the peer's memory
-      write_flag(main, ready_theirs[j], 1);
-    }
-  }
-  partial(rank, own_slot);
-  return reduce_and_release(main, side, own_slot, own_slots, order, ready_mine, done_theirs, out_shape, rows);
+    partial(rank, own_slot);
+    // With no peers the side stream did nothing (under a capture it never joined): nothing to wait for.
+    reduce_and_release(main, peers ? side : std::nullopt, own_slot, own_slots, order, ready_mine, done_theirs, out,
+                       rows);
+  };
+  replays().run(key_of(int64_t{kRsPipelined}, As, Bs, bias, peer_slots, stage_slots, own_slot, own_slots, order,
+                       done_mine, ready_theirs, ready_mine, done_theirs, out, rank, rows, static_cast<int64_t>(push),
+                       side_handle),
+                graphs, device, issue);
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,7 +472,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
     const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
-    const std::vector<int64_t>& compute_handles) {
+    const std::vector<int64_t>& compute_handles, int64_t graphs) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
@@ -238,7 +481,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   if (concurrent) check_lengths(peers, {compute_handles.size()});
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
   const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1);
 
@@ -246,28 +488,35 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
   std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
 
-  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
 
-  std::vector<c10::cuda::CUDAStream> compute;
-  compute.reserve(peers);
-  for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? external(compute_handles[j], device) : main);
-  if (concurrent) {
-    for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
-  }
-  mm_at(a_local, Bs, biases, outs, rank * rows);
-  for (size_t j = 0; j < peers; ++j) {
-    const auto& s = compute[j];
-    c10::cuda::CUDAStreamGuard on_s(s);
-    consume_flag(s, ready_mine[j]);
-    join(side, s);
-    copy_async(rows_of.select(0, order[j]), my_slots[j], side);
-    mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
-  }
-  if (concurrent) {
-    for (const auto& s : compute) join(main, s);
-  }
-  join(main, side);
-  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+    std::vector<c10::cuda::CUDAStream> compute;
+    compute.reserve(peers);
+    for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? external(compute_handles[j], device) : main);
+    if (concurrent) {
+      for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
+    }
+    mm_at(a_local, Bs, biases, outs, rank * rows);
+    for (size_t j = 0; j < peers; ++j) {
+      const auto& s = compute[j];
+      c10::cuda::CUDAStreamGuard on_s(s);
+      consume_flag(s, ready_mine[j]);
+      join(side, s);
+      copy_async(rows_of.select(0, order[j]), my_slots[j], side);
+      mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
+    }
+    if (concurrent) {
+      for (const auto& s : compute) join(main, s);
+    }
+    join(main, side);
+    for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  };
+  replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
+                       ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
+                       outs),
+                graphs, device, issue);
   return {gathered, outs};
 }
 
@@ -289,7 +538,7 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
                    const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
                    const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
                    const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
-                   int64_t rows, int64_t tail, int64_t side_handle) {
+                   int64_t rows, int64_t tail, int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
   TORCH_CHECK(0 <= tail && tail < rows, "fluxcompile: tail must be in [0, rows)");
   const size_t peers = order.size();
@@ -297,26 +546,33 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
                         done_theirs.size()});
   const auto device = As[0].device().index();
   c10::cuda::CUDAGuard guard(As[0].device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
   const auto side = external(side_handle, device);
   const int64_t m = stage_all.size(0), world = static_cast<int64_t>(peers) + 1;
   const int64_t lo = rank * rows + (rank == world - 1 ? rows - tail : 0), hi = lo + tail;
+  at::Tensor out = at::empty(out_shape, stage_all.options());
 
-  if (tail == 0) {
-    matmul_rows(As, Bs, bias, 0, m, stage_all);
-  } else {
-    if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo));
-    if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi));
-  }
-  join(side, main);
-  for (size_t j = 0; j < peers; ++j) {
-    send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
-  }
-  if (tail > 0) matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail));  // beside the pushes
-  const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
-  if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
-  // Joining `side` also lets the next call's GEMM overwrite P only once our pushes have read it.
-  return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    if (tail == 0) {
+      matmul_rows(As, Bs, bias, 0, m, stage_all);
+    } else {
+      if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo));
+      if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi));
+    }
+    join(side, main);
+    for (size_t j = 0; j < peers; ++j) {
+      send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
+    }
+    if (tail > 0) matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail));  // beside the pushes
+    const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
+    if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
+    // Joining `side` also lets the next call's GEMM overwrite P only once our pushes have read it.
+    reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out, rows);
+  };
+  replays().run(key_of(int64_t{kRsTail}, As, Bs, bias, stage_all, peer_slots, own_slot, own_slots, order, done_mine,
+                       ready_theirs, ready_mine, done_theirs, out, rank, rows, tail, side_handle),
+                graphs, device, issue);
+  return out;
 }
 
 // all-gather -> GEMM: the side stream pushes our shard into every peer's slot and assembles the gathered
@@ -327,28 +583,33 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
     std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t side_handle) {
+    int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
                         ready_mine.size(), done_theirs.size()});
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
   const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1);
 
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});
-  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
-  for (size_t j = 0; j < peers; ++j) {
-    consume_flag(side, ready_mine[j]);
-    copy_async(rows_of.select(0, order[j]), my_slots[j], side);
-  }
-  for (size_t j = 0; j < peers; ++j) write_flag(side, done_theirs[j], 1);  // our slots are free again
-  join(main, side);
   std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
-  mm_at(gathered.view({world * rows, k}), Bs, biases, outs, 0);
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
+    for (size_t j = 0; j < peers; ++j) {
+      consume_flag(side, ready_mine[j]);
+      copy_async(rows_of.select(0, order[j]), my_slots[j], side);
+    }
+    for (size_t j = 0; j < peers; ++j) write_flag(side, done_theirs[j], 1);  // our slots are free again
+    join(main, side);
+    mm_at(gathered.view({world * rows, k}), Bs, biases, outs, 0);
+  };
+  replays().run(key_of(int64_t{kAgUnsplit}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
+                       ready_theirs, ready_mine, done_theirs, rank, world, side_handle, gathered, outs),
+                graphs, device, issue);
   return {gathered, outs};
 }
 
@@ -366,14 +627,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t lead, int64_t side_handle) {
+    int64_t lead, int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
                         done_theirs.size()});
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
   const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
   TORCH_CHECK(0 < lead && lead < rows, "fluxcompile: lead must be in (0, rows)");
@@ -384,28 +644,34 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
-  // Side: the pushes (the peers wait for them). Main: our rows into our own slot, then the lead GEMM. The
-  // own-slot copy is not queued behind the pushes on the side stream: the rest GEMM waited for those too
-  // (a 13 us gap at Llama gate+up m = 2048 in the sixth session's profile).
-  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
-  copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    // Side: the pushes (the peers wait for them). Main: our rows into our own slot, then the lead GEMM. The
+    // own-slot copy is not queued behind the pushes on the side stream: the rest GEMM waited for those too
+    // (a 13 us gap at Llama gate+up m = 2048 in the sixth session's profile).
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
+    copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);
 
-  const bool last = rank == world - 1;
-  const int64_t lead_lo = last ? rows - lead : 0;  // within our rows
-  gemm(a_local.narrow(0, lead_lo, lead), rank * rows + lead_lo);
-  for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
-  // The gathered output's peer rows: SM copies on the side stream after the ready waits, beside the rest
-  // GEMM (which need not wait for them, nor for our pushes).
-  join(side, main);
-  for (size_t j = 0; j < peers; ++j) {
-    copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
-  }
-  // The rest: [0, lo) and [hi, m) of the gathered rows.
-  const int64_t lo = rank * rows + lead_lo, hi = lo + lead;
-  if (lo > 0) gemm(buffer.narrow(0, 0, lo), 0);
-  if (hi < m) gemm(buffer.narrow(0, hi, m - hi), hi);
-  join(main, side);  // then our slots are free again
-  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+    const bool last = rank == world - 1;
+    const int64_t lead_lo = last ? rows - lead : 0;  // within our rows
+    gemm(a_local.narrow(0, lead_lo, lead), rank * rows + lead_lo);
+    for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
+    // The gathered output's peer rows: SM copies on the side stream after the ready waits, beside the rest
+    // GEMM (which need not wait for them, nor for our pushes).
+    join(side, main);
+    for (size_t j = 0; j < peers; ++j) {
+      copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
+    }
+    // The rest: [0, lo) and [hi, m) of the gathered rows.
+    const int64_t lo = rank * rows + lead_lo, hi = lo + lead;
+    if (lo > 0) gemm(buffer.narrow(0, 0, lo), 0);
+    if (hi < m) gemm(buffer.narrow(0, hi, m - hi), hi);
+    join(main, side);  // then our slots are free again
+    for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  };
+  replays().run(key_of(int64_t{kAgLead}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
+                       ready_mine, done_theirs, rank, world, lead, side_handle, gathered, outs),
+                graphs, device, issue);
   return {gathered, outs};
 }
 
@@ -441,7 +707,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
     const std::vector<std::vector<int64_t>>& group_js, const std::vector<std::vector<int64_t>>& group_ranges,
-    int64_t side_handle) {
+    int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -449,7 +715,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   check_groups(peers, world * a_local.size(0), group_js, group_ranges);
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
   const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
   TORCH_CHECK(buffer.size(0) == m && buffer.size(1) == k, "fluxcompile: the buffer must be [world * rows, k]");
@@ -459,19 +724,25 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
-  push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
-  gemm(a_local, rank * rows);
-  for (size_t g = 0; g < group_js.size(); ++g) {
-    const auto& rs = group_ranges[g];
-    for (int64_t j : group_js[g]) consume_flag(main, ready_mine[j]);
-    join(side, main);  // the group's rows have landed: the gathered output's copies, beside its GEMMs
-    for (size_t i = 0; i < rs.size(); i += 2) {
-      copy_async(all_rows.narrow(0, rs[i], rs[i + 1] - rs[i]), buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), side);
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
+    gemm(a_local, rank * rows);
+    for (size_t g = 0; g < group_js.size(); ++g) {
+      const auto& rs = group_ranges[g];
+      for (int64_t j : group_js[g]) consume_flag(main, ready_mine[j]);
+      join(side, main);  // the group's rows have landed: the gathered output's copies, beside its GEMMs
+      for (size_t i = 0; i < rs.size(); i += 2) {
+        copy_async(all_rows.narrow(0, rs[i], rs[i + 1] - rs[i]), buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), side);
+      }
+      for (size_t i = 0; i < rs.size(); i += 2) gemm(buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), rs[i]);
     }
-    for (size_t i = 0; i < rs.size(); i += 2) gemm(buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), rs[i]);
-  }
-  join(main, side);  // then our slots are free again
-  for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+    join(main, side);  // then our slots are free again
+    for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  };
+  replays().run(key_of(int64_t{kAgStages}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
+                       ready_mine, done_theirs, rank, world, group_js, group_ranges, side_handle, gathered, outs),
+                graphs, device, issue);
   return {gathered, outs};
 }
 
@@ -485,7 +756,7 @@ at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Te
                      const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
                      const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
                      int64_t rows, const std::vector<std::vector<int64_t>>& group_js,
-                     const std::vector<std::vector<int64_t>>& group_ranges, int64_t side_handle) {
+                     const std::vector<std::vector<int64_t>>& group_ranges, int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -493,24 +764,33 @@ at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Te
   check_groups(peers, stage_all.size(0), group_js, group_ranges);
   const auto device = As[0].device().index();
   c10::cuda::CUDAGuard guard(As[0].device());
-  const auto main = c10::cuda::getCurrentCUDAStream(device);
   const auto side = external(side_handle, device);
+  at::Tensor out = at::empty(out_shape, stage_all.options());
 
-  for (size_t g = 0; g < group_js.size(); ++g) {
-    const auto& rs = group_ranges[g];
-    for (size_t i = 0; i < rs.size(); i += 2) {
-      matmul_rows(As, Bs, bias, rs[i], rs[i + 1] - rs[i], stage_all.narrow(0, rs[i], rs[i + 1] - rs[i]));
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    for (size_t g = 0; g < group_js.size(); ++g) {
+      const auto& rs = group_ranges[g];
+      for (size_t i = 0; i < rs.size(); i += 2) {
+        matmul_rows(As, Bs, bias, rs[i], rs[i + 1] - rs[i], stage_all.narrow(0, rs[i], rs[i + 1] - rs[i]));
+      }
+      join(side, main);
+      for (int64_t j : group_js[g]) {
+        send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
+      }
     }
-    join(side, main);
-    for (int64_t j : group_js[g]) {
-      send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
-    }
-  }
-  // Our own block: straight into our slot where the sum reads every slot (> 2 ranks), else into P.
-  const bool two = own_slots.size(0) == 2;
-  const at::Tensor mine = two ? stage_all.narrow(0, rank * rows, rows) : own_slot;
-  matmul_rows(As, Bs, bias, rank * rows, rows, mine);
-  return reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out_shape, rows);
+    // Our own block: straight into our slot where the sum reads every slot (> 2 ranks), else into P.
+    const bool two = own_slots.size(0) == 2;
+    const at::Tensor mine = two ? stage_all.narrow(0, rank * rows, rows) : own_slot;
+    matmul_rows(As, Bs, bias, rank * rows, rows, mine);
+    const auto pushed = peers ? std::optional<c10::cuda::CUDAStream>(side) : std::nullopt;  // see rs_pipelined
+    reduce_and_release(main, pushed, mine, own_slots, order, ready_mine, done_theirs, out, rows);
+  };
+  replays().run(key_of(int64_t{kRsStages}, As, Bs, bias, stage_all, peer_slots, own_slot, own_slots, order,
+                       done_mine, ready_theirs, ready_mine, done_theirs, out, rank, rows, group_js, group_ranges,
+                       side_handle),
+                graphs, device, issue);
+  return out;
 }
 
 }  // namespace
@@ -524,4 +804,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
   m.def("ag_stages", &ag_stages, "all-gather -> GEMM: our rows, then one GEMM per group of peers");
   m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");
+  m.def("replay_stats", [] { return replays().stats(); },
+        "[replays, captures, direct calls, failed captures, graphs held] since the last clear");
+  m.def("clear_replays", [] { replays().clear(); }, "drop every captured sequence (tests; stale workspaces)");
 }

@@ -61,6 +61,11 @@ class Config:
     # (the dispatcher's host time per call: lowerings/direct_calls.py).
     direct_calls: bool = True
 
+    # The cuBLAS-pipelined choices' C++ stream sequences: a call whose arguments (pointers included) were
+    # seen before is captured once as a CUDA graph and replayed, one launch instead of 10-30 stream
+    # operations (csrc/pipelined.cpp, "Replays"). At most this many graphs per process; 0 turns it off.
+    sequence_graphs: int = 1024
+
     # Log the rewrite report of every compiled graph at INFO on the "fluxcompile" logger.
     log_report: bool = True
 

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
 from ..symm_mem.workspace import generation as workspace_generation
-from .sequencer import Handshake, handshake, sequencer, slice_rows
+from .sequencer import Handshake, graph_limit, handshake, sequencer, slice_rows
 
 NAME = "cublas_pipelined"
 
@@ -190,14 +190,14 @@ def _issue(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _Plan, 
         if seq is not None:
             return seq.ag_unsplit(
                 a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, *plan.hs.lists,
-                plan.rank, plan.world, side_stream().cuda_stream,
+                plan.rank, plan.world, side_stream().cuda_stream, graph_limit(),
             )  # fmt: skip
         return _python_unsplit(a_local, Bs, biases, gathered_shape, plan)
     if seq is not None:
         compute = [_compute_stream(j).cuda_stream for j in range(len(plan.hs.order))] if concurrent else []
         return seq.ag_pipelined(
             a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.my_slots, *plan.hs.lists,
-            plan.rank, plan.world, side_stream().cuda_stream, compute,
+            plan.rank, plan.world, side_stream().cuda_stream, compute, graph_limit(),
         )  # fmt: skip
     return _python_sequence(a_local, Bs, biases, gathered_shape, plan, concurrent)
 
@@ -207,7 +207,7 @@ def _issue_lead(a_local: Tensor, Bs, biases, gathered_shape: list[int], plan: _P
     if seq is not None:
         return seq.ag_lead(
             a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.buffer, *plan.hs.lists,
-            plan.rank, plan.world, lead, side_stream().cuda_stream,
+            plan.rank, plan.world, lead, side_stream().cuda_stream, graph_limit(),
         )  # fmt: skip
     return _python_lead(a_local, Bs, biases, gathered_shape, plan, lead)
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..symm_mem import side_stream, stream_consume, stream_write
 from . import ag_cublas_pipelined as pipelined
-from .sequencer import sequencer
+from .sequencer import graph_limit, sequencer
 
 ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_AG_STAGES", "0") == "1"
 GROUPS = (2, 3)  # ":stages<g>" choices
@@ -106,7 +106,7 @@ def all_gather_matmul(
     if seq is not None:
         out = seq.ag_stages(
             a_local, list(Bs), list(biases), gathered_shape, plan.peer_slots, plan.buffer, *plan.hs.lists,
-            plan.rank, plan.world, js, flat, side_stream().cuda_stream,
+            plan.rank, plan.world, js, flat, side_stream().cuda_stream, graph_limit(),
         )  # fmt: skip
     else:
         out = _python_stages(a_local, Bs, biases, gathered_shape, plan, js, ranges)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..symm_mem import Workspace, side_stream, stream_consume, stream_write, workspace
 from ..symm_mem.workspace import generation as workspace_generation
-from .sequencer import Handshake, handshake, sequencer, slice_rows
+from .sequencer import Handshake, graph_limit, handshake, sequencer, slice_rows
 
 NAME = "cublas_pipelined"
 TAILS = (8, 4, 2)  # ":tail<d>" choices: 1/d of our rows (a multiple of 64) computed beside the pushes
@@ -227,7 +227,7 @@ def _issue(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, plan
         side = side_stream().cuda_stream if push else 0
         return seq.rs_pipelined(
             list(As), list(Bs), bias, plan.peer_slots, plan.stage_slots, plan.own_slot, plan.own_slots,
-            *plan.hs.lists, plan.shape, plan.rank, plan.rows, push, side,
+            *plan.hs.lists, plan.shape, plan.rank, plan.rows, push, side, graph_limit(),
         )  # fmt: skip
     return _python_sequence(As, Bs, bias, plan, push)
 
@@ -237,7 +237,7 @@ def _issue_tail(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None,
     if seq is not None:
         return seq.rs_tail(
             list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
-            *plan.hs.lists, plan.shape, plan.rank, plan.rows, tail, side_stream().cuda_stream,
+            *plan.hs.lists, plan.shape, plan.rank, plan.rows, tail, side_stream().cuda_stream, graph_limit(),
         )  # fmt: skip
     return _python_tail(As, Bs, bias, plan, tail)
 

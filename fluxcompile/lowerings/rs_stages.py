@@ -19,7 +19,7 @@ from torch import Tensor
 from ..symm_mem import side_stream
 from . import rs_cublas_pipelined as pipelined
 from .ag_stages import stage_plan
-from .sequencer import sequencer
+from .sequencer import graph_limit, sequencer
 
 ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_RS_STAGES", "0") == "1"
 GROUPS = (2, 3)
@@ -53,7 +53,7 @@ def matmul_reduce_scatter(
     if seq is not None:
         out = seq.rs_stages(
             list(As), list(Bs), bias, plan.stage_all, plan.peer_slots, plan.own_slot, plan.own_slots,
-            *plan.hs.lists, plan.shape, plan.rank, plan.rows, js, flat, side_stream().cuda_stream,
+            *plan.hs.lists, plan.shape, plan.rank, plan.rows, js, flat, side_stream().cuda_stream, graph_limit(),
         )  # fmt: skip
     else:
         out = _python_stages(As, Bs, bias, plan, js, ranges)

@@ -7,7 +7,8 @@ operations, in the same order, from precomputed slot views and flag addresses. W
 (no nvcc, a failed build) the choices run their Python sequence instead: the GPU sees the same work, so
 ranks may even differ in which one they use.
 
-``FLUXCOMPILE_PIPELINED_CPP=0`` forces the Python sequences.
+``FLUXCOMPILE_PIPELINED_CPP=0`` forces the Python sequences. The C++ sequences also replay calls seen
+before as CUDA graphs (``config.sequence_graphs``, csrc/pipelined.cpp's "Replays").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from types import ModuleType
 import torch
 
 from .. import csrc_build
+from ..config import config
 from ..schedules.orders import ring_after
 from ..symm_mem import ready_done_flags, stream_consume, stream_write
 from ..symm_mem.watchdog import Watch, flag_report, watch
@@ -43,6 +45,27 @@ def sequencer() -> ModuleType | None:
             log.warning("fluxcompile: the C++ sequencer is unavailable, using the Python sequences: %s", e)
     _state["mod"] = mod
     return mod
+
+
+def graph_limit() -> int:
+    """How many call signatures the C++ sequences may capture as CUDA graphs and replay (config.sequence_graphs;
+    0: every call issues its stream operations)."""
+    return config.sequence_graphs
+
+
+def replay_stats() -> dict[str, int]:
+    """The C++ sequences' replay counters since the last :func:`clear_replays` (empty without the module)."""
+    mod = sequencer()
+    if mod is None:
+        return {}
+    return dict(zip(("replays", "captures", "direct", "failed", "graphs"), mod.replay_stats()))
+
+
+def clear_replays() -> None:
+    """Drop every captured sequence and reset the counters."""
+    mod = sequencer()
+    if mod is not None:
+        mod.clear_replays()
 
 
 def slice_rows(rows: int, d: int) -> int:

@@ -1,0 +1,167 @@
+"""The C++ sequences' CUDA-graph replays (csrc/pipelined.cpp, "Replays"; config.sequence_graphs).
+
+A call whose arguments were seen before is captured once and replayed from then on. Every call here gets
+fresh values in the same input tensors, so an output the replay failed to write would still hold the
+previous call's (different) result. Any world size: at one rank the sequences have no peers, which still
+checks the capture, the keys and the replays; at two or more they also cross NVLink.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_helpers import shared_seed, use_sequencer
+
+import fluxcompile
+from fluxcompile import ops
+from fluxcompile.lowerings import ag_cublas_pipelined, ag_stages, rs_cublas_pipelined, rs_stages
+from fluxcompile.lowerings.sequencer import clear_replays, replay_stats
+from fluxcompile.testing.numerics import assert_close
+
+BF16 = torch.bfloat16
+
+# (op, variant) -> the sequence's entry and its keyword arguments
+RS = {
+    "split": (rs_cublas_pipelined.matmul_reduce_scatter, {}),
+    "push": (rs_cublas_pipelined.matmul_reduce_scatter, {"push": True}),
+    "unsplit": (rs_cublas_pipelined.matmul_reduce_scatter, {"unsplit": True}),
+    "tail2": (rs_cublas_pipelined.matmul_reduce_scatter, {"tail": 2}),
+    "stages2": (rs_stages.matmul_reduce_scatter, {"groups": 2}),
+}
+AG = {
+    "split": (ag_cublas_pipelined.all_gather_matmul, {}),
+    "concurrent": (ag_cublas_pipelined.all_gather_matmul, {"concurrent": True}),
+    "unsplit": (ag_cublas_pipelined.all_gather_matmul, {"unsplit": True}),
+    "lead2": (ag_cublas_pipelined.all_gather_matmul, {"lead": 2}),
+    "stages2": (ag_stages.all_gather_matmul, {"groups": 2}),
+}
+CASES = [("rs", v) for v in RS] + [("ag", v) for v in AG]
+
+
+class Call:
+    """One op's call on fixed tensors: ``refresh`` draws new values into them, ``run`` calls the variant,
+    ``reference`` computes the expected result, ``check`` compares."""
+
+    def __init__(self, op: str, variant: str, rows: int = 256, seed: int = 0) -> None:
+        group = dist.group.WORLD
+        w = group.size()
+        g = torch.Generator(device="cuda").manual_seed(seed + 7919 * dist.get_rank())
+        self.op = op
+        self.fn, self.kw = (RS if op == "rs" else AG)[variant]
+        if op == "rs":
+            m, n, k = w * rows, 192, 128
+            self.args = (
+                [torch.randn(m, k, device="cuda", dtype=BF16, generator=g)],
+                [torch.randn(k, n, device="cuda", dtype=BF16, generator=g) / k**0.5],
+                torch.randn(n, device="cuda", dtype=BF16, generator=g),
+                [m, n], 0, "sum", w, group.group_name,
+            )  # fmt: skip
+        else:
+            k = 128
+            self.args = (
+                torch.randn(rows, k, device="cuda", dtype=BF16, generator=g),
+                [torch.randn(k, n, device="cuda", dtype=BF16, generator=g) / k**0.5 for n in (160, 64)],
+                [torch.randn(160, device="cuda", dtype=BF16, generator=g), None],
+                0, w, group.group_name,
+            )  # fmt: skip
+
+    def refresh(self) -> None:
+        (self.args[0][0] if self.op == "rs" else self.args[0]).normal_()
+
+    def run(self):
+        return self.fn(*self.args, **self.kw)
+
+    def reference(self):
+        if self.op == "rs":
+            return ops._matmul_reduce_scatter_ref(*self.args)
+        return ops._all_gather_matmul_ref(*self.args)
+
+    def check(self, got, ref, what: str) -> None:
+        if self.op == "rs":
+            assert_close(got, ref, 1e-2, what)
+            return
+        assert_close(got[0], ref[0], 0.0, f"{what}: gathered A")
+        for i, (o, r) in enumerate(zip(got[1], ref[1])):
+            assert_close(o, r, 1e-2, f"{what}: out {i}")
+
+
+def _call_or_skip(op: str, variant: str, monkeypatch, rows: int = 256) -> Call:
+    use_sequencer("cpp", monkeypatch)
+    monkeypatch.setattr(rs_stages, "ENABLED", True)
+    monkeypatch.setattr(ag_stages, "ENABLED", True)
+    call = Call(op, variant, rows, shared_seed())
+    try:
+        call.run()  # first sight: issued directly; also makes the workspace and flags
+    except ValueError as e:  # a variant that does not apply here (e.g. stages with no peers)
+        pytest.skip(f"{op} {variant}: {e}")
+    torch.cuda.synchronize()
+    return call
+
+
+@pytest.mark.parametrize(("op", "variant"), CASES)
+def test_replays_match_reference(monkeypatch, op, variant):
+    with fluxcompile.config.patch(sequence_graphs=64):
+        call = _call_or_skip(op, variant, monkeypatch)
+        clear_replays()
+        for i in range(8):
+            call.refresh()
+            ref = call.reference()
+            got = call.run()
+            call.check(got, ref, f"{op} {variant} call {i}")
+            del got, ref  # the next call's outputs land at the same addresses: its key repeats
+        stats = replay_stats()
+    # Two sightings before a capture; even if the outputs alternated between two addresses, calls 4..7 replay.
+    assert stats["captures"] >= 1 and stats["replays"] >= 4 and stats["failed"] == 0, stats
+
+
+@pytest.mark.parametrize(("op", "variant"), [("rs", "split"), ("ag", "split")])
+def test_replays_off(monkeypatch, op, variant):
+    with fluxcompile.config.patch(sequence_graphs=0):
+        call = _call_or_skip(op, variant, monkeypatch)
+        clear_replays()
+        for i in range(4):
+            call.refresh()
+            ref = call.reference()
+            call.check(call.run(), ref, f"{op} {variant} call {i}")
+        stats = replay_stats()
+    assert stats["captures"] == 0 and stats["replays"] == 0 and stats["direct"] == 4, stats
+
+
+@pytest.mark.parametrize("op", ["rs", "ag"])
+def test_replay_limit(monkeypatch, op):
+    """At the limit, new signatures run directly (and stay correct); the one graph held keeps replaying."""
+    with fluxcompile.config.patch(sequence_graphs=1):
+        calls = [_call_or_skip(op, "split", monkeypatch, rows) for rows in (256, 192)]
+        clear_replays()
+        for i in range(12):
+            call = calls[i % 2]
+            call.refresh()
+            ref = call.reference()
+            got = call.run()
+            call.check(got, ref, f"{op} call {i}")
+            del got, ref
+        stats = replay_stats()
+    assert stats["graphs"] == 1 and stats["replays"] >= 1 and stats["direct"] >= 6, stats
+
+
+@pytest.mark.parametrize(("op", "variant"), [("rs", "split"), ("rs", "push"), ("ag", "split"), ("ag", "lead2")])
+def test_inside_a_users_graph_capture(monkeypatch, op, variant):
+    """Under the caller's own capture (vLLM decode) the sequence goes into that graph as it is: no capture of
+    ours is begun inside it, and its replays, and an eager call after them, are right."""
+    with fluxcompile.config.patch(sequence_graphs=64):
+        call = _call_or_skip(op, variant, monkeypatch)
+        call.run()  # a second sight: captured and replayed
+        torch.cuda.synchronize()
+        before = replay_stats()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = call.run()
+        during = replay_stats()
+        assert during["captures"] == before["captures"] and during["direct"] == before["direct"] + 1, (before, during)
+        for i in range(4):
+            call.refresh()
+            graph.replay()
+            call.check(static, call.reference(), f"{op} {variant} replay {i} of the user's graph")
+        call.refresh()
+        call.check(call.run(), call.reference(), f"{op} {variant} eager after the user's graph")
