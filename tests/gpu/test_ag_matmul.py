@@ -13,6 +13,7 @@ from fluxcompile.lowerings import ag_stages
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
+pytestmark = pytest.mark.peers  # the choices under test decline a 1-rank group
 
 
 def _inputs(shard_shape, ns, bias, gen_seed):

@@ -15,6 +15,7 @@ from fluxcompile.symm_mem import workspace
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
+pytestmark = pytest.mark.peers  # the choices under test decline a 1-rank group
 OP = "matmul_reduce_scatter"
 
 # The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.

@@ -112,6 +112,7 @@ def test_helpers_and_shapes(dtype):
     _check(schedules.run(prog, x, dist.group.WORLD), _reference("all_reduce", x.float()).to(dtype), "run(Program)")
 
 
+@pytest.mark.peers  # at one rank every size divides
 def test_validation_errors():
     x = torch.ones(10, device="cuda", dtype=torch.int32)
     with pytest.raises(ValueError, match="dtype"):
@@ -198,6 +199,7 @@ def test_second_group_of_the_same_ranks():
     gpu_executor.check_errors()
 
 
+@pytest.mark.peers  # a peer that never arrives
 def test_bounded_wait_names_the_missing_peer():
     """On a group of its own: rank 0 calls once more than rank 1; its wait for rank 1's message times
     out and the error names the ranks and the signal."""
