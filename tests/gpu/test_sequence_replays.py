@@ -77,6 +77,13 @@ class Call:
             return ops._matmul_reduce_scatter_ref(*self.args)
         return ops._all_gather_matmul_ref(*self.args)
 
+    def step(self, what: str) -> None:
+        """Fresh inputs, one call, checked against the reference. Nothing is kept, so the next call's outputs
+        land at the same addresses and its key repeats."""
+        self.refresh()
+        ref = self.reference()
+        self.check(self.run(), ref, what)
+
     def check(self, got, ref, what: str) -> None:
         if self.op == "rs":
             assert_close(got, ref, 1e-2, what)
@@ -99,32 +106,26 @@ def _call_or_skip(op: str, variant: str, monkeypatch, rows: int = 256) -> Call:
     return call
 
 
-@pytest.mark.parametrize(("op", "variant"), CASES)
-def test_replays_match_reference(monkeypatch, op, variant):
-    with fluxcompile.config.patch(sequence_graphs=64):
+def _steps(op: str, variant: str, limit: int, n: int, monkeypatch) -> dict[str, int]:
+    """``n`` checked calls with config.sequence_graphs = ``limit``; the replay counters over them."""
+    with fluxcompile.config.patch(sequence_graphs=limit):
         call = _call_or_skip(op, variant, monkeypatch)
         clear_replays()
-        for i in range(8):
-            call.refresh()
-            ref = call.reference()
-            got = call.run()
-            call.check(got, ref, f"{op} {variant} call {i}")
-            del got, ref  # the next call's outputs land at the same addresses: its key repeats
-        stats = replay_stats()
+        for i in range(n):
+            call.step(f"{op} {variant} call {i}")
+        return replay_stats()
+
+
+@pytest.mark.parametrize(("op", "variant"), CASES)
+def test_replays_match_reference(monkeypatch, op, variant):
+    stats = _steps(op, variant, 64, 8, monkeypatch)
     # Two sightings before a capture; even if the outputs alternated between two addresses, calls 4..7 replay.
     assert stats["captures"] >= 1 and stats["replays"] >= 4 and stats["failed"] == 0, stats
 
 
 @pytest.mark.parametrize(("op", "variant"), [("rs", "split"), ("ag", "split")])
 def test_replays_off(monkeypatch, op, variant):
-    with fluxcompile.config.patch(sequence_graphs=0):
-        call = _call_or_skip(op, variant, monkeypatch)
-        clear_replays()
-        for i in range(4):
-            call.refresh()
-            ref = call.reference()
-            call.check(call.run(), ref, f"{op} {variant} call {i}")
-        stats = replay_stats()
+    stats = _steps(op, variant, 0, 4, monkeypatch)
     assert stats["captures"] == 0 and stats["replays"] == 0 and stats["direct"] == 4, stats
 
 
@@ -135,12 +136,7 @@ def test_replay_limit(monkeypatch, op):
         calls = [_call_or_skip(op, "split", monkeypatch, rows) for rows in (256, 192)]
         clear_replays()
         for i in range(12):
-            call = calls[i % 2]
-            call.refresh()
-            ref = call.reference()
-            got = call.run()
-            call.check(got, ref, f"{op} call {i}")
-            del got, ref
+            calls[i % 2].step(f"{op} call {i}")
         stats = replay_stats()
     assert stats["graphs"] == 1 and stats["replays"] >= 1 and stats["direct"] >= 6, stats
 
@@ -163,5 +159,4 @@ def test_inside_a_users_graph_capture(monkeypatch, op, variant):
             call.refresh()
             graph.replay()
             call.check(static, call.reference(), f"{op} {variant} replay {i} of the user's graph")
-        call.refresh()
-        call.check(call.run(), call.reference(), f"{op} {variant} eager after the user's graph")
+        call.step(f"{op} {variant} eager after the user's graph")
