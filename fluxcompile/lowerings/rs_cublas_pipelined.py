@@ -289,7 +289,8 @@ def _python_sequence(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | 
             partial(p, plan.peer_slots[j])  # zero-copy: cuBLAS stores into p's memory
             stream_write(main, plan.hs.ready_theirs[j], 1)
     partial(plan.rank, plan.own_slot)
-    return _reduce_and_release(plan, plan.own_slot, As[0], side_stream() if push else None)
+    # With no peers the side stream did nothing (under a capture it never joined): nothing to wait for.
+    return _reduce_and_release(plan, plan.own_slot, As[0], side_stream() if push and plan.hs.order else None)
 
 
 def _reduce_and_release(plan: _Plan, mine: Tensor, like: Tensor, side) -> Tensor:
@@ -300,7 +301,9 @@ def _reduce_and_release(plan: _Plan, mine: Tensor, like: Tensor, side) -> Tensor
         stream_consume(main, addr)
     out = torch.empty(plan.shape, dtype=like.dtype, device=like.device)
     out2 = out.view(plan.rows, plan.n)
-    if plan.world == 2:
+    if plan.world == 1:
+        out2.copy_(mine)  # one rank (tests of the sequences themselves: the choices decline it)
+    elif plan.world == 2:
         torch.add(mine, plan.own_slots[plan.hs.order[0]], out=out2)  # fp32 math, one rounding
     else:
         torch.sum(plan.own_slots, dim=0, out=out2)  # accumulates in fp32, rounds once

@@ -75,4 +75,4 @@ def _python_stages(As, Bs, bias, plan, js, ranges) -> Tensor:
                 plan.hs.send(side, j, plan.peer_slots[j], P[p * rows : (p + 1) * rows])
     mine = P[rank * rows : (rank + 1) * rows] if plan.world == 2 else plan.own_slot
     pipelined._matmul_rows(As, Bs, bias, rank * rows, rows, mine)
-    return pipelined._reduce_and_release(plan, mine, As[0], side)
+    return pipelined._reduce_and_release(plan, mine, As[0], side if plan.hs.order else None)  # see _python_sequence

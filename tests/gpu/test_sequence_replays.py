@@ -93,8 +93,8 @@ class Call:
             assert_close(o, r, 1e-2, f"{what}: out {i}")
 
 
-def _call_or_skip(op: str, variant: str, monkeypatch, rows: int = 256) -> Call:
-    use_sequencer("cpp", monkeypatch)
+def _call_or_skip(op: str, variant: str, monkeypatch, rows: int = 256, seq: str = "cpp") -> Call:
+    use_sequencer(seq, monkeypatch)
     monkeypatch.setattr(rs_stages, "ENABLED", True)
     monkeypatch.setattr(ag_stages, "ENABLED", True)
     call = Call(op, variant, rows, shared_seed())
@@ -127,6 +127,15 @@ def test_replays_match_reference(monkeypatch, op, variant):
 def test_replays_off(monkeypatch, op, variant):
     stats = _steps(op, variant, 0, 4, monkeypatch)
     assert stats["captures"] == 0 and stats["replays"] == 0 and stats["direct"] == 4, stats
+
+
+@pytest.mark.parametrize(("op", "variant"), CASES)
+def test_python_twins_match_reference(monkeypatch, op, variant):
+    """The Python sequences (the fallback without the C++ module), which mirror the C++ ones, at this world
+    size too."""
+    call = _call_or_skip(op, variant, monkeypatch, seq="python")
+    for i in range(3):
+        call.step(f"{op} {variant} (python) call {i}")
 
 
 @pytest.mark.parametrize("op", ["rs", "ag"])
