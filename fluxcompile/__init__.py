@@ -4,8 +4,6 @@ model = torch.compile(model, backend="fluxcompile")   # or fluxcompile.enable() 
 print(fluxcompile.explain(model, x))                  # what fused, what did not, and why
 """
 
-__version__ = "0.1.0"
-
 import logging as _logging
 import os as _os
 
@@ -14,6 +12,7 @@ from .backend import disable, enable, explain, fluxcompile_backend
 from .config import config
 from .fx_passes.report import collect as collect_reports
 from .fx_passes.report import reports
+from .version import __version__
 
 
 def _register_backend() -> None:
@@ -31,7 +30,7 @@ def _register_backend() -> None:
 
 _register_backend()
 
-__all__ = ["collect_reports", "config", "disable", "enable", "explain", "fluxcompile_backend", "ops", "reports"]
+__all__ = ["__version__", "collect_reports", "config", "disable", "enable", "explain", "fluxcompile_backend", "ops", "reports"]
 
 
 def _log_from_env() -> None:

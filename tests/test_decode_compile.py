@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton", reason="Triton is needed for the kernel c
 
 from test_kernels_compile import compile_sm90  # noqa: E402
 
-from fluxcompile import csrc_build  # noqa: E402
+from fluxcompile.lowerings import extensions  # noqa: E402
 from fluxcompile.lowerings.decode_ar import TRITON_VARIANTS  # noqa: E402
 
 
@@ -48,10 +48,10 @@ def test_gemm_ar_compiles_for_sm90(variant, tail, tmp_path, monkeypatch):
 
 
 def test_arch_flag_and_build_dir():
-    assert csrc_build.arch_flag((9, 0)) == "-gencode=arch=compute_90a,code=sm_90a"
-    assert csrc_build.arch_flag((8, 0)) == "-gencode=arch=compute_80,code=sm_80"
-    assert csrc_build.build_dir("gemv_ar", (9, 0)) != csrc_build.build_dir("gemv_ar", (8, 0))
-    assert csrc_build.build_dir("gemv_ar", (9, 0)) == csrc_build.build_dir("gemv_ar", (9, 0))
+    assert extensions.arch_flag((9, 0)) == "-gencode=arch=compute_90a,code=sm_90a"
+    assert extensions.arch_flag((8, 0)) == "-gencode=arch=compute_80,code=sm_80"
+    assert extensions.build_dir("gemv_ar", (9, 0)) != extensions.build_dir("gemv_ar", (8, 0))
+    assert extensions.build_dir("gemv_ar", (9, 0)) == extensions.build_dir("gemv_ar", (9, 0))
 
 
 def test_load_declines_without_gpu():
@@ -59,8 +59,8 @@ def test_load_declines_without_gpu():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU machine builds for real (tests/gpu)")
-    with pytest.raises(csrc_build.Unavailable, match="no CUDA device"):
-        csrc_build.load("gemv_ar")
+    with pytest.raises(extensions.Unavailable, match="no CUDA device"):
+        extensions.load("gemv_ar")
 
 
 def _nvcc() -> str | None:
@@ -74,9 +74,9 @@ def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
-    src = csrc_build.CSRC / "gemv_ar.cu"
+    src = extensions.CSRC / "gemv_ar.cu"
     out = subprocess.run(
-        [nvcc, "-std=c++17", "-O3", csrc_build.arch_flag((9, 0)), "-Xptxas", "-v", "-c", str(src),
+        [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), "-Xptxas", "-v", "-c", str(src),
          "-o", str(tmp_path / "gemv_ar.o")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -124,7 +124,7 @@ def test_pipelined_cpp_compiles(tmp_path):
     out = subprocess.run(
         [gxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
          f"-I{tmp_path / 'stub'}", f"-I{cuda_inc}", *(f"-I{p}" for p in include_paths()),
-         f"-I{sysconfig.get_paths()['include']}", str(csrc_build.CSRC / "pipelined.cpp")],
+         f"-I{sysconfig.get_paths()['include']}", str(extensions.CSRC / "pipelined.cpp")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]

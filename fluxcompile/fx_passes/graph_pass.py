@@ -17,8 +17,8 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from .. import __version__
 from ..config import Config, config
+from ..version import __version__
 from . import all_gather_matmul, all_to_all, matmul_all_reduce, matmul_reduce_scatter
 from .graph_utils import c10d, op_name
 from .report import Entry, GraphReport, new_graph_report, publish

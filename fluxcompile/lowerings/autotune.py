@@ -54,9 +54,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-import fluxcompile
-from fluxcompile.config import config
-
+from ..config import config
+from ..version import __version__
 from .choices import REFERENCE, Choice, choices_for
 
 log = logging.getLogger("fluxcompile.autotune")
@@ -382,7 +381,7 @@ def _key(op_name: str, args: tuple, group_name: str, key_extra: str, candidates:
         "topology": _topology(group, run_device),
         # A new or removed choice (or a config that allows others) means tuning again.
         "choices": [c.name for c in candidates],
-        "fluxcompile": fluxcompile.__version__,
+        "fluxcompile": __version__,
         "torch": torch.__version__,
         "timing": TIMING,
     }

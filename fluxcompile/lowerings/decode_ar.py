@@ -258,11 +258,11 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
     tiles = -(-n // CUDA_TILE_N)
     if tiles > MAX_TILES or (two_shot and tiles < world):
         return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
-    from .. import csrc_build
+    from . import extensions
 
     try:
-        csrc_build.load("gemv_ar")
-    except csrc_build.Unavailable as e:
+        extensions.load("gemv_ar")
+    except extensions.Unavailable as e:
         return f"csrc/gemv_ar unavailable: {e}"
     return None
 
@@ -295,10 +295,10 @@ def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, T
 
 
 def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None) -> Tensor | tuple[Tensor, Tensor]:
-    from .. import csrc_build
+    from . import extensions
 
     two_shot, ll = mode == "twoshot", mode == "oneshot-ll"
-    ext = csrc_build.load("gemv_ar")
+    ext = extensions.load("gemv_ar")
     a, b = As[0], Bs[0]
     if a.data_ptr() % 16:
         a = a.clone()  # a fresh allocation is aligned for 16-byte loads

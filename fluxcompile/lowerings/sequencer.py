@@ -20,12 +20,12 @@ from types import ModuleType
 
 import torch
 
-from .. import csrc_build
 from ..config import config
 from ..schedules.orders import ring_after
 from ..symm_mem import ready_done_flags, stream_consume, stream_write
 from ..symm_mem.watchdog import Watch, flag_report, watch
 from ..symm_mem.workspace import current_stream
+from . import extensions
 
 log = logging.getLogger("fluxcompile.sequencer")
 
@@ -40,8 +40,8 @@ def sequencer() -> ModuleType | None:
     mod = None
     if ENABLED:
         try:
-            mod = csrc_build.load("pipelined")
-        except csrc_build.Unavailable as e:
+            mod = extensions.load("pipelined")
+        except extensions.Unavailable as e:
             log.warning("fluxcompile: the C++ sequencer is unavailable, using the Python sequences: %s", e)
     _state["mod"] = mod
     return mod

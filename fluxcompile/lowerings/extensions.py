@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, shipped inside the package
 SOURCES: dict[str, tuple[str, ...]] = {
     # module name -> its sources (headers are hashed too, so an edited header rebuilds)
     "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h"),
