@@ -1,14 +1,16 @@
-"""GEMV lab (one GPU): the CUDA decode kernel of csrc/gemv_ar.cu on a one-rank "group" (its math, epilogue and
-own-slot stores, no peers) against cuBLAS and a plain streaming read of the weight, all timed as CUDA graph
-replays, for kernel variants built side by side (in parallel):
+"""GEMV lab (one GPU): the CUDA decode kernel of fluxcompile/csrc/gemv_ar.cu on a one-rank "group" (its math,
+epilogue and own-slot stores, no peers) against cuBLAS and a plain streaming read of the weight, all timed as
+CUDA graph replays, for kernel variants built side by side (in parallel):
 
-    python scripts/debug/gemv_lab.py [--variants cur,NAME=FILE@-DFLAG=1,...] [--shapes 8192x14336,8192x4096]
-                                     [--ms 1,16,64]
+    python lab/gemv_lab.py [--variants cur,NAME=FILE@-DFLAG=1,...] [--shapes 8192x14336,8192x4096] [--ms 1,16,64]
 
-A variant is ``cur`` (csrc/gemv_ar.cu as it is) or ``NAME=FILE`` (another gemv_ar.cu with the same header and
-binding), each optionally followed by ``@``-separated nvcc flags (``cur@-DFOO=2``). Every output is checked
-against an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the
-bandwidth ceiling the GEMV could reach. Run on a one-GPU kind (nvidia-h200: its time counts at half).
+A variant is ``cur`` (the product's gemv_ar.cu as it is) or ``NAME=FILE``, each optionally followed by
+``@``-separated nvcc flags (``cur@-DFOO=2``: the kernel's lab knobs are macros). FILE is a patch of the
+product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g. ``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a
+copy of it, or another whole gemv_ar.cu with the same header and binding (e.g. a past version, ``git show
+REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel sources of its own. Every output is checked against
+an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the bandwidth ceiling
+the GEMV could reach, the ``tile*`` columns the same bytes read in the kernel's tile shapes.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-CSRC = ROOT / "csrc"
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "fluxcompile" / "csrc"
 CALLS = 20
 
 
@@ -175,8 +178,9 @@ def run(ext, solo: Solo, a, w, out):
 
 
 def build_variants(spec: str, prefix: str = "") -> dict:
-    """The extensions of ``--variants`` (``cur`` or ``NAME=FILE``, each with ``@``-separated nvcc flags), built
-    in parallel, by name; ``prefix`` keeps another script's builds apart from the lab's."""
+    """The extensions of ``--variants`` (``cur`` or ``NAME=FILE``, FILE a patch or a whole gemv_ar.cu, each with
+    ``@``-separated nvcc flags), built in parallel, by name; ``prefix`` keeps another script's builds apart from
+    the lab's."""
     jobs = []
     for item in spec.split(","):
         v, *flags = item.split("@")
@@ -186,7 +190,11 @@ def build_variants(spec: str, prefix: str = "") -> dict:
             d = Path(tempfile.mkdtemp())
             for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
                 shutil.copy(CSRC / f, d / f)
-            shutil.copy(path, d / "gemv_ar.cu")
+            if path.endswith((".patch", ".diff")):
+                # -o with the original named: the patch's own file names do not matter.
+                subprocess.run(["patch", "-s", "-o", str(d / "gemv_ar.cu"), str(CSRC / "gemv_ar.cu"), path], check=True)
+            else:
+                shutil.copy(path, d / "gemv_ar.cu")
             src = str(d)
         jobs.append((prefix + name, src, flags))
     with mp.get_context("spawn").Pool(len(jobs)) as pool:

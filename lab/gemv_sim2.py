@@ -1,13 +1,13 @@
-"""Two ranks on one GPU: csrc/gemv_ar.cu's exchange (partials into the peers' slots, flags, epochs, parity
-slots, two-shot's reduced tiles) run between two launches of the kernel that share the GPU, each on its own
-stream with half the resident CTAs, their workspaces mapped into each other as a group's would be.
+"""Two ranks on one GPU: fluxcompile/csrc/gemv_ar.cu's exchange (partials into the peers' slots, flags, epochs,
+parity slots, two-shot's reduced tiles) run between two launches of the kernel that share the GPU, each on its
+own stream with half the resident CTAs, their workspaces mapped into each other as a group's would be.
 
 It checks the protocol's logic without a second GPU: every output against the fp32 sum of both ranks'
 products, over many eager calls and CUDA-graph replays with inputs changed between them (a stale flag or a
 slot read early shows as a wrong sum). It does not check NVLink's ordering (both "peers" share one L2), and
 its times are not the exchange's cost between GPUs (each rank has half the GPU):
 
-    python scripts/debug/gemv_sim2.py [--variants cur,NAME=FILE@-DFLAG] [--shapes 8192x14336] [--ms 1,16,64]
+    python lab/gemv_sim2.py [--variants cur,NAME=FILE@-DFLAG] [--shapes 8192x14336] [--ms 1,16,64]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Rank:
 
     def __init__(self, m: int, n: int, k: int, world: int, tail: bool):
         self.slot_bytes = (m * n * 2 + 255) // 256 * 256
-        # Regular slots and LL regions (csrc/gemv_ar.h), poisoned: NaN data, flags no epoch matches.
+        # Regular slots and LL regions (fluxcompile/csrc/gemv_ar.h), poisoned: NaN data, flags no epoch matches.
         self.data = torch.full(((6 * world + 2) * self.slot_bytes,), 0xFF, dtype=torch.uint8, device="cuda")
         self.flags = torch.zeros((world + 1) * MAX_TILES, dtype=torch.int32, device="cuda")
         self.state = torch.zeros(4, dtype=torch.int32, device="cuda")
