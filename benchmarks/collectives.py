@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import fluxcompile
 from fluxcompile.schedules import gpu_executor
 from fluxcompile.schedules.collectives import library_plan
 from fluxcompile.schedules.gpu_executor import run_plan
@@ -189,7 +190,7 @@ def main() -> None:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=300))
     if args.slice_bytes:
-        gpu_executor.SLICE_BYTES = args.slice_bytes
+        fluxcompile.config.sched_slice_bytes = args.slice_bytes
     sizes = [int(s[:-1]) * {"K": KIB, "M": 1 << 20}[s[-1]] if s[-1] in "KM" else int(s) for s in args.sizes.split(",")]
     t0 = time.time()
     rows = []

@@ -5,7 +5,6 @@ print(fluxcompile.explain(model, x))                  # what fused, what did not
 """
 
 import logging as _logging
-import os as _os
 
 from . import ops
 from .backend import disable, enable, explain, fluxcompile_backend
@@ -33,10 +32,10 @@ _register_backend()
 __all__ = ["__version__", "collect_reports", "config", "disable", "enable", "explain", "fluxcompile_backend", "ops", "reports"]
 
 
-def _log_from_env() -> None:
-    """``FLUXCOMPILE_LOG=info`` (or debug, ...) prints fluxcompile's own log (the autotuner's tables, the
-    rewrite decisions) to stderr, without configuring anybody else's loggers."""
-    level = _os.environ.get("FLUXCOMPILE_LOG")
+def _log_to_stderr() -> None:
+    """``config.log`` (``FLUXCOMPILE_LOG=info``, debug, ...) prints fluxcompile's own log (the autotuner's
+    tables, the rewrite decisions) to stderr, without configuring anybody else's loggers."""
+    level = config.log
     if not level:
         return
     logger = _logging.getLogger("fluxcompile")
@@ -47,7 +46,7 @@ def _log_from_env() -> None:
         logger.addHandler(handler)
 
 
-_log_from_env()
+_log_to_stderr()
 
 # The fused ops' CUDA implementations (the autotuned choices) register when lowerings is imported. Without
 # this import a compiled model's fused ops fell back to their reference implementations (cuBLAS + NCCL):

@@ -1,13 +1,17 @@
-"""fluxcompile's options: one dataclass, overridable from ``FLUXCOMPILE_*`` environment variables.
+"""fluxcompile's options: one dataclass, the only reader of ``FLUXCOMPILE_*`` environment variables.
 
 Every field can be set three ways, later ones winning:
   1. its default here;
   2. the environment: ``FLUXCOMPILE_<FIELD NAME IN CAPITALS>`` (``FLUXCOMPILE_MATMUL_ALL_REDUCE=0``,
-     ``FLUXCOMPILE_MIN_K=1024``, ``FLUXCOMPILE_IMPLEMENTATIONS=reference,triton``), read at import;
-  3. code: ``fluxcompile.config.min_k = 1024`` or ``with fluxcompile.config.patch(min_k=1024): ...``.
+     ``FLUXCOMPILE_MIN_K=1024``, ``FLUXCOMPILE_IMPLEMENTATIONS=reference,triton``), read once at import; a
+     malformed value ends the import with one line naming the variable and the values it accepts;
+  3. code: ``fluxcompile.config.min_k = 1024`` or ``with fluxcompile.config.patch(min_k=1024): ...``, checked
+     the same way (``ValueError``).
 
 The rewrite pass's ``uuid()`` hashes the whole config, so changing a field never reuses a cached graph
-that was compiled under another value.
+compiled under another value. Fields marked ``tuning`` change which choices run or what they compute, so
+the autotuner's key (``tuning_fingerprint``) covers them: a winner is never reused under other settings.
+Everything else in the package reads these fields at call time, never at import, so ``patch`` reaches it.
 """
 
 from __future__ import annotations
@@ -15,12 +19,45 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+PREFIX = "FLUXCOMPILE_"
+# Implementation families a fused op may choose from (lowerings/choices.py names each choice
+# "<family>" or "<family>:<variant>"); a choice registered under a new family adds it (register_family).
+IMPLEMENTATIONS = (
+    "triton",
+    "cuda",
+    "cublas_pipelined",
+    "async_input_mm",
+    "torch_symm_mem",
+    "schedules",
+    "reference",
+)
+_families = list(IMPLEMENTATIONS)
+
+
+def register_family(family: str) -> None:
+    """Accept ``family`` in ``implementations`` (lowerings/choices.py calls this for every registered choice)."""
+    if family not in _families:
+        _families.append(family)
+
+
+LOG_LEVELS = ("", "debug", "info", "warning", "error", "critical")
+# Variables with this prefix that are not options (the test suite's seed).
+_NOT_OPTIONS = ("FLUXCOMPILE_TEST_",)
+
+
+class ConfigError(ValueError):
+    """A field set to a value it does not accept (the message is one line)."""
+
+
+def _field(default: Any, *, tuning: bool = False, choices: Sequence[str] | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"tuning": tuning, "choices": choices})
 
 
 @dataclasses.dataclass
@@ -40,45 +77,84 @@ class Config:
     min_n: int = 1
     min_k: int = 1
 
-    # Implementations the lowering may choose from, in order of preference when autotuning is off.
+    # Implementation families the lowering may choose from, in order of preference when autotuning is off.
     # "reference" (NCCL/gloo collective + matmul, runs everywhere) is always kept as the safe choice.
-    implementations: tuple[str, ...] = (
-        "triton",
-        "cuda",
-        "cublas_pipelined",
-        "async_input_mm",
-        "torch_symm_mem",
-        "schedules",
-        "reference",
-    )
+    implementations: tuple[str, ...] = _field(IMPLEMENTATIONS, tuning=True, choices=_families)
 
     # Rank-synchronized autotuning of the fused ops' implementations; off = fixed default choice.
-    autotune: bool = True
+    autotune: bool = _field(True, tuning=True)
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
     cache_dir: str = ""
+
+    # Kernel families that run only when switched on: registered, but declining every call while off.
+    # The persistent Triton all-gather+GEMM (kernels/ag_gemm.py) and GEMM+reduce-scatter (kernels/gemm_rs.py).
+    experimental_triton_ag: bool = _field(False, tuning=True)
+    experimental_triton_rs: bool = _field(False, tuning=True)
+    # The cuBLAS-pipelined ":stages<g>" choices (one GEMM per group of peers).
+    experimental_ag_stages: bool = _field(False, tuning=True)
+    experimental_rs_stages: bool = _field(False, tuning=True)
+    # The decode GEMM+all-reduce kernels (csrc/gemv_ar.cu, kernels/gemm_ar.py) and PyTorch's two-shot choice.
+    experimental_decode: bool = _field(True, tuning=True)
+    # csrc/gemv_ar.cu between GPUs (it runs at one rank either way).
+    experimental_gemv_peers: bool = _field(False, tuning=True)
+    # The schedule language's all-reduce choices (schedules/gpu_executor.py).
+    experimental_schedules: bool = _field(True, tuning=True)
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).
     direct_calls: bool = True
 
     # The cuBLAS-pipelined choices' C++ stream sequences: a call whose arguments (pointers included) were
-    # seen before is captured once as a CUDA graph and replayed, one launch instead of 10-30 stream
-    # operations (csrc/pipelined.cpp, "Replays"). At most this many graphs per process; 0 turns it off.
+    # seen before is captured once as a CUDA graph and replayed (csrc/pipelined.cpp, "Replays"). At most this
+    # many graphs per process; 0 turns it off.
     sequence_graphs: int = 1024
 
+    # Bounds on waits for peers. signal_timeout_s: the watchdog's bound on the cuBLAS-pipelined choices' flag
+    # waits (symm_mem/watchdog.py; 0 = off). decode_timeout_s / schedule_timeout_s: the in-kernel spin-waits
+    # of the decode kernels and of the schedule executor.
+    signal_timeout_s: float = 600.0
+    decode_timeout_s: float = 60.0
+    sched_timeout_s: float = 60.0
+    # Check the Triton kernels' wait errors after every call (synchronizes) instead of at the next call.
+    check_signals: bool = False
+    # Bytes of a chunk slice one program of the schedule executor moves (schedules/gpu_executor.py).
+    sched_slice_bytes: int = _field(16 << 10, tuning=True)
+
+    # Where the CUDA extensions of fluxcompile/csrc are built and cached ("" = ~/.cache/fluxcompile/csrc), and
+    # whether their build prints its commands.
+    csrc_cache: str = ""
+    csrc_verbose: bool = False
+
+    # The vLLM plugin (integrations/vllm.py) adds the rewrite pass to vLLM's compilation.
+    vllm: bool = False
     # Log the rewrite report of every compiled graph at INFO on the "fluxcompile" logger.
     log_report: bool = True
+    # Print fluxcompile's own log at this level to stderr ("" leaves logging alone).
+    log: str = _field("", choices=LOG_LEVELS)
 
     def env_name(self, field: str) -> str:
-        return "FLUXCOMPILE_" + field.upper()
+        return PREFIX + field.upper()
 
-    def load_env(self, environ: dict[str, str] | None = None) -> None:
-        """Apply ``FLUXCOMPILE_*`` overrides; a malformed value is an error naming the variable."""
+    def load_env(self, environ: Mapping[str, str] | None = None) -> None:
+        """Apply ``FLUXCOMPILE_*`` overrides; a malformed value raises :class:`ConfigError` naming the variable.
+        Variables that name no option are reported on the log (a typo must not pass silently)."""
         environ = os.environ if environ is None else environ
+        names = {self.env_name(f.name) for f in dataclasses.fields(self)}
         for f in dataclasses.fields(self):
-            raw = environ.get(self.env_name(f.name))
+            var = self.env_name(f.name)
+            raw = environ.get(var)
             if raw is not None:
-                setattr(self, f.name, _parse(self.env_name(f.name), raw, getattr(self, f.name)))
+                try:
+                    self._set(f.name, _parse(raw, getattr(self, f.name)))
+                except ConfigError as e:
+                    raise ConfigError(f"{var}={raw!r}: {e}") from None
+        unknown = sorted(
+            k for k in environ if k.startswith(PREFIX) and k not in names and not k.startswith(_NOT_OPTIONS)
+        )
+        if unknown:
+            logging.getLogger("fluxcompile.config").warning(
+                "fluxcompile: ignoring %s: no such option (options: %s)", ", ".join(unknown), ", ".join(sorted(names))
+            )
 
     def patch(self, **changes: Any) -> contextlib.AbstractContextManager[Config]:
         """Temporarily change fields: ``with config.patch(min_k=1024): ...``."""
@@ -90,30 +166,83 @@ class Config:
     def fingerprint(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, default=str)
 
+    def tuning_fingerprint(self) -> str:
+        """The fields that change which choices run or what they compute (the autotuner's key)."""
+        return json.dumps({f.name: getattr(self, f.name) for f in _TUNING}, sort_keys=True)
+
+    @property
+    def version(self) -> int:
+        """A counter bumped by every change of a field: caches derived from the config compare it per call."""
+        return self.__dict__.get("_version", 0)
+
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in {f.name for f in dataclasses.fields(self)}:
-            raise AttributeError(f"fluxcompile.config has no option {name!r}")
-        if name == "implementations":
-            value = tuple(value)
-        super().__setattr__(name, value)
+        if name not in _FIELDS:
+            raise AttributeError(f"fluxcompile.config has no option {name!r} (options: {', '.join(sorted(_FIELDS))})")
+        if name not in self.__dict__:  # __init__: the defaults are trusted
+            super().__setattr__(name, value)
+            return
+        try:
+            self._set(name, value)
+        except ConfigError as e:
+            raise ConfigError(f"fluxcompile.config.{name}={value!r}: {e}") from None
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, _check(_FIELDS[name], value, getattr(self, name)))
+        self.__dict__["_version"] = self.version + 1
 
 
-def _parse(var: str, raw: str, current: Any) -> Any:
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_TUNING = [f for f in dataclasses.fields(Config) if f.metadata.get("tuning")]
+
+
+def _parse(raw: str, current: Any) -> Any:
+    """A field's value from its environment text (the type is the current value's)."""
     text = raw.strip()
     if isinstance(current, bool):
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:
             return False
-        raise ValueError(f"{var}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
+        raise ConfigError(f"expected one of {', '.join(_TRUE + _FALSE)}")
     if isinstance(current, int):
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"{var}={raw!r}: expected an integer") from None
+            raise ConfigError("expected an integer") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError("expected a number") from None
     if isinstance(current, tuple):
         return tuple(p.strip() for p in text.split(",") if p.strip())
     return text
+
+
+def _check(field: dataclasses.Field, value: Any, current: Any) -> Any:
+    """``value`` as the field stores it, or :class:`ConfigError` saying what the field accepts."""
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise ConfigError("expected True or False")
+        return value
+    if isinstance(current, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(current, int) and value != int(value)):
+            raise ConfigError(f"expected {'an integer' if isinstance(current, int) else 'a number'}")
+        if value < 0:
+            raise ConfigError("expected a value >= 0")
+        return type(current)(value)
+    allowed = field.metadata.get("choices")
+    if isinstance(current, tuple):
+        value = (value,) if isinstance(value, str) else tuple(value)
+        bad = [v for v in value if allowed and v not in allowed]
+        if bad:
+            raise ConfigError(f"unknown {', '.join(map(repr, bad))}; valid: {', '.join(allowed)}")
+        return value
+    if not isinstance(value, str):
+        raise ConfigError("expected a string")
+    if allowed and value.lower() not in allowed:
+        raise ConfigError(f"expected one of {', '.join(repr(a) for a in allowed)}")
+    return value.lower() if allowed else value
 
 
 @contextlib.contextmanager
@@ -129,4 +258,8 @@ def _patch(cfg: Config, changes: dict[str, Any]) -> Iterator[Config]:
 
 
 config = Config()
-config.load_env()
+try:
+    config.load_env()
+except ConfigError as _e:
+    # A one-line message instead of an import traceback: the fix is in the user's environment.
+    raise SystemExit(f"fluxcompile: {_e}") from None

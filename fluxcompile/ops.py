@@ -45,7 +45,8 @@ group_name) -> (h, normed)``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -292,3 +293,15 @@ def _all_reduce_rmsnorm_fake(
     h = torch.empty_like(residual + r, memory_format=torch.contiguous_format)
     normed_dtype = torch.result_type(weight, h) if weight_after_cast else h.dtype
     return h, torch.empty_like(h, dtype=normed_dtype)
+
+
+# The reference implementations by op name. The "reference" choice of every op calls these functions directly:
+# called through the dispatcher, a CUDA implementation registered for the op would call itself.
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "all_gather_matmul": _all_gather_matmul_ref,
+    "matmul_reduce_scatter": _matmul_reduce_scatter_ref,
+    "matmul_all_reduce": _matmul_all_reduce_ref,
+    "all_to_all_matmul": _all_to_all_matmul_ref,
+    "matmul_all_to_all": _matmul_all_to_all_ref,
+    "all_reduce_rmsnorm": _all_reduce_rmsnorm_ref,
+}

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from fluxcompile.lowerings import choices_for, decode_ar
+from fluxcompile import config
+from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.matmul_all_reduce import fused_kernels as decode_ar
 
 OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
 
@@ -26,24 +28,22 @@ def test_registered_for_both_ops():
         assert names[-1] == "reference"
 
 
-def test_experimental_choices_decline_unless_enabled(monkeypatch):
-    monkeypatch.setattr(decode_ar, "ENABLED", False)
-    for op in OPS:
-        for c in choices_for(op):
-            if c.family in ("cuda", "triton") or c.name == "torch_symm_mem:two_shot":
-                assert "FLUXCOMPILE_EXPERIMENTAL_DECODE=1" in (c.declines(*_args(op)) or ""), c.name
+def test_experimental_choices_decline_unless_enabled():
+    with config.patch(experimental_decode=False):
+        for op in OPS:
+            for c in choices_for(op):
+                if c.family in ("cuda", "triton") or c.name == "torch_symm_mem:two_shot":
+                    assert "FLUXCOMPILE_EXPERIMENTAL_DECODE=0" in (c.declines(*_args(op)) or ""), c.name
 
 
-def test_cpu_tensors_are_declined(monkeypatch):
-    monkeypatch.setattr(decode_ar, "ENABLED", True)
+def test_cpu_tensors_are_declined():
     for op in OPS:
         for c in choices_for(op):
             if c.name != "reference":
                 assert "needs CUDA tensors" in (c.declines(*_args(op)) or ""), c.name
 
 
-def test_bare_all_reduce_is_left_to_the_unfused_choices(monkeypatch):
-    monkeypatch.setattr(decode_ar, "ENABLED", True)
+def test_bare_all_reduce_is_left_to_the_unfused_choices():
     x = torch.randn(4, 32)
     args = (x, [], [], None, [4, 32], torch.randn(4, 32), torch.ones(32), 1e-5, True, False, "sum", "0")
     for c in choices_for("all_reduce_rmsnorm"):
@@ -74,7 +74,7 @@ def _cuda_args(monkeypatch, world: int):
             return world
 
     monkeypatch.setattr(decode_ar, "_common_supports", lambda *a, **k: None)
-    monkeypatch.setattr(decode_ar, "_group", lambda name: Group())
+    monkeypatch.setattr(decode_ar, "group", lambda name: Group())
     a = torch.randn(4, 64, dtype=torch.bfloat16)
     b = torch.randn(32, 64, dtype=torch.bfloat16).t()  # nn.Linear's weight, transposed
     return ([a], [b], None, [4, 32], "sum", "0")
@@ -83,11 +83,11 @@ def _cuda_args(monkeypatch, world: int):
 def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
     """The rewritten csrc kernel has run on one GPU only: at world size 2 it declines unless enabled."""
     args = _cuda_args(monkeypatch, 2)
-    monkeypatch.setattr(decode_ar, "CUDA_PEERS", False)
-    for mode in decode_ar.CUDA_MODES:
-        assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(mode, *args) or "")
-    monkeypatch.setattr(decode_ar, "CUDA_PEERS", True)
-    assert "GEMV_PEERS" not in (decode_ar.cuda_supports("oneshot", *args) or "")
+    with config.patch(experimental_gemv_peers=False):
+        for mode in decode_ar.CUDA_MODES:
+            assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(mode, *args) or "")
+    with config.patch(experimental_gemv_peers=True):
+        assert "GEMV_PEERS" not in (decode_ar.cuda_supports("oneshot", *args) or "")
 
 
 def test_ll_variant_needs_a_peer(monkeypatch):

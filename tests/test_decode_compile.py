@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton", reason="Triton is needed for the kernel c
 from test_kernels_compile import compile_sm90  # noqa: E402
 
 from fluxcompile.lowerings import extensions  # noqa: E402
-from fluxcompile.lowerings.decode_ar import TRITON_VARIANTS  # noqa: E402
+from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import TRITON_VARIANTS  # noqa: E402
 
 
 def _cases():

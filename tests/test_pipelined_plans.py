@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from fluxcompile.lowerings import ag_cublas_pipelined as ag
-from fluxcompile.lowerings import rs_cublas_pipelined as rs
-from fluxcompile.lowerings import sequencer
+from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as ag
+from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs
+from fluxcompile.symm_mem import exchange
 from fluxcompile.symm_mem.signals import FlagArray
 
 BASE = 1 << 40  # fake address of rank 0's buffers; rank p's are at BASE + p * STRIDE
@@ -64,8 +64,8 @@ def fake(monkeypatch):
     for mod in (rs, ag):
         monkeypatch.setattr(mod, "workspace", workspace)
         monkeypatch.setattr(mod, "_plans", {})
-    monkeypatch.setattr(sequencer, "ready_done_flags", ready_done_flags)
-    monkeypatch.setattr(sequencer, "watch", lambda *a: None)
+    monkeypatch.setattr(exchange, "ready_done_flags", ready_done_flags)
+    monkeypatch.setattr(exchange, "watch", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return state
 
@@ -89,10 +89,11 @@ def test_rs_plan_slots_and_flags(fake, world, variant):
     tag = "matmul_reduce_scatter.flags"
     for rank in range(world):
         _become(fake, rank, world)
-        plan = rs._plan([world * rows, n], 0, world, "g", torch.bfloat16, variant == "push", variant == "unsplit")
+        plan = rs.plan([world * rows, n], 0, world, "g", torch.bfloat16, variant == "push", variant == "unsplit")
         hs = plan.hs
-        assert sorted(hs.order) == [p for p in range(world) if p != rank] and hs.order[0] == (rank + 1) % world
-        for j, p in enumerate(hs.order):
+        assert sorted(hs.recv_from) == [p for p in range(world) if p != rank] and hs.recv_from[0] == (rank + 1) % world
+        assert hs.send_to == hs.recv_from  # a reduce-scatter sends in ring order: csrc/pipelined.cpp pairs them
+        for j, p in enumerate(hs.recv_from):
             # Our partial of p's rows goes to slot `rank` of p's buffer, and p's of ours arrives in slot p here.
             assert plan.peer_slots[j].data_ptr() == plan.ws.view(p, (rows, n), torch.bfloat16, 0).data_ptr() + (
                 rank * plan.own_slots.stride(0) * 2
@@ -120,39 +121,40 @@ def test_ag_plan_slots_and_flags(fake, world):
     tag = "all_gather_matmul.flags"
     for rank in range(world):
         _become(fake, rank, world)
-        plan = ag._plan(rows, k, torch.bfloat16, world, "g")
+        plan = ag.plan(rows, k, torch.bfloat16, world, "g")
         hs = plan.hs
-        assert hs.order[0] == (rank + 1) % world and len(hs.order) == world - 1
+        assert hs.recv_from[0] == (rank + 1) % world and len(hs.recv_from) == world - 1
+        assert hs.send_to == tuple(reversed(hs.recv_from))  # rank - 1 first
         slot_bytes = -(-rows * k * 2 // 256) * 256  # slots are 256-byte aligned
-        for j, p in enumerate(hs.order):
+        for j, p in enumerate(hs.send_to):  # the send lists, in send order
             assert plan.peer_slots[j].data_ptr() == plan.ws.buffers[p].data_ptr() + rank * slot_bytes
-            assert plan.my_slots[j].data_ptr() == plan.ws.buffer.data_ptr() + p * slot_bytes
             assert hs.ready_theirs[j] == _flag(tag, p, "ready", rank)
             assert hs.done_mine[j] == _flag(tag, rank, "done", p)
-        assert hs.lists == (hs.order, hs.done_mine, hs.ready_theirs, hs.ready_mine, hs.done_theirs)
+        for j, p in enumerate(hs.recv_from):  # the receive lists, in ring order
+            assert plan.my_slots[j].data_ptr() == plan.ws.buffer.data_ptr() + p * slot_bytes
+            assert hs.ready_mine[j] == _flag(tag, rank, "ready", p)
+            assert hs.done_theirs[j] == _flag(tag, p, "done", rank)
+        assert hs.lists == (list(hs.recv_from), hs.done_mine, hs.ready_theirs, hs.ready_mine, hs.done_theirs)
         # rows * k * 2 = 1536 bytes: the slots abut, so the lead choices read the buffer as the gathered A,
         # each peer's rows where its slot is
         assert plan.buffer is not None and tuple(plan.buffer.shape) == (world * rows, k)
-        for j, p in enumerate(hs.order):
+        for j, p in enumerate(hs.recv_from):
             assert plan.buffer[p * rows].data_ptr() == plan.my_slots[j].data_ptr()
     _become(fake, 0, world)
-    assert ag._plan(10, 24, torch.bfloat16, world, "g").buffer is None  # 480 bytes: padded slots
+    assert ag.plan(10, 24, torch.bfloat16, world, "g").buffer is None  # 480 bytes: padded slots
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_ag_shards_land_in_the_order_they_are_consumed(world):
-    """Rank r takes its peers' shards in ring order (r+1 first); with every rank pushing in push_sequence
-    order, one shard per step, order[j]'s shard lands at r at step j + 1, and at each step the ranks push to
+    """Rank r takes its peers' shards in ring order (r+1 first); with every rank sending in the gather send
+    order, one shard per step, ring_order[j]'s shard lands at r at step j + 1, and at each step the ranks send to
     distinct peers (no two into one peer's NVLink at once)."""
-    from fluxcompile.schedules.orders import ring_after
-
     step_of: dict[tuple[int, int], int] = {}  # (src, dst) -> step of the push
     for src in range(world):
-        order = ring_after(src, world)
-        for step, j in enumerate(ag.push_sequence(len(order)), start=1):
-            step_of[(src, order[j])] = step
+        for step, dst in enumerate(exchange.gather_send_order(src, world), start=1):
+            step_of[(src, dst)] = step
     for r in range(world):
-        assert [step_of[(p, r)] for p in ring_after(r, world)] == list(range(1, world))
+        assert [step_of[(p, r)] for p in exchange.ring_order(r, world)] == list(range(1, world))
     for step in range(1, world):
         targets = [dst for (src, dst), s in step_of.items() if s == step]
         assert sorted(targets) == list(range(world))
@@ -161,11 +163,9 @@ def test_ag_shards_land_in_the_order_they_are_consumed(world):
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("groups", [2, 3])
 def test_ag_stage_groups_cover_every_peer_once_in_arrival_order(world, groups):
-    from fluxcompile.lowerings import ag_stages
-
     rows = 5
     for rank in range(world):
-        js = ag_stages.stage_groups(rank, world, groups)
+        js = exchange.stage_groups(world, groups)
         assert [j for g in js for j in g] == list(range(world - 1))  # every peer once, in arrival order
         assert len(js) == min(groups, world - 1) and all(js)
         sizes = [len(g) for g in js]
@@ -174,7 +174,7 @@ def test_ag_stage_groups_cover_every_peer_once_in_arrival_order(world, groups):
         for r in range(rank * rows, (rank + 1) * rows):
             covered[r] = True  # our own rows: the first GEMM, from A
         for g in js:
-            ranges = ag_stages.row_ranges(rank, world, rows, g)
+            ranges = exchange.row_ranges(rank, world, rows, g)
             assert 1 <= len(ranges) <= 2
             want = sorted(
                 r for j in g for r in range(((rank + 1 + j) % world) * rows, ((rank + 1 + j) % world + 1) * rows)
@@ -188,57 +188,49 @@ def test_ag_stage_groups_cover_every_peer_once_in_arrival_order(world, groups):
         assert all(covered)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_stage_groups_index_the_ring_order(world):
-    """row_ranges takes group indices j as peers (rank + 1 + j) % world: the plans' ring order."""
-    from fluxcompile.schedules.orders import ring_after
-
-    for rank in range(world):
-        assert list(ring_after(rank, world)) == [(rank + 1 + j) % world for j in range(world - 1)]
-
-
-def test_rs_stages_declines_unless_enabled(monkeypatch):
-    from fluxcompile.lowerings import rs_stages
+def test_rs_stages_declines_unless_enabled():
+    from fluxcompile import config
 
     A, B = torch.empty(128, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
     args = ([A], [B], None, [128, 16], 0, "sum", 2, "g")
-    monkeypatch.setattr(rs_stages, "ENABLED", False)
-    assert "experimental" in rs_stages.supports(2)(*args)
-    monkeypatch.setattr(rs_stages, "ENABLED", True)
-    assert "CUDA" in rs_stages.supports(2)(*args)
+    with config.patch(experimental_rs_stages=False):
+        assert "experimental" in rs.stages_supports(2)(*args)
+    with config.patch(experimental_rs_stages=True):
+        assert "CUDA" in rs.stages_supports(2)(*args)
 
 
-def test_ag_stages_declines_unless_enabled(monkeypatch):
-    from fluxcompile.lowerings import ag_stages
+def test_ag_stages_declines_unless_enabled():
+    from fluxcompile import config
 
     A = torch.empty(64, 32, dtype=torch.bfloat16)
     args = (A, [torch.empty(32, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
-    monkeypatch.setattr(ag_stages, "ENABLED", False)
-    assert "experimental" in ag_stages.supports(2)(*args)
-    monkeypatch.setattr(ag_stages, "ENABLED", True)
-    assert "CUDA" in ag_stages.supports(2)(*args)  # CPU tensors: declined by the pipelined rules
+    with config.patch(experimental_ag_stages=False):
+        assert "experimental" in ag.stages_supports(2)(*args)
+    with config.patch(experimental_ag_stages=True):
+        assert "CUDA" in ag.stages_supports(2)(*args)  # CPU tensors: declined by the pipelined rules
 
 
 def test_lead_rows_and_declines():
-    assert [ag.lead_rows(1024, d) for d in ag.LEADS] == [128, 256, 512]
-    assert ag.lead_rows(330, 2) == 128 and ag.lead_rows(330, 4) == 64 and ag.lead_rows(330, 8) == 0
+    assert [exchange.slice_rows(1024, d) for d in ag.LEADS] == [128, 256, 512]
+    assert exchange.slice_rows(330, 2) == 128 and exchange.slice_rows(330, 4) == 64
+    assert exchange.slice_rows(330, 8) == 0
     A = torch.empty(330, 100, dtype=torch.bfloat16)  # CPU: declined before any size rule
     assert ag.lead_supports(4)(A, [torch.empty(100, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
 
 
 def test_tail_rows_and_declines():
-    assert [rs.tail_rows(1024, d) for d in rs.TAILS] == [128, 256, 512]
-    assert rs.tail_rows(77, 2) == 0
+    assert [exchange.slice_rows(1024, d) for d in rs.TAILS] == [128, 256, 512]
+    assert exchange.slice_rows(77, 2) == 0
     A, B = torch.empty(154, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
     assert rs.tail_supports(2)([A], [B], None, [154, 16], 0, "sum", 2, "g")  # CPU: declined
 
 
 def test_plan_is_reused_until_the_workspace_grows(fake):
     _become(fake, 0, 2)
-    p1 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
-    assert rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False) is p1
-    rs._plan([4096, 512], 0, 2, "g", torch.bfloat16, False, False)  # grows the workspace
-    p2 = rs._plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
+    p1 = rs.plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
+    assert rs.plan([64, 32], 0, 2, "g", torch.bfloat16, False, False) is p1
+    rs.plan([4096, 512], 0, 2, "g", torch.bfloat16, False, False)  # grows the workspace
+    p2 = rs.plan([64, 32], 0, 2, "g", torch.bfloat16, False, False)
     assert p2 is not p1 and p2.ws is not p1.ws
 
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxcompile.lowerings import choices_for, matmul_reduce_scatter, rs_cublas_pipelined, rs_triton
+from fluxcompile import config
+from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs_cublas_pipelined
+from fluxcompile.lowerings.matmul_reduce_scatter import torch_symm_mem
+from fluxcompile.lowerings.matmul_reduce_scatter import triton as rs_triton
 
 BF16 = torch.bfloat16
 
@@ -58,7 +62,7 @@ def test_cublas_pipelined_declines_mixed_dtypes_and_bias_rows():
 
 
 def test_torch_symm_mem_declines():
-    sup = matmul_reduce_scatter._torch_symm_mem_supports
+    sup = torch_symm_mem.supports
     assert "no bias" in sup(*_args(bias=True))
     assert "one product" in sup(*_args(products=2))
     assert "'sum' and 'avg'" in sup(*_args(op="max"))
@@ -67,9 +71,13 @@ def test_torch_symm_mem_declines():
     assert "needs CUDA" in sup(*_args(m=16, out_shape=(2, 8, 12), dim=1))
 
 
-def test_triton_declines_unless_enabled(monkeypatch):
+def test_triton_declines_unless_enabled():
     _, sup = rs_triton.make("128x256x64")
     assert "FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1" in sup(*_args())
-    monkeypatch.setattr(rs_triton, "ENABLED", True)
+    with config.patch(experimental_triton_rs=True):
+        _check_triton_rules(sup)
+
+
+def _check_triton_rules(sup) -> None:
     assert "more than 4 products" in sup(*_args(products=5))
     assert "needs CUDA" in sup(*_args(products=2, bias=True))  # beyond the flag: the cuBLAS choice's checks

@@ -389,13 +389,16 @@ def test_random_manual_threadblocks(seed):
         torch.testing.assert_close(a, b)
 
 
-def test_ring_order_of_the_fused_choices_comes_from_the_library():
-    """The AG / RS choices move row blocks in library.ring_all_gather(reverse=True)'s arrival order:
-    rank + 1 first (Flux's ring after the local rank), for every world size the checker covers."""
-    from fluxcompile.schedules.orders import arrival_order, ring_after
+def test_ring_order_of_the_fused_choices_is_the_library_rings():
+    """The exchange's ring order (symm_mem/exchange.py), in which the AG / RS choices take their peers' blocks, is
+    the arrival order of library.ring_all_gather(reverse=True): rank + 1 first, for every world size the checker
+    covers."""
+    from fluxcompile.schedules.orders import arrival_order
+    from fluxcompile.symm_mem.exchange import ring_order
 
     for world in SIZES:
+        ring = library.ring_all_gather(world, reverse=True)
         for rank in range(world):
-            assert list(ring_after(rank, world)) == [(rank + s) % world for s in range(1, world)]
+            assert list(ring_order(rank, world)) == arrival_order(ring, rank)
     # The forward ring delivers the other way round: rank - 1 first.
     assert arrival_order(library.ring_all_gather(4), 0) == [3, 2, 1]

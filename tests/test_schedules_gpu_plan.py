@@ -129,7 +129,7 @@ def _compile(dtype: str, vec: int, aligned: bool):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fluxcompile.kernels.plan_exec import plan_exec_kernel as k
+    from fluxcompile.schedules.plan_exec import plan_exec_kernel as k
 
     names = list(inspect.signature(k.fn).parameters)
     esize = {"bf16": 2, "fp32": 4}[dtype]
@@ -166,17 +166,18 @@ def test_plan_exec_compiles_unaligned(tmp_path, monkeypatch):
     _compile("bf16", 1, aligned=False)
 
 
-def test_schedules_choices_registered_and_gated(monkeypatch):
+def test_schedules_choices_registered_and_gated():
     import torch
 
-    from fluxcompile.lowerings import choices_for, matmul_all_reduce
+    from fluxcompile import config
+    from fluxcompile.lowerings import choices_for
 
     a, b = torch.randn(4, 8), torch.randn(8, 32)
     args = ([a], [b], None, [4, 32], "sum", "0")
     names = {c.name: c for c in choices_for("matmul_all_reduce")}
     assert {"schedules:one_shot", "schedules:two_shot"} <= set(names)
     assert "needs CUDA tensors" in names["schedules:one_shot"].declines(*args)
-    monkeypatch.setattr(matmul_all_reduce, "SCHEDULES_ENABLED", False)
     a_cuda = type("FakeCuda", (), {"is_cuda": True})()
-    why = matmul_all_reduce._sched_supports("one_shot", None, [a_cuda], [b], None, [4, 32], "sum", "0")
-    assert "FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=1" in why
+    with config.patch(experimental_schedules=False):
+        why = names["schedules:one_shot"].declines([a_cuda], [b], None, [4, 32], "sum", "0")
+    assert "FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0" in why

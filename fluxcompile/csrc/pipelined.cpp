@@ -1,11 +1,10 @@
-// Host sequencers of the cuBLAS-pipelined choices (fluxcompile/lowerings/ag_cublas_pipelined.py and
-// rs_cublas_pipelined.py): exactly the stream operations of their Python fallbacks, issued from C++.
+// Host sequencers of the cuBLAS-pipelined choices (fluxcompile/lowerings/all_gather_matmul/cublas_pipelined.py
+// and matmul_reduce_scatter/cublas_pipelined.py): the only implementation of their stream sequences.
 //
-// Why: on the 2xH200 machine one torch op called from Python costs ~18 us of host time, so the Python
-// sequences cost 180 us (GEMM + reduce-scatter) and 340 us (all-gather + GEMM) per call, more than the GPU
-// work of a 2048-token layer: the GPU waited for the host (benchmarks/host_cost.py). Slot views and flag
-// addresses are precomputed once per call signature by the Python side (its "plan"); this file only
-// issues the GEMMs, copies, events and flag memory operations.
+// A call issues ten to thirty stream operations; from Python each costs as much host time as a small GEMM's
+// GPU time, so they are issued here. Slot views, flag addresses and the order of the peers are precomputed
+// once per call signature by the Python side (its "plan", with the order and flags of
+// fluxcompile/symm_mem/exchange.py); this file only issues the GEMMs, copies, events and flag memory operations.
 //
 // Flags are 32-bit words in symmetric memory, set and awaited by the GPU front end (cuStreamWriteValue32 /
 // cuStreamWaitValue32, no SM), with the protocol of fluxcompile/symm_mem/signals.py.
@@ -344,9 +343,8 @@ void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& 
                 std::vector<at::Tensor>& peer_slots, const std::vector<int64_t>& done_mine,
                 const std::vector<int64_t>& ready_theirs, const at::Tensor& rows_of, int64_t rank) {
   join(side, main);
-  // rank-1 first, then rank-2, ...: the consumers take their peers in ring order (rank+1 first), which this
-  // makes the order of arrival (ag_cublas_pipelined.push_sequence).
-  for (size_t i = peer_slots.size(); i-- > 0;) send_block(side, done_mine[i], peer_slots[i], a_local, ready_theirs[i]);
+  // The send lists come in the plan's send order (exchange.gather_send_order).
+  for (size_t j = 0; j < peer_slots.size(); ++j) send_block(side, done_mine[j], peer_slots[j], a_local, ready_theirs[j]);
   copy_async(rows_of.select(0, rank), a_local, side);
 }
 
@@ -383,7 +381,8 @@ void matmul_rows(const std::vector<at::Tensor>& As, const std::vector<at::Tensor
 }
 
 // ---------------------------------------------------------------------------------------------
-// GEMM -> reduce-scatter (rs_cublas_pipelined.py). Lists indexed j run over the peers in ring order:
+// GEMM -> reduce-scatter (matmul_reduce_scatter/cublas_pipelined.py). Lists indexed j run over the peers in ring
+// order, which is also the order a reduce-scatter sends in (exchange.py):
 //   peer_slots[j]   slot `rank` in peer order[j]'s buffer (zero-copy: cuBLAS writes there)
 //   stage_slots[j]  push only: our local staging slot for order[j]'s rows
 //   done_mine[j]    done flag of peer order[j] in our flags (may we write into its slot?)
@@ -440,10 +439,11 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
 }
 
 // ---------------------------------------------------------------------------------------------
-// all-gather -> GEMM (ag_cublas_pipelined.py). Lists indexed j run over the peers in ring order:
-//   peer_slots[j]   slot `rank` in peer order[j]'s buffer (our shard goes there)
-//   my_slots[j]     slot order[j] in our buffer (its shard arrives there)
-//   flags as for rs_pipelined. compute_handles: one stream per peer (concurrent), or empty (main).
+// all-gather -> GEMM (all_gather_matmul/cublas_pipelined.py). The send lists peer_slots (slot `rank` in a
+// peer's buffer: our shard goes there), done_mine and ready_theirs run over the peers in the send order
+// (exchange.gather_send_order); order, my_slots (slot order[j] in our buffer: its shard arrives there),
+// ready_mine and done_theirs over the peers in ring order. compute_handles: one stream per peer (concurrent),
+// or empty (main).
 // Rows lo .. lo + a.size(0) of every output: a @ B_i (+ bias_i).
 void mm_at(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::vector<std::optional<at::Tensor>>& biases,
            std::vector<at::Tensor>& outs, int64_t lo) {
@@ -796,8 +796,8 @@ at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined (rs_cublas_pipelined.py)");
-  m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined (ag_cublas_pipelined.py)");
+  m.def("rs_pipelined", &rs_pipelined, "GEMM -> reduce-scatter, cuBLAS-pipelined");
+  m.def("ag_pipelined", &ag_pipelined, "all-gather -> GEMM, cuBLAS-pipelined");
   m.def("rs_stages", &rs_stages, "GEMM -> reduce-scatter: one GEMM per group of peers, then our own block");
   m.def("rs_tail", &rs_tail,
         "GEMM -> reduce-scatter: all rows but a tail of ours (none: unsplit), then the tail beside the pushes");

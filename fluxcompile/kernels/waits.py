@@ -1,5 +1,5 @@
 """The bounded acquire-wait on a peer's flag that the Triton kernels share (gemm_ar.py, gemm_rs.py,
-plan_exec.py): a wait that times out records who waited for what in the kernel's error words instead of
+schedules/plan_exec.py): a wait that times out records who waited for what in the kernel's error words instead of
 hanging, and once one wait of a launch has timed out the others give up at once.
 
 Error words: ``err[0]`` set to 1 by the first timeout; then ``err[1..5]`` = the waiting rank, the peer

@@ -14,11 +14,11 @@ since a rank that leaves a collective early makes the others wait in it (see ``a
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
-from fluxcompile import config, ops
+from .. import ops
+from ..config import config, register_family
 
 REFERENCE = "reference"
 
@@ -62,16 +62,8 @@ _REGISTRY: dict[str, dict[str, Choice]] = {}
 
 def register_choice(op_name: str, choice: Choice) -> None:
     """Register ``choice`` for ``op_name``; a choice of the same name is replaced in place (reloads)."""
+    register_family(choice.family)
     _REGISTRY.setdefault(op_name, {})[choice.name] = choice
-
-
-def register_variants(
-    op_name: str, prefix: str, fn: Callable[..., Any], param: str, values: Any, supports: Callable[[Any], Any]
-) -> None:
-    """One choice ``f"{prefix}{v}"`` per value ``v``: ``fn`` with ``param=v``, declining as ``supports(v)`` does
-    (e.g. ``cublas_pipelined:lead2`` .. ``:lead8``)."""
-    for v in values:
-        register_choice(op_name, Choice(f"{prefix}{v}", functools.partial(fn, **{param: v}), supports(v)))
 
 
 def choices_for(op_name: str) -> list[Choice]:
@@ -83,15 +75,6 @@ def choices_for(op_name: str) -> list[Choice]:
     return sorted(allowed, key=lambda c: order.get(c.family, len(order)))
 
 
-# The reference implementations (ops.py) are the "reference" choice of every fused op. The raw functions,
-# not the dispatcher's op: a lowering registered for the op must not end up calling itself.
-_REFERENCE_IMPLS: dict[str, Callable[..., Any]] = {
-    "all_gather_matmul": ops._all_gather_matmul_ref,
-    "matmul_reduce_scatter": ops._matmul_reduce_scatter_ref,
-    "matmul_all_reduce": ops._matmul_all_reduce_ref,
-    "all_to_all_matmul": ops._all_to_all_matmul_ref,
-    "matmul_all_to_all": ops._matmul_all_to_all_ref,
-    "all_reduce_rmsnorm": ops._all_reduce_rmsnorm_ref,
-}
+# The reference implementation of every fused op (ops.py) is its "reference" choice.
 for _op in ops.FUSED_OPS:
-    register_choice(_op, Choice(REFERENCE, _REFERENCE_IMPLS[_op]))
+    register_choice(_op, Choice(REFERENCE, ops.REFERENCES[_op]))

@@ -13,12 +13,13 @@ Where there is no GPU, no nvcc, or the build fails, :func:`load` raises :class:`
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from ..config import config
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, shipped inside the package
 SOURCES: dict[str, tuple[str, ...]] = {
@@ -45,7 +46,7 @@ def arch_flag(capability: tuple[int, int]) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FLUXCOMPILE_CSRC_CACHE", "~/.cache/fluxcompile/csrc")).expanduser()
+    return Path(config.csrc_cache or "~/.cache/fluxcompile/csrc").expanduser()
 
 
 def build_dir(name: str, capability: tuple[int, int]) -> Path:
@@ -97,7 +98,7 @@ def load(name: str) -> ModuleType:
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
             with_cuda=True,  # CUDA headers and cudart also for the host-only modules
-            verbose=os.environ.get("FLUXCOMPILE_CSRC_VERBOSE", "0") == "1",
+            verbose=config.csrc_verbose,
         )
     except Exception as e:
         _failed[name] = f"building csrc/{name} failed: {type(e).__name__}: {str(e)[-2000:]}"

@@ -1,4 +1,4 @@
-"""A NumPy model of kernels/plan_exec.py for CPU tests: the same tables, slices, mailboxes, flags, epochs
+"""A NumPy model of plan_exec.py for CPU tests: the same tables, slices, mailboxes, flags, epochs
 and acks, with every program of every rank a generator that yields wherever the kernel would wait or
 between blocks of its data loop. A seeded random scheduler interleaves them, and ranks run successive
 calls without waiting for each other, so a missing wait (say, the ack that keeps a sender from

@@ -1,4 +1,4 @@
-"""A ``Plan`` as the GPU interpreter's tables (kernels/plan_exec.py): per rank a small int32 instruction
+"""A ``Plan`` as the GPU interpreter's tables (plan_exec.py): per rank a small int32 instruction
 array, a threadblock table and a dependency list. Pure NumPy, independent of sizes and dtypes: chunk
 indices are scaled by the chunk size in the kernel.
 

@@ -1,4 +1,4 @@
-"""Run a compiled ``Plan`` on CUDA tensors of a real process group: one launch of kernels/plan_exec.py per
+"""Run a compiled ``Plan`` on CUDA tensors of a real process group: one launch of schedules/plan_exec.py per
 call and rank.
 
 Per (group, device) a *channel* holds what every plan on that group shares: a symmetric flag array (acks and
@@ -18,26 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..config import config
 from ..symm_mem import FlagArray, Workspace, init_flags, workspace
 from .encoding import EncodedPlan, encode
 from .plan import Plan
 
-ACK_WORDS = 64  # as kernels/plan_exec.py; also the largest group
+ACK_WORDS = 64  # as schedules/plan_exec.py; also the largest group
 MSG_FLAGS = 1 << 16  # message flags (message id * slices + slice)
 DONE_FLAGS = 1 << 16  # dependency flags (instruction index * slices + slice)
 ERR_WORDS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Bytes of a chunk per program: small slices spread a chunk over more SMs (bandwidth), large ones keep
 # the number of flags (latency) down. Tunable per call (``slices=``) or here.
-SLICE_BYTES = int(os.environ.get("FLUXCOMPILE_SCHED_SLICE_BYTES", str(16 << 10)))
-TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_SCHED_TIMEOUT_S", "60"))
 
 
 @dataclasses.dataclass
@@ -148,7 +146,7 @@ def encoded(plan: Plan) -> EncodedPlan:
 
 def choose_slices(enc: EncodedPlan, chunk_bytes: int, max_programs: int, slice_bytes: int = 0) -> int:
     """Programs per threadblock: about ``slice_bytes`` of a chunk each, all resident, flags within bounds."""
-    want = -(-chunk_bytes // (slice_bytes or SLICE_BYTES))
+    want = -(-chunk_bytes // (slice_bytes or config.sched_slice_bytes))
     cap = min(
         max_programs // max(enc.max_tbs, 1),
         MSG_FLAGS // max(enc.num_messages, 1),
@@ -204,7 +202,7 @@ def _check_previous(ch: _Channel) -> None:
 
 
 def _raise(err: Tensor, group_name: str) -> None:
-    from ..kernels.plan_exec import check_error
+    from .plan_exec import check_error
 
     check_error(err, group_name)
 
@@ -256,7 +254,7 @@ def run_plan(
 ) -> Tensor:
     """Run ``plan`` on this rank's ``x`` (every rank of ``group`` calls it alike); returns this rank's output
     (``out`` if given: contiguous, of the output's size and x's dtype)."""
-    from ..kernels.plan_exec import plan_exec
+    from .plan_exec import plan_exec
 
     group_name = group_name_of(group)
     key = (id(plan), group_name, x.device.index, x.dtype, x.numel(), slices)
@@ -286,7 +284,7 @@ def run_plan(
     capturing = _capturing()
     if not capturing:
         _check_previous(ch)
-    spin = max_spin if max_spin is not None else int(TIMEOUT_S * 1e6)
+    spin = max_spin if max_spin is not None else int(config.sched_timeout_s * 1e6)
     args = (
         launch.code, launch.tbs, launch.deps, inp, out,
         launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state, ch.err,

@@ -1,9 +1,7 @@
-"""Communication orders for the fused kernels, read off programs of the library rather than written as
-loops in each kernel: the order in which a rank's output blocks arrive when a program runs."""
+"""Communication orders read off programs: the order in which a rank's output blocks arrive when a program runs
+(tests check the fused kernels' orders, symm_mem/exchange.py, against the library's programs)."""
 
 from __future__ import annotations
-
-import functools
 
 from .program import OUTPUT, Program, Slot
 
@@ -25,14 +23,3 @@ def arrival_order(program: Program, rank: int) -> list[int]:
     for _, _, index in sorted(landed):
         order.setdefault(index, None)
     return list(order)
-
-
-@functools.cache
-def ring_after(rank: int, world: int) -> tuple[int, ...]:
-    """The peers in the order the Flux ring delivers their blocks to ``rank``: rank + 1 first, then rank + 2,
-    ... (``library.ring_all_gather(world, reverse=True)``). The fused all-gather and reduce-scatter choices
-    move their row blocks in this order, so what a peer waits for leaves first and no two ranks read from
-    (or write into) the same peer at the same step."""
-    from .library import ring_all_gather
-
-    return tuple(arrival_order(ring_all_gather(world, reverse=True), rank)) if world > 1 else ()

@@ -5,14 +5,15 @@ the same order) leaves this rank's stream blocked in the driver for good, with n
 it from the host, as NCCL's watchdog does for collectives:
 
 * after each eager call, a choice that waits on flags records an event on its stream (``Watch.note``);
-* a daemon thread looks every ``POLL_S`` seconds at each watch whose last call is older than ``TIMEOUT_S``
+* a daemon thread looks every tenth of the timeout (5 s at most) at each watch whose last call is older than it
   and whose event has not completed: the stream has been stuck in or before that call for that long;
 * it then reads the watch's flags (a copy on a stream of its own, which the blocked stream does not block)
   and reports, naming this rank, the op and every signal that is not in its expected state (which peer,
   which flag), and ends the process: a stream blocked in the driver cannot be cancelled.
 
 Calls captured in CUDA graphs are not watched (a replay does not come back to the host).
-``FLUXCOMPILE_SIGNAL_TIMEOUT_S`` (default 600, like NCCL's) sets the bound; 0 turns the watchdog off.
+``config.signal_timeout_s`` (``FLUXCOMPILE_SIGNAL_TIMEOUT_S``, default 600 like NCCL's) sets the bound, read
+when a watch is made and at each look; 0 turns the watchdog off.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..config import config
+
 log = logging.getLogger("fluxcompile.watchdog")
 
-TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_SIGNAL_TIMEOUT_S", "600"))
-POLL_S = min(5.0, max(0.05, TIMEOUT_S / 10))
 
 
 def _abort(message: str) -> None:
@@ -62,16 +63,30 @@ class Watch:
 
 
 class Watchdog:
+    """The thread that looks at the watches. ``timeout_s``/``poll_s`` None: from ``config.signal_timeout_s``."""
+
     def __init__(
-        self, timeout_s: float, poll_s: float, on_timeout: Callable[[str], None] = _abort, clock=time.monotonic
+        self,
+        timeout_s: float | None = None,
+        poll_s: float | None = None,
+        on_timeout: Callable[[str], None] = _abort,
+        clock=time.monotonic,
     ):
-        self.timeout_s = timeout_s
-        self.poll_s = poll_s
+        self._timeout_s = timeout_s
+        self._poll_s = poll_s
         self.on_timeout = on_timeout
         self.clock = clock
         self.watches: list[Watch] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    @property
+    def timeout_s(self) -> float:
+        return config.signal_timeout_s if self._timeout_s is None else self._timeout_s
+
+    @property
+    def poll_s(self) -> float:
+        return min(5.0, max(0.05, self.timeout_s / 10)) if self._poll_s is None else self._poll_s
 
     def add(self, watch: Watch) -> Watch:
         with self._lock:
@@ -102,7 +117,9 @@ class Watchdog:
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.poll_s)
+            time.sleep(self.poll_s or 1.0)
+            if self.timeout_s <= 0:
+                continue  # switched off since the thread started
             try:
                 report = self.check()
             except Exception as e:  # a broken check must not take the process down; say it once and stop
@@ -113,7 +130,7 @@ class Watchdog:
                 return
 
 
-_dog = Watchdog(TIMEOUT_S, POLL_S)
+_dog = Watchdog()
 
 
 def watch(what: str, rank: int, describe: Callable[[], str]) -> Watch | None:

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import fluxcompile
+
 EXPECTED_VLLM = "0.32"
 REQUIRED = {
     "vllm.distributed.parallel_state": [
@@ -255,7 +257,7 @@ def check(route: str, sequence_parallel: bool, tokens: int = 32, vllm_backend: b
     setup_vllm_distributed()
     _record_rewritten_graphs()
 
-    os.environ["FLUXCOMPILE_VLLM"] = "1" if route == "plugin" else "0"
+    fluxcompile.config.vllm = route == "plugin"
     if route == "plugin":
         from importlib.metadata import entry_points
 

@@ -6,26 +6,22 @@ with the call's epoch) -> ``rs_reduce_kernel`` (bounded acquire waits per tile, 
 epoch counter lives on the device (graph replays advance it), data slots alternate by its parity, and
 nothing is reset between calls. A wait that times out records (rank, peer, tile, epoch) in an error buffer
 that is copied to pinned host memory at the end of the call and checked at the start of the next one (no
-synchronization on the hot path), or after every call with FLUXCOMPILE_CHECK_SIGNALS=1.
+synchronization on the hot path), or after every call with ``config.check_signals``.
 
-EXPERIMENTAL: checked only in Triton's CPU interpreter so far; it declines every call unless
-FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1, until it has passed the GPU tests (tests/gpu/test_rs_matmul.py).
+Experimental: it declines every call unless ``config.experimental_triton_rs`` (FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ..symm_mem import FlagArray, init_flags, workspace
-from . import rs_cublas_pipelined
-
-ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_TRITON_RS", "0") == "1"
-CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
+from ...config import config
+from ...symm_mem import FlagArray, init_flags, workspace
+from .cublas_pipelined import layout_supports, row_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +58,14 @@ _states: dict[tuple[int, int], _State] = {}
 def supports(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias, out_shape, scatter_dim, reduce_op, group_size, group_name
 ) -> str | None:
-    if not ENABLED:
-        return "experimental, not yet validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1 enables it)"
-    from ..kernels.gemm_rs import MAX_PRODUCTS
+    if not config.experimental_triton_rs:
+        return "experimental: FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1 enables it"
+    from ...kernels.gemm_rs import MAX_PRODUCTS
 
     if len(As) > MAX_PRODUCTS:
         return f"more than {MAX_PRODUCTS} products"
     # The same row layout as the cuBLAS choice (each owner's rows one contiguous block).
-    return rs_cublas_pipelined.supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+    return layout_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size)
 
 
 def make(name: str):
@@ -78,9 +74,9 @@ def make(name: str):
     def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
         why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
         if why is None:
-            from ..kernels.gemm_rs import MAX_TILES, n_tiles
+            from ...kernels.gemm_rs import MAX_TILES, n_tiles
 
-            _, n, rows, _ = rs_cublas_pipelined.row_layout(out_shape, scatter_dim, group_size)
+            _, n, rows, _ = row_layout(out_shape, scatter_dim, group_size)
             tm, tn = n_tiles(rows, n, variant.block)
             if tm * tn > MAX_TILES:
                 return f"{tm * tn} tiles per rank exceed the {MAX_TILES} flags"
@@ -106,9 +102,9 @@ def matmul_reduce_scatter(
     *,
     variant: Variant = VARIANTS["128x256x64"],
 ) -> Tensor:
-    from ..kernels.gemm_rs import MAX_TILES, gemm_rs
+    from ...kernels.gemm_rs import MAX_TILES, gemm_rs
 
-    _, n, rows, shape = rs_cublas_pipelined.row_layout(out_shape, scatter_dim, group_size)
+    _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
     dtype = As[0].dtype
     es = torch.empty((), dtype=dtype).element_size()
     slot_elems = -(-rows * n * es // 256) * 256 // es
@@ -169,7 +165,7 @@ def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
 def _check_previous(st: _State, rank: int, group_name: str) -> None:
     """The previous call's timeout, if its copy to the host has landed (no synchronization). Event queries are
     not allowed while capturing; a captured graph's replays are checked by the next eager call."""
-    from ..kernels.gemm_rs import check_error
+    from ...kernels.gemm_rs import check_error
 
     if torch.cuda.is_current_stream_capturing():
         return
@@ -178,13 +174,13 @@ def _check_previous(st: _State, rank: int, group_name: str) -> None:
 
 
 def _report(st: _State, rank: int, group_name: str) -> None:
-    from ..kernels.gemm_rs import check_error
+    from ...kernels.gemm_rs import check_error
 
     if torch.cuda.is_current_stream_capturing():
         return
     st.err_host.copy_(st.err, non_blocking=True)
     st.event = torch.cuda.Event()
     st.event.record()
-    if CHECK_EACH_CALL:
+    if config.check_signals:
         st.event.synchronize()
         check_error(st.err_host, group_name)

@@ -11,37 +11,31 @@ one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's
   so CUDA graph replays need nothing from the host;
 * an error buffer the kernel fills when a bounded wait times out; it is copied to pinned host memory after
   each eager call and checked at the start of the next one, after every call with
-  ``FLUXCOMPILE_CHECK_SIGNALS=1``, or by :func:`check_errors` (which synchronizes; tests call it after graph
+  ``config.check_signals``, or by :func:`check_errors` (which synchronizes; tests call it after graph
   replays).
 
 Workspaces and the state are created by the first eager call of a shape (all ranks make it), never during
 graph capture; a shape's first call also synchronizes the ranks once (host barrier) after compiling, so
 no rank's kernel waits out another's JIT compilation.
 
-EXPERIMENTAL: both kernels decline every call unless ``FLUXCOMPILE_EXPERIMENTAL_DECODE=1`` (or
-``ENABLED`` is set), until they have passed tests/gpu/test_decode_ar.py on GPUs.
+Both kernels decline every call while ``config.experimental_decode`` is off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0),
+and the CUDA kernel runs between GPUs only with ``config.experimental_gemv_peers``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..symm_mem import FlagArray, Workspace, init_flags, workspace
+from ...config import config
+from ...symm_mem import FlagArray, Workspace, init_flags, workspace
+from .. import extensions
 
-ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_DECODE", "1") == "1"  # GPU tests passed on 2x H200
-# csrc/gemv_ar.cu was rewritten (its loaders, units of two tiles, the epoch's publication) and has passed
-# its GPU tests on one GPU only: between GPUs it stays off until they pass there too.
-CUDA_PEERS = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS", "0") == "1"
-CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
-# A peer that has not signalled after this long is an error (generous: a peer may be compiling).
-TIMEOUT_S = float(os.environ.get("FLUXCOMPILE_DECODE_TIMEOUT_S", "60"))
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
 ERR_WORDS = 8
 CUDA_TILE_N = 32  # csrc/gemv_ar.h kGemvTileN
@@ -95,8 +89,9 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
+def group(group_name: str) -> dist.ProcessGroup:
+    """The c10d process group of ``group_name``."""
+    return dist.distributed_c10d._resolve_processgroup(group_name)
 
 
 def _get_state(family: str, group_name: str) -> _State:
@@ -105,7 +100,7 @@ def _get_state(family: str, group_name: str) -> _State:
     if st is None:
         if _capturing():
             raise RuntimeError(f"fluxcompile: run the {family} decode kernel once eagerly before graph capture")
-        world = _group(group_name).size()
+        world = group(group_name).size()
         fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"decode_ar.{family}.flags")
         init_flags(FlagArray(fws, 0, (world + 1) * MAX_TILES), 0)  # host barrier: zeroed everywhere first
         st = _State(
@@ -135,7 +130,7 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
             # for one. Zeroed on every rank before any rank's kernel writes into it.
             ws.buffer.zero_()
             torch.cuda.synchronize()
-            dist.barrier(group=_group(group_name))
+            dist.barrier(group=group(group_name))
         st.data = ws
         st.peer_data = torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
         _kept.extend((ws, st.peer_data))
@@ -156,14 +151,14 @@ def _after_launch(st: _State, group_name: str) -> None:
     st.err_host.copy_(st.err, non_blocking=True)
     st.event = torch.cuda.Event()
     st.event.record()
-    if CHECK_EACH_CALL:
+    if config.check_signals:
         st.event.synchronize()
         if int(st.err_host[0]):
             _raise(st.err_host, group_name)
 
 
 def _raise(err: Tensor, group_name: str) -> None:
-    from ..kernels.gemm_ar import check_error
+    from ...kernels.gemm_ar import check_error
 
     check_error(err, group_name)
 
@@ -183,7 +178,7 @@ def _sync_ranks_once(key: tuple, group_name: str) -> None:
     if _capturing():
         raise RuntimeError("fluxcompile: the decode kernel's first call for a shape must be eager (warm up first)")
     torch.cuda.synchronize()
-    dist.barrier(group=_group(group_name))
+    dist.barrier(group=group(group_name))
     _ready.add(key)
 
 
@@ -192,8 +187,8 @@ def _sync_ranks_once(key: tuple, group_name: str) -> None:
 
 
 def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None) -> str | None:
-    if not ENABLED:
-        return "experimental, not yet validated on GPUs (FLUXCOMPILE_EXPERIMENTAL_DECODE=1 enables it)"
+    if not config.experimental_decode:
+        return "switched off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0)"
     if x is not None:
         return "a bare all-reduce (no matmul to fuse with)"
     if len(As) != 1 or len(Bs) != 1:
@@ -212,7 +207,7 @@ def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tai
         return "out_shape is not a view of [m, n]"
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != a.dtype):
         return "a bias that is not [n] of the operands' dtype"
-    if _group(group_name).size() > MAX_WORLD:
+    if group(group_name).size() > MAX_WORLD:
         return f"more than {MAX_WORLD} ranks"
     if tail is not None:
         residual, weight, _, _ = tail
@@ -247,19 +242,14 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
         return "k, n and row strides must be multiples of 8 elements (16-byte vectors)"
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
-    world = _group(group_name).size()
+    world = group(group_name).size()
     if mode == "oneshot-ll" and world < 2:
         return "LL words travel between ranks: with one rank this is the one-shot choice"
-    if world > 1 and not CUDA_PEERS:
-        return (
-            "csrc/gemv_ar.cu has not yet run between GPUs since its rewrite "
-            "(FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 enables it)"
-        )
+    if world > 1 and not config.experimental_gemv_peers:
+        return "csrc/gemv_ar.cu between GPUs is experimental (FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 enables it)"
     tiles = -(-n // CUDA_TILE_N)
     if tiles > MAX_TILES or (two_shot and tiles < world):
         return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
-    from . import extensions
-
     try:
         extensions.load("gemv_ar")
     except extensions.Unavailable as e:
@@ -279,7 +269,7 @@ def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name
     if not v.min_m <= m <= v.max_m:
         return f"m = {m} outside this tile's range [{v.min_m}, {v.max_m}]"
     tiles = -(-m // v.block[0]) * -(-n // v.block[1])
-    if tiles > MAX_TILES or (v.two_shot and tiles < _group(group_name).size()):
+    if tiles > MAX_TILES or (v.two_shot and tiles < group(group_name).size()):
         return f"{tiles} tiles do not fit the flags (or are fewer than the ranks)"
     return None
 
@@ -295,8 +285,6 @@ def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, T
 
 
 def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None) -> Tensor | tuple[Tensor, Tensor]:
-    from . import extensions
-
     two_shot, ll = mode == "twoshot", mode == "oneshot-ll"
     ext = extensions.load("gemv_ar")
     a, b = As[0], Bs[0]
@@ -307,8 +295,8 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
     m, k = a.shape
     n = b.shape[1]
-    group = _group(group_name)
-    rank, world = group.rank(), group.size()
+    pg = group(group_name)
+    rank, world = pg.rank(), pg.size()
     st = _get_state("cuda", group_name)
     _check_previous(st, group_name)
     ws, slot_bytes = _data(st, "cuda", group_name, world, m * n * a.element_size())
@@ -332,7 +320,7 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
         int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
         st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.err.data_ptr(),
-        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(TIMEOUT_S * 1e9),
+        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(config.decode_timeout_s * 1e9),
         0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
     _after_launch(st, group_name)
@@ -342,14 +330,14 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
 def run_triton(
     variant: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None
 ) -> Tensor | tuple[Tensor, Tensor]:
-    from ..kernels.gemm_ar import gemm_ar, n_tiles
+    from ...kernels.gemm_ar import gemm_ar, n_tiles
 
     v = TRITON_VARIANTS[variant]
     a, b = As[0], Bs[0]
     m, k = a.shape
     n = b.shape[1]
-    group = _group(group_name)
-    rank, world = group.rank(), group.size()
+    pg = group(group_name)
+    rank, world = pg.rank(), pg.size()
     st = _get_state("triton", group_name)
     _check_previous(st, group_name)
     _, slot_bytes = _data(st, "triton", group_name, world, m * n * a.element_size())
@@ -362,7 +350,7 @@ def run_triton(
     progs = torch.cuda.get_device_properties(a.device).multi_processor_count
     kwargs = dict(
         two_shot=v.two_shot, tail=tail_args, ss_part=ss_part, block=v.block, num_programs=progs,
-        max_spin=int(TIMEOUT_S * 1e6), num_warps=v.num_warps, num_stages=v.num_stages,
+        max_spin=int(config.decode_timeout_s * 1e6), num_warps=v.num_warps, num_stages=v.num_stages,
     )  # fmt: skip
     call = (a, b, bias, out.view(m, n), st.peer_data, st.peer_flags, slot_bytes // a.element_size(), st.state)
     key = ("triton", variant, a.dtype, m, n, k, tuple(b.stride()), bias is not None, tail is not None, group_name)

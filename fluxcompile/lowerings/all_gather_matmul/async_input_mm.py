@@ -3,7 +3,7 @@
 rank-``r`` row block start once ``signals[r]`` is set, local block first (the pivot). The copy engine pulls
 the peers' shards straight into the gathered output, so A_gathered needs no further copy.
 
-Per call, on rank r (peers p in ring order after r):
+Per call, on rank r (peers p in ring order, symm_mem/exchange.py):
   main stream:  wait done_p (p finished pulling our previous shard) -> publish our shard into our symmetric
                 buffer and into our rows of A_gathered (SM copies, before the GEMM) -> set ready_r on every p
                 -> signals = [0..] with signals[r] = 1 -> the GEMM
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..schedules.orders import ring_after
-from ..symm_mem import ready_done_flags, side_stream, stream_consume, stream_write, workspace
-from .ag_cublas_pipelined import shard_layout
+from ...symm_mem import ready_done_flags, side_stream, stream_consume, stream_write, workspace
+from ...symm_mem.exchange import ring_order
+from .cublas_pipelined import shard_layout
 
 NAME = "async_input_mm"
 _TILE_M = 128
@@ -73,7 +73,7 @@ def all_gather_matmul(
     main, side = torch.cuda.current_stream(), side_stream()
     A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
     rows_of = A_gathered.view(world, rows, k)
-    order = ring_after(rank, world)  # Flux's ring after the local rank, from the schedule library
+    order = ring_order(rank, world)
 
     for p in order:  # our buffer is free once every peer has pulled the previous shard
         stream_consume(main, done.addr(rank, p))

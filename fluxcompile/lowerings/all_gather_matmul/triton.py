@@ -1,33 +1,31 @@
 """all_gather_matmul with the persistent Triton kernel (kernels/ag_gemm.py): one GEMM launch whose
 remote tiles wait for their communication chunk, fed by copy-engine pushes chunk by chunk.
 
-Per call, on rank r (peers p in ring order after r):
+Per call, on rank r (peers p in the exchange's gather send order, symm_mem/exchange.py):
   side stream:  for p: wait done_p -> for each chunk c: copy our rows of chunk c into slot r of p's
                 symmetric buffer (peer-to-peer, copy engine) -> set arrived[r, c] on p
   main stream:  one kernel launch (local tiles at once; remote tiles spin-wait, bounded, on arrived[p, c])
                 -> clear our arrived flags -> fill the gathered output -> set done_r on every p
 A wait that times out records (rank, chunk) in an error buffer that is copied to pinned host memory at
 the end of the call and checked at the start of the next one (no synchronization on the hot path), or
-after every call with FLUXCOMPILE_CHECK_SIGNALS=1.
+after every call with ``config.check_signals``.
 
-EXPERIMENTAL: checked only in Triton's CPU interpreter so far; it declines every call unless
-FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1, until it has passed the GPU tests (tests/gpu/test_ag_matmul.py).
+Experimental: it declines every call unless ``config.experimental_triton_ag`` (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ..symm_mem import FlagArray, init_flags, side_stream, stream_consume, stream_write, workspace
-from . import ag_cublas_pipelined
+from ...config import config
+from ...symm_mem import FlagArray, init_flags, side_stream, stream_write, workspace
+from ...symm_mem.exchange import gather_send_order, send
+from .cublas_pipelined import layout_supports, shard_layout
 
-ENABLED = os.environ.get("FLUXCOMPILE_EXPERIMENTAL_TRITON_AG", "0") == "1"
-CHECK_EACH_CALL = os.environ.get("FLUXCOMPILE_CHECK_SIGNALS", "0") == "1"
 _ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow them
 _FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
 
@@ -44,9 +42,8 @@ class Variant:
     group_m: int = 8
 
 
-# Measured on H200 (benchmarks/tune_ag_kernel.py, 2026-11-22): 256x128 and 128x128 tiles are 0.97x-1.2x
-# cuBLAS's time; TMA with BLOCK_N = 256 gave wrong results (4-10% relative error) under Triton 3.6, so it is
-# not offered; pointer loads were 1.2x-1.7x.
+# The tile shapes offered (BENCHMARKS.md has their timings); TMA with BLOCK_N = 256 is not offered: it computes
+# wrong results under Triton 3.6.
 VARIANTS = {
     "tma-256x128x64-c1": Variant((256, 128, 64), 1),
     "tma-256x128x64-c4": Variant((256, 128, 64), 4),
@@ -58,14 +55,14 @@ _errors: dict[int, tuple[Tensor, Tensor, torch.cuda.Event | None]] = {}
 
 
 def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:
-    if not ENABLED:
-        return "experimental, not yet validated on a GPU (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it)"
+    if not config.experimental_triton_ag:
+        return "experimental: FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it"
     if len(Bs) > 4:
         return "more than 4 weights"
     if any(x is not None and x.dim() != 1 for x in biases):
         return "a bias that is not [N]"
     # The same layout of the gathered rows as the cuBLAS choice (rank blocks of contiguous rows).
-    return ag_cublas_pipelined.supports(A, Bs, biases, gather_dim, group_size, group_name)
+    return layout_supports(A, Bs, biases, gather_dim, group_size)
 
 
 def make(name: str):
@@ -74,7 +71,7 @@ def make(name: str):
     def supports_variant(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
         why = supports(A, Bs, biases, gather_dim, group_size, group_name)
         if why is None and variant.tma:
-            from ..kernels.ag_gemm import tma_unsupported
+            from ...kernels.ag_gemm import tma_unsupported
 
             if torch.cuda.get_device_capability(A.device)[0] < 9:
                 return "TMA needs a Hopper or newer GPU"
@@ -98,10 +95,10 @@ def all_gather_matmul(
     *,
     variant: Variant = VARIANTS["tma-256x128x64-c1"],
 ) -> tuple[Tensor, list[Tensor]]:
-    from ..kernels.ag_gemm import ag_gemm, check_error
+    from ...kernels.ag_gemm import ag_gemm, check_error
 
     block, chunks = variant.block, variant.chunks
-    A, rows, k, gathered_shape = ag_cublas_pipelined.shard_layout(A, gather_dim, group_size)
+    A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     chunk_rows = max(block[0], -(-rows // chunks))
     n_chunks = -(-rows // chunk_rows)
     ws = workspace(group_name, group_size * rows * k * A.element_size(), tag="ag_triton")
@@ -120,17 +117,18 @@ def all_gather_matmul(
     a_local = A.view(rows, k)
     A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
     outs = [torch.empty(world * rows, b.shape[1], dtype=A.dtype, device=A.device) for b in Bs]
-    order = [(rank + step) % world for step in range(1, world)]
+    send_to = gather_send_order(rank, world)  # shards land in the order the kernel's tiles take them
 
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        for p in reversed(order):  # rank-1 first: shards land in the order the kernel's tiles take them
-            stream_consume(side, done.addr(rank, p))
+        for p in send_to:
             peer_slot = ws.view(p, (rows, k), A.dtype, rank * rows * k * A.element_size())
-            for c in range(n_chunks):
-                lo, hi = c * chunk_rows, min(rows, (c + 1) * chunk_rows)
-                peer_slot[lo:hi].copy_(a_local[lo:hi])  # peer-to-peer: the copy engine
-                stream_write(side, fws.handle.buffer_ptrs[p] + 4 * (rank * n_chunks + c), 1)
+            chunks = [(c * chunk_rows, min(rows, (c + 1) * chunk_rows)) for c in range(n_chunks)]
+            pieces = [
+                (peer_slot[lo:hi], a_local[lo:hi], fws.handle.buffer_ptrs[p] + 4 * (rank * n_chunks + c))
+                for c, (lo, hi) in enumerate(chunks)
+            ]
+            send(side, done.addr(rank, p), pieces)
 
     # The kernel also writes the gathered rows into A_gathered (no copy kernel after it).
     ag_gemm(
@@ -140,7 +138,7 @@ def all_gather_matmul(
     )  # fmt: skip
     arrived.zero_()  # every wait of this call is over: the next call starts from 0
     main.wait_stream(side)
-    for p in order:
+    for p in send_to:
         stream_write(main, done.addr(p, rank), 1)
     _report_errors(err, err_host, rank, group_name, check_error)
     return A_gathered, outs
@@ -162,7 +160,7 @@ def _error_buffers(rank: int, group_name: str) -> tuple[Tensor, Tensor]:
     if torch.cuda.is_current_stream_capturing():
         return err, host
     if event is not None and event.query() and int(host[0]):
-        from ..kernels.ag_gemm import check_error
+        from ...kernels.ag_gemm import check_error
 
         check_error(host, rank, group_name)
     return err, host
@@ -175,6 +173,6 @@ def _report_errors(err: Tensor, host: Tensor, rank: int, group_name: str, check_
     event = torch.cuda.Event()
     event.record()
     _errors[torch.cuda.current_device()] = (err, host, event)
-    if CHECK_EACH_CALL:
+    if config.check_signals:
         event.synchronize()
         check_error(host, rank, group_name)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .waits import bounded_wait
+from ..kernels.waits import bounded_wait
 
 WORDS = 16  # int32 words per instruction (layout in schedules/encoding.py)
 ACK_WORDS = 64  # per-source ack flags at the start of the flag array; message flags follow

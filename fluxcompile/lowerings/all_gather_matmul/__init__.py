@@ -1,0 +1,55 @@
+"""fluxcompile.all_gather_matmul: its choices and its CUDA implementation, which asks the rank-synchronized
+autotuner for one choice per call signature (identically on every rank) and runs it.
+
+Choices, in registration order (the autotuner's tie-break order within a family):
+* ``cublas_pipelined`` and its ``:concurrent``, ``:unsplit``, ``:lead<d>`` and experimental ``:stages<g>``
+  variants (cublas_pipelined.py): cuBLAS GEMMs per block of rows behind copy-engine pushes;
+* ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_all_gather_matmul``;
+* ``async_input_mm`` (async_input_mm.py): PyTorch's CUTLASS GEMM that waits on per-chunk signals, fed by
+  copy-engine pulls;
+* ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/ag_gemm.py;
+* ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..autotune import pick
+from ..choices import Choice, register_choice
+from ..direct_calls import cuda_impl
+from . import async_input_mm, cublas_pipelined, torch_symm_mem, triton
+
+OP = "all_gather_matmul"
+
+_pipelined = cublas_pipelined.all_gather_matmul
+_CHOICES = [
+    Choice(cublas_pipelined.NAME, _pipelined, cublas_pipelined.supports),
+    Choice(f"{cublas_pipelined.NAME}:concurrent", functools.partial(_pipelined, concurrent=True), cublas_pipelined.supports),
+    Choice(f"{cublas_pipelined.NAME}:unsplit", functools.partial(_pipelined, unsplit=True), cublas_pipelined.supports),
+    *(
+        Choice(f"{cublas_pipelined.NAME}:lead{d}", functools.partial(_pipelined, lead=d), cublas_pipelined.lead_supports(d))
+        for d in cublas_pipelined.LEADS
+    ),
+    *(
+        Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g))
+        for g in cublas_pipelined.STAGES
+    ),
+    Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_matmul, torch_symm_mem.supports),
+    Choice(async_input_mm.NAME, async_input_mm.all_gather_matmul, async_input_mm.supports),
+    *(Choice(f"triton:{name}", *triton.make(name)) for name in triton.VARIANTS),
+]  # fmt: skip
+for _choice in _CHOICES:
+    register_choice(OP, _choice)
+
+
+@cuda_impl(OP, probe=lambda args: args[0])
+def all_gather_matmul_cuda(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> tuple[Tensor, list[Tensor]]:
+    """The op's CUDA implementation: the autotuner's choice for this call signature."""
+    args = (A, list(Bs), list(biases), gather_dim, group_size, group_name)
+    return pick(OP, args, group_name).fn(*args)

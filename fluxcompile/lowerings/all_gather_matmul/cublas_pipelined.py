@@ -1,0 +1,217 @@
+"""all_gather_matmul, ``cublas_pipelined``: cuBLAS does the math, the copy engine moves the shards (push), and
+the C++ sequencer (csrc/pipelined.cpp) issues each call's stream operations.
+
+Per call, on rank r of a group of w (peers in the exchange's orders, symm_mem/exchange.py):
+
+  side stream:  for p in the send order (r-1 first): wait done_p -> copy our shard into slot r of p's symmetric
+                buffer (peer to peer, copy engine) -> set ready_r on p;  then fill the gathered output: our rows
+                from A, p's rows from slot p once it arrived
+  main stream:  mm(A) into our rows of the output;  for p in ring order (r+1 first): wait ready_p -> mm(slot p)
+                into p's rows;  wait for the side stream -> set done_r on every p (its slot r here is free)
+
+Why this shape:
+* cuBLAS's Hopper GEMMs hold every SM until they finish, so anything beside one that needs an SM (a barrier
+  kernel, a same-device memcpy, which the driver runs as a kernel) waits for the GEMM's last wave. Signals are
+  stream memory operations (symm_mem/signals.py, no SM), and the shard travels by a peer-to-peer copy, which
+  the copy engine does, straight into the peer's buffer where its GEMM reads it: no publish copy, no pull.
+* The gathered output (the op's first result) is filled by copies queued on the side stream; they run in the
+  GEMM's tail instead of after it.
+* ``done`` keeps a sender from overwriting a slot the receiver still reads (graph-safe 0/1 flags).
+
+Variants: ``:concurrent`` runs each remote block's GEMM on a stream of its own as soon as its rows land, beside
+the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles; ``:unsplit`` gathers first,
+then one GEMM per weight over all rows (no overlap, no split: small M); ``:lead<d>`` runs a GEMM over 1/d of our
+rows while the shards fly, then one over all other rows read from the symmetric buffer, whose slots abut into
+the gathered ``[world * rows, k]``; ``:stages<g>`` (experimental, ``config.experimental_ag_stages``) takes the
+peers in ``g`` groups, one GEMM per group, instead of one GEMM per peer. Everything is a stream operation, so a
+call can be captured in a CUDA graph once its workspace and flags exist (first eager call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...config import config
+from ...symm_mem import Workspace, side_stream, workspace
+from ...symm_mem.exchange import Handshake, gather_send_order, handshake, slice_rows, slot_bytes, stage_plan
+from ...symm_mem.workspace import generation as workspace_generation
+from ..sequencer import graph_limit, sequencer, unavailable
+
+NAME = "cublas_pipelined"
+LEADS = (8, 4, 2)  # ":lead<d>": the lead GEMM takes 1/d of our rows
+STAGES = (2, 3)  # ":stages<g>": the peers in g groups
+
+
+def layout_supports(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int
+) -> str | None:
+    """None when each rank's rows are one block of the gathered ``[M, K]`` and the operands suit per-block GEMMs
+    into row ranges of the outputs (the layout every all-gather choice here relies on), else why not."""
+    if not A.is_cuda:
+        return "needs CUDA tensors"
+    if group_size < 2:
+        return "nothing to overlap with one rank"
+    if math.prod(A.shape[:gather_dim]) != 1:
+        # Each rank's rows would be interleaved in the flattened [M, K]: per-chunk products would land in
+        # strided rows (a copy), so the reference does it better.
+        return "gather dim has a leading dim of size > 1"
+    if any(b.dtype != A.dtype for b in Bs) or any(x is not None and x.dtype != A.dtype for x in biases):
+        return "mixed dtypes"
+    if any(x is not None and x.dim() > 1 and x.shape[0] != 1 for x in biases):
+        return "a bias with rows (only [N] or [1, N] biases are split by rows)"
+    return None
+
+
+def supports(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> str | None:
+    """None when this choice handles the call, else why not (the same answer on every rank)."""
+    return layout_supports(A, Bs, biases, gather_dim, group_size) or unavailable()
+
+
+def _slots_abut(A: Tensor) -> str | None:
+    """None when the shards' slots abut in the symmetric buffer, so it reads as the gathered ``[world * rows, k]``."""
+    nbytes = A.numel() * A.dtype.itemsize
+    if slot_bytes(nbytes) != nbytes:
+        return "a shard's bytes are not a multiple of 256 (the slots would not abut)"
+    return None
+
+
+def lead_supports(d: int) -> Callable[..., str | None]:
+    """``supports`` of ``:lead<d>``."""
+
+    def supports_lead(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
+        reason = supports(A, Bs, biases, gather_dim, group_size, group_name)
+        if reason is not None:
+            return reason
+        rows = A.numel() // A.shape[-1]
+        if slice_rows(rows, d) == 0:
+            return f"{rows} rows per rank: 1/{d} of them is under 64"
+        return _slots_abut(A)
+
+    return supports_lead
+
+
+def stages_supports(groups: int) -> Callable[..., str | None]:
+    """``supports`` of ``:stages<groups>``."""
+
+    def supports_stages(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
+        if not config.experimental_ag_stages:
+            return "experimental: FLUXCOMPILE_EXPERIMENTAL_AG_STAGES=1 enables it"
+        return supports(A, Bs, biases, gather_dim, group_size, group_name) or _slots_abut(A)
+
+    return supports_stages
+
+
+def shard_layout(A: Tensor, gather_dim: int, group_size: int) -> tuple[Tensor, int, int, list[int]]:
+    """(contiguous shard, its rows, K, the gathered shape): the shard is one block of rows of the gathered
+    ``[M, K]`` (``layout_supports`` checked the gather dim has no leading dims)."""
+    A = A.contiguous()
+    k = A.shape[-1]
+    gathered_shape = list(A.shape)
+    gathered_shape[gather_dim % A.dim()] *= group_size
+    return A, A.numel() // k, k, gathered_shape
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a call signature needs besides its operands: slot views and flag addresses (their meaning:
+    csrc/pipelined.cpp). ``peer_slots`` follow the handshake's send order, ``my_slots`` its ring order."""
+
+    ws: Workspace
+    rank: int
+    world: int
+    peer_slots: list[Tensor]  # slot rank in peer send_to[j]'s buffer: our shard goes there
+    my_slots: list[Tensor]  # slot recv_from[j] in our buffer: its shard arrives there
+    hs: Handshake
+    buffer: Tensor | None  # our whole buffer as the gathered [world * rows, k], where the slots abut
+    generation: int = 0  # workspace.generation() once built: the views are valid while it holds
+
+
+_plans: dict[tuple, Plan] = {}
+
+
+def plan(shard_rows: int, k: int, dtype: torch.dtype, group_size: int, group_name: str) -> Plan:
+    """The plan of a call signature, made on its first call (every rank alike) and kept while no workspace was
+    made or grown since."""
+    key = (group_name, torch.cuda.current_device(), shard_rows, k, dtype)
+    p = _plans.get(key)
+    if p is not None and p.generation == workspace_generation():
+        return p
+    nbytes = shard_rows * k * dtype.itemsize
+    slot = slot_bytes(nbytes)
+    ws = workspace(group_name, slot * group_size, tag="all_gather_matmul")
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    hs = handshake(
+        group_name, "all_gather_matmul.flags", rank, world, gather_send_order(rank, world),
+        f"all_gather_matmul ({NAME}, {key})",
+    )  # fmt: skip
+
+    def view(owner: int, src: int) -> Tensor:  # the rows from rank src, in owner's buffer
+        return ws.view(owner, (shard_rows, k), dtype, src * slot)
+
+    p = Plan(
+        ws=ws, rank=rank, world=world,
+        peer_slots=[view(q, rank) for q in hs.send_to],
+        my_slots=[view(rank, q) for q in hs.recv_from],
+        hs=hs,
+        buffer=ws.view(rank, (world * shard_rows, k), dtype) if slot == nbytes else None,
+    )  # fmt: skip
+    p.generation = workspace_generation()  # after the plan's own workspaces were made
+    _plans[key] = p
+    return p
+
+
+def all_gather_matmul(
+    A: Tensor,
+    Bs: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    gather_dim: int,
+    group_size: int,
+    group_name: str,
+    *,
+    concurrent: bool = False,
+    unsplit: bool = False,
+    lead: int = 0,
+    groups: int = 0,
+) -> tuple[Tensor, list[Tensor]]:
+    """The fused op's signature and outputs; at most one of the variant arguments is set (see the module)."""
+    A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
+    p = plan(rows, k, A.dtype, group_size, group_name)
+    a = A.view(rows, k)
+    seq, side = sequencer(), side_stream().cuda_stream
+    common = (a, list(Bs), list(biases), gathered_shape, p.peer_slots)
+    if lead or groups:
+        if p.buffer is None or (lead and slice_rows(rows, lead) == 0):
+            raise ValueError(f"fluxcompile: {NAME} lead={lead} groups={groups} does not apply to {rows} x {k} shards")
+        if lead:
+            outs = seq.ag_lead(
+                *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, graph_limit()
+            )
+        else:
+            js, flat = stage_plan(p.rank, p.world, rows, groups)
+            outs = seq.ag_stages(*common, p.buffer, *p.hs.lists, p.rank, p.world, js, flat, side, graph_limit())
+    elif unsplit:
+        outs = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit())
+    else:
+        compute = [_compute_stream(j).cuda_stream for j in range(p.world - 1)] if concurrent else []
+        outs = seq.ag_pipelined(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit())
+    p.hs.note()
+    return outs
+
+
+_compute_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def _compute_stream(i: int) -> torch.cuda.Stream:
+    key = (torch.cuda.current_device(), i)
+    if key not in _compute_streams:
+        _compute_streams[key] = torch.cuda.Stream()
+    return _compute_streams[key]

@@ -1,0 +1,36 @@
+"""all_gather_matmul, ``torch_symm_mem``: PyTorch's own ``symm_mem.fused_all_gather_matmul``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+NAME = "torch_symm_mem"
+
+
+def supports(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> str | None:
+    if not A.is_cuda:
+        return "needs CUDA tensors"
+    if any(b is not None for b in biases):
+        return "PyTorch's fused_all_gather_matmul takes no bias"
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        return "torch.ops.symm_mem.fused_all_gather_matmul is not available"
+    return None
+
+
+def all_gather_matmul(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> tuple[Tensor, list[Tensor]]:
+    from torch.distributed import _symmetric_memory as symm
+
+    if not symm.is_symm_mem_enabled_for_group(group_name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated in newer torch, still required by 2.11
+            symm.enable_symm_mem_for_group(group_name)
+    A_gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(A, list(Bs), gather_dim, group_name)
+    return A_gathered, [o.reshape(-1, o.shape[-1]) for o in outs]

@@ -1,0 +1,92 @@
+"""fluxcompile.matmul_all_reduce and fluxcompile.all_reduce_rmsnorm (decode's row-parallel projections and the
+decoder layer's tail after them): their choices, registered for both ops, and each op's CUDA implementation,
+which asks the rank-synchronized autotuner for one choice per call signature and runs it.
+
+Choices (each capturable in a CUDA graph once a first eager call made its workspaces):
+* ``cuda:gemv-oneshot`` / ``:gemv-twoshot`` / ``:gemv-oneshot-ll``: csrc/gemv_ar.cu, a GEMV kernel (m <= 64)
+  whose epilogue stores each output tile into the peers' symmetric memory (fused_kernels.py);
+* ``triton:<oneshot|twoshot>-<tile>``: kernels/gemm_ar.py, the same protocol with a tiled GEMM for larger m;
+* ``torch_symm_mem:one_shot`` / ``:two_shot`` (torch_symm_mem.py): cuBLAS into a symmetric buffer, then
+  PyTorch's all-reduce;
+* ``schedules:one_shot`` / ``:two_shot`` (schedules.py): cuBLAS, then the schedule language's all-reduce;
+* ``reference``: cuBLAS then NCCL (registered by lowerings/choices.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..autotune import pick, time_in_cuda_graphs
+from ..choices import Choice, register_choice
+from ..direct_calls import cuda_impl
+from . import fused_kernels, schedules, torch_symm_mem
+
+OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
+
+
+def _fused_choices(run, supports, variant):
+    """(fn, supports) for both ops around ``run(variant, As, Bs, bias, out_shape, group, tail)``."""
+
+    def mar(As, Bs, bias, out_shape, reduce_op, group_name):
+        return run(variant, As, Bs, bias, out_shape, group_name)
+
+    def mar_supports(As, Bs, bias, out_shape, reduce_op, group_name):
+        return supports(variant, As, Bs, bias, out_shape, reduce_op, group_name)
+
+    def arn(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name):
+        return run(variant, As, Bs, bias, out_shape, group_name, (residual, weight, eps, weight_after_cast))
+
+    def arn_supports(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group):
+        tail = (residual, weight, eps, weight_after_cast)
+        return supports(variant, As, Bs, bias, out_shape, reduce_op, group, x, tail)
+
+    return (mar, mar_supports), (arn, arn_supports)
+
+
+def _register(name: str, pair_mar, pair_arn) -> None:
+    register_choice("matmul_all_reduce", Choice(name, *pair_mar))
+    register_choice("all_reduce_rmsnorm", Choice(name, *pair_arn))
+
+
+for _mode in fused_kernels.CUDA_MODES:
+    _register(f"cuda:gemv-{_mode}", *_fused_choices(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode))
+for _variant in fused_kernels.TRITON_VARIANTS:
+    _register(
+        f"triton:{_variant}", *_fused_choices(fused_kernels.run_triton, fused_kernels.triton_supports, _variant)
+    )
+_register("torch_symm_mem:one_shot", *torch_symm_mem.choices(False))
+_register("torch_symm_mem:two_shot", *torch_symm_mem.choices(True))
+for _program in ("one_shot", "two_shot"):
+    _register(f"schedules:{_program}", *schedules.choices(_program))
+
+# Decode-sized calls (vLLM captures batches up to 512 tokens in CUDA graphs) are tuned as graph replays.
+GRAPH_TUNED_MAX_ROWS = 512
+time_in_cuda_graphs("matmul_all_reduce", lambda args: math.prod(args[3][:-1]) <= GRAPH_TUNED_MAX_ROWS)
+time_in_cuda_graphs("all_reduce_rmsnorm", lambda args: math.prod(args[4][:-1]) <= GRAPH_TUNED_MAX_ROWS)
+
+
+@cuda_impl("matmul_all_reduce", probe=lambda args: args[0][0])
+def matmul_all_reduce_cuda(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], reduce_op: str,
+    group_name: str,
+) -> Tensor:  # fmt: skip
+    """matmul_all_reduce's CUDA implementation: the autotuner's choice for this call signature."""
+    args = (list(As), list(Bs), bias, [int(s) for s in out_shape], reduce_op, group_name)
+    return pick("matmul_all_reduce", args, group_name).fn(*args)
+
+
+@cuda_impl("all_reduce_rmsnorm", probe=lambda args: args[5])  # the residual
+def all_reduce_rmsnorm_cuda(
+    x: Tensor | None, As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
+    residual: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool, reduce_op: str,
+    group_name: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """all_reduce_rmsnorm's CUDA implementation: the autotuner's choice for this call signature."""
+    args = (
+        x, list(As), list(Bs), bias, [int(s) for s in out_shape], residual, weight, eps, upcast, weight_after_cast,
+        reduce_op, group_name,
+    )  # fmt: skip
+    return pick("all_reduce_rmsnorm", args, group_name).fn(*args)

@@ -1,0 +1,58 @@
+"""matmul_all_reduce and all_reduce_rmsnorm, ``schedules:one_shot`` / ``:two_shot``: cuBLAS (or the bare input),
+then the schedule language's library all-reduce run by its plan-interpreter kernel (fluxcompile/schedules,
+gpu_executor.py); on while ``config.experimental_schedules``."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from ... import ops
+from ...config import config
+from .fused_kernels import group
+from .torch_symm_mem import product_dtype
+
+
+def _supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
+    first = x if x is not None else As[0]
+    if not first.is_cuda:
+        return "needs CUDA tensors"
+    if not config.experimental_schedules:
+        return "switched off (FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0)"
+    if reduce_op != "sum":
+        return f"reduce_op {reduce_op!r} (only sum)"
+    from ...schedules.gpu_executor import DTYPES
+
+    dtype = product_dtype(x, As, Bs)
+    if dtype not in DTYPES:
+        return f"dtype {dtype}"
+    world = group(group_name).size()
+    numel = math.prod(out_shape)
+    if numel == 0 or (program == "two_shot" and numel % world):
+        return f"{numel} elements do not split into {world} chunks"
+    return None
+
+
+def _all_reduce(program: str, x, As, Bs, bias, out_shape, group_name) -> Tensor:
+    from ... import schedules
+
+    p = (x if x is not None else ops.matmul_sum(As, Bs, bias)).contiguous()
+    return schedules.all_reduce(p.reshape(list(out_shape)), group_name, program=program)
+
+
+def choices(program: str):
+    def mar(As, Bs, bias, out_shape, reduce_op, group_name):
+        return _all_reduce(program, None, As, Bs, bias, out_shape, group_name)
+
+    def mar_supports(As, Bs, bias, out_shape, reduce_op, group_name):
+        return _supports(program, None, As, Bs, bias, out_shape, reduce_op, group_name)
+
+    def arn(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name):
+        h = residual + _all_reduce(program, x, As, Bs, bias, out_shape, group_name)
+        return h, ops.rms_norm(h, weight, eps, upcast, weight_after_cast)
+
+    def arn_supports(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group):
+        return _supports(program, x, As, Bs, bias, out_shape, reduce_op, group)
+
+    return (mar, mar_supports), (arn, arn_supports)

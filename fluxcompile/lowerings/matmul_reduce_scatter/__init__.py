@@ -1,0 +1,59 @@
+"""fluxcompile.matmul_reduce_scatter: its choices and its CUDA implementation, which asks the rank-synchronized
+autotuner for one choice per call signature (identically on every rank) and runs it.
+
+Choices, in registration order (the autotuner's tie-break order within a family):
+* ``cublas_pipelined`` (zero-copy stores into the owners' slots) and its ``:push``, ``:unsplit``, ``:tail<d>``
+  and experimental ``:stages<g>`` variants (cublas_pipelined.py);
+* ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
+* ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
+* ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..autotune import pick
+from ..choices import Choice, register_choice
+from ..direct_calls import cuda_impl
+from . import cublas_pipelined, torch_symm_mem, triton
+
+OP = "matmul_reduce_scatter"
+
+_pipelined = cublas_pipelined.matmul_reduce_scatter
+_CHOICES = [
+    Choice(cublas_pipelined.NAME, _pipelined, cublas_pipelined.supports),
+    Choice(f"{cublas_pipelined.NAME}:push", functools.partial(_pipelined, push=True), cublas_pipelined.supports),
+    Choice(f"{cublas_pipelined.NAME}:unsplit", functools.partial(_pipelined, unsplit=True), cublas_pipelined.supports),
+    *(
+        Choice(f"{cublas_pipelined.NAME}:tail{d}", functools.partial(_pipelined, tail=d), cublas_pipelined.tail_supports(d))
+        for d in cublas_pipelined.TAILS
+    ),
+    *(
+        Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g))
+        for g in cublas_pipelined.STAGES
+    ),
+    Choice(torch_symm_mem.NAME, torch_symm_mem.matmul_reduce_scatter, torch_symm_mem.supports),
+    *(Choice(f"triton:{name}", *triton.make(name)) for name in triton.VARIANTS),
+]  # fmt: skip
+for _choice in _CHOICES:
+    register_choice(OP, _choice)
+
+
+@cuda_impl(OP, probe=lambda args: args[0][0])
+def matmul_reduce_scatter_cuda(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+) -> Tensor:
+    """The op's CUDA implementation: the autotuner's choice for this call signature."""
+    args = (list(As), list(Bs), bias, [int(s) for s in out_shape], scatter_dim, reduce_op, group_size, group_name)
+    return pick(OP, args, group_name).fn(*args)

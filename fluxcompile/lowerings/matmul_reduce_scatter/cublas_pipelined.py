@@ -1,0 +1,256 @@
+"""matmul_reduce_scatter, ``cublas_pipelined``: cuBLAS does the math and its output is the communication; the C++
+sequencer (csrc/pipelined.cpp) issues each call's stream operations.
+
+Rank o owns rows ``o * rows ..`` of ``P = sum_i As[i] @ Bs[i] (+ bias)`` (``[world * rows, N]``); its result is
+the sum over ranks of their partials of those rows. Every rank's symmetric buffer has one slot per source rank:
+slot s holds rank s's partial of the owner's rows. Per call, on rank r, peers p in ring order (r+1 first, which
+is also a reduce-scatter's send order: symm_mem/exchange.py):
+
+  zero-copy (default):  for p: wait done_p -> mm(A[p's rows]) with ``out=`` p's slot r (the GEMM's epilogue
+                        stores over NVLink straight into p's memory) -> set ready_r on p;
+                        then mm(A[r's rows]) into our own slot r
+  :push:                for p: mm(A[p's rows]) into a local staging slot; on the side stream: wait done_p ->
+                        copy it into p's slot r (copy engine) -> set ready_r on p;  then our own block
+  :unsplit / :tail<d>:  one GEMM over all rows (with 1/d of our own rows computed last, beside the pushes),
+                        then the copy engine pushes each peer's block
+  :stages<g>:           (experimental, ``config.experimental_rs_stages``) the peers' blocks in g groups, one GEMM
+                        per group, each group pushed beside the next group's GEMM
+  all:                  for p: wait ready_p;  out = sum of the slots (fp32 accumulate, one rounding);
+                        set done_r on every p (its slot r in our buffer is free again)
+
+Why this shape:
+* What the others wait for leaves first, and no two ranks write into the same peer at once (Flux, Figure 7);
+  the local block (no communication) goes last.
+* Signals are stream memory operations (symm_mem/signals.py): no SM, so they are not stuck behind a GEMM that
+  holds every SM. A flag write fences the stream's earlier writes (peer stores included) system-wide, so the
+  owner sees the partial once it sees the flag.
+* ``done`` keeps a fast rank from overwriting a slot the owner still reads (0/1 flags reset by their waiter: a
+  CUDA graph replays the same values). It is set after the owner's whole reduction, so slots of calls with
+  different shapes (other offsets) never overlap a reduction still running.
+* Bias: the contract (ops.py) puts it into every rank's partial (a sum adds it ``world`` times); each rank's
+  first GEMM adds its own bias (``addmm``), exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...config import config
+from ...symm_mem import Workspace, side_stream, workspace
+from ...symm_mem.exchange import Handshake, handshake, ring_order, slice_rows, slot_bytes, stage_plan
+from ...symm_mem.workspace import generation as workspace_generation
+from ..sequencer import graph_limit, sequencer, unavailable
+
+NAME = "cublas_pipelined"
+TAILS = (8, 4, 2)  # ":tail<d>": 1/d of our rows (a multiple of 64) computed beside the pushes
+STAGES = (2, 3)  # ":stages<g>": the peers' blocks in g groups
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_WORLD = 64  # the handshake's flags
+
+
+def row_layout(out_shape: Sequence[int], scatter_dim: int, group_size: int) -> tuple[int, int, int, list[int]]:
+    """(M, N, rows per rank, this rank's output shape) for a scatter dim with no leading dims > 1, where the
+    ranks' row blocks of the flattened ``[M, N]`` are contiguous: rank o's are rows ``o * rows ..``."""
+    d = scatter_dim % len(out_shape)
+    m, n = math.prod(out_shape[:-1]), out_shape[-1]
+    shape = list(out_shape)
+    shape[d] //= group_size
+    return m, n, m // group_size, shape
+
+
+def layout_supports(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+) -> str | None:
+    """None when each owner's rows are one block of the flattened ``[M, N]`` and the operands suit per-block
+    GEMMs (the layout every reduce-scatter choice here relies on), else why not."""
+    if reduce_op != "sum":
+        return f"reduce_op {reduce_op!r}: only 'sum' is implemented"
+    if group_size < 2:
+        return "nothing to overlap with one rank"
+    if group_size > _MAX_WORLD:
+        return f"more than {_MAX_WORLD} ranks"
+    ndim = len(out_shape)
+    if ndim < 2 or not -ndim <= scatter_dim < ndim or scatter_dim % ndim == ndim - 1:
+        return f"scatter dim {scatter_dim} is not a row dim of a {ndim}-D output"
+    d = scatter_dim % ndim
+    if math.prod(out_shape[:d]) != 1:
+        # Each rank's rows would be interleaved in the flattened [M, N]: per-owner GEMMs would need strided row
+        # gathers (copies), so the reference does it better.
+        return "scatter dim has a leading dim of size > 1 (the ranks' rows are interleaved)"
+    if out_shape[d] % group_size:
+        return f"dim {d} of size {out_shape[d]} does not split over {group_size} ranks"
+    if not As or len(As) != len(Bs):
+        return "need as many left as right operands"
+    dtype = As[0].dtype
+    if any(t.dtype != dtype for t in (*As, *Bs)) or (bias is not None and bias.dtype != dtype):
+        return "mixed dtypes"
+    if dtype not in _DTYPES:
+        return f"dtype {dtype}"
+    m, n = math.prod(out_shape[:-1]), out_shape[-1]
+    for a, b in zip(As, Bs):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != m or b.shape[1] != n or a.shape[1] != b.shape[0]:
+            return "operand shapes do not match out_shape"
+    if bias is not None and tuple(bias.shape) not in ((n,), (1, n)):
+        return "a bias with rows (only [N] or [1, N] biases are split by rows)"
+    tensors = [*As, *Bs, *([bias] if bias is not None else [])]
+    if not all(t.is_cuda for t in tensors):
+        return "needs CUDA tensors"
+    if len({t.device for t in tensors}) > 1:
+        return "operands on several devices"
+    return None
+
+
+def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+    """None when this choice handles the call, else why not (the same answer on every rank)."""
+    return layout_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) or unavailable()
+
+
+def tail_supports(d: int) -> Callable[..., str | None]:
+    """``supports`` of ``:tail<d>``."""
+
+    def supports_tail(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+        reason = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+        if reason is not None:
+            return reason
+        rows = row_layout(out_shape, scatter_dim, group_size)[2]
+        if slice_rows(rows, d) == 0:
+            return f"{rows} rows per rank: 1/{d} of them is under 64"
+        return None
+
+    return supports_tail
+
+
+def stages_supports(groups: int) -> Callable[..., str | None]:
+    """``supports`` of ``:stages<groups>``."""
+
+    def supports_stages(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+        if not config.experimental_rs_stages:
+            return "experimental: FLUXCOMPILE_EXPERIMENTAL_RS_STAGES=1 enables it"
+        return supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+
+    return supports_stages
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a call signature needs besides its operands: slot views and flag addresses (their meaning:
+    csrc/pipelined.cpp; ``j`` runs over the peers in ring order)."""
+
+    ws: Workspace
+    rank: int
+    world: int
+    rows: int
+    n: int
+    shape: list[int]
+    peer_slots: list[Tensor]
+    stage_slots: list[Tensor]
+    own_slot: Tensor
+    own_slots: Tensor  # [world, rows, n]
+    stage_all: Tensor | None  # unsplit, tail and stages: our whole [M, N] partial, after the slots
+    hs: Handshake
+    generation: int = 0  # workspace.generation() once built: the views are valid while it holds
+
+
+_plans: dict[tuple, Plan] = {}
+
+
+def plan(
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    group_size: int,
+    group_name: str,
+    dtype: torch.dtype,
+    push: bool,
+    unsplit: bool,
+) -> Plan:
+    """The plan of a call signature, made on its first call (every rank alike) and kept while no workspace was
+    made or grown since."""
+    key = (group_name, torch.cuda.current_device(), tuple(out_shape), scatter_dim, dtype, push, unsplit)
+    p = _plans.get(key)
+    if p is not None and p.generation == workspace_generation():
+        return p
+    _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
+    itemsize = dtype.itemsize
+    slot = slot_bytes(rows * n * itemsize)
+    # Slots 0..world-1: the partials of our rows by source rank; push stages ours in world..2*world-1; unsplit
+    # puts our whole partial after the slots.
+    stage_bytes = slot * group_size if push else rows * group_size * n * itemsize if unsplit else 0
+    ws = workspace(group_name, slot * group_size + stage_bytes, tag="matmul_reduce_scatter")
+    rank, world = ws.rank, ws.world_size
+    if world != group_size:
+        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
+    hs = handshake(
+        group_name, "matmul_reduce_scatter.flags", rank, world, ring_order(rank, world),
+        f"matmul_reduce_scatter ({NAME}, {key})",
+    )  # fmt: skip
+
+    def view(owner: int, index: int) -> Tensor:
+        return ws.view(owner, (rows, n), dtype, index * slot)
+
+    mine = ws.view(rank, (world * slot // itemsize,), dtype).view(world, -1)[:, : rows * n]
+    p = Plan(
+        ws=ws, rank=rank, world=world, rows=rows, n=n, shape=shape,
+        peer_slots=[view(q, rank) for q in hs.send_to],
+        stage_slots=[view(rank, world + q) for q in hs.send_to] if push else [],
+        own_slot=view(rank, rank),
+        own_slots=mine.view(world, rows, n),
+        stage_all=ws.view(rank, (world * rows, n), dtype, world * slot) if unsplit else None,
+        hs=hs,
+    )  # fmt: skip
+    p.generation = workspace_generation()  # after the plan's own workspaces were made
+    _plans[key] = p
+    return p
+
+
+def matmul_reduce_scatter(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    out_shape: Sequence[int],
+    scatter_dim: int,
+    reduce_op: str,
+    group_size: int,
+    group_name: str,
+    *,
+    push: bool = False,
+    unsplit: bool = False,
+    tail: int = 0,
+    groups: int = 0,
+) -> Tensor:
+    """The fused op's signature and output; at most one of the variant arguments is set (see the module)."""
+    whole = unsplit or tail > 0 or groups > 0  # one [M, N] partial in the buffer
+    p = plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push and not whole, whole)
+    seq, As, Bs = sequencer(), list(As), list(Bs)
+    flags = (*p.hs.lists, p.shape, p.rank, p.rows)
+    if groups:
+        js, flat = stage_plan(p.rank, p.world, p.rows, groups)
+        out = seq.rs_stages(
+            As, Bs, bias, p.stage_all, p.peer_slots, p.own_slot, p.own_slots, *flags, js, flat,
+            side_stream().cuda_stream, graph_limit(),
+        )  # fmt: skip
+    elif whole:
+        rows = slice_rows(p.rows, tail) if tail else 0
+        if tail and rows == 0:
+            raise ValueError(f"fluxcompile: {NAME} tail={tail} does not apply to {p.rows} rows per rank")
+        out = seq.rs_tail(
+            As, Bs, bias, p.stage_all, p.peer_slots, p.own_slot, p.own_slots, *flags, rows,
+            side_stream().cuda_stream, graph_limit(),
+        )  # fmt: skip
+    else:
+        out = seq.rs_pipelined(
+            As, Bs, bias, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *flags, push,
+            side_stream().cuda_stream if push else 0, graph_limit(),
+        )  # fmt: skip
+    p.hs.note()
+    return out

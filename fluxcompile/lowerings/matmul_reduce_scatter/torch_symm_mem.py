@@ -1,0 +1,51 @@
+"""matmul_reduce_scatter, ``torch_symm_mem``: PyTorch's own ``symm_mem.fused_matmul_reduce_scatter`` (one product,
+no bias)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+NAME = "torch_symm_mem"
+
+
+def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+    if bias is not None:
+        return "PyTorch's fused_matmul_reduce_scatter takes no bias"
+    if len(As) != 1 or len(Bs) != 1:
+        return "PyTorch's fused_matmul_reduce_scatter takes one product"
+    if reduce_op not in ("sum", "avg"):
+        return f"reduce_op {reduce_op!r} (PyTorch's op does 'sum' and 'avg')"
+    if group_size < 2:
+        return "nothing to overlap with one rank"
+    ndim = len(out_shape)
+    if ndim < 2 or not -ndim <= scatter_dim < ndim or scatter_dim % ndim == ndim - 1:
+        return f"scatter dim {scatter_dim} is not a row dim of a {ndim}-D output"
+    if out_shape[scatter_dim] % group_size:
+        return f"dim {scatter_dim} of size {out_shape[scatter_dim]} does not split over {group_size} ranks"
+    A, B = As[0], Bs[0]
+    if A.dim() != 2 or B.dim() != 2 or A.shape[0] != math.prod(out_shape[:-1]) or B.shape[1] != out_shape[-1]:
+        return "operand shapes do not match out_shape"
+    if A.dtype != B.dtype:
+        return "mixed dtypes"
+    if not (A.is_cuda and B.is_cuda):
+        return "needs CUDA tensors"
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter"):
+        return "torch.ops.symm_mem.fused_matmul_reduce_scatter is not available"
+    return None
+
+
+def matmul_reduce_scatter(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> Tensor:
+    from torch.distributed import _symmetric_memory as symm
+
+    if not symm.is_symm_mem_enabled_for_group(group_name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated in newer torch, still required by 2.11
+            symm.enable_symm_mem_for_group(group_name)
+    # PyTorch's op scatters the N-D A @ B along a dim of A's leading dims: give A the output's row shape.
+    A = As[0].reshape(*out_shape[:-1], As[0].shape[-1])
+    out = torch.ops.symm_mem.fused_matmul_reduce_scatter(A, Bs[0], reduce_op, scatter_dim % len(out_shape), group_name)
+    return out.contiguous()  # the contract: a new contiguous tensor (its reduction may leave other strides)
