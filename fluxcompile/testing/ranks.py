@@ -2,8 +2,10 @@
 
 Starting processes and a process group costs seconds, so the pool keeps them: ``pool.run(fn, *args)``
 sends ``fn`` (a module-level function, found again by file and name in the workers) to every rank, and
-returns the per-rank results or raises with every failing rank's traceback. A run that does not finish
-in time kills the pool, so a hang becomes an error naming the ranks that did not answer.
+returns the per-rank results or raises with every failing rank's traceback. A waiting call checks that its
+ranks are alive several times a second: a rank process that ends (at start-up or during a run) ends the call
+at once with :class:`RankDied`, naming the rank and its error (or its exit code when it sent none). A run
+that does not finish in time kills the pool, so a hang becomes an error naming the ranks that did not answer.
 """
 
 from __future__ import annotations
@@ -13,12 +15,27 @@ import inspect
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+POLL_S = 0.2  # how often a waiting call checks that every rank process is still alive
+_FATAL = "fatal"  # status of a message a rank sends just before it exits on an error
+
+
+class RankDied(RuntimeError):
+    """A rank process ended: ``summary`` is one line naming the rank and its error, ``details`` its traceback."""
+
+    def __init__(self, rank: int, summary: str, details: str = "") -> None:
+        super().__init__(f"{summary}\n{details}".rstrip())
+        self.rank = rank
+        self.summary = summary
+        self.details = details
 
 
 def free_port() -> int:
@@ -27,11 +44,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message``, or the type alone when the message is empty."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class RankPool:
     def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 600.0) -> None:
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
+        self._closed = False
         ctx = mp.get_context("spawn")
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -48,31 +81,50 @@ class RankPool:
             p.start()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """Run ``fn(*args)`` on every rank; return the results in rank order."""
-        if not self.alive():
+        """Run ``fn(*args)`` on every rank; return the results in rank order.
+
+        Raises :class:`RankDied` as soon as a rank process ends and ``TimeoutError`` when the ranks do not all
+        answer within the timeout (both kill the pool), ``AssertionError`` with the traceback of every rank
+        where ``fn`` raised (the pool stays usable).
+        """
+        if self._closed:
             raise RuntimeError("RankPool: the rank processes are gone (an earlier run hung or crashed)")
+        self._raise_if_dead(fn.__name__)
         task = (fn.__module__, os.path.abspath(inspect.getfile(fn)), fn.__name__, args)
         for q in self._tasks:
             q.put(task)
-        results: dict[int, tuple[bool, Any]] = {}
         limit = timeout_s or self.timeout_s
-        try:
-            while len(results) < self.world_size:
-                rank, ok, value = self._results.get(timeout=limit)
-                results[rank] = (ok, value)
-        except queue.Empty:
-            missing = sorted(set(range(self.world_size)) - set(results))
-            self.close()
-            raise TimeoutError(f"RankPool: ranks {missing} did not finish {fn.__name__} within {limit:.0f} s") from None
+        deadline = time.monotonic() + limit
+        results: dict[int, tuple[bool, Any]] = {}
+        while len(results) < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                self._raise_if_dead(fn.__name__)
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    self._kill()
+                    raise TimeoutError(
+                        f"RankPool: ranks {missing} did not finish {fn.__name__} within {limit:.0f} s"
+                    ) from None
+                continue
+            if status == _FATAL:
+                self._kill()
+                raise RankDied(rank, *value)
+            results[rank] = (status, value)
         errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(results.items()) if not ok]
         if errors:
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return [results[r][1] for r in range(self.world_size)]
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
+        return not self._closed and all(p.is_alive() for p in self._procs)
 
     def close(self) -> None:
+        """Stop the ranks: each leaves its process group and exits; one that does not within 10 s is killed."""
+        if self._closed:
+            return
+        self._closed = True
         for q in self._tasks:
             try:
                 q.put(None)
@@ -82,6 +134,34 @@ class RankPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+    def _raise_if_dead(self, name: str) -> None:
+        """Raise RankDied if a rank process has ended: with the error it sent, else with its exit code."""
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
+        if not dead:
+            return
+        error = self._fatal_message() or RankDied(dead[0][0], f"rank {dead[0][0]} {_exit_text(dead[0][1])} ({name})")
+        self._kill()
+        raise error
+
+    def _fatal_message(self) -> RankDied | None:
+        """The first error a rank sent before exiting, from what is left on the results queue."""
+        while True:
+            try:
+                rank, status, value = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                return None
+            if status == _FATAL:
+                return RankDied(rank, *value)
+
+    def _kill(self) -> None:
+        """End every rank process now: after a death or a hang the others may wait on it forever."""
+        self._closed = True
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
 
     def __enter__(self) -> RankPool:
         return self
@@ -111,14 +191,8 @@ def _load(module: str, path: str, cache: dict[str, Any]) -> Any:
     return cache[path]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+def _start(rank: int, world_size: int, port: int, backend: str) -> None:
+    """Join the process group; the rendezvous goes through ``init_method``, not the environment."""
     import torch
     import torch.distributed as dist
 
@@ -126,7 +200,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+
+
+def _serve(rank: int, tasks: Any, results: Any) -> None:
+    """Run tasks until the pool sends None; a task's exception goes back as its traceback."""
+    import torch
+
     modules: dict[str, Any] = {}
     while True:
         task = tasks.get()
@@ -139,4 +225,21 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
             results.put((rank, True, value))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
+    # integration/vllm/harness.py builds vLLM's distributed state on these ranks from these two variables.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    stage = "at start-up"
+    try:
+        _start(rank, world_size, port, backend)
+        stage = "waiting for a task"
+        _serve(rank, tasks, results)
+        stage = "leaving its process group"
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    except BaseException as e:
+        # The queue's feeder thread flushes this before the process exits, so the parent reads it.
+        results.put((rank, _FATAL, (f"rank {rank} died {stage}: {one_line(e)}", traceback.format_exc())))
+        sys.exit(1)
