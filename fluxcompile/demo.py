@@ -107,21 +107,66 @@ def demo_rank(a: DemoArgs) -> BlockResult:
     return check_block(init_device_mesh(device, (dist.get_world_size(),)), a)
 
 
-def parse(argv: list[str]) -> DemoArgs:
+DESCRIPTION = (
+    "Compile a tensor-parallel Llama block with fluxcompile and check it against eager. The demo starts its "
+    "own ranks (gloo on CPU, NCCL when there is one GPU per rank), shards the block with PyTorch's tensor-parallel "
+    "API, compiles it with backend='fluxcompile', and prints the rewrite report and the largest relative error "
+    "of the output and of every gradient."
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The demo's command line; every option says what it sets and its default."""
     d = DemoArgs()
-    p = argparse.ArgumentParser(prog="python -m fluxcompile demo", description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=d.world_size)
-    p.add_argument("--dim", type=int, default=d.dim)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--ffn", type=int, default=d.ffn, help="feed-forward hidden size")
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--seq", type=int, default=d.seq, help="sequence length (whole, before sharding)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    p.add_argument("--bias", action="store_true", help="linear layers with bias")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    ns = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m fluxcompile demo", description=DESCRIPTION)
+    p.add_argument("--world-size", type=int, default=d.world_size, help="number of ranks (default: %(default)s)")
+    p.add_argument("--dim", type=int, default=d.dim, help="model dimension (default: %(default)s)")
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=d.heads,
+        help="attention heads, a multiple of the world size (default: %(default)s)",
+    )
+    p.add_argument("--ffn", type=int, default=d.ffn, help="feed-forward hidden size (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="batch size (default: %(default)s)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=d.seq,
+        help="sequence length before sharding, a multiple of the world size (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="dtype of weights and inputs (default: float32 over gloo, bfloat16 over NCCL)",
+    )
+    p.add_argument(
+        "--no-sequence-parallel",
+        dest="sequence_parallel",
+        action="store_false",
+        help="pass replicated activations between the block's parts, so its collectives are all-reduces "
+        "(default: activations sharded along the sequence, with all-gathers and reduce-scatters)",
+    )
+    p.add_argument("--bias", action="store_true", help="give the linear layers a bias (default: no bias)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the weights and inputs, the same on every rank (default: a fresh one each run)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="process-group backend; auto picks nccl when there is one GPU per rank, else gloo (default: auto)",
+    )
+    return p
+
+
+def parse(argv: list[str]) -> tuple[DemoArgs, str]:
+    """The demo's arguments and the process-group backend it runs over."""
+    ns = parser().parse_args(argv)
     backend = ns.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= max(ns.world_size, 2) else "gloo"
@@ -129,15 +174,35 @@ def parse(argv: list[str]) -> DemoArgs:
     args = DemoArgs(
         ns.world_size, ns.dim, ns.heads, ns.ffn, ns.batch, ns.seq, dtype, ns.sequence_parallel, ns.bias, ns.seed
     )
-    args._backend = backend  # type: ignore[attr-defined]
-    return args
+    return args, backend
+
+
+def backend_error(backend: str, world_size: int) -> str | None:
+    """Why the ranks cannot start over ``backend`` on this machine, checked before any rank starts."""
+    if world_size < 1:
+        return f"--world-size must be at least 1, not {world_size}"
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and gpus < world_size:
+        return f"--backend nccl needs one GPU per rank: {world_size} ranks, {gpus} GPU(s) visible"
+    return None
+
+
+def launch(a: DemoArgs, backend: str) -> list[BlockResult]:
+    """Run the check on ``a.world_size`` new ranks; a rank that dies ends it at once with RankDied."""
+    from fluxcompile.testing import RankPool
+
+    with RankPool(a.world_size, backend, timeout_s=900) as pool:
+        return pool.run(demo_rank, a)
 
 
 def main(argv: list[str]) -> int:
-    from fluxcompile.testing import RankPool
+    from fluxcompile.testing.ranks import RankDied
 
-    a = parse(argv)
-    backend = a._backend  # type: ignore[attr-defined]
+    a, backend = parse(argv)
+    error = backend_error(backend, a.world_size)
+    if error:
+        print(f"fluxcompile demo: {error}", file=sys.stderr)
+        return 2
     sp = "with" if a.sequence_parallel else "without"
     print(
         f"fluxcompile demo: Llama block dim={a.dim} heads={a.heads} ffn={a.ffn} batch={a.batch} seq={a.seq} "
@@ -145,8 +210,11 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     start = time.time()
-    with RankPool(a.world_size, backend, timeout_s=900) as pool:
-        results = pool.run(demo_rank, a)
+    try:
+        results = launch(a, backend)
+    except RankDied as e:
+        print(f"fluxcompile demo: {e.summary}", file=sys.stderr)
+        return 1
     r0 = results[0]
     print("\nrewrite report (rank 0):")
     print(r0.report)
