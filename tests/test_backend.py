@@ -117,3 +117,86 @@ def test_config_env_read_at_import():
     code = "import fluxcompile; print(fluxcompile.config.min_n)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "77"
+
+
+def test_uuid_covers_the_registered_cuda_implementations(monkeypatch):
+    """Generated code calls the fused ops' CUDA implementations directly: a graph compiled where they were
+    registered must not be replayed from the cache where the lowerings failed to load."""
+    from fluxcompile.fx_passes import graph_pass
+
+    p = FluxcompilePass()
+    before = p.uuid()
+    assert "all_gather_matmul" in graph_pass.cuda_implementations()
+    monkeypatch.setattr(graph_pass, "cuda_implementations", lambda: "")
+    assert p.uuid() != before
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "accepted"),
+    [
+        ("FLUXCOMPILE_MIN_M", "abc", "expected an integer"),
+        ("FLUXCOMPILE_IMPLEMENTATIONS", "cublas-pipelined", "valid: triton, cuda, cublas_pipelined"),
+        ("FLUXCOMPILE_EXPERIMENTAL_DECODE", "maybe", "expected one of 1, true"),
+        ("FLUXCOMPILE_SIGNAL_TIMEOUT_S", "soon", "expected a number"),
+        ("FLUXCOMPILE_LOG", "loud", "expected one of"),
+    ],
+)
+def test_bad_environment_is_one_line_naming_the_variable(var, value, accepted):
+    env = {**os.environ, var: value}
+    out = subprocess.run([sys.executable, "-c", "import fluxcompile"], capture_output=True, text=True, env=env)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr  # no import traceback
+    assert lines[0].startswith(f"fluxcompile: {var}={value!r}") and accepted in lines[0], lines[0]
+
+
+def test_config_checks_values_set_in_code():
+    cfg = fluxcompile.config
+    with pytest.raises(ValueError, match=r"unknown 'nonsense'; valid: .*cublas_pipelined.*reference"):
+        cfg.implementations = ("nonsense",)
+    with pytest.raises(ValueError, match="min_k='x': expected an integer"):
+        cfg.min_k = "x"
+    with pytest.raises(ValueError, match="expected True or False"):
+        cfg.autotune = "yes"
+    with pytest.raises(ValueError, match=">= 0"):
+        cfg.signal_timeout_s = -1.0
+    assert cfg.implementations == Config().implementations and cfg.min_k == 1  # failed sets change nothing
+    with cfg.patch(decode_timeout_s=5):
+        assert cfg.decode_timeout_s == 5.0 and isinstance(cfg.decode_timeout_s, float)
+
+
+def test_unknown_variable_is_reported(caplog):
+    with caplog.at_level("WARNING", logger="fluxcompile.config"):
+        Config().load_env({"FLUXCOMPILE_MIN_KK": "3", "FLUXCOMPILE_TEST_SEED": "1"})
+    assert "FLUXCOMPILE_MIN_KK: no such option" in caplog.text and "TEST_SEED" not in caplog.text
+
+
+def test_settings_that_change_choices_are_in_the_autotune_key():
+    """A winner tuned with an experimental family off must not be reused with it on (and so on for every
+    field marked tuning)."""
+    from fluxcompile.config import _TUNING
+
+    names = {f.name for f in _TUNING}
+    assert {"implementations", "autotune", "experimental_triton_ag", "experimental_gemv_peers"} <= names
+    before = fluxcompile.config.tuning_fingerprint()
+    with fluxcompile.config.patch(experimental_triton_ag=True):
+        assert fluxcompile.config.tuning_fingerprint() != before
+    with fluxcompile.config.patch(signal_timeout_s=1.0):  # a bound, not a choice
+        assert fluxcompile.config.tuning_fingerprint() == before
+
+
+
+def test_only_config_reads_the_environment():
+    """Every setting is a Config field: no other module of the package reads the environment."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(fluxcompile.__file__).parent
+    readers = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py")
+        if path.name != "config.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"os\.environ|os\.getenv|getenv\(", line)
+    ]
+    assert readers == []

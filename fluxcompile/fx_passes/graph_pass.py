@@ -13,10 +13,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch._inductor import custom_graph_pass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
+from .. import ops
 from ..config import Config, config
 from ..version import __version__
 from . import all_gather_matmul, all_to_all, matmul_all_reduce, matmul_reduce_scatter
@@ -112,5 +114,13 @@ class FluxcompilePass(_PassBase):  # type: ignore[misc,valid-type]
             if u is None:
                 return None  # a user pass without a uuid: no cache, as Inductor does for it alone
             prev.append(repr(u))
-        extra = f"{__version__}|{config.fingerprint()}|{'|'.join(prev)}"
+        extra = f"{__version__}|{config.fingerprint()}|{cuda_implementations()}|{'|'.join(prev)}"
         return custom_graph_pass.get_hash_for_files(_SOURCES, extra)
+
+
+def cuda_implementations() -> str:
+    """The fused ops that have a CUDA implementation registered. Generated code calls those implementations
+    directly (lowerings/direct_calls.py); where the lowerings failed to load there are none, and a graph
+    compiled elsewhere must not be replayed from Inductor's cache, so the pass's uuid covers this."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return ",".join(op for op in ops.FUSED_OPS if has(f"fluxcompile::{op}", "CUDA"))

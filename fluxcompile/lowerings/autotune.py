@@ -82,7 +82,8 @@ _graph_timed: dict[str, Any] = {}
 
 _memo: dict[str, Choice] = {}
 # Hot path: a cheap tuple of exactly what the call looks like -> its winner. It is finer than the JSON
-# key (group name, exact strides, config), so a miss here only falls back to ``_memo``: no new collective.
+# key (group name, exact strides, the config's change counter), so a miss here only falls back to ``_memo``: no
+# new collective.
 _fast: dict[tuple, Choice] = {}
 
 
@@ -113,7 +114,7 @@ def _fast_key(op_name: str, args: tuple, group_name: str, key_extra: str) -> tup
     # Runs on every call of a fused op (its host time is the op's overhead): one flat pass over the args,
     # which nest one level deep (lists of tensors), with exact-type tests first (a third cheaper than
     # isinstance chains); anything else (tensor subclasses, deeper nesting) takes _describe_fast.
-    parts: list[Any] = [op_name, group_name, key_extra, config.autotune, config.implementations]
+    parts: list[Any] = [op_name, group_name, key_extra, config.version]
     append = parts.append
     for x in args:
         t = type(x)
@@ -379,8 +380,10 @@ def _key(op_name: str, args: tuple, group_name: str, key_extra: str, candidates:
         "world_size": group.size(),
         "device": torch.cuda.get_device_name(run_device) if run_device.type == "cuda" else "cpu",
         "topology": _topology(group, run_device),
-        # A new or removed choice (or a config that allows others) means tuning again.
+        # A new or removed choice, or settings under which choices decline or compute otherwise, mean tuning
+        # again.
         "choices": [c.name for c in candidates],
+        "config": json.loads(config.tuning_fingerprint()),
         "fluxcompile": __version__,
         "torch": torch.__version__,
         "timing": TIMING,
