@@ -29,7 +29,7 @@ from typing import Any
 from torch.fx import Graph
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from ..config import config
+from ..config import config as options
 from ..fx_passes import graph_pass, vllm_collectives
 
 log = logging.getLogger("fluxcompile")
@@ -73,10 +73,10 @@ def register() -> None:
 
     Patches ``PostGradPassManager.configure`` (once per process) to append the pass after vLLM's own
     passes (``VLLM_COMPILE``, the CUDA path), and ``VllmConfig.__post_init__`` to hand the pass to stock
-    Inductor where vLLM compiles without its pass manager (the CPU path). ``config.vllm`` is
+    Inductor where vLLM compiles without its pass manager (the CPU path). ``fluxcompile.config.vllm`` is
     read again each time, so the patches are inert while it is off.
     """
-    if not config.vllm:
+    if not options.vllm:
         return
     from vllm.compilation.passes.pass_manager import PostGradPassManager
 
@@ -86,7 +86,7 @@ def register() -> None:
 
     def configure(self: Any, config: Any) -> None:
         original(self, config)
-        if not config.vllm:
+        if not options.vllm:
             return
         if isinstance(_configured_pass(config), FluxcompileVllmPass):
             return  # the config route adds it already
@@ -113,7 +113,7 @@ def _hook_stock_inductor() -> None:
 
     def post_init(self: Any) -> None:
         original(self)
-        if not config.vllm:
+        if not options.vllm:
             return
         cc = self.compilation_config
         stock = cc.mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE)

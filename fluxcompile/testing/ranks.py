@@ -228,8 +228,6 @@ def _serve(rank: int, tasks: Any, results: Any) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
-    # integration/vllm/harness.py builds vLLM's distributed state on these ranks from these two variables.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     stage = "at start-up"
     try:
         _start(rank, world_size, port, backend)

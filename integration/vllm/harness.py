@@ -38,6 +38,7 @@ import importlib
 import os
 import shutil
 import tempfile
+import uuid
 from typing import Any
 
 import torch
@@ -113,12 +114,16 @@ def setup_vllm_distributed() -> None:
 
     # vLLM's CPU worker names its shared-memory communicator group by this before the groups exist; its
     # CpuCommunicator reads it whenever vLLM's compiled CPU ops are loadable (KeyError without it).
-    os.environ.setdefault("VLLM_DIST_IDENT", f"fluxcompile-{os.environ['MASTER_PORT']}")
+    # One name per pool of ranks: rank 0's, sent to the others.
+    ident = [f"fluxcompile-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(ident, src=0)
+    os.environ.setdefault("VLLM_DIST_IDENT", ident[0])
     with set_current_vllm_config(vllm_config("eager", "none")):
         ps.init_distributed_environment(
             world_size=world,
             rank=rank,
-            distributed_init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            # The default group exists already, so vLLM builds its groups on it and never rendezvouses.
+            distributed_init_method="env://",
             local_rank=rank,
             backend="gloo",
         )
