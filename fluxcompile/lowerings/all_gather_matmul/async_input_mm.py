@@ -57,12 +57,7 @@ def supports(
 
 
 def all_gather_matmul(
-    A: Tensor,
-    Bs: Sequence[Tensor],
-    biases: Sequence[Tensor | None],
-    gather_dim: int,
-    group_size: int,
-    group_name: str,
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
 ) -> tuple[Tensor, list[Tensor]]:
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     ws = workspace(group_name, A.numel() * A.element_size(), tag="async_input_mm")

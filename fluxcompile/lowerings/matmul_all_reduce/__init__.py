@@ -23,27 +23,9 @@ from ..autotune import pick, time_in_cuda_graphs
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
 from . import fused_kernels, schedules, torch_symm_mem
+from .pairs import fused_pair, unfused_pair
 
 OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
-
-
-def _fused_choices(run, supports, variant):
-    """(fn, supports) for both ops around ``run(variant, As, Bs, bias, out_shape, group, tail)``."""
-
-    def mar(As, Bs, bias, out_shape, reduce_op, group_name):
-        return run(variant, As, Bs, bias, out_shape, group_name)
-
-    def mar_supports(As, Bs, bias, out_shape, reduce_op, group_name):
-        return supports(variant, As, Bs, bias, out_shape, reduce_op, group_name)
-
-    def arn(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name):
-        return run(variant, As, Bs, bias, out_shape, group_name, (residual, weight, eps, weight_after_cast))
-
-    def arn_supports(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group):
-        tail = (residual, weight, eps, weight_after_cast)
-        return supports(variant, As, Bs, bias, out_shape, reduce_op, group, x, tail)
-
-    return (mar, mar_supports), (arn, arn_supports)
 
 
 def _register(name: str, pair_mar, pair_arn) -> None:
@@ -52,15 +34,12 @@ def _register(name: str, pair_mar, pair_arn) -> None:
 
 
 for _mode in fused_kernels.CUDA_MODES:
-    _register(f"cuda:gemv-{_mode}", *_fused_choices(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode))
+    _register(f"cuda:gemv-{_mode}", *fused_pair(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode))
 for _variant in fused_kernels.TRITON_VARIANTS:
-    _register(
-        f"triton:{_variant}", *_fused_choices(fused_kernels.run_triton, fused_kernels.triton_supports, _variant)
-    )
-_register("torch_symm_mem:one_shot", *torch_symm_mem.choices(False))
-_register("torch_symm_mem:two_shot", *torch_symm_mem.choices(True))
-for _program in ("one_shot", "two_shot"):
-    _register(f"schedules:{_program}", *schedules.choices(_program))
+    _register(f"triton:{_variant}", *fused_pair(fused_kernels.run_triton, fused_kernels.triton_supports, _variant))
+for _shot, _two_shot in (("one_shot", False), ("two_shot", True)):
+    _register(f"torch_symm_mem:{_shot}", *unfused_pair(torch_symm_mem.all_reduce, torch_symm_mem.supports, _two_shot))
+    _register(f"schedules:{_shot}", *unfused_pair(schedules.all_reduce, schedules.supports, _shot))
 
 # Decode-sized calls (vLLM captures batches up to 512 tokens in CUDA graphs) are tuned as graph replays.
 GRAPH_TUNED_MAX_ROWS = 512

@@ -14,7 +14,7 @@ from .fused_kernels import group
 from .torch_symm_mem import product_dtype
 
 
-def _supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
+def supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
     first = x if x is not None else As[0]
     if not first.is_cuda:
         return "needs CUDA tensors"
@@ -34,25 +34,8 @@ def _supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) -
     return None
 
 
-def _all_reduce(program: str, x, As, Bs, bias, out_shape, group_name) -> Tensor:
+def all_reduce(program: str, x, As, Bs, bias, out_shape, group_name) -> Tensor:
     from ... import schedules
 
     p = (x if x is not None else ops.matmul_sum(As, Bs, bias)).contiguous()
     return schedules.all_reduce(p.reshape(list(out_shape)), group_name, program=program)
-
-
-def choices(program: str):
-    def mar(As, Bs, bias, out_shape, reduce_op, group_name):
-        return _all_reduce(program, None, As, Bs, bias, out_shape, group_name)
-
-    def mar_supports(As, Bs, bias, out_shape, reduce_op, group_name):
-        return _supports(program, None, As, Bs, bias, out_shape, reduce_op, group_name)
-
-    def arn(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name):
-        h = residual + _all_reduce(program, x, As, Bs, bias, out_shape, group_name)
-        return h, ops.rms_norm(h, weight, eps, upcast, weight_after_cast)
-
-    def arn_supports(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group):
-        return _supports(program, x, As, Bs, bias, out_shape, reduce_op, group)
-
-    return (mar, mar_supports), (arn, arn_supports)

@@ -20,7 +20,7 @@ def product_dtype(x, As, Bs) -> torch.dtype:
     return x.dtype if x is not None else torch.result_type(As[0], Bs[0])
 
 
-def _supports(two_shot: bool, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
+def supports(two_shot: bool, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
     if two_shot and not config.experimental_decode:
         return "switched off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0)"
     first = x if x is not None else As[0]
@@ -42,7 +42,7 @@ def _supports(two_shot: bool, x, As, Bs, bias, out_shape, reduce_op, group_name)
     return None
 
 
-def _all_reduce(two_shot: bool, x, As, Bs, bias, out_shape, group_name) -> Tensor:
+def all_reduce(two_shot: bool, x, As, Bs, bias, out_shape, group_name) -> Tensor:
     """all_reduce(x or P) through a symmetric buffer that cuBLAS (or a copy of x) wrote directly."""
     dtype = product_dtype(x, As, Bs)
     shape = list(out_shape)
@@ -68,21 +68,3 @@ def _all_reduce(two_shot: bool, x, As, Bs, bias, out_shape, group_name) -> Tenso
     else:
         torch.ops.symm_mem.one_shot_all_reduce_out(buf.view(shape), "sum", group_name, out)
     return out
-
-
-def choices(two_shot: bool):
-    def mar(As, Bs, bias, out_shape, reduce_op, group_name):
-        return _all_reduce(two_shot, None, As, Bs, bias, out_shape, group_name)
-
-    def mar_supports(As, Bs, bias, out_shape, reduce_op, group_name):
-        return _supports(two_shot, None, As, Bs, bias, out_shape, reduce_op, group_name)
-
-    def arn(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name):
-        r = _all_reduce(two_shot, x, As, Bs, bias, out_shape, group_name)
-        h = residual + r
-        return h, ops.rms_norm(h, weight, eps, upcast, weight_after_cast)
-
-    def arn_supports(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group):
-        return _supports(two_shot, x, As, Bs, bias, out_shape, reduce_op, group)
-
-    return (mar, mar_supports), (arn, arn_supports)

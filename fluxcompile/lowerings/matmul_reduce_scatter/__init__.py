@@ -45,14 +45,8 @@ for _choice in _CHOICES:
 
 @cuda_impl(OP, probe=lambda args: args[0][0])
 def matmul_reduce_scatter_cuda(
-    As: Sequence[Tensor],
-    Bs: Sequence[Tensor],
-    bias: Tensor | None,
-    out_shape: Sequence[int],
-    scatter_dim: int,
-    reduce_op: str,
-    group_size: int,
-    group_name: str,
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
+    reduce_op: str, group_size: int, group_name: str,
 ) -> Tensor:
     """The op's CUDA implementation: the autotuner's choice for this call signature."""
     args = (list(As), list(Bs), bias, [int(s) for s in out_shape], scatter_dim, reduce_op, group_size, group_name)
