@@ -48,7 +48,7 @@ workspace_module = importlib.import_module("fluxcompile.symm_mem.workspace")  # 
 def fake(monkeypatch):
     state = {"rank": 0, "world": 2, "ws": {}}
 
-    def workspace(group_name, nbytes, tag="default"):
+    def workspace(group_name, nbytes, tag="default", world=None):
         key = (state["rank"], tag)
         ws = state["ws"].get(key)
         if ws is None or ws.nbytes < nbytes:

@@ -64,14 +64,16 @@ def _enable_group(group_name: str) -> None:
             symm.enable_symm_mem_for_group(group_name)
 
 
-def workspace(group_name: str, nbytes: int, tag: str = "default") -> Workspace:
-    """The (group, current device, tag) workspace with at least ``nbytes``; a collective when it must grow."""
+def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | None = None) -> Workspace:
+    """The (group, current device, tag) workspace with at least ``nbytes``; a collective when it must grow.
+    ``world``: the group size the caller was given, checked against the group's."""
     from torch.distributed import _symmetric_memory as symm
 
     device = torch.cuda.current_device()
     key = (group_name, device, tag)
     ws = _workspaces.get(key)
     if ws is not None and ws.nbytes >= nbytes:
+        _check_world(ws, world)
         return ws
     if torch.cuda.is_current_stream_capturing():
         have = ws.nbytes if ws is not None else 0
@@ -91,7 +93,13 @@ def workspace(group_name: str, nbytes: int, tag: str = "default") -> Workspace:
     _workspaces[key] = ws
     global _generation
     _generation += 1
+    _check_world(ws, world)
     return ws
+
+
+def _check_world(ws: Workspace, world: int | None) -> None:
+    if world is not None and world != ws.world_size:
+        raise ValueError(f"fluxcompile: group_size={world} but group {ws.group_name} has {ws.world_size} ranks")
 
 
 def current_stream() -> torch.cuda.Stream:

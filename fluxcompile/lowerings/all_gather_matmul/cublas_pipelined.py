@@ -145,10 +145,8 @@ def plan(shard_rows: int, k: int, dtype: torch.dtype, group_size: int, group_nam
         return p
     nbytes = shard_rows * k * dtype.itemsize
     slot = slot_bytes(nbytes)
-    ws = workspace(group_name, slot * group_size, tag="all_gather_matmul")
+    ws = workspace(group_name, slot * group_size, tag="all_gather_matmul", world=group_size)
     rank, world = ws.rank, ws.world_size
-    if world != group_size:
-        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
     hs = handshake(
         group_name, "all_gather_matmul.flags", rank, world, gather_send_order(rank, world),
         f"all_gather_matmul ({NAME}, {key})",

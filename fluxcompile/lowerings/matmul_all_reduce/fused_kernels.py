@@ -278,6 +278,17 @@ def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name
 # The calls.
 
 
+def _begin(family: str, a: Tensor, b: Tensor, group_name: str) -> tuple[int, int, _State, Workspace, int]:
+    """The start of a launch: (rank, world, the family's state, its data workspace, the slot size); raises
+    if an earlier call's kernel reported a timeout."""
+    pg = group(group_name)
+    rank, world = pg.rank(), pg.size()
+    st = _get_state(family, group_name)
+    _check_previous(st, group_name)
+    ws, slot_bytes = _data(st, family, group_name, world, a.shape[0] * b.shape[1] * a.element_size())
+    return rank, world, st, ws, slot_bytes
+
+
 def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, Tensor | None]:
     out = torch.empty(list(out_shape), dtype=a.dtype, device=a.device)
     normed = torch.empty_like(out) if tail is not None else None
@@ -295,11 +306,7 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
     m, k = a.shape
     n = b.shape[1]
-    pg = group(group_name)
-    rank, world = pg.rank(), pg.size()
-    st = _get_state("cuda", group_name)
-    _check_previous(st, group_name)
-    ws, slot_bytes = _data(st, "cuda", group_name, world, m * n * a.element_size())
+    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name)
     n_tiles = -(-n // CUDA_TILE_N)
     grid = n_tiles  # the launcher lowers it to the CTAs that fit on the GPU at once
     out, normed = _outputs(a, out_shape, tail)
@@ -336,11 +343,7 @@ def run_triton(
     a, b = As[0], Bs[0]
     m, k = a.shape
     n = b.shape[1]
-    pg = group(group_name)
-    rank, world = pg.rank(), pg.size()
-    st = _get_state("triton", group_name)
-    _check_previous(st, group_name)
-    _, slot_bytes = _data(st, "triton", group_name, world, m * n * a.element_size())
+    rank, world, st, _, slot_bytes = _begin("triton", a, b, group_name)
     out, normed = _outputs(a, out_shape, tail)
     tail_args, ss_part = None, None
     if tail is not None:

@@ -186,10 +186,8 @@ def plan(
     # Slots 0..world-1: the partials of our rows by source rank; push stages ours in world..2*world-1; unsplit
     # puts our whole partial after the slots.
     stage_bytes = slot * group_size if push else rows * group_size * n * itemsize if unsplit else 0
-    ws = workspace(group_name, slot * group_size + stage_bytes, tag="matmul_reduce_scatter")
+    ws = workspace(group_name, slot * group_size + stage_bytes, tag="matmul_reduce_scatter", world=group_size)
     rank, world = ws.rank, ws.world_size
-    if world != group_size:
-        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
     hs = handshake(
         group_name, "matmul_reduce_scatter.flags", rank, world, ring_order(rank, world),
         f"matmul_reduce_scatter ({NAME}, {key})",

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ...config import config
 from ...symm_mem import FlagArray, init_flags, workspace
+from ...symm_mem.exchange import slot_bytes
 from .cublas_pipelined import layout_supports, row_layout
 
 
@@ -101,11 +102,9 @@ def matmul_reduce_scatter(
     _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
     dtype = As[0].dtype
     es = torch.empty((), dtype=dtype).element_size()
-    slot_elems = -(-rows * n * es // 256) * 256 // es
-    ws = workspace(group_name, 2 * group_size * slot_elems * es, tag="matmul_reduce_scatter.triton")
+    slot_elems = slot_bytes(rows * n * es) // es
+    ws = workspace(group_name, 2 * group_size * slot_elems * es, tag="matmul_reduce_scatter.triton", world=group_size)
     rank, world = ws.rank, ws.world_size
-    if world != group_size:
-        raise ValueError(f"fluxcompile: group_size={group_size} but group {group_name} has {world} ranks")
     # The parities are the two halves of the *buffer*, not of this call's request: a call of another shape
     # then still writes a half that no owner may be reading (see kernels/gemm_rs.py on parities).
     parity_elems = (ws.nbytes // 2) // 256 * 256 // es
