@@ -13,15 +13,13 @@ def poison_allocator(nbytes: int = 1 << 30) -> None:
     del t
 
 
-def use_sequencer(kind: str, monkeypatch) -> None:
-    """Run the cuBLAS-pipelined choices through the C++ sequencer ("cpp", which must have built) or their
-    Python sequences ("python")."""
+def require_sequencer() -> None:
+    """The cuBLAS-pipelined choices run only through the C++ sequencer (csrc/pipelined.cpp): fail with the
+    reason where it did not build, rather than let the choices decline and their tests pass by skipping."""
     from fluxcompile.lowerings import sequencer
 
-    if kind == "python":
-        monkeypatch.setitem(sequencer._state, "mod", None)
-    else:
-        assert sequencer.sequencer() is not None, "csrc/pipelined.cpp did not build (see the log's warning)"
+    why = sequencer.unavailable()
+    assert why is None, why
 
 
 def assert_on_every_rank(error: str | None, group: dist.ProcessGroup | None = None) -> None:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator, shared_seed, use_sequencer
+from gpu_helpers import poison_allocator, require_sequencer, shared_seed
 
-from fluxcompile import ops
-from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
-from fluxcompile.lowerings import ag_stages
+from fluxcompile import config, ops
+from fluxcompile.lowerings.all_gather_matmul import async_input_mm
+from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as pipelined
+from fluxcompile.lowerings.all_gather_matmul import triton as triton_choice
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.peers  # the choices under test decline a 1-rank group
+REF = ops.REFERENCES["all_gather_matmul"]  # the oracle: NCCL all-gather + cuBLAS
 
 
 def _inputs(shard_shape, ns, bias, gen_seed):
@@ -42,7 +44,7 @@ VARIANTS = {
     "unsplit": {"unsplit": True},
     "lead2": {"lead": 2},
     "lead4": {"lead": 4},
-    "stages2": {"groups": 2},  # ag_stages.py (experimental, enabled here)
+    "stages2": {"groups": 2},  # experimental (config.experimental_ag_stages, enabled here)
     "stages3": {"groups": 3},
 }
 
@@ -55,35 +57,32 @@ def _skip_if_declined(variant: str, args: tuple) -> None:
             pytest.skip(f"lead{d} declines: {reason}")
     g = VARIANTS[variant].get("groups")
     if g:
-        reason = ag_stages.supports(g)(*args)
+        reason = pipelined.stages_supports(g)(*args)
         if reason is not None:
             pytest.skip(f"stages{g} declines: {reason}")
 
 
 def _gather_matmul(variant: str, args: tuple):
-    """The variant's all_gather_matmul (the stages choices live in ag_stages.py)."""
-    kw = VARIANTS[variant]
-    if "groups" in kw:
-        return ag_stages.all_gather_matmul(*args, **kw)
-    return pipelined.all_gather_matmul(*args, **kw)
+    """The variant's all_gather_matmul (C++ sequencer)."""
+    return pipelined.all_gather_matmul(*args, **VARIANTS[variant])
 
 
 @pytest.fixture(autouse=True)
-def _stages_enabled(monkeypatch):
-    monkeypatch.setattr(ag_stages, "ENABLED", True)
+def _stages_enabled():
+    with config.patch(experimental_ag_stages=True):
+        yield
 
 
-@pytest.mark.parametrize("seq", ["cpp", "python"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize(("shape", "dim", "ns", "bias"), CASES)
-def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, variant, seq):
-    use_sequencer(seq, monkeypatch)
+def test_pipelined_matches_reference(shape, dim, ns, bias, variant):
+    require_sequencer()
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, shared_seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
     assert pipelined.supports(*args) is None
     _skip_if_declined(variant, args)
-    ref_A, ref_outs = ops._all_gather_matmul_ref(*args)
+    ref_A, ref_outs = REF(*args)
     for _ in range(3):  # repeated calls reuse the workspace: stale data must never show
         poison_allocator()
         got_A, got_outs = _gather_matmul(variant, args)
@@ -93,7 +92,7 @@ def test_pipelined_matches_reference(monkeypatch, shape, dim, ns, bias, variant,
             assert_close(o, r, 1e-2, f"out {i}")
         A.normal_()
         args = (A, Bs, biases, dim, group.size(), group.group_name)
-        ref_A, ref_outs = ops._all_gather_matmul_ref(*args)
+        ref_A, ref_outs = REF(*args)
 
 
 def test_pipelined_declines_interleaved_rows():
@@ -102,10 +101,9 @@ def test_pipelined_declines_interleaved_rows():
     assert reason and "leading dim" in reason
 
 
-@pytest.mark.parametrize("seq", ["cpp", "python"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_pipelined_in_cuda_graph(monkeypatch, seq, variant):
-    use_sequencer(seq, monkeypatch)
+def test_pipelined_in_cuda_graph(variant):
+    require_sequencer()
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, shared_seed())
     args = lambda: (A, Bs, biases, 0, group.size(), group.group_name)  # noqa: E731
@@ -117,7 +115,7 @@ def test_pipelined_in_cuda_graph(monkeypatch, seq, variant):
     for _ in range(5):
         A.copy_(torch.randn_like(A))  # fresh inputs, same addresses
         graph.replay()
-        ref_A, ref_outs = ops._all_gather_matmul_ref(*args())
+        ref_A, ref_outs = REF(*args())
         assert_close(static_A, ref_A, 0.0, "gathered A (graph)")
         for i, (o, r) in enumerate(zip(static_outs, ref_outs)):
             assert_close(o, r, 1e-2, f"out {i} (graph)")
@@ -131,7 +129,7 @@ def test_second_group_gets_its_own_workspace():
     A, Bs, biases = _inputs((128, 64), (32,), False, shared_seed())
     for g in (world, other):
         got_A, got = pipelined.all_gather_matmul(A, Bs, biases, 0, g.size(), g.group_name)
-        ref_A, ref = ops._all_gather_matmul_ref(A, Bs, biases, 0, g.size(), g.group_name)
+        ref_A, ref = REF(A, Bs, biases, 0, g.size(), g.group_name)
         assert_close(got_A, ref_A, 0.0, f"gathered A, group {g.group_name}")
         assert_close(got[0], ref[0], 1e-2, f"group {g.group_name}")
     w1 = workspace(world.group_name, 1, tag="all_gather_matmul")
@@ -140,25 +138,23 @@ def test_second_group_gets_its_own_workspace():
 
 
 # The experimental Triton choice (kernels/ag_gemm.py): validated here before it may be enabled by default.
-TRITON_VARIANTS = sorted(__import__("fluxcompile.lowerings.ag_triton", fromlist=["VARIANTS"]).VARIANTS)
+TRITON_VARIANTS = sorted(triton_choice.VARIANTS)
 
 
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
 @pytest.mark.parametrize(("shape", "dim", "ns", "bias"), CASES)
 def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
-    from fluxcompile.lowerings import ag_triton
-
-    monkeypatch.setattr(ag_triton, "ENABLED", True)
-    monkeypatch.setattr(ag_triton, "CHECK_EACH_CALL", True)  # a timed-out wait fails the test at once
+    monkeypatch.setattr(config, "experimental_triton_ag", True)
+    monkeypatch.setattr(config, "check_signals", True)  # a timed-out wait fails the test at once
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, shared_seed())
     args = (A, Bs, biases, dim, group.size(), group.group_name)
-    run, supports = ag_triton.make(variant)
+    run, supports = triton_choice.make(variant)
     assert supports(*args) is None
     for _ in range(3):
         poison_allocator()
         got_A, got = run(*args)
-        ref_A, ref = ops._all_gather_matmul_ref(*args)
+        ref_A, ref = REF(*args)
         assert_close(got_A, ref_A, 0.0, "gathered A")
         for i, (o, r) in enumerate(zip(got, ref)):
             assert_close(o, r, 1e-2, f"{variant} out {i}")
@@ -166,13 +162,11 @@ def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
 
 
 def test_triton_in_cuda_graph(monkeypatch):
-    from fluxcompile.lowerings import ag_triton
-
-    monkeypatch.setattr(ag_triton, "ENABLED", True)
+    monkeypatch.setattr(config, "experimental_triton_ag", True)
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, shared_seed())
     args = (A, Bs, biases, 0, group.size(), group.group_name)
-    run, _ = ag_triton.make(TRITON_VARIANTS[0])
+    run, _ = triton_choice.make(TRITON_VARIANTS[0])
     run(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -181,13 +175,13 @@ def test_triton_in_cuda_graph(monkeypatch):
     for _ in range(5):
         A.copy_(torch.randn_like(A))
         graph.replay()
-        ref_A, ref = ops._all_gather_matmul_ref(*args)
+        ref_A, ref = REF(*args)
         assert_close(static_A, ref_A, 0.0, "gathered A (graph)")
         for i, (o, r) in enumerate(zip(static_outs, ref)):
             assert_close(o, r, 1e-2, f"out {i} (graph)")
 
 
-# PyTorch's CUTLASS GEMM with per-chunk input signals, fed by copy-engine pulls (ag_async_input_mm.py).
+# PyTorch's CUTLASS GEMM with per-chunk input signals, fed by copy-engine pulls (all_gather_matmul/async_input_mm.py).
 ASYNC_MM_CASES = [
     ((256, 512), 0, "kn"),
     ((1, 384, 256), 1, "nk"),  # sequence-parallel, an nn.Linear weight transposed in the graph
@@ -202,43 +196,39 @@ def _weight(k: int, n: int, layout: str, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("shape", "dim", "layout"), ASYNC_MM_CASES)
 def test_async_input_mm_matches_reference(shape, dim, layout):
-    from fluxcompile.lowerings import ag_async_input_mm as amm
-
     group = dist.group.WORLD
     seed = shared_seed()
     A, _, _ = _inputs(shape, (), False, seed)
     Bs = [_weight(shape[-1], 640, layout, seed + 1 + dist.get_rank())]
     args = (A, Bs, [None], dim, group.size(), group.group_name)
-    why = amm.supports(*args)
+    why = async_input_mm.supports(*args)
     if why is not None and "not in this torch" in why:
         pytest.skip(why)
     assert why is None, why
     for _ in range(3):
         poison_allocator()
-        got_A, got = amm.all_gather_matmul(*args)
-        ref_A, ref = ops._all_gather_matmul_ref(*args)
+        got_A, got = async_input_mm.all_gather_matmul(*args)
+        ref_A, ref = REF(*args)
         assert_close(got_A, ref_A, 0.0, "gathered A")
         assert_close(got[0], ref[0], 1e-2, "out")
         A.normal_()
 
 
 def test_async_input_mm_in_cuda_graph():
-    from fluxcompile.lowerings import ag_async_input_mm as amm
-
     group = dist.group.WORLD
     A, _, _ = _inputs((256, 256), (), False, shared_seed())
     Bs = [_weight(256, 384, "kn", 5)]
     args = (A, Bs, [None], 0, group.size(), group.group_name)
-    if amm.supports(*args) is not None:
-        pytest.skip(amm.supports(*args))
-    amm.all_gather_matmul(*args)
+    if async_input_mm.supports(*args) is not None:
+        pytest.skip(async_input_mm.supports(*args))
+    async_input_mm.all_gather_matmul(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_A, static_outs = amm.all_gather_matmul(*args)
+        static_A, static_outs = async_input_mm.all_gather_matmul(*args)
     for _ in range(5):
         A.copy_(torch.randn_like(A))
         graph.replay()
-        ref_A, ref = ops._all_gather_matmul_ref(*args)
+        ref_A, ref = REF(*args)
         assert_close(static_A, ref_A, 0.0, "gathered A (graph)")
         assert_close(static_outs[0], ref[0], 1e-2, "out (graph)")

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from gpu_helpers import poison_allocator, shared_seed
 
-from fluxcompile import ops
-from fluxcompile.lowerings import choices_for, decode_ar
+from fluxcompile import config, ops
+from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.matmul_all_reduce import fused_kernels
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
@@ -29,12 +30,10 @@ VARIANTS = ((False, None), (True, None), (False, "before"), (True, "after"))
 
 @pytest.fixture(autouse=True)
 def experimental(monkeypatch):
-    monkeypatch.setattr(decode_ar, "ENABLED", True)
-    monkeypatch.setattr(decode_ar, "CUDA_PEERS", True)  # what these tests are to validate between GPUs
-    monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", True)  # a timed-out wait fails the call at once
-    from fluxcompile.lowerings import matmul_all_reduce
-
-    monkeypatch.setattr(matmul_all_reduce, "SCHEDULES_ENABLED", True)
+    monkeypatch.setattr(config, "experimental_decode", True)
+    monkeypatch.setattr(config, "experimental_gemv_peers", True)  # what these tests are to validate between GPUs
+    monkeypatch.setattr(config, "check_signals", True)  # a timed-out wait fails the call at once
+    monkeypatch.setattr(config, "experimental_schedules", True)
 
 
 def _out_shape(m: int, n: int) -> list[int]:
@@ -67,7 +66,7 @@ def _args(op, A, B, b, extra, m, n, group_name):
 
 
 def _reference(op, args):
-    return (ops._matmul_all_reduce_ref if op == "matmul_all_reduce" else ops._all_reduce_rmsnorm_ref)(*args)
+    return ops.REFERENCES[op](*args)  # the oracle: cuBLAS + NCCL (+ the RMSNorm tail in PyTorch ops)
 
 
 def _check(op, got, ref, what):
@@ -88,7 +87,7 @@ def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
             return False  # LL words travel between ranks
         return m <= 64 and n % 8 == 0 and layout == "nk" and ("twoshot" not in name or -(-n // 32) >= world)
     if name.startswith("triton:"):
-        v = decode_ar.TRITON_VARIANTS[name.split(":", 1)[1]]
+        v = fused_kernels.TRITON_VARIANTS[name.split(":", 1)[1]]
         tiles = -(-m // v.block[0]) * -(-n // v.block[1])
         return v.min_m <= m <= v.max_m and (not v.two_shot or tiles >= world)
     if name.startswith("torch_symm_mem:"):
@@ -183,11 +182,11 @@ def test_cuda_graph_replays(name, m, tail):
             A.normal_()
         graph.replay()
         if check:
-            decode_ar.check_errors()
+            fused_kernels.check_errors()
             _check(op, static_out, _reference(op, args), f"{name} replay {i}")
     torch.cuda.synchronize()
     assert time.perf_counter() - t0 < 20, "10,000 replays took too long"
-    decode_ar.check_errors()
+    fused_kernels.check_errors()
 
 
 def test_cuda_modes_interleaved():
@@ -196,7 +195,7 @@ def test_cuda_modes_interleaved():
     apart from the next call's."""
     group = dist.group.WORLD
     op = "matmul_all_reduce"
-    names = [f"cuda:gemv-{mode}" for mode in decode_ar.CUDA_MODES]
+    names = [f"cuda:gemv-{mode}" for mode in fused_kernels.CUDA_MODES]
     names = [name for name in names if _expected(name, 16, 8192)]
     choices = {c.name: c for c in choices_for(op)}
     rng = random.Random(shared_seed())
@@ -206,7 +205,7 @@ def test_cuda_modes_interleaved():
         args = _args(op, A, B, b, extra, m, 8192, group.group_name)
         poison_allocator(1 << 26)
         _check(op, choices[name].fn(*args), _reference(op, args), f"call {i}: {name} m={m}")
-    decode_ar.check_errors()
+    fused_kernels.check_errors()
 
 
 def test_second_group_has_its_own_state():
@@ -220,7 +219,7 @@ def test_second_group_has_its_own_state():
                 A, B, b, _ = _inputs(m, 512, True, None, shared_seed())
                 args = _args(op, A, B, b, None, m, 512, g.group_name)
                 _check(op, choice.fn(*args), _reference(op, args), f"{name} on group {g.group_name}")
-    states = {key[1] for key in decode_ar._states}
+    states = {key[1] for key in fused_kernels._states}
     assert {world.group_name, other.group_name} <= states
 
 
@@ -260,21 +259,21 @@ def test_missing_peer_is_a_bounded_error(monkeypatch, name):
     rank, the peer and the signal. A group of its own, since its epochs are out of step afterwards."""
     if dist.get_world_size() < 2:
         pytest.skip("needs a peer")
-    monkeypatch.setattr(decode_ar, "CHECK_EACH_CALL", False)
+    monkeypatch.setattr(config, "check_signals", False)
     lonely = dist.new_group(list(range(dist.get_world_size())))
     choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
     A, B, b, _ = _inputs(16, 256, False, None, shared_seed())
     args = _args("matmul_all_reduce", A, B, b, None, 16, 256, lonely.group_name)
     choice.fn(*args)  # together: creates the state and synchronizes the first call
-    decode_ar.check_errors()
-    monkeypatch.setattr(decode_ar, "TIMEOUT_S", 0.5)
+    fused_kernels.check_errors()
+    monkeypatch.setattr(config, "decode_timeout_s", 0.5)
     if dist.get_rank() == 0:
         t0 = time.perf_counter()
         choice.fn(*args)
         with pytest.raises(RuntimeError, match=r"rank 0 of group .* timed out waiting for rank 1's"):
-            decode_ar.check_errors()
+            fused_kernels.check_errors()
         assert time.perf_counter() - t0 < 30
-        for key, st in decode_ar._states.items():  # leave the sticky error to that group only
+        for key, st in fused_kernels._states.items():  # leave the sticky error to that group only
             if key[1] == lonely.group_name:
                 st.err.zero_()
     dist.barrier()

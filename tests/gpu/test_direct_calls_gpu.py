@@ -48,12 +48,12 @@ def test_compiled_calls_go_through_the_entries():
         assert f"torch.ops.fluxcompile.{op}.default(" not in code, op
 
     # References from the ops' reference implementations (NCCL + cuBLAS).
-    xg_ref, (h1_ref, h2_ref) = ops._all_gather_matmul_ref(x, [b1, b2], [None, None], 0, world, name)
-    rs_ref = ops._matmul_reduce_scatter_ref(
+    xg_ref, (h1_ref, h2_ref) = ops.REFERENCES["all_gather_matmul"](x, [b1, b2], [None, None], 0, world, name)
+    rs_ref = ops.REFERENCES["matmul_reduce_scatter"](
         [torch.relu(h1_ref) * h2_ref], [w_rs], None, [xg_ref.shape[0], 256], 0, "sum", world, name
     )
-    ar_ref = ops._matmul_all_reduce_ref([a], [w], None, [a.shape[0], 256], "sum", name)
-    h_ref, n_ref = ops._all_reduce_rmsnorm_ref(
+    ar_ref = ops.REFERENCES["matmul_all_reduce"]([a], [w], None, [a.shape[0], 256], "sum", name)
+    h_ref, n_ref = ops.REFERENCES["all_reduce_rmsnorm"](
         None, [a], [w], None, [a.shape[0], 256], res, nw, 1e-6, True, False, "sum", name
     )
     refs = (xg_ref, rs_ref, ar_ref, h_ref, n_ref)

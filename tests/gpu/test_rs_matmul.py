@@ -7,24 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator, shared_seed, use_sequencer
+from gpu_helpers import poison_allocator, require_sequencer, shared_seed
 
-from fluxcompile import ops
-from fluxcompile.lowerings import choices_for, rs_stages, rs_triton
+from fluxcompile import config, ops
+from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.matmul_reduce_scatter import triton as triton_choice
 from fluxcompile.symm_mem import workspace
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.peers  # the choices under test decline a 1-rank group
 OP = "matmul_reduce_scatter"
+REF = ops.REFERENCES[OP]  # the oracle: cuBLAS + NCCL reduce-scatter
 
 # The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.
-TRITON = [f"triton:{v}" for v in sorted(rs_triton.VARIANTS)]
-# "@python": the cuBLAS-pipelined choice through its Python sequence instead of the C++ sequencer.
-CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined@python",
-           "cublas_pipelined:push@python", "cublas_pipelined:unsplit@python", "cublas_pipelined:tail2",
-           "cublas_pipelined:tail4", "cublas_pipelined:tail4@python", "cublas_pipelined:stages2",
-           "cublas_pipelined:stages3", "cublas_pipelined:stages2@python", "torch_symm_mem", *TRITON]  # fmt: skip
+TRITON = [f"triton:{v}" for v in sorted(triton_choice.VARIANTS)]
+CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:tail2",
+           "cublas_pipelined:tail4", "cublas_pipelined:stages2", "cublas_pipelined:stages3", "torch_symm_mem",
+           *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
 
 # (name, rows per rank, form, N, K of each product, bias); forms: "2d" [M, N] on dim 0, "sp" [1, M, N] on
@@ -61,14 +61,13 @@ def _refresh(args) -> None:
 
 
 def _choice(name: str, monkeypatch):
-    name, _, seq = name.partition("@")
     if name.startswith("cublas_pipelined"):
-        use_sequencer(seq or "cpp", monkeypatch)
+        require_sequencer()
     if ":stages" in name:
-        monkeypatch.setattr(rs_stages, "ENABLED", True)  # experimental: validated here
+        monkeypatch.setattr(config, "experimental_rs_stages", True)  # experimental: validated here
     if name.startswith("triton:"):
-        monkeypatch.setattr(rs_triton, "ENABLED", True)
-        monkeypatch.setattr(rs_triton, "CHECK_EACH_CALL", True)  # a timed-out wait fails the test at once
+        monkeypatch.setattr(config, "experimental_triton_rs", True)
+        monkeypatch.setattr(config, "check_signals", True)  # a timed-out wait fails the test at once
     return {c.name: c for c in choices_for(OP)}[name]
 
 
@@ -84,7 +83,7 @@ def _supported_or_skip(choice, args) -> None:
 
 def _poison_workspace(name: str, group_name: str) -> None:
     """NaN (all-ones bytes) over this rank's slots, with every rank idle: a slot a call forgets shows."""
-    tag = TAGS[name.partition("@")[0].partition(":")[0]] if not name.startswith("torch") else None
+    tag = TAGS[name.partition(":")[0]] if not name.startswith("torch") else None
     if tag is None:
         return
     torch.cuda.synchronize()
@@ -105,15 +104,15 @@ def test_choice_matches_reference(monkeypatch, name, case):
             _poison_workspace(name, args[-1])
         poison_allocator()
         got = choice.fn(*args)
-        ref = ops._matmul_reduce_scatter_ref(*args)
+        ref = REF(*args)
         assert got.shape == ref.shape and got.stride() == ref.stride() and got.dtype == ref.dtype
         assert_close(got, ref, 1e-2, f"{name} {case[0]} call {i}")
         _refresh(args)
 
 
 @pytest.mark.parametrize(
-    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:push@python", "cublas_pipelined:unsplit",
-             "cublas_pipelined:tail4", "cublas_pipelined:stages2", TRITON[0]]
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:tail4",
+             "cublas_pipelined:stages2", TRITON[0]]
 )  # fmt: skip
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:
@@ -130,15 +129,15 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
     for i in range(6):
         args = cases[i % 2]
         _refresh(args)
-        refs.append(ops._matmul_reduce_scatter_ref(*args))  # NCCL on the same stream, between the calls
+        refs.append(REF(*args))  # NCCL on the same stream, between the calls
         outs.append(choice.fn(*args))
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert_close(o, r, 1e-2, f"{name} call {i}")
 
 
 @pytest.mark.parametrize(
-    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined@python",
-             "cublas_pipelined:tail2", "cublas_pipelined:stages2", "torch_symm_mem", TRITON[0]]
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:tail2",
+             "cublas_pipelined:stages2", "torch_symm_mem", TRITON[0]]
 )  # fmt: skip
 def test_in_cuda_graph(monkeypatch, name):
     choice = _choice(name, monkeypatch)
@@ -156,11 +155,11 @@ def test_in_cuda_graph(monkeypatch, name):
         _refresh(args)
         static_out.fill_(float("nan"))
         graph.replay()
-        ref = ops._matmul_reduce_scatter_ref(*args)
+        ref = REF(*args)
         assert_close(static_out, ref, 1e-2, f"{name} replay {i}")
     # An eager call after the replays still agrees (flags/epochs left consistent by the graph).
     _refresh(args)
-    assert_close(choice.fn(*args), ops._matmul_reduce_scatter_ref(*args), 1e-2, f"{name} eager after graph")
+    assert_close(choice.fn(*args), REF(*args), 1e-2, f"{name} eager after graph")
 
 
 @pytest.mark.parametrize("name", ["cublas_pipelined", "cublas_pipelined:unsplit", TRITON[0]])
@@ -172,8 +171,8 @@ def test_second_group_gets_its_own_workspace(monkeypatch, name):
     for g in (world, other, world):
         args = _case_args(CASES[1], g, seed)
         _supported_or_skip(choice, args)
-        assert_close(choice.fn(*args), ops._matmul_reduce_scatter_ref(*args), 1e-2, f"group {g.group_name}")
-    tag = TAGS[name.partition("@")[0].partition(":")[0]]
+        assert_close(choice.fn(*args), REF(*args), 1e-2, f"group {g.group_name}")
+    tag = TAGS[name.partition(":")[0]]
     w1 = workspace(world.group_name, 1, tag=tag)
     w2 = workspace(other.group_name, 1, tag=tag)
     assert w1.buffer.data_ptr() != w2.buffer.data_ptr()
@@ -186,7 +185,7 @@ def test_dispatch_picks_a_choice_and_matches_reference():
     args = _case_args(CASES[3], dist.group.WORLD, shared_seed())
     poison_allocator()
     got = torch.ops.fluxcompile.matmul_reduce_scatter(*args)
-    assert_close(got, ops._matmul_reduce_scatter_ref(*args), 1e-2, "dispatch")
+    assert_close(got, REF(*args), 1e-2, "dispatch")
     picked = torch.tensor([ord(c) for c in autotune.pick(OP, args, args[-1]).name.ljust(40)], device="cuda")
     everyone = [torch.empty_like(picked) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, picked)
@@ -197,4 +196,4 @@ def test_dispatch_picks_a_choice_and_matches_reference():
     for i in range(3):
         _refresh(args)
         graph.replay()
-        assert_close(static_out, ops._matmul_reduce_scatter_ref(*args), 1e-2, f"dispatch replay {i}")
+        assert_close(static_out, REF(*args), 1e-2, f"dispatch replay {i}")

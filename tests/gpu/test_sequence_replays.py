@@ -11,30 +11,31 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import shared_seed, use_sequencer
+from gpu_helpers import require_sequencer, shared_seed
 
 import fluxcompile
 from fluxcompile import ops
-from fluxcompile.lowerings import ag_cublas_pipelined, ag_stages, rs_cublas_pipelined, rs_stages
-from fluxcompile.lowerings.sequencer import clear_replays, replay_stats
+from fluxcompile.lowerings import sequencer
+from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as ag_pipelined
+from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs_pipelined
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
 
 # (op, variant) -> the sequence's entry and its keyword arguments
 RS = {
-    "split": (rs_cublas_pipelined.matmul_reduce_scatter, {}),
-    "push": (rs_cublas_pipelined.matmul_reduce_scatter, {"push": True}),
-    "unsplit": (rs_cublas_pipelined.matmul_reduce_scatter, {"unsplit": True}),
-    "tail2": (rs_cublas_pipelined.matmul_reduce_scatter, {"tail": 2}),
-    "stages2": (rs_stages.matmul_reduce_scatter, {"groups": 2}),
+    "split": (rs_pipelined.matmul_reduce_scatter, {}),
+    "push": (rs_pipelined.matmul_reduce_scatter, {"push": True}),
+    "unsplit": (rs_pipelined.matmul_reduce_scatter, {"unsplit": True}),
+    "tail2": (rs_pipelined.matmul_reduce_scatter, {"tail": 2}),
+    "stages2": (rs_pipelined.matmul_reduce_scatter, {"groups": 2}),
 }
 AG = {
-    "split": (ag_cublas_pipelined.all_gather_matmul, {}),
-    "concurrent": (ag_cublas_pipelined.all_gather_matmul, {"concurrent": True}),
-    "unsplit": (ag_cublas_pipelined.all_gather_matmul, {"unsplit": True}),
-    "lead2": (ag_cublas_pipelined.all_gather_matmul, {"lead": 2}),
-    "stages2": (ag_stages.all_gather_matmul, {"groups": 2}),
+    "split": (ag_pipelined.all_gather_matmul, {}),
+    "concurrent": (ag_pipelined.all_gather_matmul, {"concurrent": True}),
+    "unsplit": (ag_pipelined.all_gather_matmul, {"unsplit": True}),
+    "lead2": (ag_pipelined.all_gather_matmul, {"lead": 2}),
+    "stages2": (ag_pipelined.all_gather_matmul, {"groups": 2}),
 }
 CASES = [("rs", v) for v in RS] + [("ag", v) for v in AG]
 
@@ -73,9 +74,7 @@ class Call:
         return self.fn(*self.args, **self.kw)
 
     def reference(self):
-        if self.op == "rs":
-            return ops._matmul_reduce_scatter_ref(*self.args)
-        return ops._all_gather_matmul_ref(*self.args)
+        return ops.REFERENCES["matmul_reduce_scatter" if self.op == "rs" else "all_gather_matmul"](*self.args)
 
     def step(self, what: str) -> None:
         """Fresh inputs, one call, checked against the reference. Nothing is kept, so the next call's outputs
@@ -93,10 +92,8 @@ class Call:
             assert_close(o, r, 1e-2, f"{what}: out {i}")
 
 
-def _call_or_skip(op: str, variant: str, monkeypatch, rows: int = 256, seq: str = "cpp") -> Call:
-    use_sequencer(seq, monkeypatch)
-    monkeypatch.setattr(rs_stages, "ENABLED", True)
-    monkeypatch.setattr(ag_stages, "ENABLED", True)
+def _call_or_skip(op: str, variant: str, rows: int = 256) -> Call:
+    require_sequencer()
     call = Call(op, variant, rows, shared_seed())
     try:
         call.run()  # first sight: issued directly; also makes the workspace and flags
@@ -106,63 +103,54 @@ def _call_or_skip(op: str, variant: str, monkeypatch, rows: int = 256, seq: str 
     return call
 
 
-def _steps(op: str, variant: str, limit: int, n: int, monkeypatch) -> dict[str, int]:
+def _steps(op: str, variant: str, limit: int, n: int) -> dict[str, int]:
     """``n`` checked calls with config.sequence_graphs = ``limit``; the replay counters over them."""
     with fluxcompile.config.patch(sequence_graphs=limit):
-        call = _call_or_skip(op, variant, monkeypatch)
-        clear_replays()
+        call = _call_or_skip(op, variant)
+        sequencer.clear_replays()
         for i in range(n):
             call.step(f"{op} {variant} call {i}")
-        return replay_stats()
+        return sequencer.replay_stats()
 
 
 @pytest.mark.parametrize(("op", "variant"), CASES)
-def test_replays_match_reference(monkeypatch, op, variant):
-    stats = _steps(op, variant, 64, 8, monkeypatch)
+def test_replays_match_reference(op, variant):
+    stats = _steps(op, variant, 64, 8)
     # Two sightings before a capture; even if the outputs alternated between two addresses, calls 4..7 replay.
     assert stats["captures"] >= 1 and stats["replays"] >= 4 and stats["failed"] == 0, stats
 
 
 @pytest.mark.parametrize(("op", "variant"), [("rs", "split"), ("ag", "split")])
-def test_replays_off(monkeypatch, op, variant):
-    stats = _steps(op, variant, 0, 4, monkeypatch)
+def test_replays_off(op, variant):
+    stats = _steps(op, variant, 0, 4)
     assert stats["captures"] == 0 and stats["replays"] == 0 and stats["direct"] == 4, stats
 
 
-@pytest.mark.parametrize(("op", "variant"), CASES)
-def test_python_twins_match_reference(monkeypatch, op, variant):
-    """The Python sequences (the fallback without the C++ module), which mirror the C++ ones, at this world
-    size too."""
-    call = _call_or_skip(op, variant, monkeypatch, seq="python")
-    for i in range(3):
-        call.step(f"{op} {variant} (python) call {i}")
-
-
 @pytest.mark.parametrize("op", ["rs", "ag"])
-def test_replay_limit(monkeypatch, op):
+def test_replay_limit(op):
     """At the limit, new signatures run directly (and stay correct); the one graph held keeps replaying."""
     with fluxcompile.config.patch(sequence_graphs=1):
-        calls = [_call_or_skip(op, "split", monkeypatch, rows) for rows in (256, 192)]
-        clear_replays()
+        calls = [_call_or_skip(op, "split", rows) for rows in (256, 192)]
+        sequencer.clear_replays()
         for i in range(12):
             calls[i % 2].step(f"{op} call {i}")
-        stats = replay_stats()
+        stats = sequencer.replay_stats()
     assert stats["graphs"] == 1 and stats["replays"] >= 1 and stats["direct"] >= 6, stats
 
 
 @pytest.mark.parametrize(("op", "variant"), [("rs", "split"), ("rs", "push"), ("ag", "split"), ("ag", "lead2")])
-def test_inside_a_users_graph_capture(monkeypatch, op, variant):
+def test_inside_a_users_graph_capture(op, variant):
     """Under the caller's own capture (vLLM decode) the sequence goes into that graph as it is: no capture of
     ours is begun inside it, and its replays, and an eager call after them, are right."""
     with fluxcompile.config.patch(sequence_graphs=64):
-        call = _call_or_skip(op, variant, monkeypatch)
+        call = _call_or_skip(op, variant)
         call.run()  # a second sight: captured and replayed
         torch.cuda.synchronize()
-        before = replay_stats()
+        before = sequencer.replay_stats()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = call.run()
-        during = replay_stats()
+        during = sequencer.replay_stats()
         assert during["captures"] == before["captures"] and during["direct"] == before["direct"] + 1, (before, during)
         for i in range(4):
             call.refresh()

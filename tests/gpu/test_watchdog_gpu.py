@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fluxcompile import ops
-from fluxcompile.lowerings import rs_cublas_pipelined
+from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined
 from fluxcompile.symm_mem import watchdog
 from fluxcompile.testing.numerics import assert_close
 
@@ -25,7 +25,7 @@ def test_late_peer_is_reported_then_both_finish(monkeypatch, unsplit):
     a = torch.randn(64 * world, 128, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16)
     args = ([a], [b], None, [64 * world, 96], 0, "sum", world, group.group_name)
-    call = lambda: rs_cublas_pipelined.matmul_reduce_scatter(*args, unsplit=unsplit)  # noqa: E731
+    call = lambda: cublas_pipelined.matmul_reduce_scatter(*args, unsplit=unsplit)  # noqa: E731
     call()  # warm-up on every rank: plans, flags, workspace
     torch.cuda.synchronize()
     dist.barrier(group)
@@ -35,7 +35,7 @@ def test_late_peer_is_reported_then_both_finish(monkeypatch, unsplit):
     if rank != world - 1:
         time.sleep(4.0)  # the host idles (GIL free) while the stream waits; the watchdog looks
     torch.cuda.synchronize()
-    assert_close(out, ops._matmul_reduce_scatter_ref(*args), 1e-2, "after the late peer")
+    assert_close(out, ops.REFERENCES["matmul_reduce_scatter"](*args), 1e-2, "after the late peer")
     if rank != world - 1:
         assert reports, "no report while the stream waited past the timeout"
         assert f"rank {rank}" in reports[0] and "matmul_reduce_scatter" in reports[0]
