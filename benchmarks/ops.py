@@ -146,7 +146,7 @@ def run_shapes(shapes: list[tuple], measure: Callable[..., dict], args: argparse
 
 
 def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, k: int) -> dict:
-    from fluxcompile.lowerings import ag_cublas_pipelined as pipelined
+    from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as pipelined
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(rank * 1000 + int.from_bytes(os.urandom(2), "little"))  # fresh inputs every run

@@ -41,10 +41,11 @@ EPS = 1e-5
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
-    from fluxcompile.lowerings import decode_ar
+    import fluxcompile
 
-    decode_ar.ENABLED = True  # the experimental kernels are what this benchmark is for
-    decode_ar.CUDA_PEERS = True
+    # The experimental kernels are what this benchmark is for.
+    fluxcompile.config.experimental_decode = True
+    fluxcompile.config.experimental_gemv_peers = True
     rows = []
     for model, proj, n, k in SHAPES:
         for m in MS:
@@ -143,7 +144,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
             declined[name] = why
 
     # Numerics first (eager), against the reference; the fused op also tunes here.
-    ref = (ops._all_reduce_rmsnorm_ref if tail else ops._matmul_all_reduce_ref)(*op_args)
+    ref = ops.REFERENCES[op](*op_args)
     refs = ref if tail else (ref,)
     local = with_tail(A @ B)
     local_refs = local if tail else (local,)

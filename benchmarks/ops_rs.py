@@ -35,7 +35,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 
 def _rs_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, k: int) -> dict:
-    from fluxcompile.lowerings import rs_cublas_pipelined
+    from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if m % world or k % world:
@@ -54,7 +54,7 @@ def _rs_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group)
 
     def pipelined_only():
-        return rs_cublas_pipelined.matmul_reduce_scatter(*fused_args)
+        return cublas_pipelined.matmul_reduce_scatter(*fused_args)
 
     def ours():  # what a compiled model runs: the fused op, autotuned across its choices
         return torch.ops.fluxcompile.matmul_reduce_scatter(*fused_args)

@@ -18,8 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def _methods(op: str, m: int, n: int, k: int, world: int, group: str) -> dict[str, Callable[[], object]]:
-    from fluxcompile.lowerings import ag_cublas_pipelined as ag
-    from fluxcompile.lowerings import rs_cublas_pipelined as rs
+    from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as ag
+    from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs
 
     bf = torch.bfloat16
     if op == "ag":
