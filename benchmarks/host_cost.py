@@ -42,23 +42,37 @@ class _LoopbackHandle:
 
 
 def loopback_peers() -> None:
-    """Make the fused ops' workspaces (this process, from now on) 2-rank loopbacks of this 1-rank group."""
+    """Make the cuBLAS-pipelined choices' workspaces and their handshake flags (this process, from now on)
+    2-rank loopbacks of this 1-rank group: ``workspace`` as the two cublas_pipelined modules call it, and the
+    exchange's ``ready_done_flags`` (symm_mem/exchange.py's handshake takes its flags from there)."""
     import dataclasses
 
-    from fluxcompile.lowerings import ag_cublas_pipelined, rs_cublas_pipelined
-    from fluxcompile.symm_mem import signals
+    from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as agp
+    from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rsp
+    from fluxcompile.symm_mem import exchange
 
-    real = signals.workspace
-    seen: dict[int, object] = {}
+    real_workspace, real_flags = rsp.workspace, exchange.ready_done_flags
+    seen: dict[int, tuple[object, object]] = {}
+
+    def loop(ws):
+        """One loopback object per real workspace, as the real function returns one (the real one is kept
+        beside it, so its id is not reused by a later workspace while the entry lives)."""
+        if id(ws) not in seen:
+            seen[id(ws)] = (ws, dataclasses.replace(ws, handle=_LoopbackHandle(ws.handle), rank=0, world_size=2))
+        return seen[id(ws)][1]
 
     def workspace(group_name: str, nbytes: int, tag: str = "default"):
-        ws = real(group_name, nbytes, tag)
-        if id(ws) not in seen:  # one loopback object per real workspace, as the real function returns one
-            seen[id(ws)] = dataclasses.replace(ws, handle=_LoopbackHandle(ws.handle), rank=0, world_size=2)
-        return seen[id(ws)]
+        return loop(real_workspace(group_name, nbytes, tag))
 
-    for mod in (ag_cublas_pipelined, rs_cublas_pipelined, signals):
-        mod.workspace = workspace
+    def ready_done_flags(group_name: str, tag: str, world: int):
+        # Made (``world`` of each, set to their start values) in our own buffer, then read through the
+        # loopback: flag i of the peer is our flag i + 1.
+        ready, done = real_flags(group_name, tag, world)
+        ws = loop(ready.ws)
+        return dataclasses.replace(ready, ws=ws), dataclasses.replace(done, ws=ws)
+
+    agp.workspace = rsp.workspace = workspace
+    exchange.ready_done_flags = ready_done_flags
 
 
 def without_replays(fn: Callable[[], object]) -> Callable[[], object]:
@@ -217,7 +231,7 @@ def main() -> None:
         fused = getattr(torch.ops.fluxcompile, op).default  # as Inductor's generated code calls it
         fused(*op_args)  # tunes (a collective) before anything is timed
         row(f"{op} pick (memo hit)", lambda o=op, x=op_args: pick(o, x, group), 200)
-        # The body of the op's CUDA implementation (lowerings/<op>.py), without the dispatcher around it.
+        # The body of the op's CUDA implementation (lowerings/<op>/__init__.py), without the dispatcher around it.
         row(f"{op} pick + winner, no dispatcher", lambda o=op, x=op_args: pick(o, x, group).fn(*x))
         row(f"{op} via torch.ops (winner {pick(op, op_args, group).name})", lambda f=fused, x=op_args: f(*x))
 
@@ -251,23 +265,30 @@ def main() -> None:
         layers[f"{op} {winner.name} captured by hand: graph.replay()"] = graph.replay
     out_like = torch.empty(m, n, device=device, dtype=bf)
     layers["torch.empty_like (an output)"] = lambda: torch.empty_like(out_like)
-    # Pieces of the winners' Python side (rs/ag_cublas_pipelined.py): plan lookup, watchdog note, side stream.
-    from fluxcompile.lowerings import ag_cublas_pipelined as agp
-    from fluxcompile.lowerings import rs_cublas_pipelined as rsp
-    from fluxcompile.lowerings.sequencer import sequencer
+    # Pieces of the winners' Python side (the entries of the two cublas_pipelined modules), each as the entry
+    # calls it: the plan lookup, the shard's layout (all-gather), the built sequencer, the replay limit (a
+    # config read), the side stream, the watchdog note after the call.
+    from fluxcompile.lowerings import sequencer
+    from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as agp
+    from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rsp
     from fluxcompile.symm_mem import side_stream
 
-    rs_plan = lambda: rsp._plan([m, n], 0, world, group, bf, False, False)  # noqa: E731
-    ag_plan = lambda: agp._plan(m // world, k, bf, world, group)  # noqa: E731
+    rs_plan = lambda: rsp.plan([m, n], 0, world, group, bf, False, False)  # noqa: E731
+    ag_plan = lambda: agp.plan(m // world, k, bf, world, group)  # noqa: E731
     layers["matmul_reduce_scatter plan lookup"] = rs_plan
     layers["all_gather_matmul plan lookup"] = ag_plan
+    layers["all_gather_matmul shard_layout"] = lambda: agp.shard_layout(ag_a, 0, world)
     hs = rs_plan().hs
     layers["handshake note (watchdog event)"] = hs.note
     layers["side_stream()"] = side_stream
+    layers["graph_limit() (config read)"] = sequencer.graph_limit
     layers["torch.cuda.current_device()"] = torch.cuda.current_device
-    seq = sequencer()
-    if seq is not None:  # the zero-copy reduce-scatter's C++ sequence alone (rs_cublas_pipelined._issue)
+    why = sequencer.unavailable()
+    if why is None:
+        layers["sequencer() (the built module)"] = sequencer.sequencer
+        seq = sequencer.sequencer()
         p = rs_plan()
+        # The zero-copy reduce-scatter's C++ sequence alone, with the arguments its entry passes.
         layers["matmul_reduce_scatter C++ sequence alone (zero-copy)"] = lambda: seq.rs_pipelined(
             [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
             p.rank, p.rows, False, 0, 0,
@@ -276,6 +297,8 @@ def main() -> None:
             [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
             p.rank, p.rows, False, 0, 64,
         )  # fmt: skip
+    elif rank == 0:
+        print(f"no C++ sequence rows: {why}")
     layers["torch.cuda.current_stream()"] = torch.cuda.current_stream
     interleaved = host_us_interleaved(layers, args.calls, 9, device)
 
@@ -289,9 +312,7 @@ def main() -> None:
         ),
     }
     torch.cuda.synchronize(device)
-    from fluxcompile.lowerings.sequencer import replay_stats
-
-    stats = replay_stats()
+    stats = sequencer.replay_stats() if why is None else {}
     if rank == 0:
         print(f"== C++ sequence replays over the whole run: {stats}")
         print(f"== host table: µs per call, slowest of {dist.get_world_size()} processes, m={m} n={n} k={k}")
