@@ -61,7 +61,10 @@ def loopback_peers() -> None:
             seen[id(ws)] = (ws, dataclasses.replace(ws, handle=_LoopbackHandle(ws.handle), rank=0, world_size=2))
         return seen[id(ws)][1]
 
-    def workspace(group_name: str, nbytes: int, tag: str = "default"):
+    def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | None = None):
+        # ``world``: the caller's group size, checked against the loopback's two ranks (not the real group's one).
+        if world is not None and world != 2:
+            raise ValueError(f"host_cost --loopback: group_size={world}, but the loopback has 2 ranks")
         return loop(real_workspace(group_name, nbytes, tag))
 
     def ready_done_flags(group_name: str, tag: str, world: int):
