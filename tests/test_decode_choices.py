@@ -94,3 +94,14 @@ def test_ll_variant_needs_a_peer(monkeypatch):
     """LL words only travel between ranks: at world size 1 the LL choice would be the one-shot one again."""
     args = _cuda_args(monkeypatch, 1)
     assert "one rank" in (decode_ar.cuda_supports("oneshot-ll", *args) or "")
+
+
+def _resolved_size() -> int:
+    import torch.distributed as dist
+
+    return decode_ar.group(dist.group.WORLD.group_name).size()
+
+
+def test_group_resolves_a_real_process_group(ranks):
+    """The support checks and launches find the group by name (the other tests stub it)."""
+    assert ranks(2).run(_resolved_size) == [2, 2]

@@ -91,7 +91,7 @@ def _capturing() -> bool:
 
 def group(group_name: str) -> dist.ProcessGroup:
     """The c10d process group of ``group_name``."""
-    return dist.distributed_c10d._resolve_processgroup(group_name)
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
 def _get_state(family: str, group_name: str) -> _State:
