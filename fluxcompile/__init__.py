@@ -49,8 +49,8 @@ def _log_to_stderr() -> None:
 _log_to_stderr()
 
 # The fused ops' CUDA implementations (the autotuned choices) register when lowerings is imported. Without
-# this import a compiled model's fused ops fell back to their reference implementations (cuBLAS + NCCL):
-# the first model-level runs measured the reference, not the fused kernels. Last, after config is bound.
+# this import a compiled model's fused ops run their reference implementations (cuBLAS + NCCL), not the fused
+# kernels. Last, after config is bound.
 try:
     from . import lowerings  # noqa: F401
 except ImportError as _e:  # e.g. no Triton in a CPU-only install: the reference implementations run

@@ -110,7 +110,7 @@ class Config:
     sequence_graphs: int = 1024
 
     # Bounds on waits for peers. signal_timeout_s: the watchdog's bound on the cuBLAS-pipelined choices' flag
-    # waits (symm_mem/watchdog.py; 0 = off). decode_timeout_s / schedule_timeout_s: the in-kernel spin-waits
+    # waits (symm_mem/watchdog.py; 0 = off). decode_timeout_s / sched_timeout_s: the in-kernel spin-waits
     # of the decode kernels and of the schedule executor.
     signal_timeout_s: float = 600.0
     decode_timeout_s: float = 60.0

@@ -56,9 +56,9 @@ _c10d = torch.ops._c10d_functional
 
 def _collective(op, *args) -> Tensor:
     """A functional collective and its wait, dispatched below autograd. The functional collectives carry
-    Python autograd kernels, which cost ~25 µs of host time per collective + wait on the 2xH200 machine
-    (BENCHMARKS.md, "Host time"); the fused ops have no autograd formula (they appear only in post-grad
-    graphs), so their references skip them, as autograd kernels themselves do."""
+    Python autograd kernels, which cost host time per collective + wait (BENCHMARKS.md, host time); the
+    fused ops have no autograd formula (they appear only in post-grad graphs), so their references skip
+    them, as autograd kernels themselves do."""
     with torch._C._AutoDispatchBelowAutograd():
         return _c10d.wait_tensor(op(*args))
 
@@ -107,7 +107,7 @@ def op(name: str) -> torch._ops.OpOverload:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building blocks of the reference implementations (also used by kernels' fallbacks and tests).
+# Building blocks of the reference implementations (also used by other choices and by tests).
 
 
 def _matmul(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:

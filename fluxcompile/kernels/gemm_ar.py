@@ -26,7 +26,9 @@ most) each program normalizes its own tiles. The grid barrier is why the tail is
 program only (Triton's interpreter runs programs one after the other).
 
 Checked on CPU in Triton's interpreter (tests/test_gemm_ar_kernel.py, ordinary tensors standing for the
-peers' buffers) and on GPUs by tests/gpu/test_decode_ar.py. EXPERIMENTAL until the GPU tests have passed.
+peers' buffers) and on GPUs by tests/gpu/test_decode_ar.py. Its ``triton:*`` choices of matmul_all_reduce
+and all_reduce_rmsnorm (lowerings/matmul_all_reduce/fused_kernels.py) run while ``config.experimental_decode``
+is on (the default; ``FLUXCOMPILE_EXPERIMENTAL_DECODE=0`` turns them off).
 """
 
 from __future__ import annotations

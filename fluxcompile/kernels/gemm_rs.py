@@ -28,8 +28,9 @@ Buffers (per rank, addresses of every rank's passed in as int64 tensors): data =
 ``parity_elems`` elements, each ``world`` slots of ``slot_elems`` (slot s: rank s's partial of this rank's
 rows, contiguous ``[rows, N]``); flags = int32 ``[world, MAX_TILES]`` (source rank, tile of the owner).
 
-Checked on CPU in Triton's interpreter (tests/test_gemm_rs_kernel.py: ranks simulated with ordinary tensors).
-EXPERIMENTAL until it has run on GPUs (tests/gpu/test_rs_matmul.py).
+Checked on CPU in Triton's interpreter (tests/test_gemm_rs_kernel.py: ranks simulated with ordinary tensors)
+and on GPUs by tests/gpu/test_rs_matmul.py. Its ``triton:*`` choices (lowerings/matmul_reduce_scatter/triton.py)
+run only with ``config.experimental_triton_rs`` (``FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1``).
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ ROUNDS = 3  # the timed runs are interleaved over the candidates in this many ro
 
 # Each timed round starts with the GPU queued this far ahead (a sleep kernel), so the host enqueues the
 # round while the GPU is busy and the events time the GPU's work, as in a model step whose host runs ahead.
-# From an idle GPU the first calls of a round wait for the host instead, and two choices whose GPU times
-# differed by 20% (GEMM+RS at 2048 x 4096 x 14336 on 2xH200) were ranked by host noise, differently per run.
+# From an idle GPU the first calls of a round wait for the host instead, and choices whose GPU times differ
+# clearly are ranked by host noise, differently per run.
 QUEUE_US = 3000.0
 TIMING = "gpu-queued"  # in the cache key: winners timed another way are tuned again
 
@@ -77,7 +77,7 @@ GRAPH_CALLS = 10  # calls per captured graph when a call signature is timed as C
 # op name -> predicate on the call's args: True when such calls run inside CUDA graphs in practice (decode
 # under vLLM), so candidates are timed as graph replays. Timed eagerly, a decode-sized call measures the
 # host's launch path instead of the GPU's work, and picks the choice with the fewest launches, not the
-# fastest (a 60 µs GEMV + all-reduce picked that way ran 40 µs slower under graphs).
+# fastest under graphs.
 _graph_timed: dict[str, Any] = {}
 
 _memo: dict[str, Choice] = {}
@@ -112,8 +112,8 @@ def _describe_fast(x: Any) -> Any:
 
 def _fast_key(op_name: str, args: tuple, group_name: str, key_extra: str) -> tuple:
     # Runs on every call of a fused op (its host time is the op's overhead): one flat pass over the args,
-    # which nest one level deep (lists of tensors), with exact-type tests first (a third cheaper than
-    # isinstance chains); anything else (tensor subclasses, deeper nesting) takes _describe_fast.
+    # which nest one level deep (lists of tensors), with exact-type tests first (cheaper than isinstance
+    # chains); anything else (tensor subclasses, deeper nesting) takes _describe_fast.
     parts: list[Any] = [op_name, group_name, key_extra, config.version]
     append = parts.append
     for x in args:
@@ -247,8 +247,8 @@ def _benchmark(
     timed run is one replay, divided by the calls; a candidate that cannot be captured is dropped.
 
     The timed runs are spread over ``ROUNDS`` interleaved rounds (each round times every candidate in
-    turn), so a GPU's clock drifting during tuning (power, heat: 5-10% on H200 under long GEMMs) hits all
-    candidates alike instead of favouring whichever ran while the chip was cool."""
+    turn), so a GPU's clock drifting during tuning (power, heat under long GEMMs) hits all candidates alike
+    instead of favouring whichever ran while the chip was cool."""
     run_device = _run_device(args)
     samples: list[list[float] | None] = []
     for choice in candidates:  # warm-up: compilation, workspaces, communicators

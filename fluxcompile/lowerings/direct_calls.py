@@ -1,17 +1,15 @@
 """Inductor's generated code calls the fused ops' implementations directly instead of through ``torch.ops``.
 
 A fused op is a ``torch.library`` op with a Python CUDA implementation. Called through the dispatcher, its
-list arguments are boxed into IValues and unboxed back into Python objects on every call: 9–10 µs of host
-time for the schema of ``matmul_reduce_scatter`` with a trivial body, 12–40 µs for the real ops (host speed
-varies between machines; scripts/debug/dispatch_cost.py and benchmarks/host_cost.py --loopback, H100
-machine), a sixth to a fifth of a call's host time. Where a step is host-bound (a 2048-token training step,
-vLLM's prefill, which runs outside CUDA graphs) that is time the GPU waits.
+list arguments are boxed into IValues and unboxed back into Python objects on every call, a sizeable share
+of a call's host time (BENCHMARKS.md, host time per fused-op call). Where a step is host-bound (a 2048-token
+training step, vLLM's prefill, which runs outside CUDA graphs) that is time the GPU waits.
 
 So each op's fallback line in Inductor's Python wrapper, ``bufN = torch.ops.fluxcompile.<op>.default(...)``,
 becomes ``bufN = extern_kernels.fluxcompile_<op>(...)``: an entry that runs the CUDA implementation itself
-for CUDA operands and otherwise calls the op as before (so CPU graphs, and this module's tests, take the
-same line). The hook is Inductor's registry of custom extern-kernel codegen (torch 2.11 and 2.13); where a
-torch lacks it, nothing changes. ``config.direct_calls`` (``FLUXCOMPILE_DIRECT_CALLS=0``) turns it off.
+for CUDA operands and otherwise calls the op through the dispatcher (so CPU graphs, and this module's tests,
+take the same line). The hook is Inductor's registry of custom extern-kernel codegen (torch 2.11 and 2.13);
+where a torch lacks it, nothing changes. ``config.direct_calls`` (``FLUXCOMPILE_DIRECT_CALLS=0``) turns it off.
 The C++ wrapper (AOTInductor) is untouched. Under the profiler the entry opens a ``fluxcompile::<op>``
 range, as the dispatcher would.
 """

@@ -103,8 +103,8 @@ def _check_world(ws: Workspace, world: int | None) -> None:
 
 
 def current_stream() -> torch.cuda.Stream:
-    """``torch.cuda.current_stream()`` for the hot path: that builds a new Stream object per call (9 µs of
-    host time on the H100 machine); this returns one cached per raw stream handle (two C calls)."""
+    """``torch.cuda.current_stream()`` for the hot path: that builds a new Stream object per call (costly host
+    time); this returns one cached per raw stream handle (two C calls)."""
     raw = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
     stream = _current_streams.get(raw)
     if stream is None:
