@@ -5,12 +5,12 @@
 // three loaders (Cfg below):
 //   m <= 3 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
 //   3 < m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
-//     with the L2::256B prefetch size (measured 6% faster than without it on an H200);
+//     with the L2::256B prefetch size (faster than without it for these 64-byte pieces of 8 rows);
 //   m > 16 (compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of 128-byte-swizzled
 //     shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory, two tiles per
-//     CTA. Per-lane loads of A from L2 had moved twice the weight's bytes at m = 64; mma.sync fed from the
-//     same stages by per-lane shared-memory loads ran 74.5 us where the ring alone streams in 56 and wgmma
-//     runs 63.1 (down_proj, m = 64, H200; BENCHMARKS.md run F).
+//     CTA. Per-lane loads of A from L2 would move twice the weight's bytes at m = 64, and mma.sync fed from
+//     the same stages by per-lane shared-memory loads is slower than wgmma reading them itself (BENCHMARKS.md,
+//     decode).
 //
 // A tile is kGemvTileN output columns for all m rows; a CTA computes kTpc adjacent tiles at once (a unit).
 // Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
@@ -55,9 +55,9 @@
 
 #include "gemv_ar.h"
 
-// Lab knobs (scripts/debug/gemv_lab.py builds variants with -D...): the wgmma loader's stage-ring depth cap
-// (3 or 4 stages measured alike), its k per stage (128 and 512 no faster, run 25), and the weight's L2
-// evict-first hint (on: 1.4 us faster at down_proj m = 64, 0.5-1.4 us at m = 24-64 elsewhere, run 23).
+// Lab knobs (lab/gemv_lab.py builds variants with -D...): the wgmma loader's stage-ring depth cap (3 or 4
+// stages run alike), its k per stage (128 and 512 are no faster than 256), and the weight's L2 evict-first
+// hint (on: faster, the weight is read once). What each setting measured is in BENCHMARKS.md (decode).
 #ifndef GEMV_WG_MAX_STAGES
 #define GEMV_WG_MAX_STAGES 8
 #endif
@@ -68,8 +68,8 @@
 #define GEMV_WG_STAGE_K 256
 #endif
 // The CUDA-core loader takes m <= GEMV_ROW_MAX_M; at m > 2 with GEMV_ROW_RW rows per warp and GEMV_ROW_CH
-// loads in flight (run 34, m = 3: 8 x 4 1.4 us faster than the fragment loader at down_proj, 8 x 8 1.1,
-// 4 x 4 5 us slower, 16 rows spill; m = 4: 8 x 8 0.5 us slower than the fragment loader, 8 x 4 8 us).
+// loads in flight (m = 3: 8 x 4 and 8 x 8 beat the fragment loader, 4 x 4 does not, 16 rows spill; m = 4:
+// the fragment loader is faster than either).
 #ifndef GEMV_ROW_MAX_M
 #define GEMV_ROW_MAX_M 3
 #endif
@@ -93,7 +93,7 @@ constexpr int kBoxK = 64;                  // k per TMA box: 128 bytes, the widt
 // per SM and the wgmma loader's stage ring (as many stages as fit in 200 KB, at most GEMV_WG_MAX_STAGES).
 template <int MT, int kRowM = 0>
 struct Cfg {
-  static constexpr bool kTma = kRowM == 0 && MT >= 2;  // (wgmma at m = 3-16: slower at m = 3-8, run 23)
+  static constexpr bool kTma = kRowM == 0 && MT >= 2;  // (wgmma at m = 3-16: slower at m = 3-8)
   static constexpr int kTpc = kTma ? 2 : 1;                // tiles per CTA: wgmma's M = 64, A's bytes from L2 halve
   static constexpr int kCols = kGemvTileN * kTpc;          // a unit's output columns
   static constexpr int kCtas = kTma ? 1 : 2;
@@ -141,8 +141,8 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   for (int j = 0; j < 8; ++j) e[j] = Num<T>::from_f(f[j]);
   return v;
 }
-// The weight is read once: keep it out of L1. kPrefetch: L2 fetches 256 bytes per miss (measured faster
-// for the fragment loads' 64-byte pieces of 8 rows, slower for whole 512-byte row pieces).
+// The weight is read once: keep it out of L1. kPrefetch: L2 fetches 256 bytes per miss (faster for the
+// fragment loads' 64-byte pieces of 8 rows, slower for whole 512-byte row pieces).
 template <bool kPrefetch>
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
@@ -229,7 +229,7 @@ __device__ __forceinline__ void st_ll(char* dst, const uint4& d, unsigned e) {
                : "memory");
 }
 // Bounded wait (every thread for its own vector) until the LL words at src carry epoch e; their data in d.
-// Not inlined: inlined, it pushed the m <= 16 fragment loader's instantiation past its 128 registers.
+// Not inlined: inlined, it pushes the m <= 16 fragment loader's instantiation past its 128 registers.
 __device__ __noinline__ bool wait_ll(const char* src, unsigned e, uint4& d, const GemvArParams& p, int peer, int tile) {
   unsigned long long t0 = 0;
   for (unsigned iter = 0;; ++iter) {
@@ -368,7 +368,7 @@ __device__ void compute_tile(const GemvArParams& p, int col0, float (*tile_s)[kG
       aoff[mt][h] = row < p.m ? row * p.lda : -1;
     }
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  // The warps' k blocks interleave (warp w: blocks w, w + 8, ...): measured faster than each warp's abutting.
+  // The warps' k blocks interleave (warp w: blocks w, w + 8, ...): faster than each warp's abutting.
   for (int k0 = warp * 32; k0 < p.k; k0 += kWarps * 32 * U) {
     uint4 wv[U][4];
 #pragma unroll
@@ -434,14 +434,14 @@ __device__ __forceinline__ int index_of(int lane) {
 }
 
 // m <= 3 on CUDA cores (an MMA would waste most of its 16 rows, and its fragments read 64-byte pieces of 8
-// rows per load instruction, measured slower than whole 512-byte pieces of one row). The pure read's
+// rows per load instruction, slower than whole 512-byte pieces of one row). The pure read's
 // fastest shape (the lab's tile3): a load instruction is 512 contiguous bytes of one row (a k block of 256),
 // m <= 2: warp w reads 16 rows of the tile (row group w % 2) at the k blocks w / 2, w / 2 + 4, ... (the
 // warps of a group interleave), 16 loads in flight; m = 3: 8 rows per warp (4 row groups), 4 loads in
 // flight (registers: 3 x 8 accumulators per lane). A's 8 elements per lane are loaded once per k block for
 // all the warp's rows. Per warp: fp32 FMAs, then one shuffle reduction of all its rows; the warps of a row
-// group are added in warp order through shared memory (deterministic). Measured 1.6-1.9 us faster at down_proj
-// m = 1-2 than 4 rows per warp over all k (lab run 16).
+// group are added in warp order through shared memory (deterministic). Faster at m = 1-2 than 4 rows per
+// warp over all k.
 template <typename T, int M>
 __device__ void compute_tile_row(const GemvArParams& p, int col0, float (*tile_s)[kGemvTileN]) {
   static_assert(M >= 1 && M <= 4, "the MMA loaders take m > 4");
@@ -646,7 +646,7 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
       for (int kk = 0; kk < kBoxK / 16; ++kk) WgPtx<T>::template mma<N>(d, dw + 2 * kk, da + 2 * kk);  // k16: +32 B
     }
     wg_commit();
-    wg_wait0();  // (keeping one stage's MMAs in flight was no faster, run 25)
+    wg_wait0();  // (keeping one stage's MMAs in flight is no faster)
     __syncthreads();  // every warpgroup is done with stage s: refill it
     if (tid == 0 && it + C::kStages < nst) issue(it + C::kStages);
   }
@@ -746,7 +746,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   };
   // The count's reply is awaited only once the CTA's first stores are issued (publish_epoch(ticket) after
   // them), except in the fragment loader: it is at its 128-register cap, where holding the ticket spills
-  // (and deferring gained nothing there, lab run 31).
+  // (and deferring gains nothing there).
   constexpr bool kDeferPublish = !(MT == 1 && kRowM == 0);
   // Returns thread 0's ticket on the first call when publishing is deferred, else ~0u (nothing to publish).
   auto take_epoch = [&]() -> unsigned {
@@ -800,7 +800,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
     }
     const unsigned ticket = take_epoch();
     // The CTA's last unit keeps its own partial in tile_s for phase 2: no store to its own slot and load back
-    // on the way to the output (0.5-1 us at world size 1, lab run 31).
+    // on the way to the output.
     const bool keep_own = pos + gridDim.x >= n_units;
     for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) {
       const int t = t0 + sub, col0 = t * kGemvTileN;

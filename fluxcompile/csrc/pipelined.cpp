@@ -68,7 +68,7 @@ void consume_flag(const c10::cuda::CUDAStream& s, int64_t addr) {
 // `waiter` waits for everything queued on `producer` so far (torch.cuda.Stream.wait_stream). One event per
 // device serves every join: a wait takes the event's state when it is issued, and each record here is
 // followed by its wait at once (inside graph capture the pair becomes a graph edge). Creating and
-// destroying an event per join cost host time on every call.
+// destroying an event per join would cost host time on every call.
 void join(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& producer) {
   static std::vector<cudaEvent_t> events;  // by device index
   const auto device = static_cast<size_t>(producer.device_index());
@@ -102,7 +102,7 @@ void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
 // Replays. A sequence below is a pure function of its arguments: the same pointers, shapes, flag addresses
 // and streams enqueue the same work. So a call whose arguments (outputs included: they are allocated
 // before the sequence) were seen before is captured once as a CUDA graph and replayed from then on: one
-// graph launch instead of the 10-30 stream operations, a fifth of the host time (benchmarks/host_cost.py).
+// graph launch instead of the 10-30 stream operations, at a fraction of their host time.
 // In a training step or a prefill loop the caching allocator hands out the same addresses every step, so
 // the keys repeat. Rules:
 // - a key is captured the second time it is seen (a one-off call is not worth a capture), at most
@@ -523,8 +523,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
 // ---------------------------------------------------------------------------------------------
 // The unsplit variants (":unsplit" choices): one GEMM over all rows, then the exchange by the copy engine.
 // No overlap, but no GEMM split by rank either (at small m a split costs up to a wave per block) and the
-// fewest launches (host time); the copy engine moves a block over NVLink about twice as fast as NCCL's
-// kernels at these sizes. The autotuner keeps them where they are faster.
+// fewest launches (host time); the copy engine moves a block over NVLink faster than NCCL's kernels at
+// these sizes. The autotuner keeps them where they are faster.
 
 // GEMM -> reduce-scatter: P (our [m, n] partial, a local region of the symmetric buffer) in one GEMM;
 // the side stream pushes each peer's block of P into its slot; we add the peers' partials of our rows.
@@ -647,8 +647,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
     // Side: the pushes (the peers wait for them). Main: our rows into our own slot, then the lead GEMM. The
-    // own-slot copy is not queued behind the pushes on the side stream: the rest GEMM waited for those too
-    // (a 13 us gap at Llama gate+up m = 2048 in the sixth session's profile).
+    // own-slot copy is not queued behind the pushes on the side stream: the rest GEMM would wait for those
+    // too.
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
     copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);
 
@@ -696,10 +696,10 @@ void check_groups(size_t peers, int64_t m, const std::vector<std::vector<int64_t
   }
 }
 
-// all-gather -> GEMM, ":stages<g>" (ag_stages.py): the peers' shards in groups, one GEMM per group's row
-// range(s) of our symmetric buffer (its slots abut into the gathered [world * rows, k]), after a GEMM over our
-// own rows from A. group_js[g]: indices j of the group's peers (their ready flags); group_ranges[g]: its row
-// ranges, flattened [lo0, hi0, lo1, hi1, ...].
+// all-gather -> GEMM, ":stages<g>" (all_gather_matmul/cublas_pipelined.py): the peers' shards in groups, one
+// GEMM per group's row range(s) of our symmetric buffer (its slots abut into the gathered [world * rows, k]),
+// after a GEMM over our own rows from A. group_js[g]: indices j of the group's peers (their ready flags);
+// group_ranges[g]: its row ranges, flattened [lo0, hi0, lo1, hi1, ...].
 std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
@@ -746,9 +746,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   return {gathered, outs};
 }
 
-// GEMM -> reduce-scatter, ":stages<g>" (rs_stages.py): the peers' row blocks in groups, one GEMM per group's
-// row range(s) into our local partial P (stage_all), each group's blocks pushed by the copy engine as soon as
-// its GEMM is done, beside the next group's GEMM; our own block last, then the owner's sum.
+// GEMM -> reduce-scatter, ":stages<g>" (matmul_reduce_scatter/cublas_pipelined.py): the peers' row blocks in
+// groups, one GEMM per group's row range(s) into our local partial P (stage_all), each group's blocks pushed
+// by the copy engine as soon as its GEMM is done, beside the next group's GEMM; our own block last, then the
+// owner's sum.
 at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
                      const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
                      std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
