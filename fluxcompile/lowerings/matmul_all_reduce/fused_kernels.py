@@ -101,7 +101,7 @@ def _get_state(family: str, group_name: str) -> _State:
         if _capturing():
             raise RuntimeError(f"fluxcompile: run the {family} decode kernel once eagerly before graph capture")
         world = group(group_name).size()
-        fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"decode_ar.{family}.flags")
+        fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"matmul_all_reduce.{family}.flags")
         init_flags(FlagArray(fws, 0, (world + 1) * MAX_TILES), 0)  # host barrier: zeroed everywhere first
         st = _State(
             flags=fws,
@@ -123,7 +123,7 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
     from the buffer's capacity (equal on all ranks), so calls of any shape agree on where a slot starts."""
     slots = _slots(family, world)
     need = slots * (-(-slot_need // _SLOT_ALIGN) * _SLOT_ALIGN)
-    ws = workspace(group_name, need, tag=f"decode_ar.{family}")  # a collective when it grows (never in capture)
+    ws = workspace(group_name, need, tag=f"matmul_all_reduce.{family}")  # a collective when it grows (never in capture)
     if st.data is not ws:
         if family == "cuda":
             # LL words are read by their content: no stale bytes of an earlier owner of this memory may pass
