@@ -83,6 +83,11 @@ class Config:
 
     # Rank-synchronized autotuning of the fused ops' implementations; off = fixed default choice.
     autotune: bool = _field(True, tuning=True)
+    # Where a matched site's implementation is chosen while compiling (fx_passes/decide.py): "cuda" for sites on
+    # CUDA tensors, "always", or "never". Where it is, a site whose unfused collective + matmul win keeps its
+    # original ops (compiled as plain Inductor compiles them); elsewhere every matched site is rewritten and its
+    # fused op chooses at run time.
+    choose_at_compile: str = _field("cuda", choices=("cuda", "always", "never"))
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
     cache_dir: str = ""
 

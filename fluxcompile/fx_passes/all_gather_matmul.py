@@ -17,7 +17,8 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .graph_utils import aten, call, is_call, shape, single_wait, static_int
+from .decide import keep_reason
+from .graph_utils import aten, call, is_call, shape, single_wait, static_int, val
 from .matmuls import Consumers, find_consumers
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
@@ -124,6 +125,9 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[2])
     if isinstance(found, str):
         return Entry(node.name, "all_gather_into_tensor", group, None, found)
+    shard_val = val(found.shard) if found.shard_perm is None else val(found.shard).permute(found.shard_perm)
+    if why := keep_reason(PATTERN, found.fused_args(shard_val), found.group_name, cfg):
+        return Entry(node.name, "all_gather_into_tensor", group, None, why)
     shard = None
     if found.shard_perm is not None:
         with graph.inserting_before(node):

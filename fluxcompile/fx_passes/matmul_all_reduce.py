@@ -11,6 +11,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
+from .decide import keep_reason
 from .graph_utils import call, erase_dead, shape, single_wait
 from .matmuls import Producers
 from .report import Entry
@@ -64,9 +65,11 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     wait = single_wait(node)
     tail = match_tail(wait) if wait is not None and cfg.all_reduce_rmsnorm else None
     if isinstance(tail, RMSNormTail):
-        return _fuse_with_tail(graph, node, found, tail, group)
+        return _fuse_with_tail(graph, node, found, tail, group, cfg)
     if isinstance(found, str):
         return Entry(node.name, "all_reduce", group, None, found)
+    if why := keep_reason(PATTERN, found.fused_args(), found.group_name, cfg):
+        return Entry(node.name, "all_reduce", group, None, why)
     rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, [])
     return Entry(node.name, "all_reduce", group, PATTERN, _describe(found))
 
@@ -76,7 +79,7 @@ def _describe(found: MatmulAllReduceMatch) -> str:
 
 
 def _fuse_with_tail(
-    graph: Graph, node: Node, found: MatmulAllReduceMatch | str, tail: RMSNormTail, group: str
+    graph: Graph, node: Node, found: MatmulAllReduceMatch | str, tail: RMSNormTail, group: str, cfg: Config
 ) -> Entry:
     source, reduce_op, group_name = node.args[:3]
     if isinstance(found, MatmulAllReduceMatch):
@@ -99,6 +102,8 @@ def _fuse_with_tail(
         reduce_op,
         group_name,
     )
+    if why := keep_reason(TAIL, args, group_name, cfg):
+        return Entry(node.name, "all_reduce", group, None, why)
     with graph.inserting_before(node):
         fused = call(graph, ops.op(TAIL), args)
         h = call(graph, operator.getitem, (fused, 0))

@@ -16,6 +16,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
+from .decide import keep_reason
 from .graph_utils import aten, is_call, shape, single_wait
 from .matmuls import Producers
 from .report import Entry
@@ -100,6 +101,8 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[3])
     if isinstance(found, str):
         return Entry(node.name, "reduce_scatter_tensor", group, None, found)
+    if why := keep_reason(PATTERN, found.fused_args(), found.group_name, cfg):
+        return Entry(node.name, "reduce_scatter_tensor", group, None, why)
     rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes)
     return Entry(
         node.name,
