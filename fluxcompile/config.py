@@ -88,6 +88,8 @@ class Config:
     # original ops (compiled as plain Inductor compiles them); elsewhere every matched site is rewritten and its
     # fused op chooses at run time.
     choose_at_compile: str = _field("cuda", choices=("cuda", "always", "never"))
+    # How long a rank waits, at a site's compile-time choice, for the other ranks of its group to reach it.
+    choose_timeout_s: float = 600.0
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
     cache_dir: str = ""
 

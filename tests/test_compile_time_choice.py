@@ -9,9 +9,10 @@ fused choice declines, so a fused winner is a fake choice that computes with the
   still compile the same code; a disk cache on one rank only means tuning again on all, not a hang; groups
   that compile different graphs agree per site within their own group.
 
-Every compile here runs with Inductor's caches off (``fresh_compiles``): the disk cache asymmetry covered is the
-autotuner's. A rank whose own FX graph cache hits skips the pass, and with it the site's agreement, while a
-rank that misses runs it; these tests do not cover that case.
+Every compile here runs with Inductor's caches off (``fresh_compiles``): the disk cache asymmetry covered by the
+compiles is the autotuner's. A rank whose own FX graph cache hits skips the pass, and with it the site's
+agreement, while a rank that misses runs it: the ranks first meet on the store, so the rank that misses ends its
+compile with an error naming the cause (``test_a_rank_that_skips_the_site_is_an_error``) before any collective.
 """
 
 from __future__ import annotations
@@ -401,3 +402,43 @@ def test_groups_compiling_different_graphs_do_not_hang(ranks, tmp_path):
         for fused, detail in a["report"]:
             assert fused is not None or detail.startswith(KEPT), a["report"]
     assert results[0]["calls"] != results[2]["calls"]
+
+
+def _meet_alone(timeout_s: float) -> str:
+    """Rank 1 reaches a site's meeting; rank 0 never does (as when Inductor replays the graph from its cache)."""
+    from fluxcompile.fx_passes import decide
+
+    group = dist.new_group([0, 1])  # a group of its own, so no later meeting on the world group is off by one
+    if dist.get_rank() == 0:
+        return ""
+    try:
+        decide._meet(group.group_name, "all_gather_matmul[(4, 16)]", timeout_s)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _meet_at(site: str) -> str:
+    from fluxcompile.fx_passes import decide
+
+    group = dist.new_group([0, 1])  # a group of its own: its meetings count from 1 on every rank
+    try:
+        decide._meet(group.group_name, site, 30.0)
+    except RuntimeError as e:
+        return str(e)
+    return "met"
+
+
+def test_a_rank_that_skips_the_site_is_an_error(ranks):
+    """The ranks of a group meet on the store before any tuning collective: a rank left alone ends with an error
+    that names the site and the cause, and ranks at different sites too."""
+    results = ranks(2).run(_meet_alone, 2.0)
+    assert results[0] == ""
+    assert "rank 1" in results[1] and "waited 2 s" in results[1] and "Inductor's cache" in results[1], results[1]
+    assert ranks(2).run(_meet_at, "same site") == ["met", "met"]
+    sites = ranks(2).run(_meet_at_rank_site)
+    assert all("compile different sites" in r for r in sites), sites
+
+
+def _meet_at_rank_site() -> str:
+    return _meet_at(f"site of rank {dist.get_rank()}")

@@ -19,16 +19,22 @@ reference, so rewriting them keeps every rewrite testable there.
 
 Every rank of a group compiles the same graphs in the same order, as for any collective, so every rank reaches
 each site's agreement; sites of other groups (pipeline stages, expert groups) agree within their own group.
+Before any collective, the ranks of the group meet on the process group's store (bounded by
+``config.choose_timeout_s``): a rank that never arrives, because Inductor replayed this graph from its cache
+there, or that arrives at another site, ends this rank's compile with an error that says so, instead of a
+collective that would hang or mix with the other rank's own.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
@@ -54,6 +60,7 @@ def keep_reason(op_name: str, args: Sequence[Any], group_name: str, cfg: Config)
 
     if all(c.name == REFERENCE for c in choices_for(op_name)):
         return f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are"
+    _meet(group_name, f"{op_name}{[tuple(t.shape) for t in fakes]}", cfg.choose_timeout_s)
     choice = _on_fresh_thread(lambda: pick(op_name, tuple(_materialize(args)), group_name), device)
     if choice.name == REFERENCE:
         return (
@@ -61,6 +68,37 @@ def keep_reason(op_name: str, args: Sequence[Any], group_name: str, cfg: Config)
             "any (FLUXCOMPILE_LOG=info prints the table)"
         )
     return None
+
+
+_meetings: dict[str, int] = {}  # group name -> sites this process has met on
+
+
+def _meet(group_name: str, site: str, timeout_s: float) -> None:
+    """Wait until every rank of the group has reached its ``n``-th compile-time choice in this group, and check it
+    is the same site everywhere; raise on a timeout or a mismatch (no collective has run yet)."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    rank, world = group.rank(), group.size()
+    if world == 1:
+        return
+    n = _meetings[group_name] = _meetings.get(group_name, 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"fluxcompile/choose/{group_name}/{n}/{r}" for r in range(world)]
+    store.set(keys[rank], site)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise RuntimeError(
+            f"fluxcompile: rank {rank}: the compile-time choice of site {n} of group {group_name} ({site}) waited "
+            f"{timeout_s:g} s for the group's other ranks ({type(e).__name__}): a rank that replays this graph "
+            "from Inductor's cache skips it. Give the ranks the same Inductor cache state, or set "
+            "FLUXCOMPILE_CHOOSE_AT_COMPILE=never"
+        ) from None
+    sites = [store.get(k).decode() for k in keys]
+    if any(other != site for other in sites):
+        raise RuntimeError(
+            f"fluxcompile: rank {rank}: the ranks of group {group_name} compile different sites at their "
+            f"compile-time choice {n}: {sites}"
+        )
 
 
 def _on_fresh_thread(fn: Callable[[], Any], device: torch.device) -> Any:
