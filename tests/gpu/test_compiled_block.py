@@ -1,5 +1,6 @@
 """The fused ops through their CUDA dispatch (autotuned choice), eagerly, in CUDA graphs, and inside the
-DTensor Llama block compiled with backend="fluxcompile"."""
+DTensor Llama block compiled with backend="fluxcompile" (every matched site rewritten: the fused ops and
+their kernels are under test here; tests/gpu/test_compile_choices.py covers the choices made while compiling)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from gpu_helpers import poison_allocator, shared_seed
 from torch.distributed.device_mesh import init_device_mesh
 
-from fluxcompile import ops
+from fluxcompile import config, ops
 from fluxcompile.demo import DemoArgs, check_block
 from fluxcompile.testing.numerics import assert_close
 
@@ -40,9 +41,12 @@ def test_dispatch_picks_a_choice_and_matches_reference():
 
 @pytest.mark.peers  # one rank has no collectives to fuse
 @pytest.mark.parametrize("batch", [1, 2])
-def test_compiled_llama_block_matches_eager(batch):
+def test_compiled_llama_block_matches_eager(batch, monkeypatch):
     # batch 1: the gather along the sequence dim is contiguous rows (the pipelined choice applies);
     # batch 2: interleaved rows (it declines, another choice runs).
+    # Every matched site rewritten into its fused op (not kept where the unfused ops time faster while
+    # compiling), so the counts below pin the rewrite and the fused ops run in the block.
+    monkeypatch.setattr(config, "choose_at_compile", "never")
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     r = check_block(mesh, DemoArgs(dim=1024, heads=16, ffn=2816, batch=batch, seq=512, dtype="bfloat16"))
     assert r.ok, r
