@@ -1,6 +1,7 @@
 """Model-level benchmark (issue 8): the TP Llama block in three regimes, one process per GPU:
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/model.py --out DIR [--quick] [--big]
+        [--seqs 2048] [--variants inductor,fluxcompile,inductor_ro,fluxcompile_ro,zero_comm]
 
 The block of ``fluxcompile/models/llama.py`` (dim 4096, FFN 14336, 32 heads; ``--big``: dim 8192, FFN 28672,
 64 heads), parallelized with PyTorch's TP API (DTensor ``parallelize_module``, torchtitan's plan), in:
@@ -15,11 +16,17 @@ each compiled, in the same run and from the same weights, with
   fluxcompile  backend="fluxcompile"
   zero_comm    Inductor with every collective replaced by a local op of the same output shape (all-gather:
                the local shard repeated; reduce-scatter: the first rows; all-reduce: identity) — the bound
-               that no overlap method can beat.
-Variants are timed in interleaved rounds (CUDA events), medians, the slowest rank. Speedup = T_inductor / T;
-gain captured = (T_inductor − T) / (T_inductor − T_zero_comm). Before timing, every run checks each
-variant's outputs (and, in train, the input and weight gradients) against Inductor's on fresh random
-inputs. Prints a table last (``== table``), writes model.json (after every case) and model.png to --out.
+               that no overlap method can beat;
+and, when --variants names them (not in the default), under CUDA graph trees (mode="reduce-overhead": the
+options that mode sets, since torch.compile takes a mode or options and the census is an option):
+  inductor_ro     default Inductor with reduce-overhead, the baseline of
+  fluxcompile_ro  backend="fluxcompile" with reduce-overhead.
+Every call of a reduce-overhead variant is a replay of its recorded graphs (the input copied into the graph's
+own first); in decode each of the --graph-calls calls per timed run is such a call, on the same input.
+Variants are timed in interleaved rounds (CUDA events), medians, the slowest rank. Speedup = T_inductor / T
+(fluxcompile_ro: T_inductor_ro / T); gain captured = (T_inductor − T) / (T_inductor − T_zero_comm). Before
+timing, every run checks each variant's outputs (and, in train, the input and weight gradients) against
+Inductor's on fresh random inputs. Prints a table last (``== table``), writes model.json (after every case) and model.png to --out.
 ``--device cpu`` runs the same code on gloo (tests/test_model_bench.py).
 """
 
@@ -45,7 +52,12 @@ import torch.distributed as dist
 from torch._inductor import custom_graph_pass
 
 REGIMES = ("train", "prefill", "decode")
-VARIANTS = ("inductor", "async_tp", "fluxcompile", "zero_comm")
+# Reduce-overhead (CUDA graph tree) variants: outputs are overwritten by the next replay, so the numerics keep
+# copies; decode calls them directly instead of capturing them in a graph of its own.
+REDUCE_OVERHEAD = ("inductor_ro", "fluxcompile_ro")
+VARIANTS = ("inductor", "async_tp", "fluxcompile", "zero_comm", *REDUCE_OVERHEAD)
+DEFAULT_VARIANTS = ("inductor", "async_tp", "fluxcompile", "zero_comm")
+BASELINE = {"fluxcompile_ro": "inductor_ro"}  # speedup over this variant; the others' over inductor
 SIZES = {"train": (2048, 8192), "prefill": (2048, 8192), "decode": (1, 16, 64, 256)}
 QUICK_SIZES = {"train": (8192,), "prefill": (8192,), "decode": (64,)}
 # Cases the issue's acceptance bar names run first, so a run cut short by --budget-s still has them.
@@ -173,8 +185,14 @@ class Census(custom_graph_pass.CustomGraphPass):
 def compile_variant(name: str, module: torch.nn.Module, census: Census, zero: ZeroCommPass | None = None) -> Callable:
     """``module`` compiled as variant ``name``. Every variant gets the counting post-pass (it changes
     nothing); async-TP's flag is an Inductor config patch of this compile only (forward and backward), so
-    it never leaks into the other variants; dynamic=False so a second size never compiles symbolic."""
+    it never leaks into the other variants; dynamic=False so a second size never compiles symbolic. The
+    ``_ro`` variants add what ``mode="reduce-overhead"`` sets (CUDA graph trees)."""
     opts: dict[str, Any] = {"post_grad_custom_post_pass": census}
+    if name in REDUCE_OVERHEAD:
+        from torch._inductor import list_mode_options
+
+        opts.update(list_mode_options("reduce-overhead"))
+        name = name.removesuffix("_ro")
     if name == "inductor":
         return torch.compile(module, backend="inductor", options=opts, dynamic=False)
     if name == "async_tp":
@@ -335,6 +353,8 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
             if name == "fluxcompile":
                 row["report"] = rep.format()
                 row["fused"] = _fused_counts(rep)
+            elif name == "fluxcompile_ro":
+                row["fused_ro"] = _fused_counts(rep)
         except Exception as e:
             failed[name] = f"{type(e).__name__}: {e}"[:2000]
         row["compile_s"][name] = round(time.time() - t0, 1)
@@ -351,9 +371,18 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
     x, gy = inputs(_seed(device))
     names = [n for n, _ in mods["inductor"].named_parameters()] if "inductor" in mods else []
     outs = {}
+    failed = {}
     for name in calls:
         if name != "zero_comm":
-            outs[name] = _step(calls[name], mods[name], x, gy, train)
+            try:  # a reduce-overhead variant records its CUDA graphs here (its second call)
+                outs[name] = _step(calls[name], mods[name], x, gy, train, copy_out=name in REDUCE_OVERHEAD)
+            except Exception as e:
+                failed[name] = f"{type(e).__name__}: {e}"[:2000]
+    failed = _agree(failed)
+    for name in failed:
+        calls.pop(name, None)
+        outs.pop(name, None)
+    row["failed"].update(failed)
     if "inductor" in outs:
         for name, got in outs.items():
             if name != "inductor":
@@ -377,10 +406,12 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
         n = 1
     tol = TOLERANCE.get(dtype, 1e-2)
     row["tolerance"] = tol
+    # fluxcompile's variants that were asked for (fluxcompile if none was) must run and match Inductor.
+    checked = [v for v in ("fluxcompile", "fluxcompile_ro") if v in variants] or ["fluxcompile"]
     row["ok"] = (
-        "fluxcompile" in fns
-        and "inductor" in fns
-        and all(e <= tol for e in row["errors"].get("fluxcompile", {"missing": float("inf")}).values())
+        "inductor" in fns
+        and all(v in fns for v in checked)
+        and all(e <= tol for v in checked for e in row["errors"].get(v, {"missing": float("inf")}).values())
     )
     if fns:
         per_round = max(1, args.iters // args.rounds)
@@ -402,15 +433,22 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-def _step(compiled: Callable, module: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, train: bool) -> Any:
+def _step(
+    compiled: Callable, module: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor, train: bool, copy_out: bool = False
+) -> Any:
     """train: forward + backward, returning (output, grads of input and weights) without touching .grad;
-    otherwise the output under no_grad."""
+    otherwise the output under no_grad. ``copy_out``: copies of them (a CUDA graph tree's outputs are
+    overwritten by its next replay, any variant's)."""
     if not train:
         with torch.no_grad():
-            return compiled(x)
+            y = compiled(x)
+        return y.clone() if copy_out else y
     y = compiled(x)
     wrt = [x, *module.parameters()]
-    return y, torch.autograd.grad(y, wrt, gy)
+    grads = torch.autograd.grad(y, wrt, gy)
+    if copy_out:
+        return y.detach().clone(), tuple(g.clone() for g in grads)
+    return y, grads
 
 
 def _sync(device: str) -> None:
@@ -424,12 +462,18 @@ def _decode_graphs(
     """Per variant, ``--graph-calls`` chained calls (each call's output is the next one's input, like
     consecutive layers) captured in one CUDA graph after warm-up (fluxcompile's autotuner and workspaces
     must be done before capture). Returns the replay callables, the first call's output error against
-    Inductor's after a replay on fresh inputs, and failures. On CPU: the same chain, run directly."""
+    Inductor's after a replay on fresh inputs, and failures. On CPU: the same chain, run directly.
+
+    The reduce-overhead variants (CUDA graph trees, recorded by the earlier calls) are not captured: their
+    ``--graph-calls`` calls each replay the recorded graph on the same input (a chain would feed one replay's
+    output, which the next replay overwrites, back into it)."""
     from fluxcompile.testing.numerics import rel_err
 
     n = max(1, args.graph_calls)
     static = {name: x.clone() for name in calls}
     first: dict[str, torch.Tensor] = {}
+    trees = [name for name in calls if name in REDUCE_OVERHEAD]
+    graphed = [name for name in calls if name not in REDUCE_OVERHEAD]
 
     def chain(name: str) -> torch.Tensor:
         y = static[name]
@@ -440,20 +484,26 @@ def _decode_graphs(
                     first[name] = y
         return y
 
+    def replays(name: str) -> torch.Tensor:
+        with torch.no_grad():
+            for _ in range(n):
+                y = calls[name](static[name])
+        return y
+
     failed: dict[str, str] = {}
-    runners: dict[str, Callable[[], object]] = {}
+    runners: dict[str, Callable[[], object]] = {name: (lambda name=name: replays(name)) for name in trees}
     if args.device != "cuda":
-        runners = {name: (lambda name=name: chain(name)) for name in calls}
+        runners.update({name: (lambda name=name: chain(name)) for name in graphed})
     else:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
-            for name in calls:
+            for name in graphed:
                 for _ in range(2):
                     chain(name)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        for name in calls:
+        for name in graphed:
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -465,12 +515,16 @@ def _decode_graphs(
         for name in failed:
             runners.pop(name, None)
         torch.cuda.synchronize()
+    runners = {name: runners[name] for name in calls if name in runners}  # the variants' order
     # Fresh inputs into the static buffers, one replay each, then compare the first call's outputs.
     gen = torch.Generator(device=x.device).manual_seed(_seed(args.device))  # replicated: same on all ranks
     fresh = torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=gen)
     for name in runners:
         static[name].copy_(fresh)
-        runners[name]()
+        out = runners[name]()
+        if name in REDUCE_OVERHEAD:  # the same as the first call's (same input), copied before another replay
+            first[name] = out.clone()
+        del out
     _sync(args.device)
     errors = {}
     if "inductor" in runners:
@@ -497,12 +551,12 @@ def _derive(row: dict) -> None:
     us = row["us"]
     ind, zero = us.get("inductor"), us.get("zero_comm")
     row["speedup"], row["gain"] = {}, {}
-    for name in ("async_tp", "fluxcompile", "zero_comm"):
-        t = us.get(name)
-        if t is None or ind is None:
+    for name in ("async_tp", "fluxcompile", "zero_comm", *REDUCE_OVERHEAD):
+        t, base = us.get(name), us.get(BASELINE.get(name, "inductor"))
+        if t is None or base is None:
             continue
-        row["speedup"][name] = ind / t
-        if zero is not None and name != "zero_comm":
+        row["speedup"][name] = base / t
+        if zero is not None and ind is not None and name in ("async_tp", "fluxcompile"):
             row["gain"][name] = (ind - t) / (ind - zero) if ind - zero > 0 else float("nan")
 
 
@@ -514,10 +568,11 @@ def _size_label(r: dict) -> str:
     return f"{r['size']} tok" if r["regime"] != "decode" else f"b={r['size']}"
 
 
-def _fused_label(r: dict) -> str:
-    """fluxcompile's fused / seen collectives per graph kind, e.g. 'fwd 4/4 bwd 4/4'."""
+def _fused_label(r: dict, key: str = "fused") -> str:
+    """fluxcompile's fused / seen collectives per graph kind, e.g. 'fwd 4/4 bwd 4/4' (``key`` "fused_ro":
+    fluxcompile_ro's)."""
     short = {"forward": "fwd", "backward": "bwd", "inference": "inf"}
-    parts = [f"{short.get(k, k)} {v['fused']}/{v['collectives']}" for k, v in r.get("fused", {}).items()]
+    parts = [f"{short.get(k, k)} {v['fused']}/{v['collectives']}" for k, v in r.get(key, {}).items()]
     return " ".join(parts) or "-"
 
 
@@ -563,6 +618,21 @@ def table(rows: list[dict]) -> str:
         left = sum(v.get("collectives", 0) for v in zc.values())
         if left:
             lines.append(f"  WARNING {r['regime']} {_size_label(r)}: zero_comm still has {left} collectives")
+    ro_rows = [r for r in rows if any(v in r["us"] for v in REDUCE_OVERHEAD)]
+    if ro_rows:  # CUDA graph trees: fluxcompile_ro against its own baseline, inductor_ro
+        lines.append(
+            f"reduce-overhead: {'regime':<8} {'size':>9} {'ind_ro':>9} {'flux_ro':>9} {'x flux_ro':>9} "
+            f"{'x ind_ro':>8} {'max err':>8}  flux_ro fused   (x ind_ro: inductor_ro over inductor)"
+        )
+        for r in ro_rows:
+            us, sp = r["us"], r.get("speedup", {})
+            errs = r["errors"].get("fluxcompile_ro", {})
+            worst = max(errs.values()) if errs else None
+            lines.append(
+                f"                 {r['regime']:<8} {_size_label(r):>9} {f(us.get('inductor_ro'), '.1f', 9)} "
+                f"{f(us.get('fluxcompile_ro'), '.1f', 9)} {f(sp.get('fluxcompile_ro'), '.3f', 9)} "
+                f"{f(sp.get('inductor_ro'), '.3f', 8)} {f(worst, '.1e', 8)}  {_fused_label(r, 'fused_ro')}"
+            )
     # The issue's bar: never slower than Inductor; >= 70% of the gain at train/prefill 8192, decode b <= 64.
     slower = [f"{r['regime']} {_size_label(r)}" for r in rows if r.get("speedup", {}).get("fluxcompile", 1.0) < 1.0]
     bar = [
@@ -583,6 +653,11 @@ def table(rows: list[dict]) -> str:
             )
         )
     lines.append(f"fluxcompile slower than Inductor: {', '.join(slower) or 'nowhere'}")
+    if ro_rows:
+        slower_ro = [
+            f"{r['regime']} {_size_label(r)}" for r in ro_rows if r.get("speedup", {}).get("fluxcompile_ro", 1.0) < 1.0
+        ]
+        lines.append(f"fluxcompile_ro slower than inductor_ro: {', '.join(slower_ro) or 'nowhere'}")
     lines.append(
         f"gain captured >= 70% (train/prefill 8192, decode b<=64): {len(bar) - len(short)} of {len(bar)} measured"
         + (f"; short: {', '.join(short)}" if short else "")
@@ -644,8 +719,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=1, help="blocks in sequence")
     p.add_argument("--dim", type=int), p.add_argument("--heads", type=int), p.add_argument("--ffn", type=int)
     p.add_argument("--regimes", default=",".join(REGIMES))
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--seqs", help="train/prefill tokens, comma-separated (default 2048,8192)")
+    p.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, inductor included, among {','.join(VARIANTS)} (default %(default)s); "
+        "inductor_ro / fluxcompile_ro: Inductor / fluxcompile with mode='reduce-overhead' (CUDA graph trees)",
+    )
+    p.add_argument(
+        "--seqs",
+        help="train/prefill tokens, comma-separated (default 2048,8192; --quick 8192); "
+        "--seqs 2048: the 2048-token step alone",
+    )
     p.add_argument("--batches", help="decode batch sizes, comma-separated (default 1,16,64,256)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="timed calls per variant, over all rounds")
@@ -667,7 +751,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         sizes["train"] = sizes["prefill"] = tuple(int(s) for s in a.seqs.split(","))
     if a.batches:
         sizes["decode"] = tuple(int(s) for s in a.batches.split(","))
-    a.variants = [v for v in a.variants.split(",") if v]
+    a.variants = list(dict.fromkeys(v for v in a.variants.split(",") if v))  # in order, once each
     unknown = set(a.variants) - set(VARIANTS)
     if unknown or "inductor" not in a.variants:
         p.error(f"--variants must include inductor and be among {VARIANTS}")
