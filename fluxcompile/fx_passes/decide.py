@@ -48,7 +48,7 @@ def keep_reason(op_name: str, args: Sequence[Any], group_name: str, cfg: Config)
     ``args`` are the fused op's arguments with Nodes (or fake tensors) in place of tensors."""
     if cfg.choose_at_compile == "never":
         return None
-    fakes = [t for t in _tensors(args)]
+    fakes = _tensors(args)
     if not fakes:
         return None
     device = fakes[0].device
