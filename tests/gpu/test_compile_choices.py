@@ -21,13 +21,11 @@ whose collectives are written out as functional collectives, since DTensor emits
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -42,6 +40,7 @@ import fluxcompile
 from fluxcompile import lowerings
 from fluxcompile.lowerings import autotune
 from fluxcompile.models.llama import Block, BlockArgs
+from fluxcompile.testing import fresh_compiles
 from fluxcompile.testing.numerics import TOLERANCE, elementwise_mismatch, grad_errors, rel_err
 
 BF16 = torch.bfloat16
@@ -179,14 +178,6 @@ def block_input(seed: int, group: dist.ProcessGroup, case: str, device: str = "c
 # What the compile did.
 
 
-@contextlib.contextmanager
-def fresh_compiles() -> Iterator[None]:
-    """Compile caches off: every graph really goes through the rewrite pass (and its compile-time tuning)."""
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-    ):
-        yield
 
 
 class Tuning:
