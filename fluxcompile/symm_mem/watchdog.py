@@ -117,7 +117,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.poll_s or 1.0)
+            time.sleep(self.poll_s if self.timeout_s > 0 else 1.0)
             if self.timeout_s <= 0:
                 continue  # switched off since the thread started
             try:
