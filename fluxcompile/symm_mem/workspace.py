@@ -55,7 +55,8 @@ def generation() -> int:
     return _generation
 
 
-def _enable_group(group_name: str) -> None:
+def enable_group(group_name: str) -> None:
+    """Turn on PyTorch's symmetric memory for the group (once; its own symm_mem ops need it too)."""
     from torch.distributed import _symmetric_memory as symm
 
     if not symm.is_symm_mem_enabled_for_group(group_name):
@@ -82,7 +83,7 @@ def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | N
             f"but has {have}; it cannot grow during CUDA graph capture. Run the model once eagerly "
             "(warm-up) with the largest shapes before capturing."
         )
-    _enable_group(group_name)
+    enable_group(group_name)
     size = max(nbytes, 2 * ws.nbytes if ws is not None else 0, _MIN_BYTES)
     buf = symm.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
     handle = symm.rendezvous(buf, group_name)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from ...symm_mem.workspace import enable_group
 
 NAME = "torch_symm_mem"
 
@@ -26,11 +27,6 @@ def supports(
 def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
 ) -> tuple[Tensor, list[Tensor]]:
-    from torch.distributed import _symmetric_memory as symm
-
-    if not symm.is_symm_mem_enabled_for_group(group_name):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # deprecated in newer torch, still required by 2.11
-            symm.enable_symm_mem_for_group(group_name)
+    enable_group(group_name)
     A_gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(A, list(Bs), gather_dim, group_name)
     return A_gathered, [o.reshape(-1, o.shape[-1]) for o in outs]

@@ -4,10 +4,11 @@ no bias)."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
+
+from ...symm_mem.workspace import enable_group
 
 NAME = "torch_symm_mem"
 
@@ -39,12 +40,7 @@ def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_
 
 
 def matmul_reduce_scatter(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> Tensor:
-    from torch.distributed import _symmetric_memory as symm
-
-    if not symm.is_symm_mem_enabled_for_group(group_name):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # deprecated in newer torch, still required by 2.11
-            symm.enable_symm_mem_for_group(group_name)
+    enable_group(group_name)
     # PyTorch's op scatters the N-D A @ B along a dim of A's leading dims: give A the output's row shape.
     A = As[0].reshape(*out_shape[:-1], As[0].shape[-1])
     out = torch.ops.symm_mem.fused_matmul_reduce_scatter(A, Bs[0], reduce_op, scatter_dim % len(out_shape), group_name)
