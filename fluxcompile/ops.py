@@ -22,13 +22,38 @@ Conventions shared by all ops
   collective consumed in the original graph.
 * Outputs are new contiguous tensors.
 
+Scaled matmuls (fp8)
+--------------------
+Every op with matmuls ends with the same optional arguments. Without scales (the default) a matmul is
+``mm``/``addmm``. With them it is ``torch._scaled_mm(a, b, scale_a, scale_b, bias=..., out_dtype=out_dtype,
+use_fast_accum=use_fast_accum)``, as in the graph that was rewritten:
+* consumer ops take ``A_scale``, the scale of the communicated operand as this rank holds it: one element
+  (tensor-wise, used for every row) or ``[*A.shape[:-1], 1]`` (row-wise: communicated with A's rows), and
+  ``B_scales``, one per weight;
+* producer ops take ``A_scales`` and ``B_scales``, one each per term of the sum;
+* ``out_dtype`` is every product's dtype (scaled matmuls only).
+
+The compiled choice
+-------------------
+``choice`` (last argument) is what the compile-time choice (``fx_passes/decide.py``) wrote into the graph for
+the op's CUDA implementation: ``""`` lets the runtime autotuner choose per call signature; otherwise a table of
+choice names by the op's row count (``lowerings/compiled.py``). It never changes the result, so the reference
+ignores it.
+
+Adding an op
+------------
+New ops follow the same shape: the operands before the communication as tensors (weights as ``Tensor[]`` or a
+stacked tensor, never Python lists of numbers), the communicated tensor returned beside the products where the
+graph may still read it, sizes that may be symbolic as ``SymInt[]`` and sizes known only on the GPU as tensors,
+``group_name`` after the operands, then the scaling arguments and ``choice``.
+
 The ops
 -------
 ``all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name) -> (A_gathered, outs)``
     ``A_gathered = all_gather(A, dim=gather_dim)`` (N-D, contiguous);
     ``outs[i] = addmm(biases[i], A_gathered.reshape(-1, K), Bs[i])`` — several weights share one gather.
 ``matmul_reduce_scatter(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> out``
-    ``out = reduce_scatter(P.reshape(out_shape), dim=scatter_dim)``.
+    ``out = reduce_scatter(P.reshape(out_shape), dim=scatter_dim)``; ``scatter_dim`` may be the last (feature) dim.
 ``matmul_all_reduce(As, Bs, bias, out_shape, reduce_op, group_name) -> out``
     ``out = all_reduce(P.reshape(out_shape))``.
 ``all_to_all_matmul(A, Bs, biases, output_split_sizes, input_split_sizes, group_name) -> (A_exchanged, outs)``
@@ -64,31 +89,35 @@ def _collective(op, *args) -> Tensor:
 
 
 _lib = torch.library.Library("fluxcompile", "DEF")
+# The trailing arguments, alike for every op with matmuls (see "Scaled matmuls" and "The compiled choice" above).
+_SCALING_TAIL = 'Tensor[]? B_scales=None, ScalarType? out_dtype=None, bool use_fast_accum=False, str choice=""'
+_CONSUMER_TAIL = f"Tensor? A_scale=None, {_SCALING_TAIL}"
+_PRODUCER_TAIL = f"Tensor[]? A_scales=None, {_SCALING_TAIL}"
+
 _lib.define(
-    "all_gather_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, int gather_dim, int group_size,"
-    " str group_name) -> (Tensor, Tensor[])"
+    "all_gather_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, int gather_dim, int group_size, str group_name, "
+    f"{_CONSUMER_TAIL}) -> (Tensor, Tensor[])"
 )
 _lib.define(
     "matmul_reduce_scatter(Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, int scatter_dim,"
-    " str reduce_op, int group_size, str group_name) -> Tensor"
+    f" str reduce_op, int group_size, str group_name, {_PRODUCER_TAIL}) -> Tensor"
 )
 _lib.define(
     "matmul_all_reduce(Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, str reduce_op,"
-    " str group_name) -> Tensor"
+    f" str group_name, {_PRODUCER_TAIL}) -> Tensor"
 )
 _lib.define(
     "all_to_all_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, SymInt[] output_split_sizes,"
-    " SymInt[] input_split_sizes, str group_name) -> (Tensor, Tensor[])"
+    f" SymInt[] input_split_sizes, str group_name, {_CONSUMER_TAIL}) -> (Tensor, Tensor[])"
 )
 _lib.define(
     "matmul_all_to_all(Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape,"
-    " SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name) -> Tensor"
+    f" SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, {_PRODUCER_TAIL}) -> Tensor"
 )
-
 _lib.define(
     "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
-    " Tensor weight, float eps, bool upcast, bool weight_after_cast, str reduce_op, str group_name)"
-    " -> (Tensor, Tensor)"
+    " Tensor weight, float eps, bool upcast, bool weight_after_cast, str reduce_op, str group_name,"
+    f" {_PRODUCER_TAIL}) -> (Tensor, Tensor)"
 )
 
 FUSED_OPS: tuple[str, ...] = (
@@ -110,16 +139,58 @@ def op(name: str) -> torch._ops.OpOverload:
 # Building blocks of the reference implementations (also used by other choices and by tests).
 
 
-def _matmul(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+def _matmul(
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None,
+    scale_a: Tensor | None = None,
+    scale_b: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+) -> Tensor:
+    if scale_a is None:
+        return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
-def matmul_sum(As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None) -> Tensor:
-    """``P = addmm(bias, As[0], Bs[0]) + As[1] @ Bs[1] + ...``, added left to right."""
+def check_scales(
+    n: int, A_scales: Sequence[Tensor] | None, B_scales: Sequence[Tensor] | None, out_dtype: torch.dtype | None
+) -> bool:
+    """Whether the ``n`` matmuls are scaled (both scale lists given, one scale per matmul); a clear error where
+    the arguments disagree."""
+    if A_scales is None and B_scales is None:
+        if out_dtype is not None:
+            raise ValueError("fluxcompile: out_dtype applies to scaled matmuls only (no scales given)")
+        return False
+    if A_scales is None or B_scales is None or len(A_scales) != n or len(B_scales) != n:
+        raise ValueError(
+            f"fluxcompile: scaled matmuls need one A scale and one B scale per matmul ({n}), got "
+            f"{None if A_scales is None else len(A_scales)} and {None if B_scales is None else len(B_scales)}"
+        )
+    return True
+
+
+def matmul_sum(
+    As: Sequence[Tensor],
+    Bs: Sequence[Tensor],
+    bias: Tensor | None,
+    A_scales: Sequence[Tensor] | None = None,
+    B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+) -> Tensor:
+    """``P = addmm(bias, As[0], Bs[0]) + As[1] @ Bs[1] + ...``, added left to right; with scales, each term is
+    ``_scaled_mm(As[i], Bs[i], A_scales[i], B_scales[i], out_dtype=out_dtype)`` (the bias in the first)."""
     _check_pairs(As, Bs)
-    out = _matmul(As[0], Bs[0], bias)
-    for a, b in zip(As[1:], Bs[1:]):
-        out = out + torch.mm(a, b)
+    scaled = check_scales(len(As), A_scales, B_scales, out_dtype)
+    out = None
+    for i, (a, b) in enumerate(zip(As, Bs)):
+        term_bias = bias if i == 0 else None
+        if scaled:
+            term = _matmul(a, b, term_bias, A_scales[i], B_scales[i], out_dtype, use_fast_accum)
+        else:
+            term = _matmul(a, b, term_bias)
+        out = term if out is None else out + term
     return out
 
 
@@ -135,10 +206,25 @@ def check_group(group_size: int, group_name: str) -> None:
         raise ValueError(f"fluxcompile: group_size={group_size} but process group {group_name!r} has {actual} ranks")
 
 
+_FP8 = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+
+def _moved(A: Tensor, collective: Callable[[Tensor], Tensor]) -> Tensor:
+    """``collective(A)`` for a collective that only moves data; fp8 tensors move as bytes (gloo has no fp8)."""
+    A = A.contiguous()
+    if A.dtype in _FP8:
+        return collective(A.view(torch.uint8)).view(A.dtype)
+    return collective(A)
+
+
 def gather(A: Tensor, gather_dim: int, group_size: int, group_name: str) -> Tensor:
     """all_gather along ``gather_dim`` (the functional collective gathers along dim 0)."""
     check_group(group_size, group_name)
-    gathered = _collective(_c10d.all_gather_into_tensor, A.contiguous(), group_size, group_name)
+    gathered = _moved(A, lambda x: _collective(_c10d.all_gather_into_tensor, x, group_size, group_name))
     if gather_dim == 0:
         return gathered
     return torch.cat(gathered.chunk(group_size, dim=0), dim=gather_dim)
@@ -156,11 +242,37 @@ def scatter(P: Tensor, scatter_dim: int, reduce_op: str, group_size: int, group_
     return _collective(_c10d.reduce_scatter_tensor, P.contiguous(), reduce_op, group_size, group_name)
 
 
-def _consumer_matmuls(A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None]) -> list[Tensor]:
+def _consumer_matmuls(
+    A: Tensor,
+    Bs: Sequence[Tensor],
+    biases: Sequence[Tensor | None],
+    A_scale: Tensor | None = None,
+    B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
+) -> list[Tensor]:
+    """``[addmm(biases[i], A.reshape(-1, K), Bs[i])]``, scaled when the scales are given (``A_scale`` already
+    communicated like ``A``: one scale, or one per row)."""
     if len(Bs) != len(biases):
         raise ValueError(f"fluxcompile: {len(Bs)} weights but {len(biases)} biases")
     a2 = A.reshape(-1, A.shape[-1])
-    return [_matmul(a2, b, bias) for b, bias in zip(Bs, biases)]
+    if not check_scales(len(Bs), None if A_scale is None else [A_scale] * len(Bs), B_scales, out_dtype):
+        return [_matmul(a2, b, bias) for b, bias in zip(Bs, biases)]
+    sa = A_scale.reshape(-1, 1) if A_scale.numel() > 1 else A_scale
+    return [_matmul(a2, b, bias, sa, sb, out_dtype, use_fast_accum) for b, bias, sb in zip(Bs, biases, B_scales)]
+
+
+def _row_scale(A: Tensor, A_scale: Tensor | None) -> bool:
+    """Whether ``A_scale`` is a row-wise scale of ``A`` (``[*A.shape[:-1], 1]``, communicated with A's rows);
+    a one-element scale is tensor-wise. Anything else is an error."""
+    if A_scale is None or A_scale.numel() == 1:
+        return False
+    if list(A_scale.shape) != [*A.shape[:-1], 1]:
+        raise ValueError(
+            f"fluxcompile: A_scale of shape {list(A_scale.shape)} is neither one scale nor one per row of A "
+            f"{list(A.shape)}"
+        )
+    return True
 
 
 def _check_pairs(As: Sequence[Tensor], Bs: Sequence[Tensor]) -> None:
@@ -168,9 +280,10 @@ def _check_pairs(As: Sequence[Tensor], Bs: Sequence[Tensor]) -> None:
         raise ValueError(f"fluxcompile: need as many left as right operands (>0), got {len(As)} and {len(Bs)}")
 
 
-def _check_dim(dim: int, ndim: int, what: str) -> int:
-    """``dim`` normalized; it must be a row dim (any but the last: the last is the matmul's K or N)."""
-    if ndim < 2 or not -ndim <= dim < ndim or dim % ndim == ndim - 1:
+def _check_dim(dim: int, ndim: int, what: str, last: bool = False) -> int:
+    """``dim`` normalized; it must be a row dim (any but the last: the last is the matmul's K or N), or any dim
+    when ``last`` (the reduce-scatter's output may be split along its features)."""
+    if ndim < 2 or not -ndim <= dim < ndim or (dim % ndim == ndim - 1 and not last):
         raise ValueError(f"fluxcompile: {what} {dim} must be a row dim of a {ndim}-D tensor (not the last)")
     return dim % ndim
 
@@ -180,38 +293,59 @@ def _check_dim(dim: int, ndim: int, what: str) -> int:
 
 
 @torch.library.impl(_lib, "all_gather_matmul", "CompositeExplicitAutograd")
-def _all_gather_matmul_ref(A, Bs, biases, gather_dim, group_size, group_name):
+def _all_gather_matmul_ref(
+    A, Bs, biases, gather_dim, group_size, group_name,
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
     gather_dim = _check_dim(gather_dim, A.dim(), "gather_dim")
     A_gathered = gather(A, gather_dim, group_size, group_name)
-    return A_gathered, _consumer_matmuls(A_gathered, Bs, biases)
+    if _row_scale(A, A_scale):
+        A_scale = gather(A_scale, gather_dim, group_size, group_name)
+    return A_gathered, _consumer_matmuls(A_gathered, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
 
 
 @torch.library.impl(_lib, "matmul_reduce_scatter", "CompositeExplicitAutograd")
-def _matmul_reduce_scatter_ref(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
-    scatter_dim = _check_dim(scatter_dim, len(out_shape), "scatter_dim")
-    P = matmul_sum(As, Bs, bias).reshape(out_shape)
+def _matmul_reduce_scatter_ref(
+    As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    scatter_dim = _check_dim(scatter_dim, len(out_shape), "scatter_dim", last=True)
+    P = matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum).reshape(out_shape)
     return scatter(P, scatter_dim, reduce_op, group_size, group_name)
 
 
 @torch.library.impl(_lib, "matmul_all_reduce", "CompositeExplicitAutograd")
-def _matmul_all_reduce_ref(As, Bs, bias, out_shape, reduce_op, group_name):
-    P = matmul_sum(As, Bs, bias).reshape(out_shape).contiguous()
+def _matmul_all_reduce_ref(
+    As, Bs, bias, out_shape, reduce_op, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    P = matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum).reshape(out_shape).contiguous()
     return _collective(_c10d.all_reduce, P, reduce_op, group_name)
 
 
 def _exchange(A: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
-    return _collective(_c10d.all_to_all_single, A.contiguous(), output_split_sizes, input_split_sizes, group_name)
+    return _moved(
+        A, lambda x: _collective(_c10d.all_to_all_single, x, output_split_sizes, input_split_sizes, group_name)
+    )
 
 
 @torch.library.impl(_lib, "all_to_all_matmul", "CompositeExplicitAutograd")
-def _all_to_all_matmul_ref(A, Bs, biases, output_split_sizes, input_split_sizes, group_name):
+def _all_to_all_matmul_ref(
+    A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
     A_exchanged = _exchange(A, output_split_sizes, input_split_sizes, group_name)
-    return A_exchanged, _consumer_matmuls(A_exchanged, Bs, biases)
+    if _row_scale(A, A_scale):
+        A_scale = _exchange(A_scale, output_split_sizes, input_split_sizes, group_name)
+    return A_exchanged, _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
 
 
 @torch.library.impl(_lib, "matmul_all_to_all", "CompositeExplicitAutograd")
-def _matmul_all_to_all_ref(As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name):
-    P = matmul_sum(As, Bs, bias).reshape(out_shape)
+def _matmul_all_to_all_ref(
+    As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    P = matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum).reshape(out_shape)
     return _exchange(P, output_split_sizes, input_split_sizes, group_name)
 
 
@@ -226,9 +360,11 @@ def rms_norm(h: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_c
 
 @torch.library.impl(_lib, "all_reduce_rmsnorm", "CompositeExplicitAutograd")
 def _all_reduce_rmsnorm_ref(
-    x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name
-):
-    P = x if x is not None else matmul_sum(As, Bs, bias).reshape(out_shape)
+    x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    P = x if x is not None else matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum)
+    P = P.reshape(out_shape) if x is None else P
     r = _collective(_c10d.all_reduce, P.contiguous(), reduce_op, group_name)
     h = residual + r
     return h, rms_norm(h, weight, eps, upcast, weight_after_cast)
@@ -238,58 +374,78 @@ def _all_reduce_rmsnorm_ref(
 # Fake (meta) implementations: shapes and strides of what the original subgraph produced.
 
 
-def _rows_out(A_out: Tensor, Bs: Sequence[Tensor]) -> list[Tensor]:
+def _rows_out(A_out: Tensor, Bs: Sequence[Tensor], out_dtype: torch.dtype | None) -> list[Tensor]:
     m = A_out.numel() // A_out.shape[-1] if A_out.dim() > 1 else 1
-    return [A_out.new_empty((m, b.shape[-1])) for b in Bs]
+    return [A_out.new_empty((m, b.shape[-1]), dtype=out_dtype or A_out.dtype) for b in Bs]
 
 
-def _product_dtype(As: Sequence[Tensor], Bs: Sequence[Tensor]) -> torch.dtype:
+def _product_dtype(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], A_scales: Sequence[Tensor] | None, out_dtype: torch.dtype | None
+) -> torch.dtype:
     _check_pairs(As, Bs)
+    if A_scales is not None:
+        return out_dtype or As[0].dtype
     return torch.result_type(As[0], Bs[0])
 
 
 @torch.library.register_fake("fluxcompile::all_gather_matmul")
-def _all_gather_matmul_fake(A, Bs, biases, gather_dim, group_size, group_name):
+def _all_gather_matmul_fake(
+    A, Bs, biases, gather_dim, group_size, group_name,
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
     gather_dim = _check_dim(gather_dim, A.dim(), "gather_dim")
     shape = list(A.shape)
     shape[gather_dim] = shape[gather_dim] * group_size
     A_out = A.new_empty(shape)
-    return A_out, _rows_out(A_out, Bs)
+    return A_out, _rows_out(A_out, Bs, out_dtype)
 
 
 @torch.library.register_fake("fluxcompile::matmul_reduce_scatter")
-def _matmul_reduce_scatter_fake(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
-    scatter_dim = _check_dim(scatter_dim, len(out_shape), "scatter_dim")
+def _matmul_reduce_scatter_fake(
+    As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    scatter_dim = _check_dim(scatter_dim, len(out_shape), "scatter_dim", last=True)
     shape = list(out_shape)
     shape[scatter_dim] = shape[scatter_dim] // group_size
-    return As[0].new_empty(shape, dtype=_product_dtype(As, Bs))
+    return As[0].new_empty(shape, dtype=_product_dtype(As, Bs, A_scales, out_dtype))
 
 
 @torch.library.register_fake("fluxcompile::matmul_all_reduce")
-def _matmul_all_reduce_fake(As, Bs, bias, out_shape, reduce_op, group_name):
-    return As[0].new_empty(list(out_shape), dtype=_product_dtype(As, Bs))
+def _matmul_all_reduce_fake(
+    As, Bs, bias, out_shape, reduce_op, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    return As[0].new_empty(list(out_shape), dtype=_product_dtype(As, Bs, A_scales, out_dtype))
 
 
 @torch.library.register_fake("fluxcompile::all_to_all_matmul")
-def _all_to_all_matmul_fake(A, Bs, biases, output_split_sizes, input_split_sizes, group_name):
+def _all_to_all_matmul_fake(
+    A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
     rows = sum(output_split_sizes) if output_split_sizes else A.shape[0]
     A_out = A.new_empty([rows, *A.shape[1:]])
-    return A_out, _rows_out(A_out, Bs)
+    return A_out, _rows_out(A_out, Bs, out_dtype)
 
 
 @torch.library.register_fake("fluxcompile::matmul_all_to_all")
-def _matmul_all_to_all_fake(As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name):
+def _matmul_all_to_all_fake(
+    As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
     shape = list(out_shape)
     if output_split_sizes:
         shape[0] = sum(output_split_sizes)
-    return As[0].new_empty(shape, dtype=_product_dtype(As, Bs))
+    return As[0].new_empty(shape, dtype=_product_dtype(As, Bs, A_scales, out_dtype))
 
 
 @torch.library.register_fake("fluxcompile::all_reduce_rmsnorm")
 def _all_reduce_rmsnorm_fake(
-    x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name
-):
-    r = x if x is not None else As[0].new_empty(list(out_shape), dtype=_product_dtype(As, Bs))
+    x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+):  # fmt: skip
+    r = x if x is not None else As[0].new_empty(list(out_shape), dtype=_product_dtype(As, Bs, A_scales, out_dtype))
     h = torch.empty_like(residual + r, memory_format=torch.contiguous_format)
     normed_dtype = torch.result_type(weight, h) if weight_after_cast else h.dtype
     return h, torch.empty_like(h, dtype=normed_dtype)

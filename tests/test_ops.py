@@ -136,6 +136,100 @@ def test_references_match_decomposition(ranks, world, dtype):
         assert checked == list(ops.FUSED_OPS)
 
 
+def _fp8(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(torch.float8_e4m3fn)
+
+
+def _scaled(a, b, sa, sb, bias=None) -> torch.Tensor:
+    """An independent fp32 product of fp8 operands with tensor-wise or row/column-wise scales."""
+    out = (a.float() * sa.float()) @ (b.float() * sb.float())
+    return out if bias is None else out + bias.float()
+
+
+def scaled_and_last_dim() -> list[str]:
+    """fp8 scaled matmuls (tensor-wise and row-wise scales) through every op with matmuls, and the
+    reduce-scatter along the last (feature) dim."""
+    ws, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD.group_name
+    g = _seeded(1)
+    tol, checked = 2e-2, []
+    bf16 = torch.bfloat16
+
+    # all_gather_matmul: a row-wise A scale travels with A's rows (with column-wise B scales), or tensor-wise
+    # scales throughout.
+    shards = [_fp8(g, 8, 32) for _ in range(ws)]
+    row_scales = [torch.rand(8, 1, generator=g) + 0.5 for _ in range(ws)]
+    Bs = [_fp8(g, 16, 32).t(), _fp8(g, 24, 32).t()]  # column-major, as _scaled_mm wants its right operand
+    by_column = [torch.rand(1, 16, generator=g) + 0.5, torch.rand(1, 24, generator=g) + 0.5]
+    for A_scale, full_scale, B_scales in (
+        (row_scales[rank], torch.cat(row_scales), by_column),
+        (torch.tensor(2.0), torch.tensor(2.0), [torch.tensor(0.5), torch.tensor(1.5)]),
+    ):
+        args = (shards[rank], Bs, [None, None], 0, ws, group, A_scale, B_scales, bf16)
+        A, outs = ops.op("all_gather_matmul")(*args)
+        full = torch.cat(shards)
+        assert_close(A.float(), full.float(), 0.0, "gathered fp8 A")
+        for i, (b, sb) in enumerate(zip(Bs, B_scales)):
+            assert outs[i].dtype == bf16
+            assert_close(outs[i], _scaled(full, b, full_scale, sb), tol, f"scaled all_gather_matmul out {i}")
+        _check_fake("all_gather_matmul", args, (A, outs))
+    checked.append("all_gather_matmul")
+
+    # matmul_reduce_scatter: two scaled terms with a bias, scattered along rows and along the last dim.
+    As, Bs = [_fp8(g, 4 * ws, 32) for _ in range(2)], [_fp8(g, 16 * ws, 32).t() for _ in range(2)]
+    A_scales = [torch.rand(4 * ws, 1, generator=g) + 0.5, torch.tensor(1.5)]
+    B_scales = [torch.rand(1, 16 * ws, generator=g) + 0.5, torch.tensor(0.25)]
+    bias = torch.randn(16 * ws, generator=g).to(bf16)
+    partial = _scaled(As[0], Bs[0], A_scales[0], B_scales[0], bias) + _scaled(As[1], Bs[1], A_scales[1], B_scales[1])
+    total = _sum_all(partial)
+    for dim in (0, -1):
+        args = (As, Bs, bias, [4 * ws, 16 * ws], dim, "sum", ws, group, A_scales, B_scales, bf16)
+        out = ops.op("matmul_reduce_scatter")(*args)
+        assert_close(out, total.chunk(ws, dim=dim)[rank], tol, f"scaled matmul_reduce_scatter, dim {dim}")
+        _check_fake("matmul_reduce_scatter", args, out)
+    checked.append("matmul_reduce_scatter")
+
+    # The last-dim reduce-scatter, unscaled and averaged: 3-D output split along its features.
+    a, b = torch.randn(6, 24, generator=g), torch.randn(24, 8 * ws, generator=g)
+    args = ([a], [b], None, [2, 3, 8 * ws], 2, "avg", ws, group)
+    out = ops.op("matmul_reduce_scatter")(*args)
+    expected = (_sum_all(a @ b) / ws).reshape(2, 3, 8 * ws).chunk(ws, dim=2)[rank]
+    assert_close(out, expected, 1e-5, "last-dim matmul_reduce_scatter (avg)")
+    _check_fake("matmul_reduce_scatter", args, out)
+
+    # matmul_all_reduce and matmul_all_to_all, one scaled term each.
+    a, b, sa, sb = _fp8(g, 2 * ws, 32), _fp8(g, 16, 32).t(), torch.tensor(0.75), torch.tensor(1.25)
+    args = ([a], [b], None, [2 * ws, 16], "sum", group, [sa], [sb], bf16)
+    out = ops.op("matmul_all_reduce")(*args)
+    assert_close(out, _sum_all(_scaled(a, b, sa, sb)), tol, "scaled matmul_all_reduce")
+    _check_fake("matmul_all_reduce", args, out)
+    checked.append("matmul_all_reduce")
+
+    splits = [2] * ws
+    args = ([a], [b], None, [2 * ws, 16], splits, splits, group, [sa], [sb], bf16)
+    out = ops.op("matmul_all_to_all")(*args)
+    expected = torch.empty(2 * ws, 16, dtype=bf16)
+    dist.all_to_all_single(expected, _scaled(a, b, sa, sb).to(bf16), splits, splits)
+    assert_close(out, expected, tol, "scaled matmul_all_to_all")
+    checked.append("matmul_all_to_all")
+
+    # all_to_all_matmul: a row-wise A scale is exchanged with A's rows.
+    x, sx, sb = _fp8(g, 2 * ws, 32), torch.rand(2 * ws, 1, generator=g) + 0.5, torch.rand(1, 16, generator=g) + 0.5
+    args = (x, [b], [None], splits, splits, group, sx, [sb], bf16)
+    A, outs = ops.op("all_to_all_matmul")(*args)
+    x_ex, sx_ex = torch.empty(2 * ws, 32, dtype=torch.float32), torch.empty(2 * ws, 1)
+    dist.all_to_all_single(x_ex, x.float(), splits, splits)
+    dist.all_to_all_single(sx_ex, sx, splits, splits)
+    assert_close(outs[0], _scaled(x_ex, b, sx_ex, sb), tol, "scaled all_to_all_matmul")
+    checked.append("all_to_all_matmul")
+    return checked
+
+
+def test_scaled_matmuls_and_last_dim_scatter(ranks):
+    for checked in ranks(2).run(scaled_and_last_dim):
+        assert checked == ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_to_all",
+                           "all_to_all_matmul"]  # fmt: skip
+
+
 def bad_arguments() -> list[str]:
     group = dist.group.WORLD.group_name
     x, w = torch.randn(4, 8), torch.randn(8, 3)
@@ -147,6 +241,9 @@ def bad_arguments() -> list[str]:
         lambda: ops.op("matmul_reduce_scatter")([x[:3]], [w], None, [3, 3], 0, "sum", 2, group),  # 3 rows over 2
         lambda: ops.op("matmul_all_reduce")([x, x], [w], None, [4, 3], "sum", group),  # 2 lefts, 1 right
         lambda: ops.op("all_gather_matmul")(x, [w], [None], 0, 2, "no-such-group"),
+        lambda: ops.op("matmul_all_reduce")([x], [w], None, [4, 3], "sum", group, [torch.tensor(1.0)]),  # no B
+        lambda: ops.op("matmul_all_reduce")([x], [w], None, [4, 3], "sum", group, None, None, torch.bfloat16),
+        lambda: ops.op("all_gather_matmul")(x, [w], [None], 0, 2, group, torch.ones(3, 1), [torch.tensor(1.0)]),
     ):
         try:
             call()
@@ -165,3 +262,6 @@ def test_bad_arguments_get_clear_errors(ranks):
     assert "does not split over 2 ranks" in msgs[3]
     assert "as many left as right operands" in msgs[4]
     assert "no process group named 'no-such-group'" in msgs[5]
+    assert "one A scale and one B scale per matmul (1), got 1 and None" in msgs[6]
+    assert "out_dtype applies to scaled matmuls only" in msgs[7]
+    assert "neither one scale nor one per row of A [4, 8]" in msgs[8]

@@ -56,6 +56,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..config import config
 from ..version import __version__
+from . import compiled as _compiled
 from .choices import REFERENCE, Choice, choices_for
 
 log = logging.getLogger("fluxcompile.autotune")
@@ -146,15 +147,21 @@ def cache_key(op_name: str, args: tuple, group_name: str, key_extra: str = "") -
     return _key(op_name, args, group_name, key_extra, choices_for(op_name))
 
 
-def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> Choice:
+def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "", compiled: str = "") -> Choice:
     """The choice to run ``op_name(*args)`` with, identical on every rank of ``group_name``.
 
-    A collective on a memo miss (see the module docstring for what that asks of callers).
+    ``compiled`` is the op's compiled choice (lowerings/compiled.py): when given, it decides, with no tuning and
+    no collective. Otherwise a collective on a memo miss (see the module docstring for what that asks of
+    callers).
     """
-    fast = _fast_key(op_name, args, group_name, key_extra)
+    fast = _fast_key(op_name, args, group_name, f"{key_extra}|{compiled}" if compiled else key_extra)
     hit = _fast.get(fast)
     if hit is not None:
         return hit
+    if compiled:
+        choice = _compiled.resolve(op_name, compiled, args)
+        _fast[fast] = choice
+        return choice
     candidates = choices_for(op_name)
     if not candidates:
         raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")

@@ -58,13 +58,31 @@ def _python_codegen(op_name: str) -> Callable[[Any, Callable[[Any], None]], None
         from torch._inductor.codegen.wrapper import ExternKernelAllocLine
         from torch._inductor.virtualized import V
 
-        kwargs = node.codegen_kwargs()
-        if not config.direct_calls or kwargs:  # the entries take positional arguments only
+        args = _positional(node) if config.direct_calls else None
+        if args is None:
             writeline(ExternKernelAllocLine(V.graph.wrapper_code, node))
             return
-        writeline(f"{node.get_name()} = extern_kernels.{entry_name(op_name)}({', '.join(node.codegen_args())})")
+        writeline(f"{node.get_name()} = extern_kernels.{entry_name(op_name)}({', '.join(args)})")
 
     return codegen
+
+
+def _positional(node: Any) -> list[str] | None:
+    """The call's arguments, all positional (the entries take no keywords): the node's keyword arguments (the
+    compiled ``choice``) go to their places, with the schema's defaults before them; None where that cannot be
+    done (a keyword-only argument)."""
+    from torch._inductor.virtualized import V
+
+    args = list(node.codegen_args())
+    kwargs = dict(node.kwargs)
+    for arg in node.op_overload._schema.arguments[len(args) :]:
+        if not kwargs:
+            break
+        if arg.kwarg_only:
+            return None
+        value = kwargs.pop(arg.name) if arg.name in kwargs else arg.default_value
+        args.append(V.graph.wrapper_code.val_to_arg_str(value))
+    return None if kwargs else args
 
 
 def register(op_name: str, impl: Callable[..., Any], probe: Callable[[tuple], torch.Tensor]) -> None:

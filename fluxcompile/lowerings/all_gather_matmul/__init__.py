@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
+from ...ops import REFERENCES
 from ..autotune import pick
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
@@ -48,8 +50,15 @@ for _choice in _CHOICES:
 
 @cuda_impl(OP, probe=lambda args: args[0])
 def all_gather_matmul_cuda(
-    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
-) -> tuple[Tensor, list[Tensor]]:
-    """The op's CUDA implementation: the autotuner's choice for this call signature."""
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
+    A_scale: Tensor | None = None, B_scales: Sequence[Tensor] | None = None, out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False, choice: str = "",
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature. Scaled
+    matmuls run the reference (no fused choice takes scales)."""
+    if A_scale is not None or B_scales is not None:
+        return REFERENCES[OP](
+            A, Bs, biases, gather_dim, group_size, group_name, A_scale, B_scales, out_dtype, use_fast_accum
+        )
     args = (A, list(Bs), list(biases), gather_dim, group_size, group_name)
-    return pick(OP, args, group_name).fn(*args)
+    return pick(OP, args, group_name, compiled=choice).fn(*args)

@@ -17,8 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
+from ...ops import REFERENCES
 from ..autotune import pick, time_in_cuda_graphs
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
@@ -50,22 +52,35 @@ time_in_cuda_graphs("all_reduce_rmsnorm", lambda args: math.prod(args[4][:-1]) <
 @cuda_impl("matmul_all_reduce", probe=lambda args: args[0][0])
 def matmul_all_reduce_cuda(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], reduce_op: str,
-    group_name: str,
+    group_name: str, A_scales: Sequence[Tensor] | None = None, B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, choice: str = "",
 ) -> Tensor:  # fmt: skip
-    """matmul_all_reduce's CUDA implementation: the autotuner's choice for this call signature."""
+    """matmul_all_reduce's CUDA implementation: the compiled choice, else the autotuner's for this call
+    signature. Scaled matmuls run the reference (no fused choice takes scales)."""
+    if A_scales is not None or B_scales is not None:
+        return REFERENCES["matmul_all_reduce"](
+            As, Bs, bias, out_shape, reduce_op, group_name, A_scales, B_scales, out_dtype, use_fast_accum
+        )
     args = (list(As), list(Bs), bias, [int(s) for s in out_shape], reduce_op, group_name)
-    return pick("matmul_all_reduce", args, group_name).fn(*args)
+    return pick("matmul_all_reduce", args, group_name, compiled=choice).fn(*args)
 
 
 @cuda_impl("all_reduce_rmsnorm", probe=lambda args: args[5])  # the residual
 def all_reduce_rmsnorm_cuda(
     x: Tensor | None, As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
     residual: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool, reduce_op: str,
-    group_name: str,
+    group_name: str, A_scales: Sequence[Tensor] | None = None, B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, choice: str = "",
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """all_reduce_rmsnorm's CUDA implementation: the autotuner's choice for this call signature."""
+    """all_reduce_rmsnorm's CUDA implementation: the compiled choice, else the autotuner's for this call
+    signature. Scaled matmuls run the reference (no fused choice takes scales)."""
+    if A_scales is not None or B_scales is not None:
+        return REFERENCES["all_reduce_rmsnorm"](
+            x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name,
+            A_scales, B_scales, out_dtype, use_fast_accum,
+        )  # fmt: skip
     args = (
         x, list(As), list(Bs), bias, [int(s) for s in out_shape], residual, weight, eps, upcast, weight_after_cast,
         reduce_op, group_name,
     )  # fmt: skip
-    return pick("all_reduce_rmsnorm", args, group_name).fn(*args)
+    return pick("all_reduce_rmsnorm", args, group_name, compiled=choice).fn(*args)

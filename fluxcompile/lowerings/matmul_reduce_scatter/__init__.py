@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
+from ...ops import REFERENCES
 from ..autotune import pick
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
@@ -47,7 +49,15 @@ for _choice in _CHOICES:
 def matmul_reduce_scatter_cuda(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
     reduce_op: str, group_size: int, group_name: str,
-) -> Tensor:
-    """The op's CUDA implementation: the autotuner's choice for this call signature."""
+    A_scales: Sequence[Tensor] | None = None, B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, choice: str = "",
+) -> Tensor:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature. Scaled
+    matmuls run the reference (no fused choice takes scales)."""
+    if A_scales is not None or B_scales is not None:
+        return REFERENCES[OP](
+            As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, A_scales, B_scales, out_dtype,
+            use_fast_accum,
+        )  # fmt: skip
     args = (list(As), list(Bs), bias, [int(s) for s in out_shape], scatter_dim, reduce_op, group_size, group_name)
-    return pick(OP, args, group_name).fn(*args)
+    return pick(OP, args, group_name, compiled=choice).fn(*args)
