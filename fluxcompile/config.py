@@ -88,6 +88,9 @@ class Config:
     # original ops (compiled as plain Inductor compiles them); elsewhere every matched site is rewritten and its
     # fused op chooses at run time.
     choose_at_compile: str = _field("cuda", choices=("cuda", "always", "never"))
+    # Sites whose row count is symbolic are tuned at compile time at these row counts; each call then runs the
+    # choice tuned at the nearest of them, on a log scale (fx_passes/decide.py, lowerings/compiled.py).
+    dispatch_rows: tuple[int, ...] = (16, 128, 512, 2048, 8192)
     # How long a rank waits, at a site's compile-time choice, for the other ranks of its group to reach it.
     choose_timeout_s: float = 600.0
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
@@ -222,7 +225,13 @@ def _parse(raw: str, current: Any) -> Any:
         except ValueError:
             raise ConfigError("expected a number") from None
     if isinstance(current, tuple):
-        return tuple(p.strip() for p in text.split(",") if p.strip())
+        parts = tuple(p.strip() for p in text.split(",") if p.strip())
+        if current and isinstance(current[0], int):
+            try:
+                return tuple(int(p) for p in parts)
+            except ValueError:
+                raise ConfigError("expected integers separated by commas") from None
+        return parts
     return text
 
 
@@ -239,6 +248,11 @@ def _check(field: dataclasses.Field, value: Any, current: Any) -> Any:
             raise ConfigError("expected a value >= 0")
         return type(current)(value)
     allowed = field.metadata.get("choices")
+    if isinstance(current, tuple) and current and isinstance(current[0], int):
+        value = (value,) if isinstance(value, int) else tuple(value)
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value) or list(value) != sorted(set(value)):
+            raise ConfigError("expected increasing integers >= 1")
+        return value
     if isinstance(current, tuple):
         value = (value,) if isinstance(value, str) else tuple(value)
         bad = [v for v in value if allowed and v not in allowed]

@@ -24,6 +24,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -126,10 +127,10 @@ def _fake(op: str) -> Choice:
 
 
 @contextlib.contextmanager
-def _fake_choices(cache: str, times: dict[str, tuple[float, float]] | None) -> Iterator[dict[str, mock.MagicMock]]:
+def _fake_choices(cache: str, times: dict[str, Any] | None) -> Iterator[dict[str, mock.MagicMock]]:
     """Each op of ``OPS`` gains the choice ``fake:<op>``; only it and the reference are allowed; sites are chosen
-    at compile time. ``times[op] = (fake ms, reference ms)`` is this rank's timing of the two (``_benchmark``
-    mocked); None times them for real. Yields the mocks of ``_benchmark`` and ``_select`` (call counts)."""
+    at compile time. ``times[op] = (fake ms, reference ms)`` (or a function of the call's arguments giving them) is
+    this rank's timing of the two (``_benchmark`` mocked); None times them for real. Yields the mocks of ``_benchmark`` and ``_select`` (call counts)."""
     CALLS.clear()
     clear_memo()
     for op in OPS:
@@ -137,7 +138,8 @@ def _fake_choices(cache: str, times: dict[str, tuple[float, float]] | None) -> I
 
     def bench(candidates, args, group, device, graphs=False):
         (op,) = {c.name.removeprefix("fake:") for c in candidates if c.name.startswith("fake:")}
-        fake_ms, reference_ms = times[op]
+        timing = times[op]
+        fake_ms, reference_ms = timing(args) if callable(timing) else timing
         return [fake_ms if c.name.startswith("fake:") else reference_ms for c in candidates]
 
     timing = (
@@ -315,6 +317,47 @@ def two_groups(cache: str) -> dict[str, object]:
             dist.destroy_process_group(pg)
 
 
+def _small_wins(args) -> tuple[float, float]:
+    """The fake all-gather choice wins below 32 local rows and loses from there."""
+    return (1.0, 5.0) if args[0].shape[0] < 32 else (5.0, 1.0)
+
+
+def symbolic_rows(cache: str, small_wins: bool) -> dict[str, object]:
+    """An all-gather site whose row count is symbolic, tuned at compile time at 4 and 64 local rows: with the
+    fake choice winning at 4 only, the compiled code dispatches on the row count; losing at both, the site keeps
+    its original ops. Then calls at other row counts, with no recompile and no tuning."""
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(dist.get_rank())
+    w = torch.randn(16, 8, generator=g)
+    times = {"all_gather_matmul": _small_wins if small_wins else (5.0, 1.0)}
+    with (
+        _fake_choices(cache, times) as mocks,
+        _fused_ops_choose_on_cpu(),
+        config.patch(dispatch_rows=(4, 64)),
+    ):
+        x = torch.randn(6, 16, generator=g)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.reset()
+        compiled = torch.compile(_ag_mm, backend="fluxcompile")
+        with fresh_compiles(), fluxcompile.collect_reports() as rep:
+            out, (code,) = run_and_get_code(compiled, x, w, group)
+            assert_close(out, _ag_mm(x, w, group), 1e-5, "first call")
+            tunings = mocks["select"].call_count
+            calls = {}
+            for rows in (3, 16, 40, 100):
+                CALLS.clear()
+                x = torch.randn(rows, 16, generator=g)
+                assert_close(compiled(x, w, group), _ag_mm(x, w, group), 1e-5, f"{rows} rows")
+                calls[rows] = CALLS["all_gather_matmul"]
+        return {
+            "report": [(e.fused_op, e.detail) for e in rep.entries()],
+            "graphs": len(rep.graphs),
+            "body": _body(code),
+            "tunings": (tunings, mocks["select"].call_count),
+            "calls": calls,
+        }
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests.
 
@@ -361,6 +404,9 @@ def test_site_forced_to_win_calls_the_fused_choice(ranks, tmp_path):
         assert [fused for fused, _ in r["report"]] == list(OPS), r["report"]
         # Tuned once per site, while compiling; the calls found the winners in the memo.
         assert r["tunings_at_compile"] == r["tunings"] == (3, 3)
+        # The winner is written into the call (the op's ``choice``): found there, not looked up.
+        for op in OPS:
+            assert any(f"fluxcompile_{op}(" in line and f"'fake:{op}'" in line for line in r["body"]), r["body"]
         assert r["first_run_calls"] == {op: 1 for op in OPS}
         assert r["calls"] == {op: 3 for op in OPS}
     assert results[0]["body"] == results[1]["body"]
@@ -442,3 +488,22 @@ def test_a_rank_that_skips_the_site_is_an_error(ranks):
 
 def _meet_at_rank_site() -> str:
     return _meet_at(f"site of rank {dist.get_rank()}")
+
+
+def test_symbolic_rows_dispatch_by_range(ranks, tmp_path):
+    for r in ranks(2).run(symbolic_rows, str(tmp_path), True):
+        ((fused, detail),) = r["report"]
+        assert fused == "all_gather_matmul" and "range-based dispatch" in detail, detail
+        # Tuned at 4 and 64 rows while compiling; 17 is their log-scale midpoint.
+        assert any("'fake:all_gather_matmul;17:reference'" in line for line in r["body"]), r["body"]
+        assert r["tunings"] == (2, 2), "tuned at run time"
+        assert r["calls"] == {3: 1, 16: 1, 40: 0, 100: 0}
+        assert r["graphs"] == 1, "recompiled"
+
+
+def test_symbolic_rows_losing_everywhere_keep_the_original_ops(ranks, tmp_path):
+    for r in ranks(2).run(symbolic_rows, str(tmp_path), False):
+        ((fused, detail),) = r["report"]
+        assert fused is None and detail.startswith(KEPT), detail
+        assert not _fluxcompile_calls(_calls(r["body"])), r["body"]
+        assert r["calls"] == {3: 0, 16: 0, 40: 0, 100: 0}

@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .decide import keep_reason
+from .decide import decide
 from .graph_utils import aten, call, is_call, shape, single_wait, static_int, val
 from .matmuls import Consumers, find_consumers
 from .report import Entry
@@ -126,15 +126,17 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     if isinstance(found, str):
         return Entry(node.name, "all_gather_into_tensor", group, None, found)
     shard_val = val(found.shard) if found.shard_perm is None else val(found.shard).permute(found.shard_perm)
-    if why := keep_reason(PATTERN, found.fused_args(shard_val), found.group_name, cfg):
-        return Entry(node.name, "all_gather_into_tensor", group, None, why)
+    decision = decide(PATTERN, found.fused_args(shard_val), found.group_name, cfg)
+    if decision.keep:
+        return Entry(node.name, "all_gather_into_tensor", group, None, decision.keep)
     shard = None
     if found.shard_perm is not None:
         with graph.inserting_before(node):
             shard = call(graph, aten.permute.default, (found.shard, found.shard_perm))
     rewrite_consumers(
-        graph, node, ops.op(PATTERN), found.fused_args(shard), found.gathered, found.consumers, found.layout_nodes
-    )
+        graph, node, ops.op(PATTERN), found.fused_args(shard), found.gathered, found.consumers, found.layout_nodes,
+        decision.kwargs(),
+    )  # fmt: skip
     mms = ", ".join(mm.node.name for mm in found.consumers.matmuls)
     kept = (
         f"; gathered tensor also kept for {len(found.consumers.others)} other user(s)" if found.consumers.others else ""
@@ -146,5 +148,6 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
         "all_gather_into_tensor",
         group,
         PATTERN,
-        f"gather dim {found.gather_dim}{permuted}, {len(found.consumers.matmuls)} matmul(s) [{mms}], M={m}{kept}",
+        f"gather dim {found.gather_dim}{permuted}, {len(found.consumers.matmuls)} matmul(s) [{mms}], M={m}{kept}"
+        + (f"; {decision.note}" if decision.note else ""),
     )

@@ -9,9 +9,16 @@ lookup, cached on disk, and kept in the process's memo, so the fused op's first 
 
 * The decomposition wins (or no fused choice supports the site, or none is registered for the op on this
   device): the original ops stay, and the report says why. Such a site costs what plain Inductor's code costs.
-* A fused choice wins: the site is rewritten and the fused op runs that choice.
-* Symbolic sizes: the site is rewritten and the fused op's runtime autotuner chooses per call signature (the
-  compiled code serves many sizes, which cannot be benchmarked here).
+* A fused choice wins: the site is rewritten, and the winner's name is written into the fused op's ``choice``
+  argument (lowerings/compiled.py), so the compiled code runs it with no lookup, collective or tuning, also when
+  Inductor replays the graph from its cache.
+* A symbolic row count (one symbol, e.g. vLLM's or ``dynamic=True``'s batch dimension), for the ops whose row
+  count is equal on every rank: range-based dispatch. The site is tuned at the row counts of
+  ``config.dispatch_rows`` that its symbol's range reaches; a call then runs the choice tuned at the nearest of
+  them (on a log scale), a table written into ``choice``. If the decomposition wins at every one, the original
+  ops stay.
+* Other symbolic sizes (several symbols, symbolic weights, the all-to-all ops' per-rank splits): the site is
+  rewritten with an empty ``choice``, and the fused op's runtime autotuner chooses per call signature.
 
 ``config.choose_at_compile`` says where this runs: ``"cuda"`` (default) for sites on CUDA tensors, ``"always"``,
 or ``"never"`` (every matched site is rewritten and chosen at run time). On CPU the fused ops run their
@@ -27,47 +34,123 @@ collective that would hang or mix with the other rank's own.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 from ..config import Config
-from .graph_utils import static_int, val
+from .graph_utils import val
 
 
-def keep_reason(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> str | None:
-    """None when the site is to be rewritten into ``op_name``; else why its original ops stay.
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the compile-time choice decided for a matched site."""
 
-    ``args`` are the fused op's arguments with Nodes (or fake tensors) in place of tensors."""
+    keep: str | None = None  # why the original ops stay; None: rewrite the site
+    choice: str = ""  # the fused op's ``choice`` argument (lowerings/compiled.py); "": chosen at run time
+    note: str = ""  # for the report: how it was chosen
+
+    def kwargs(self) -> dict[str, str]:
+        """The fused op's keyword arguments that carry the decision."""
+        return {"choice": self.choice} if self.choice else {}
+
+
+def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> Decision:
+    """The decision for a site to be rewritten into ``op_name(*args)`` (Nodes or fake tensors in place of
+    tensors)."""
     if cfg.choose_at_compile == "never":
-        return None
+        return Decision(note="chosen at run time (choose_at_compile=never)")
     fakes = _tensors(args)
     if not fakes:
-        return None
+        return Decision()
     device = fakes[0].device
     if cfg.choose_at_compile == "cuda" and device.type != "cuda":
-        return None
-    if not all(_static(t) for t in fakes) or not all(_static_value(a) for a in args):
-        return None  # symbolic sizes: the runtime autotuner decides per call signature
-    from ..lowerings import REFERENCE, choices_for, pick
+        return Decision()
+    from ..lowerings import REFERENCE, choices_for, compiled
 
     if all(c.name == REFERENCE for c in choices_for(op_name)):
-        return f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are"
-    _meet(group_name, f"{op_name}{[tuple(t.shape) for t in fakes]}", cfg.choose_timeout_s)
-    choice = _on_fresh_thread(lambda: pick(op_name, tuple(_materialize(args)), group_name), device)
-    if choice.name == REFERENCE:
-        return (
-            f"autotuned at compile time: the unfused collective + matmul beat {op_name}'s supported choices, if "
-            "any (FLUXCOMPILE_LOG=info prints the table)"
+        return Decision(f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are")
+    symbols = _free_symbols(args)
+    if not symbols:
+        _meet(group_name, f"{op_name}{[tuple(t.shape) for t in fakes]}", cfg.choose_timeout_s)
+        name = _pick(op_name, args, group_name, device, {})
+        if name == REFERENCE:
+            return Decision(
+                f"autotuned at compile time: the unfused collective + matmul beat {op_name}'s supported choices, "
+                "if any (FLUXCOMPILE_LOG=info prints the table)"
+            )
+        return Decision(choice=name, note=f"chose {name} at compile time")
+    if len(symbols) > 1 or op_name not in compiled.ROWS:
+        why = "several symbolic sizes" if len(symbols) > 1 else "row counts that differ between ranks"
+        return Decision(note=f"chosen at run time per call signature ({why})")
+    (symbol,) = symbols
+    points = _dispatch_points(op_name, args, symbol, cfg.dispatch_rows)
+    _meet(group_name, f"{op_name}{[tuple(map(str, t.shape)) for t in fakes]}@{[v for v, _ in points]}", cfg.choose_timeout_s)
+    names = [_pick(op_name, args, group_name, device, {symbol: v}) for v, _ in points]
+    rows = [r for _, r in points]
+    tuned = ", ".join(f"{r}: {n}" for r, n in zip(rows, names))
+    if all(n == REFERENCE for n in names):
+        return Decision(
+            f"autotuned at compile time at rows {rows}: the unfused collective + matmul won at every one ({tuned})"
         )
-    return None
+    bounds = [0] + [math.isqrt(a * b) + 1 for a, b in itertools.pairwise(rows)]  # log-scale midpoints
+    spec = compiled.encode(list(zip(bounds, names)))
+    return Decision(choice=spec, note=f"range-based dispatch on {symbol} (rows {tuned}): {spec}")
+
+
+def _pick(op_name: str, args: Sequence[Any], group_name: str, device: torch.device, subs: dict) -> str:
+    """The autotuner's choice for the site's arguments made real (sizes substituted by ``subs``)."""
+    from ..lowerings import pick
+
+    return _on_fresh_thread(lambda: pick(op_name, tuple(_materialize(args, subs)), group_name).name, device)
+
+
+def _dispatch_points(
+    op_name: str, args: Sequence[Any], symbol: sympy.Symbol, dispatch_rows: Sequence[int]
+) -> list[tuple[int, int]]:
+    """``[(symbol value, row count)]`` to tune at: for each of ``dispatch_rows``, the symbol's value in its
+    range whose row count is nearest; ascending, without repeats."""
+    from ..lowerings import compiled
+
+    rows_of = compiled.ROWS[op_name]
+
+    def rows_at(v: int) -> int:
+        return rows_of(tuple(_materialize(args, {symbol: v}, device="meta")))
+
+    lo, hi = _symbol_range(args, symbol)
+    r1, r2 = rows_at(lo), rows_at(lo + 1)
+    step = max(r2 - r1, 1)  # rows grow linearly with the symbol
+    points: list[tuple[int, int]] = []
+    for target in dispatch_rows:
+        v = min(max(lo + round((target - r1) / step), lo), hi)
+        r = rows_at(v)
+        if not points or r > points[-1][1]:
+            points.append((v, r))
+    return points
+
+
+def _symbol_range(args: Sequence[Any], symbol: sympy.Symbol) -> tuple[int, int]:
+    """The symbol's value range as the shape environment knows it (at least 1; capped where unbounded)."""
+    for t in _tensors(args):
+        for s in t.shape:
+            if isinstance(s, torch.SymInt) and symbol in s.node.expr.free_symbols:
+                vr = s.node.shape_env.var_to_range.get(symbol)
+                if vr is None:
+                    break
+                lo = max(int(vr.lower), 1) if vr.lower.is_Integer else 1
+                hi = int(vr.upper) if vr.upper.is_Integer else 1 << 30
+                return lo, max(hi, lo)
+    return 1, 1 << 30
 
 
 _meetings: dict[str, int] = {}  # group name -> sites this process has met on
@@ -135,28 +218,42 @@ def _tensors(args: Any) -> list[torch.Tensor]:
     return out
 
 
-def _static(t: torch.Tensor) -> bool:
-    return all(static_int(s) is not None for s in (*t.shape, *t.stride()))
+def _free_symbols(args: Any) -> set[sympy.Symbol]:
+    """The symbols that the site's sizes, strides and integer arguments depend on."""
+    out: set[sympy.Symbol] = set()
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out |= _free_symbols(a)
+            continue
+        t = val(a) if isinstance(a, Node) else a
+        values = (*t.shape, *t.stride()) if isinstance(t, torch.Tensor) else (t,)
+        for v in values:
+            if isinstance(v, (torch.SymInt, torch.SymFloat)):
+                out |= v.node.expr.free_symbols
+    return out
 
 
-def _static_value(a: Any) -> bool:
+def _concrete(v: Any, subs: dict) -> int:
+    return int(v.node.expr.subs(subs)) if isinstance(v, torch.SymInt) else int(v)
+
+
+def _materialize(a: Any, subs: dict, device: str | None = None) -> Any:
+    """``a`` with every Node or fake tensor replaced by a real tensor of its shape, strides, dtype and device
+    (or ``device``), filled with random values (floats) or zeros, and every symbolic size replaced by its value
+    under ``subs``."""
     if isinstance(a, (list, tuple)):
-        return all(_static_value(x) for x in a)
-    return not isinstance(a, (torch.SymInt, torch.SymFloat))
-
-
-def _materialize(a: Any) -> Any:
-    """``a`` with every Node or fake tensor replaced by a real tensor of its shape, strides, dtype and device,
-    filled with random values (floats) or zeros."""
-    if isinstance(a, (list, tuple)):
-        return type(a)(_materialize(x) for x in a)
+        return type(a)(_materialize(x, subs, device) for x in a)
     t = val(a) if isinstance(a, Node) else a
+    if isinstance(t, (int, torch.SymInt)) and not isinstance(t, bool):
+        return _concrete(t, subs)
     if not isinstance(t, torch.Tensor):
         return a
-    size = [static_int(s) for s in t.shape]
-    stride = [static_int(s) for s in t.stride()]
+    size = [_concrete(s, subs) for s in t.shape]
+    stride = [_concrete(s, subs) for s in t.stride()]
     storage = 1 + sum((s - 1) * st for s, st in zip(size, stride)) if math.prod(size) else 0
-    base = torch.empty(storage, dtype=t.dtype, device=t.device)
+    base = torch.empty(storage, dtype=t.dtype, device=device or t.device)
+    if base.device.type == "meta":
+        return base.as_strided(size, stride)
     if t.dtype.is_floating_point:
         base.normal_()
     else:

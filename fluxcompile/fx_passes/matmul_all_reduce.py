@@ -11,7 +11,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .decide import keep_reason
+from .decide import decide
 from .graph_utils import call, erase_dead, shape, single_wait
 from .matmuls import Producers
 from .report import Entry
@@ -68,10 +68,14 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
         return _fuse_with_tail(graph, node, found, tail, group, cfg)
     if isinstance(found, str):
         return Entry(node.name, "all_reduce", group, None, found)
-    if why := keep_reason(PATTERN, found.fused_args(), found.group_name, cfg):
-        return Entry(node.name, "all_reduce", group, None, why)
-    rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, [])
-    return Entry(node.name, "all_reduce", group, PATTERN, _describe(found))
+    decision = decide(PATTERN, found.fused_args(), found.group_name, cfg)
+    if decision.keep:
+        return Entry(node.name, "all_reduce", group, None, decision.keep)
+    rewrite_producers(
+        graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, [], decision.kwargs()
+    )
+    note = f"; {decision.note}" if decision.note else ""
+    return Entry(node.name, "all_reduce", group, PATTERN, _describe(found) + note)
 
 
 def _describe(found: MatmulAllReduceMatch) -> str:
@@ -102,10 +106,11 @@ def _fuse_with_tail(
         reduce_op,
         group_name,
     )
-    if why := keep_reason(TAIL, args, group_name, cfg):
-        return Entry(node.name, "all_reduce", group, None, why)
+    decision = decide(TAIL, args, group_name, cfg)
+    if decision.keep:
+        return Entry(node.name, "all_reduce", group, None, decision.keep)
     with graph.inserting_before(node):
-        fused = call(graph, ops.op(TAIL), args)
+        fused = call(graph, ops.op(TAIL), args, decision.kwargs())
         h = call(graph, operator.getitem, (fused, 0))
         normed = call(graph, operator.getitem, (fused, 1))
     tail.normed.replace_all_uses_with(normed)
@@ -115,4 +120,7 @@ def _fuse_with_tail(
         dead += [*producers.chain, *(t.node for t in producers.terms)]
     erase_dead(graph, dead)
     order = "weight after the cast" if tail.weight_after_cast else "weight before the cast"
-    return Entry(node.name, "all_reduce", group, TAIL, f"{what}; + residual add + RMSNorm (eps {tail.eps:g}, {order})")
+    note = f"; {decision.note}" if decision.note else ""
+    return Entry(
+        node.name, "all_reduce", group, TAIL, f"{what}; + residual add + RMSNorm (eps {tail.eps:g}, {order}){note}"
+    )

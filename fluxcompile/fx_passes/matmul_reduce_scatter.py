@@ -16,7 +16,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .decide import keep_reason
+from .decide import decide
 from .graph_utils import aten, is_call, shape, single_wait
 from .matmuls import Producers
 from .report import Entry
@@ -101,13 +101,18 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[3])
     if isinstance(found, str):
         return Entry(node.name, "reduce_scatter_tensor", group, None, found)
-    if why := keep_reason(PATTERN, found.fused_args(), found.group_name, cfg):
-        return Entry(node.name, "reduce_scatter_tensor", group, None, why)
-    rewrite_producers(graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes)
+    decision = decide(PATTERN, found.fused_args(), found.group_name, cfg)
+    if decision.keep:
+        return Entry(node.name, "reduce_scatter_tensor", group, None, decision.keep)
+    rewrite_producers(
+        graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes,
+        decision.kwargs(),
+    )  # fmt: skip
     return Entry(
         node.name,
         "reduce_scatter_tensor",
         group,
         PATTERN,
-        f"scatter dim {found.scatter_dim}, {describe_sum(found.producers)}",
+        f"scatter dim {found.scatter_dim}, {describe_sum(found.producers)}"
+        + (f"; {decision.note}" if decision.note else ""),
     )

@@ -22,6 +22,7 @@ def rewrite_consumers(
     result: Node,
     consumers: Consumers,
     layout_nodes: Sequence[Node],
+    kwargs: dict[str, Any] | None = None,
 ) -> Node:
     """Replace ``collective -> ... -> result`` and the consuming matmuls with one fused op.
 
@@ -29,7 +30,7 @@ def rewrite_consumers(
     activations, weight-gradient matmuls) read its first output.
     """
     with graph.inserting_before(collective):
-        fused = call(graph, target, args)
+        fused = call(graph, target, args, kwargs)
         new_result = call(graph, operator.getitem, (fused, 0))
         outs = call(graph, operator.getitem, (fused, 1))
         for i, mm in enumerate(consumers.matmuls):
@@ -47,10 +48,11 @@ def rewrite_producers(
     result: Node,
     producers: Producers,
     layout_nodes: Sequence[Node],
+    kwargs: dict[str, Any] | None = None,
 ) -> Node:
     """Replace the matmuls, the adds and reshapes after them, and ``collective -> ... -> result``."""
     with graph.inserting_before(collective):
-        fused = call(graph, target, args)
+        fused = call(graph, target, args, kwargs)
     result.replace_all_uses_with(fused)
     erase_dead(graph, [result, collective, *layout_nodes, *producers.chain, *(t.node for t in producers.terms)])
     return fused
