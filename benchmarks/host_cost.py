@@ -254,6 +254,9 @@ def main() -> None:
         if direct is not None:  # what Inductor's generated code calls (lowerings/direct_calls.py)
             layers[f"{op} via its direct entry"] = lambda f=direct, x=op_args: f(*x)
             layers[f"{op} via its direct entry, replays off"] = without_replays(lambda f=direct, x=op_args: f(*x))
+            # As the generated code calls a site decided at compile time: the winner's name in ``choice``.
+            compiled = (*op_args, None, None, None, False, winner.name)
+            layers[f"{op} via its direct entry, compiled choice"] = lambda f=direct, x=compiled: f(*x)
         packet = getattr(torch.ops.fluxcompile, op)
         layers[f"{op} via the overload packet"] = lambda f=packet, x=op_args: f(*x)
         # The winner's whole stream sequence captured by hand and replayed: the floor of the C++ sequences' own

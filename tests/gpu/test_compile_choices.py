@@ -233,6 +233,8 @@ def check_decisions(rep: Any, tuning: Tuning, codes: list[str], world: int) -> l
         if e.fused:
             if e.fused_op != op or winner == lowerings.REFERENCE:
                 errors.append(f"{e.line().strip()}: decided {op} -> {winner}")
+            if not any(f"'{winner}'" in code for code in codes):
+                errors.append(f"{e.line().strip()}: the winner {winner!r} is not written into the generated call")
         elif not e.detail.startswith(COMPILE_TIME) or winner != lowerings.REFERENCE:
             errors.append(f"kept without the compile-time reason (decided {op} -> {winner}): {e.line().strip()}")
         if world == 1 and op == "matmul_reduce_scatter" and e.fused:
@@ -345,6 +347,64 @@ def decisions_case(
             t = data["max_ms"].get(lowerings.REFERENCE)
             if not (isinstance(t, float) and t > 0):
                 errors.append(f"{f.name}: the reference's time is {t!r} ({data['max_ms']})")
+    if errors:
+        errors.append(f"report:\n{rep.format()}")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------------------
+# Range-based dispatch: a symbolic row count.
+
+DISPATCH_ROWS = (8, 128)  # tuned at these row counts (log-scale midpoint 33)
+
+
+def test_symbolic_rows_dispatch_by_range(tmp_path, monkeypatch):
+    """The decode block compiled with a symbolic token count: each site tuned at ``DISPATCH_ROWS`` while
+    compiling, then kept (the unfused code won at both) or compiled with a table of choices by row count; calls
+    at other row counts run without recompiling or tuning, each against eager."""
+    try:
+        errors = symbolic_rows_case(tmp_path, monkeypatch)
+    finally:
+        torch._dynamo.reset()
+    assert_on_every_rank("\n".join(errors) or None)
+
+
+def symbolic_rows_case(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    group = dist.group.WORLD
+    torch._dynamo.reset()
+    autotune.clear_memo()
+    monkeypatch.setattr(fluxcompile.config, "cache_dir", str(tmp_path))
+    monkeypatch.setattr(fluxcompile.config, "dispatch_rows", DISPATCH_ROWS)
+    seed = shared_seed()
+    model = tp_block(seed, group, False)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    compiled = torch.compile(model, backend="fluxcompile", dynamic=True)
+    tuning = Tuning(monkeypatch)
+    errors: list[str] = []
+    with torch.no_grad(), fresh_compiles(), fluxcompile.collect_reports() as rep:
+        for i, rows in enumerate((16, 3, 33, 100, 300)):
+            x = torch.randn(rows, DIM, device="cuda", dtype=BF16, generator=g)
+            if i == 0:
+                out, codes = run_and_get_code(compiled, x)
+            else:
+                out = compiled(x)
+            err = rel_err(out, model(x))
+            if not err <= TOLERANCE[BF16]:
+                errors.append(f"{rows} rows: relative error {err:.3e}")
+    if len(rep.graphs) != 1:
+        errors.append(f"{len(rep.graphs)} graphs compiled for 5 row counts")
+    entries = rep.entries()
+    if len(tuning.picks) != len(DISPATCH_ROWS) * len(entries):
+        errors.append(f"{len(tuning.picks)} compile-time picks for {len(entries)} sites at {DISPATCH_ROWS}")
+    if tuning.at_run_time():
+        errors.append(f"tuned again at run time: {tuning.at_run_time()}")
+    for e in entries:
+        if e.fused:
+            spec = e.detail.rsplit(": ", 1)[-1]
+            if "range-based dispatch" not in e.detail or not any(f"'{spec}'" in code for code in codes):
+                errors.append(f"fused without its table in the generated call: {e.line().strip()}")
+        elif not e.detail.startswith(f"{COMPILE_TIME} at rows"):
+            errors.append(f"kept without the range reason: {e.line().strip()}")
     if errors:
         errors.append(f"report:\n{rep.format()}")
     return errors
