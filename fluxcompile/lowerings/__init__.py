@@ -6,6 +6,7 @@ the C++ sequencer of the pipelined choices (sequencer.py)."""
 from . import (  # noqa: F401  (register their choices and CUDA implementations)
     all_gather_matmul,
     all_to_all,
+    comm_buffers,
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
