@@ -142,6 +142,7 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
         f"; gathered tensor also kept for {len(found.consumers.others)} other user(s)" if found.consumers.others else ""
     )
     m = static_int(rows(shape(found.gathered)))
+    kept += "; symbolic sizes: the shard is copied, not produced in symmetric memory" if m is None else ""
     permuted = f" (of the shard permuted by {found.shard_perm})" if found.shard_perm is not None else ""
     return Entry(
         node.name,
