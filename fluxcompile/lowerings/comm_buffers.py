@@ -98,6 +98,10 @@ def why_not_symm_mem(A: Any, node: Node | None) -> str | None:
     device = A.get_device()
     if device is None or device.type != "cuda":
         return f"the shard is on {device}, not on CUDA"
+    from .all_gather_matmul.async_input_mm import can_tell_symmetric
+
+    if not can_tell_symmetric():
+        return "this torch cannot tell a symmetric tensor (no is_symm_mem_tensor): no choice would read it there"
     return None
 
 

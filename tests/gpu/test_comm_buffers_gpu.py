@@ -38,6 +38,8 @@ TOL = 1e-2
 REPLAYS = 50
 DIM, N = 256, 384
 REF = ops.REFERENCES["all_gather_matmul"]
+# Where torch cannot tell a symmetric tensor, no choice could read the shard there, so none is realized.
+SYMMETRIC = async_input_mm.can_tell_symmetric()
 c10d = torch.ops._c10d_functional
 _P2P = re.compile(r"\b(\w+) = empty_strided_p2p\(")
 _FUSED = re.compile(
@@ -105,7 +107,8 @@ def _run_case(producer: str, dynamic: bool, monkeypatch: pytest.MonkeyPatch, tmp
     compiled = torch.compile(model, backend="fluxcompile", dynamic=dynamic)
     with torch.no_grad(), fresh_compiles():
         out, codes = run_and_get_code(compiled, x)
-        errors = _check_code("\n".join(codes), want_p2p=producer != "input" and not dynamic)
+        want = producer != "input" and not dynamic and SYMMETRIC
+        errors = _check_code("\n".join(codes), want_p2p=want)
         for i in range(5):
             err = rel_err(out, model(x))
             if not err <= TOL:
@@ -141,7 +144,7 @@ def _replays(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[str]:
     errors: list[str] = []
     with torch.no_grad(), fresh_compiles():
         first, codes = run_and_get_code(compiled, x)  # compile, then the trees' warm-up run
-        errors += _check_code("\n".join(codes), want_p2p=True)
+        errors += _check_code("\n".join(codes), want_p2p=SYMMETRIC)
         err = rel_err(first, model(x))
         if not err <= TOL:
             errors.append(f"warm-up call: relative error {err:.3e} > {TOL:.0e}")
