@@ -411,6 +411,71 @@ def symbolic_rows_case(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> list[s
 
 
 # --------------------------------------------------------------------------------------------------------
+# vLLM's way: one graph compiled for a symbolic token count, one CUDA graph captured per batch size.
+
+BATCH_SIZES = (2, 3, 8, 16, 40, 64)  # captured, as vLLM captures its cudagraph_capture_sizes (1 would specialize)
+PIECEWISE_REPLAYS = 100  # replays per batch size, each with fresh values in the captured input
+
+
+@pytest.mark.parametrize("choose", ["cuda", "never"])
+def test_captured_per_batch_size(choose, tmp_path, monkeypatch):
+    """The decode block compiled once with a symbolic token count (``cuda``: range-based dispatch decided while
+    compiling; ``never``: every site rewritten, its op tuned at its first call), then, as vLLM's CUDAGraphWrapper
+    does, for each batch size a warm-up call and a ``torch.cuda.graph`` capture of the compiled function, then
+    replays with fresh inputs copied into the captured input, each against eager with the output poisoned after.
+    No tuning happens under capture or replay."""
+    try:
+        errors = captured_per_batch_size_case(choose, tmp_path, monkeypatch)
+    finally:
+        torch._dynamo.reset()
+    assert_on_every_rank("\n".join(errors) or None)
+
+
+def captured_per_batch_size_case(choose: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    group = dist.group.WORLD
+    torch._dynamo.reset()
+    autotune.clear_memo()
+    monkeypatch.setattr(fluxcompile.config, "cache_dir", str(tmp_path))
+    monkeypatch.setattr(fluxcompile.config, "choose_at_compile", choose)
+    monkeypatch.setattr(fluxcompile.config, "dispatch_rows", DISPATCH_ROWS)
+    seed = shared_seed()
+    model = tp_block(seed, group, False)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    compiled = torch.compile(model, backend="fluxcompile", dynamic=True)
+    errors: list[str] = []
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+    pool = torch.cuda.graph_pool_handle()
+    tuning = Tuning(monkeypatch)
+    with torch.no_grad(), fresh_compiles(), fluxcompile.collect_reports() as rep:
+        for bs in BATCH_SIZES:
+            x = torch.randn(bs, DIM, device="cuda", dtype=BF16, generator=g)
+            compiled(x)  # warm-up: compiles once (first size), chooses at run time under "never"
+            torch.cuda.synchronize()
+            before = (len(tuning.picks), len(tuning.selects))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = compiled(x)
+            graphs[bs] = (graph, x, out)
+            if (len(tuning.picks), len(tuning.selects)) != before:
+                errors.append(f"batch {bs}: tuned under capture {tuning.selects} {tuning.picks}")
+        for step in range(PIECEWISE_REPLAYS):
+            for bs, (graph, x, out) in graphs.items():
+                x.copy_(torch.randn(x.shape, device="cuda", dtype=BF16, generator=g))
+                graph.replay()
+                err = rel_err(out, model(x))
+                if not err <= TOLERANCE[BF16]:
+                    errors.append(f"batch {bs}, replay {step}: relative error {err:.3e}")
+                out.fill_(float("nan"))
+    if choose == "cuda" and tuning.at_run_time():
+        errors.append(f"tuned at run time: {tuning.at_run_time()}")
+    if len(rep.graphs) != 1:
+        errors.append(f"{len(rep.graphs)} graphs compiled for {len(BATCH_SIZES)} batch sizes")
+    if errors:
+        errors = [*errors[:10], f"report:\n{rep.format()}"]
+    return errors
+
+
+# --------------------------------------------------------------------------------------------------------
 # CUDA graph trees: mode="reduce-overhead".
 
 
