@@ -547,11 +547,21 @@ def case_no_gather_last_dim(c: Ctx) -> Case:
     )
 
 
-def case_no_scatter_last_dim(c: Ctx) -> Case:
+def case_rs_last_dim(c: Ctx) -> Case:
+    # PyTorch's async-TP form: the output split along its features (column tiles to their owners).
     def f(a, w):
         return _reduce_scatter(torch.mm(a, w), "sum", 1, c.group)
 
-    return Case(f, [c.randn(8, 12), c.randn(12, 16)], [(RS, None, ("scatter dim is the matmul's output-feature",))])
+    return Case(f, [c.randn(8, 12), c.randn(12, 16)], [(RS, MMRS, ("scatter dim 1", "sum of 1 matmul(s) [mm]"))])
+
+
+def case_rs_last_dim_avg_nd(c: Ctx) -> Case:
+    def f(a, w, b):
+        p = torch.addmm(b, a, w.t()).reshape(2, 4, 16)
+        return _reduce_scatter(p, "avg", 2, c.group)
+
+    inputs = [c.randn(8, 12), c.randn(16, 12), c.randn(16, shared=True)]
+    return Case(f, inputs, [(RS, MMRS, ("scatter dim 2", "[addmm], with bias"))], traced=("aten.split", "aten.cat"))
 
 
 def case_no_broadcast(c: Ctx) -> Case:

@@ -88,8 +88,6 @@ def match(node: Node, cfg: Config) -> MatmulReduceScatterMatch | str:
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return "reduce-scattered tensor is not at least 2-D"
-    if dim == len(sshape) - 1:
-        return "scatter dim is the matmul's output-feature (last) dim"
     producers = matmul_sum(source, "reduce_scatter", cfg)
     if isinstance(producers, str):
         return producers
