@@ -8,6 +8,8 @@ Choices, in registration order (the autotuner's tie-break order within a family)
 * ``async_input_mm`` (async_input_mm.py): PyTorch's CUTLASS GEMM that waits on per-chunk signals, fed by
   copy-engine pulls;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/ag_gemm.py;
+* ``cutlass:<variant>`` (cutlass.py, experimental): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
+  tiles wait for the chunks of the gathered rows, fed by copy-engine pushes;
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 """
 
@@ -19,11 +21,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...kernels import cutlass_gemm
 from ...ops import REFERENCES
 from ..autotune import pick
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
-from . import async_input_mm, cublas_pipelined, torch_symm_mem, triton
+from . import async_input_mm, cublas_pipelined, cutlass, torch_symm_mem, triton
 
 OP = "all_gather_matmul"
 
@@ -43,6 +46,7 @@ _CHOICES = [
     Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_matmul, torch_symm_mem.supports),
     Choice(async_input_mm.NAME, async_input_mm.all_gather_matmul, async_input_mm.supports),
     *(Choice(f"triton:{name}", *triton.make(name)) for name in triton.VARIANTS),
+    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.VARIANTS),
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)

@@ -1,0 +1,320 @@
+"""all_gather_matmul with the Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py, csrc/flux_gemm.cuh): one
+persistent sm_90a GEMM per weight over the whole gathered operand, whose tiles wait for the chunks holding their
+rows, fed by copy-engine pushes chunk by chunk.
+
+Per call, on rank r of w (peers p in the exchange's gather send order, r-1 first: symm_mem/exchange.py). Our
+symmetric data buffer reads as the gathered ``[w * rows, k]``: slot s (rows ``s * rows ..``) holds rank s's rows.
+  side stream:  for p: wait done_p -> for each chunk c of our rows: copy it into slot r of p's buffer (peer to
+                peer, copy engine) -> set arrived[r, c] on p
+  main stream:  copy A into our slot r -> per weight: ``gemm`` over the whole buffer with
+                ``wait=(arrived, rows, chunk_rows, r)`` and ``rotate=(0, r * rows)`` (our rows' tiles first,
+                nothing to wait for; every other tile waits, bounded, for the chunks holding its rows)
+                -> clear our arrived flags -> A_gathered = a copy of the buffer -> join the side stream
+                -> set done_r on every p (its slot in our buffer may be written again)
+A wait that times out fills an error buffer (``cutlass_gemm.ERR_WORDS`` words), copied to pinned host memory
+at the end of the call and checked at the start of the next eager one (no synchronization on the hot path), or
+after every call with ``config.check_signals``. Flags are 0/1, reset by their waiter: CUDA graphs replay them.
+
+``Comm`` carries everything the protocol takes from its group (workspaces, side stream, SM count, flag
+initialization, error buffer, watchdog); :func:`all_gather_matmul_on` takes it explicitly, so the same code runs
+between GPUs (the registered choice builds the group's ``Comm``: :func:`comm_for`) and between ranks simulated
+on one GPU (fluxcompile/testing/one_gpu_ranks.py).
+
+Experimental: it declines every call unless ``config.experimental_cutlass`` (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...config import config
+from ...kernels import cutlass_gemm
+from ...symm_mem import FlagArray, Workspace, side_stream, stream_write, workspace
+from ...symm_mem import init_flags as symm_init_flags
+from ...symm_mem.exchange import gather_send_order, send
+from ...symm_mem.watchdog import Watch, watch
+from ...symm_mem.workspace import current_stream
+from .cublas_pipelined import layout_supports, shard_layout
+
+NAME = "cutlass"
+EXPERIMENTAL = "experimental: FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1 enables it"
+MAX_WORLD = 64
+MAX_WEIGHTS = 4
+CHUNKS = 4  # communication chunks per shard (each at least one tile of M rows where the shard has them)
+_DTYPES = (torch.bfloat16, torch.float16)
+# The flag workspace: arrived (int32, [world, CHUNKS], starts 0), then done (int32, [world], starts 1).
+_ARRIVED_OFFSET = 0
+_DONE_OFFSET = 4 * MAX_WORLD * CHUNKS
+FLAG_BYTES = _DONE_OFFSET + 4 * MAX_WORLD
+TAG = "all_gather_matmul.cutlass"
+
+
+# --- the communication context -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Errors:
+    """A rank's error buffer of the kernel's bounded waits, its pinned host copy and the event after which the
+    copy has landed."""
+
+    err: Tensor  # int32 [ERR_WORDS] on the device
+    host: Tensor  # int32 [ERR_WORDS], pinned
+    event: torch.cuda.Event | None = None
+
+    @classmethod
+    def make(cls, device: torch.device) -> Errors:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: run the CUTLASS choices once eagerly before CUDA graph capture")
+        words = cutlass_gemm.ERR_WORDS
+        return cls(
+            torch.zeros(words, dtype=torch.int32, device=device), torch.zeros(words, dtype=torch.int32).pin_memory()
+        )
+
+    def check_previous(self, what: str) -> None:
+        """Raise if an earlier call's wait timed out and its copy has landed (no synchronization). Event queries
+        are not allowed while capturing; a captured graph's replays are checked by the next eager call."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self.event is not None and self.event.query() and int(self.host[0]):
+            cutlass_gemm.check_error(self.host, what)
+
+    def report(self, what: str) -> None:
+        """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
+        ``config.check_signals``, which synchronizes)."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self.host.copy_(self.err, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        if config.check_signals:
+            self.event.synchronize()
+            cutlass_gemm.check_error(self.host, what)
+
+
+@dataclasses.dataclass
+class Comm:
+    """What the protocol of one rank takes from its group. ``data`` and ``flags`` are symmetric workspaces (a
+    rank's own buffer and its peers', through ``view``/``handle.buffer_ptrs``); ``init_flags(flags, value)``
+    sets a flag array on every rank before any peer writes into it (symm_mem.init_flags between processes);
+    ``sm_count``: the persistent GEMM's SMs (0: all)."""
+
+    data: Workspace
+    flags: Workspace
+    side: torch.cuda.Stream
+    errors: Errors
+    sm_count: int = 0
+    init_flags: Callable[[FlagArray, int], None] = symm_init_flags
+    watch: Watch | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.data.rank
+
+    @property
+    def world(self) -> int:
+        return self.data.world_size
+
+    def note(self, stream: torch.cuda.Stream) -> None:
+        """After an eager call, for the watchdog (its stream waits on peers' flags without a bound)."""
+        if self.watch is not None and not torch.cuda.is_current_stream_capturing():
+            self.watch.note(stream)
+
+
+_errors: dict[tuple[int, str], Errors] = {}
+_watches: dict[tuple[str, int, str], Watch | None] = {}
+
+
+def comm_for(
+    group_name: str, group_size: int, data_bytes: int, tag: str, flag_bytes: int, describe: Callable[[Comm], str]
+) -> Comm:
+    """The ``Comm`` of this rank in a process group: the (group, device, tag) workspaces (a collective where one
+    must be made or grow: every rank makes the same call), the device's side stream, its error buffer and a
+    watch whose report is ``describe(comm)``."""
+    data = workspace(group_name, data_bytes, tag=tag, world=group_size)
+    flags = workspace(group_name, flag_bytes, tag=f"{tag}.flags", world=group_size)
+    device = torch.cuda.current_device()
+    errors = _errors.get((device, tag))
+    if errors is None:
+        errors = _errors[(device, tag)] = Errors.make(torch.device("cuda", device))
+    comm = Comm(data=data, flags=flags, side=side_stream(), errors=errors)
+    key = (group_name, device, tag)
+    if key not in _watches:
+        snapshot = dataclasses.replace(comm)
+        _watches[key] = watch(f"{tag} ({group_name})", comm.rank, lambda: describe(snapshot))
+    comm.watch = _watches[key]
+    return comm
+
+
+def read_flags(flags: FlagArray) -> list[int]:
+    """This rank's flags of an array, read on a stream of their own (the watchdog's report; synchronizes)."""
+    stream = torch.cuda.Stream(device=flags.ws.buffer.device)
+    with torch.cuda.stream(stream):
+        values = flags.local().to("cpu")
+    stream.synchronize()
+    return [int(v) for v in values]
+
+
+# --- supports -------------------------------------------------------------------------------------------
+
+
+def supports(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> str | None:
+    """None when the CUTLASS choices handle the call, else why not (the same on every rank; never raises)."""
+    try:
+        return _supports(A, Bs, biases, gather_dim, group_size)
+    except Exception as e:  # a broken check declines
+        return f"supports() raised {type(e).__name__}: {e}"
+
+
+def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
+    if not config.experimental_cutlass:
+        return EXPERIMENTAL
+    if group_size < 2:
+        return "one rank: nothing to overlap"
+    if group_size > MAX_WORLD:
+        return f"more than {MAX_WORLD} ranks"
+    why = cutlass_gemm.unavailable(A.device if A.is_cuda else None)
+    if why is not None:
+        return why
+    if not Bs or len(Bs) != len(biases):
+        return "need one bias (or None) per weight"
+    if len(Bs) > MAX_WEIGHTS:
+        return f"more than {MAX_WEIGHTS} weights"
+    if A.dtype not in _DTYPES:
+        return f"dtype {A.dtype} (bf16 and fp16 only)"
+    why = layout_supports(A, Bs, biases, gather_dim, group_size)  # CUDA, one block of rows per rank, dtypes
+    if why is not None:
+        return why
+    if A.dim() < 2 or A.numel() == 0:
+        return "an empty shard"
+    if any(t.device != A.device for t in (*Bs, *(x for x in biases if x is not None))):
+        return "operands on several devices"
+    k = A.shape[-1]
+    # The gathered operand as the kernel reads it: [world * rows, K], row-major (the symmetric buffer).
+    a = torch.empty(group_size * (A.numel() // k), k, dtype=A.dtype, device="meta")
+    for b, bias in zip(Bs, biases):
+        if b.dim() != 2 or b.shape[0] != k:
+            return "a weight that is not [K, N]"
+        why = cutlass_gemm.operand_unsupported(a, b)
+        if why is not None:
+            return why
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+            return "a bias that is not [N]"
+    return None
+
+
+def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
+    """(fn, supports) of the choice ``cutlass:<variant>``."""
+    if variant not in cutlass_gemm.VARIANTS:
+        raise ValueError(f"fluxcompile: no CUTLASS variant {variant!r}")
+
+    def run(A, Bs, biases, gather_dim, group_size, group_name):
+        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant)
+
+    return run, supports
+
+
+# --- the protocol ---------------------------------------------------------------------------------------
+
+
+def chunking(rows: int, tile_m: int) -> tuple[int, int]:
+    """(chunk_rows, chunks) of a shard of ``rows``: CHUNKS chunks, each at least one tile of M (fewer chunks
+    for a small shard)."""
+    chunk_rows = min(rows, max(tile_m, -(-rows // CHUNKS)))
+    return chunk_rows, -(-rows // chunk_rows)
+
+
+def data_bytes(rows: int, k: int, world: int, dtype: torch.dtype) -> int:
+    """Bytes of the data workspace for shards of ``rows`` x ``k``: the gathered operand, slots abutting."""
+    return world * rows * k * dtype.itemsize
+
+
+def _flag_views(comm: Comm) -> tuple[FlagArray, FlagArray]:
+    return FlagArray(comm.flags, _ARRIVED_OFFSET, MAX_WORLD * CHUNKS), FlagArray(comm.flags, _DONE_OFFSET, MAX_WORLD)
+
+
+def flag_arrays(comm: Comm) -> tuple[FlagArray, FlagArray]:
+    """(arrived, done) of the flag workspace, set on every rank on first use (arrived 0, done 1)."""
+    arrived, done = _flag_views(comm)
+    comm.init_flags(arrived, 0)
+    comm.init_flags(done, 1)  # every slot starts free
+    return arrived, done
+
+
+def describe(comm: Comm) -> str:
+    """The watchdog's report: the done flags this rank waits on before its pushes."""
+    d = read_flags(_flag_views(comm)[1])
+    peers = gather_send_order(comm.rank, comm.world)
+    return "Signals " + "; ".join(
+        f"to rank {p}: done={d[p]} ({'it has freed our slot' if d[p] else 'it still reads our slot'})" for p in peers
+    )
+
+
+def all_gather_matmul(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
+    *,
+    variant: str,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
+    k = A.shape[-1]
+    rows = A.numel() // k
+    comm = comm_for(group_name, group_size, data_bytes(rows, k, group_size, A.dtype), TAG, FLAG_BYTES, describe)
+    return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant)
+
+
+def all_gather_matmul_on(
+    comm: Comm, A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, *, variant: str
+) -> tuple[Tensor, list[Tensor]]:
+    """The op's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
+    the module's docstring, on the current stream and ``comm.side``."""
+    rank, world = comm.rank, comm.world
+    A, rows, k, gathered_shape = shard_layout(A, gather_dim, world)
+    dtype, es = A.dtype, A.element_size()
+    what = f"all_gather_matmul ({NAME}:{variant})"
+    chunk_rows, n_chunks = chunking(rows, cutlass_gemm.VARIANTS[variant].tile[0])
+    if comm.data.nbytes < data_bytes(rows, k, world, dtype):
+        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
+    arrived_all, done = flag_arrays(comm)
+    comm.errors.check_previous(what)
+
+    main, side = current_stream(), comm.side
+    a_local = A.view(rows, k)
+    gathered = comm.data.view(rank, (world * rows, k), dtype)  # slot s: rows pushed by rank s
+    arrived = comm.flags.view(rank, (world * n_chunks,), torch.int32, _ARRIVED_OFFSET)
+    send_to = gather_send_order(rank, world)  # shards land in the order the peers' tiles take them
+    bounds = [(c * chunk_rows, min(rows, (c + 1) * chunk_rows)) for c in range(n_chunks)]
+
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for p in send_to:
+            peer_slot = comm.data.view(p, (rows, k), dtype, rank * rows * k * es)
+            pieces = [
+                (peer_slot[lo:hi], a_local[lo:hi], arrived_all.addr(p, rank * n_chunks + c))
+                for c, (lo, hi) in enumerate(bounds)
+            ]
+            send(side, done.addr(rank, p), pieces)
+
+    gathered[rank * rows : (rank + 1) * rows].copy_(a_local)  # our rows: in place before the launch
+    outs = []
+    for b, bias in zip(Bs, biases):
+        out = torch.empty(world * rows, b.shape[1], dtype=dtype, device=A.device)
+        cutlass_gemm.gemm(
+            gathered, b, out, bias.contiguous() if bias is not None else None,
+            variant=variant, sm_count=comm.sm_count, rotate=(0, rank * rows),
+            wait=(arrived, rows, chunk_rows, rank), err=comm.errors.err, rank=rank,
+        )  # fmt: skip
+        outs.append(out)
+    arrived.zero_()  # every wait of this call is over: the next call starts from 0
+    A_gathered = torch.empty(gathered_shape, dtype=dtype, device=A.device)
+    A_gathered.view(world * rows, k).copy_(gathered)
+    main.wait_stream(side)
+    for p in send_to:
+        stream_write(main, done.addr(p, rank), 1)
+    comm.errors.report(what)
+    comm.note(main)
+    return A_gathered, outs
