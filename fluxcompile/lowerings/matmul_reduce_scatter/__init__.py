@@ -6,6 +6,8 @@ Choices, in registration order (the autotuner's tie-break order within a family)
   and experimental ``:stages<g>`` variants (cublas_pipelined.py);
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
+* ``cutlass:<variant>`` (cutlass.py, experimental): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
+  epilogue counts each owner's stored tiles, its chunks pushed by the copy engine (stream-K variants decline);
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 """
 
@@ -17,11 +19,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...kernels import cutlass_gemm
 from ...ops import REFERENCES
 from ..autotune import pick
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
-from . import cublas_pipelined, torch_symm_mem, triton
+from . import cublas_pipelined, cutlass, torch_symm_mem, triton
 
 OP = "matmul_reduce_scatter"
 
@@ -40,6 +43,7 @@ _CHOICES = [
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.matmul_reduce_scatter, torch_symm_mem.supports),
     *(Choice(f"triton:{name}", *triton.make(name)) for name in triton.VARIANTS),
+    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.VARIANTS),
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)

@@ -1,0 +1,328 @@
+"""matmul_reduce_scatter with the Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py, csrc/flux_gemm.cuh): one
+persistent sm_90a GEMM writes this rank's whole partial and counts its stored tiles per owner's chunk; the copy
+engine pushes each owner's chunk as soon as its count is complete; the owner reduces.
+
+``P = A @ B (+ bias)`` is ``[m, n]`` (one pair); owner o's part is chunk o along the scatter axis: rows
+``o * m/w ..`` (a row dim with no leading dims > 1) or columns ``o * n/w ..`` (the last dim, any leading dims).
+Every rank's symmetric data buffer holds w receive slots (slot s: rank s's partial of our chunk, contiguous
+``[rows, n]`` or ``[m, n/w]``) and then its own whole P. Per call, on rank r (owners p in ring order, r+1 first:
+what the next rank waits for leaves first, and no two ranks push into the same owner at once):
+  side stream:  for p: wait counters[p] == tiles_per_chunk[p] (every tile of p's chunk stored) -> reset it to 0
+                -> wait done_p (our slot in p's buffer is free) -> copy P's chunk p into slot r of p's buffer
+                (copy engine; a column chunk is a 2-D strided copy) -> set ready_r on p
+  main stream:  ``gemm`` into P with ``signal=(counters, chunk, axis)`` and ``rotate`` starting at p = r+1's
+                chunk (own chunk last) -> reset our own chunk's counter -> wait ready_p of every peer
+                -> out = reduction of our own chunk of P and the w-1 received slots -> set done_r on every p
+                -> join the side stream
+Why this shape: the GEMM holds the SMs and signals without a kernel beside it (its epilogue counts tiles); the
+pushes and flags are copy-engine and stream memory operations (no SM, symm_mem/signals.py), so they run under
+the GEMM. Counters, ready and done are reset by their waiter (0/1 flags, or a count back to 0): CUDA graphs
+replay them.
+
+Bias: the contract (ops.py) puts the bias into every rank's partial, so a sum adds it w times (an average once).
+Each rank's GEMM adds its *own* bias in its epilogue, as the reference's addmm does: exact even where the ranks'
+biases differ, at no cost, and the reduction needs no bias.
+
+The reduction: one small Triton kernel (``_reduce_kernel``): per output tile, our own chunk read in place in P
+(strided for columns) plus the w-1 slots, summed in fp32 in ring order, scaled by 1/w for ``avg``, rounded once
+into the output. One launch, no temporary; torch ops would need an fp32 temporary and 3+ launches.
+
+Errors, the communication context (``Comm``) and the watchdog are the all-gather choice's
+(lowerings/all_gather_matmul/cutlass.py). Stream-K variants cannot count tiles: they decline.
+
+Experimental: it declines every call unless ``config.experimental_cutlass`` (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...config import config
+from ...kernels import cutlass_gemm
+from ...symm_mem import FlagArray, stream_consume, stream_wait, stream_write
+from ...symm_mem.exchange import ring_order, slot_bytes
+from ...symm_mem.workspace import current_stream
+from ..all_gather_matmul.cutlass import EXPERIMENTAL, MAX_WORLD, NAME, Comm, comm_for, read_flags
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover  (Triton comes with torch's CUDA builds)
+    triton = None
+
+_DTYPES = (torch.bfloat16, torch.float16)
+# The flag workspace: counters (uint32 per owner chunk, start 0), ready (start 0), done (start 1), each [world].
+_COUNTERS_OFFSET = 0
+_READY_OFFSET = 4 * MAX_WORLD
+_DONE_OFFSET = 8 * MAX_WORLD
+FLAG_BYTES = 12 * MAX_WORLD
+TAG = "matmul_reduce_scatter.cutlass"
+
+
+# --- supports -------------------------------------------------------------------------------------------
+
+
+def scatter_axis(out_shape: Sequence[int], scatter_dim: int) -> int:
+    """0 when the owners' parts are row blocks of the flattened ``[m, n]``, 1 when they are column blocks."""
+    ndim = len(out_shape)
+    return 1 if scatter_dim % ndim == ndim - 1 else 0
+
+
+def supports(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
+    reduce_op: str, group_size: int, group_name: str,
+) -> str | None:  # fmt: skip
+    """None when the CUTLASS choices handle the call, else why not (the same on every rank; never raises)."""
+    try:
+        return _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size)
+    except Exception as e:  # a broken check declines
+        return f"supports() raised {type(e).__name__}: {e}"
+
+
+def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> str | None:
+    if not config.experimental_cutlass:
+        return EXPERIMENTAL
+    if group_size < 2:
+        return "one rank: nothing to overlap"
+    if group_size > MAX_WORLD:
+        return f"more than {MAX_WORLD} ranks"
+    if len(As) != 1 or len(Bs) != 1:
+        return "a sum of several products (one (A, B) pair only)"
+    A, B = As[0], Bs[0]
+    why = cutlass_gemm.unavailable(A.device if A.is_cuda else None)
+    if why is not None:
+        return why
+    if reduce_op not in ("sum", "avg"):
+        return f"reduce_op {reduce_op!r} (sum and avg only)"
+    if A.dtype not in _DTYPES:
+        return f"dtype {A.dtype} (bf16 and fp16 only)"
+    if B.dtype != A.dtype or (bias is not None and bias.dtype != A.dtype):
+        return "mixed dtypes"
+    tensors = [A, B, *([bias] if bias is not None else [])]
+    if not all(t.is_cuda for t in tensors):
+        return "needs CUDA tensors"
+    if len({t.device for t in tensors}) > 1:
+        return "operands on several devices"
+    ndim = len(out_shape)
+    if ndim < 2 or not -ndim <= scatter_dim < ndim:
+        return f"scatter dim {scatter_dim} of a {ndim}-D output"
+    d = scatter_dim % ndim
+    m, n = math.prod(out_shape[:-1]), out_shape[-1]
+    if A.dim() != 2 or B.dim() != 2 or A.shape[0] != m or B.shape[1] != n or A.shape[1] != B.shape[0]:
+        return "operand shapes do not match out_shape"
+    if m == 0 or n == 0 or A.shape[1] == 0:
+        return "an empty product"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        return "a bias that is not [N]"
+    if out_shape[d] % group_size:
+        return f"dim {d} of size {out_shape[d]} does not split over {group_size} ranks"
+    if scatter_axis(out_shape, scatter_dim) == 0:
+        if math.prod(out_shape[:d]) != 1:
+            return "scatter dim has a leading dim of size > 1 (the ranks' rows are interleaved)"
+    elif (n // group_size * A.element_size()) % 16:
+        return f"column chunks of {n // group_size} elements are not 16-byte aligned"
+    return cutlass_gemm.operand_unsupported(A, B)
+
+
+def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
+    """(fn, supports) of the choice ``cutlass:<variant>``."""
+    v = cutlass_gemm.VARIANTS[variant]
+
+    def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+        why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+        if why is None and v.stream_k:
+            return "stream-K variants do not count stored tiles (no per-chunk signal)"
+        return why
+
+    def run(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
+        return matmul_reduce_scatter(
+            As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, variant=variant
+        )
+
+    return run, supports_variant
+
+
+# --- the protocol ---------------------------------------------------------------------------------------
+
+
+def layout(m: int, n: int, world: int, axis: int) -> tuple[int, int, int]:
+    """(chunk, R, C): an owner's chunk (rows or columns) and its part as an ``[R, C]`` matrix."""
+    chunk = (m if axis == 0 else n) // world
+    return (chunk, chunk, n) if axis == 0 else (chunk, m, chunk)
+
+
+def data_bytes(m: int, n: int, world: int, axis: int, dtype: torch.dtype) -> int:
+    """Bytes of the data workspace: ``world`` receive slots, then the whole partial."""
+    _, rows, cols = layout(m, n, world, axis)
+    return slot_bytes(world * rows * cols * dtype.itemsize) + m * n * dtype.itemsize
+
+
+def _flag_views(comm: Comm) -> tuple[FlagArray, FlagArray, FlagArray]:
+    return (
+        FlagArray(comm.flags, _COUNTERS_OFFSET, MAX_WORLD),
+        FlagArray(comm.flags, _READY_OFFSET, MAX_WORLD),
+        FlagArray(comm.flags, _DONE_OFFSET, MAX_WORLD),
+    )
+
+
+def flag_arrays(comm: Comm) -> tuple[FlagArray, FlagArray, FlagArray]:
+    """(counters, ready, done) of the flag workspace, set on every rank on first use (0, 0, 1)."""
+    counters, ready, done = _flag_views(comm)
+    comm.init_flags(counters, 0)
+    comm.init_flags(ready, 0)
+    comm.init_flags(done, 1)  # every slot starts free
+    return counters, ready, done
+
+
+def describe(comm: Comm) -> str:
+    """The watchdog's report: the flags this rank's streams wait on."""
+    counters, ready, done = (read_flags(f) for f in _flag_views(comm))
+    parts = [
+        f"rank {p}: ready={ready[p]} ({'its partial has landed' if ready[p] else 'its partial has not landed'}), "
+        f"done={done[p]} ({'it has freed our slot' if done[p] else 'it still reads our slot'}), "
+        f"tiles of its chunk stored here={counters[p]}"
+        for p in ring_order(comm.rank, comm.world)
+    ]
+    return "Signals " + "; ".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tiles(variant: str, m: int, n: int, chunk: int, axis: int) -> tuple[int, ...]:
+    return tuple(cutlass_gemm.tiles_per_chunk(variant, m, n, chunk, axis))
+
+
+def matmul_reduce_scatter(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
+    reduce_op: str, group_size: int, group_name: str,
+    *,
+    variant: str,
+) -> Tensor:  # fmt: skip
+    """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
+    m, n = math.prod(out_shape[:-1]), out_shape[-1]
+    nbytes = data_bytes(m, n, group_size, scatter_axis(out_shape, scatter_dim), As[0].dtype)
+    comm = comm_for(group_name, group_size, nbytes, TAG, FLAG_BYTES, describe)
+    return matmul_reduce_scatter_on(comm, As, Bs, bias, out_shape, scatter_dim, reduce_op, variant=variant)
+
+
+def matmul_reduce_scatter_on(
+    comm: Comm, As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
+    scatter_dim: int, reduce_op: str, *, variant: str,
+) -> Tensor:  # fmt: skip
+    """The op's result on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
+    the module's docstring, on the current stream and ``comm.side``."""
+    rank, world = comm.rank, comm.world
+    (a,), (b,) = As, Bs
+    dtype, es = a.dtype, a.element_size()
+    m, n = a.shape[0], b.shape[1]
+    axis = scatter_axis(out_shape, scatter_dim)
+    chunk, rows, cols = layout(m, n, world, axis)
+    what = f"matmul_reduce_scatter ({NAME}:{variant})"
+    if comm.data.nbytes < data_bytes(m, n, world, axis, dtype):
+        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
+    counters, ready, done = flag_arrays(comm)
+    comm.errors.check_previous(what)
+    tiles = _tiles(variant, m, n, chunk, axis)
+
+    main, side = current_stream(), comm.side
+    slot_elems = rows * cols
+    partial = comm.data.view(rank, (m, n), dtype, slot_bytes(world * slot_elems * es))
+    slots = comm.data.view(rank, (world, rows, cols), dtype)  # slot s: rank s's partial of our chunk
+    local_counters = comm.flags.view(rank, (world,), torch.int32, _COUNTERS_OFFSET)
+    owners = ring_order(rank, world)
+
+    def part(p: int) -> Tensor:  # owner p's chunk of our partial
+        return partial[p * chunk : (p + 1) * chunk] if axis == 0 else partial[:, p * chunk : (p + 1) * chunk]
+
+    side.wait_stream(main)  # recorded before the GEMM: the side stream runs beside it
+    cutlass_gemm.gemm(
+        a, b, partial, bias.contiguous() if bias is not None else None,
+        variant=variant, sm_count=comm.sm_count, rotate=(axis, owners[0] * chunk),
+        signal=(local_counters, chunk, axis), err=comm.errors.err, rank=rank,
+    )  # fmt: skip
+    stream_write(main, counters.addr(rank, rank), 0)  # our own chunk's count (nobody waits for it)
+    # Issued after the GEMM's launch (the order of issue between streams does not matter on the GPU; a
+    # simulation that runs each operation when issued needs the partial first: tests/test_cutlass_choices.py).
+    for p in owners:
+        stream_wait(side, counters.addr(rank, p), tiles[p])  # every tile of p's chunk has landed in P
+        stream_write(side, counters.addr(rank, p), 0)
+        stream_consume(side, done.addr(rank, p))  # our slot in p's buffer is free
+        copy_2d(side, comm.data.view(p, (rows, cols), dtype, rank * slot_elems * es), part(p))
+        stream_write(side, ready.addr(p, rank), 1)
+    for p in owners:
+        stream_consume(main, ready.addr(rank, p))
+    shape = list(out_shape)
+    shape[scatter_dim % len(shape)] //= world
+    out = torch.empty(shape, dtype=dtype, device=a.device)
+    reduce_slots(slots, part(rank), out.view(rows, cols), rank, 1.0 / world if reduce_op == "avg" else 1.0)
+    for p in owners:
+        stream_write(main, done.addr(p, rank), 1)  # p's slot in our buffer is free again
+    main.wait_stream(side)
+    comm.errors.report(what)
+    comm.note(main)
+    return out
+
+
+# --- copies and the reduction ---------------------------------------------------------------------------
+
+
+def copy_2d(stream: torch.cuda.Stream, dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` on ``stream`` by the copy engine: ``src`` is row-major with a row stride (a column
+    block of a matrix), ``dst`` contiguous. A strided ``copy_`` would be a kernel (an SM, behind the GEMM)."""
+    if src.is_contiguous():
+        with torch.cuda.stream(stream):
+            dst.copy_(src)
+        return
+    from cuda.bindings import runtime as cudart
+
+    es = src.element_size()
+    (err,) = cudart.cudaMemcpy2DAsync(
+        dst.data_ptr(), dst.stride(0) * es, src.data_ptr(), src.stride(0) * es, src.shape[1] * es, src.shape[0],
+        cudart.cudaMemcpyKind.cudaMemcpyDefault, stream.cuda_stream,
+    )  # fmt: skip
+    if int(err) != 0:
+        raise RuntimeError(f"fluxcompile: cudaMemcpy2DAsync failed: {err}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _reduce_kernel(
+        slots, own, out, R, C, ld_own, slot_elems, rank, world, scale,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """out[R, C] = scale * (own[R, C] (row stride ld_own) + sum of slots[s] for s != rank), fp32."""
+        pid = tl.program_id(0)
+        tiles_c = tl.cdiv(C, BLOCK_C)
+        r = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] < R) & (c[None, :] < C)
+        rc = r[:, None].to(tl.int64) * C + c[None, :]
+        acc = tl.load(own + r[:, None].to(tl.int64) * ld_own + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        for j in range(1, world):
+            s = (rank + j) % world
+            acc += tl.load(slots + s.to(tl.int64) * slot_elems + rc, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + rc, (acc * scale).to(out.dtype.element_ty), mask=mask)
+
+
+def reduce_slots(slots: Tensor, own: Tensor, out: Tensor, rank: int, scale: float) -> None:
+    """``out = scale * (own + sum_{s != rank} slots[s])`` in fp32 on the current stream. ``slots`` is
+    contiguous ``[world, R, C]``, ``own`` ``[R, C]`` with unit column stride, ``out`` contiguous ``[R, C]``."""
+    world, rows, cols = slots.shape
+    if triton is None:  # pragma: no cover
+        acc = own.float()
+        for j in range(1, world):
+            acc += slots[(rank + j) % world].float()
+        out.copy_(acc * scale)
+        return
+    block_c = min(256, triton.next_power_of_2(cols))
+    block_r = max(1, 4096 // block_c)
+    grid = (triton.cdiv(rows, block_r) * triton.cdiv(cols, block_c),)
+    _reduce_kernel[grid](
+        slots, own, out, rows, cols, own.stride(0), rows * cols, rank, world, scale,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )  # fmt: skip
