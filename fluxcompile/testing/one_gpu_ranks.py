@@ -1,0 +1,232 @@
+"""Several ranks of a group simulated on one GPU: each rank's calls run on its own main and side streams, with a
+share of the SMs, over symmetric workspaces that are slices of one allocation. The protocols of the CUTLASS
+choices (lowerings/*/cutlass.py) run unchanged against it: their ``Comm`` takes the workspaces, the side stream,
+the SM count and the flag initialization explicitly.
+
+    ranks = OneGpuRanks(world, data_bytes, flag_bytes, tag="ag")
+    outs = ranks.run(lambda r, comm: all_gather_matmul_on(comm, A[r], ...))       # eager: every rank at once
+    graph, outs = ranks.capture(lambda r, comm: ...)                               # one CUDA graph of all ranks
+    graph.replay(); ranks.wait()
+
+What it checks: the protocol's logic (flags, slots, chunk order, resets, graph replays) with real concurrency
+between the ranks' kernels and copies. What it does not: NVLink's ordering (every "peer" shares one L2) and
+times between GPUs (each rank has a share of one GPU; "peer" copies are same-device copies).
+
+Symmetric memory stand-in: a workspace is one allocation of ``world`` equal buffers; rank r's
+``symm_mem.Workspace`` has ``buffer`` = its slice and a ``handle`` whose ``buffer_ptrs`` and
+``get_buffer(rank, shape, dtype, offset_elems)`` address every rank's slice, so ``Workspace.view``,
+``FlagArray`` and ``exchange.send`` work unchanged. Flags are set on every rank at once by :meth:`init_flags`
+(the one-process form of ``symm_mem.init_flags``).
+
+SMs: each rank's persistent GEMM gets ``((SMs - RESERVED_SMS) // world) // 2 * 2`` SMs (even: 2-CTA clusters),
+so every rank's CTAs are resident together and a few SMs stay free: a same-device copy (every "peer" push here)
+may run as a kernel, and a GEMM waiting for a chunk must never hold the SM its copy needs.
+
+The stream-K GEMMs' scratch (kernels/cutlass_gemm.py keeps one per device) is swapped per rank around each
+rank's call, since the ranks' GEMMs run at the same time here.
+
+Importing this module needs no GPU (the allocations go to ``device``; streams are made on first use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..symm_mem import FlagArray, Workspace
+
+RESERVED_SMS = 8
+_ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
+
+
+class Handle:
+    """The part of torch's ``_SymmetricMemory`` handle the protocols use, over one allocation of ``world``
+    buffers of ``stride`` bytes."""
+
+    def __init__(self, alloc: torch.Tensor, stride: int, world: int):
+        self.alloc = alloc
+        self.stride = stride
+        self.world_size = world
+        self.buffer_ptrs = [alloc.data_ptr() + r * stride for r in range(world)]
+
+    def get_buffer(self, rank: int, shape, dtype: torch.dtype, offset_elems: int = 0) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        start = rank * self.stride + offset_elems * itemsize
+        end = start + math.prod(shape) * itemsize
+        if not 0 <= rank < self.world_size or end > (rank + 1) * self.stride:
+            raise ValueError(f"fluxcompile: rank {rank}'s buffer has {self.stride} bytes, a view asks up to {end}")
+        return self.alloc[start:end].view(dtype).view(list(shape))
+
+
+class SimulatedWorkspace:
+    """One symmetric workspace of ``world`` ranks: one allocation (``alloc``), one ``Workspace`` per rank."""
+
+    def __init__(self, world: int, nbytes: int, tag: str, device: torch.device, fill: int = 0):
+        self.stride = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        self.alloc = torch.full((world * self.stride,), fill, dtype=torch.uint8, device=device)
+        self.handle = Handle(self.alloc, self.stride, world)
+        self.ranks = [
+            Workspace(tag, self.alloc[r * self.stride : (r + 1) * self.stride], self.handle, r, world)
+            for r in range(world)
+        ]
+
+
+class OneGpuRanks:
+    """``world`` ranks on one device (see the module). ``data_bytes``/``flag_bytes``: each rank's data and flag
+    workspace; data starts as 0xFF bytes (NaN in bf16 and fp16: a read of what nobody wrote shows), flags as 0."""
+
+    def __init__(
+        self,
+        world: int,
+        data_bytes: int,
+        flag_bytes: int,
+        tag: str = "one_gpu",
+        device: torch.device | str | None = None,
+        sm_count: int | None = None,
+    ):
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        self.world = world
+        self.tag = tag
+        self.data = SimulatedWorkspace(world, data_bytes, tag, self.device, fill=0xFF)
+        self.flags = SimulatedWorkspace(world, flag_bytes, f"{tag}.flags", self.device)
+        self._sm_count = sm_count
+        self._initialized: set[tuple[int, int, int]] = set()
+        self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] | None = None
+        self._comms: dict[int, Any] = {}
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []  # outgrown scratch buffers (graphs may point at them)
+
+    # -- the pieces of a rank's Comm
+
+    def init_flags(self, flags: FlagArray, value: int) -> None:
+        """Set a flag array on every rank, once per (workspace, offset): ``symm_mem.init_flags`` in one process.
+        Synchronizes (eager only), so no rank's stream writes into the flags before they are set."""
+        handle = flags.ws.handle
+        key = (id(handle), flags.offset, flags.count)
+        if key in self._initialized:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: simulated flags must be initialized by an eager call before capture")
+        for r in range(self.world):
+            handle.get_buffer(r, (flags.count,), torch.int32, flags.offset // 4).fill_(value)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._initialized.add(key)
+
+    @property
+    def sm_count(self) -> int:
+        """Each rank's SMs: an even share of the device's SMs, less RESERVED_SMS (see the module)."""
+        if self._sm_count is None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._sm_count = max(2, ((sms - RESERVED_SMS) // self.world) // 2 * 2)
+        return self._sm_count
+
+    def streams(self, rank: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """(main, side) streams of ``rank``."""
+        if self._streams is None:
+            self._streams = [
+                (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device, priority=-1))
+                for _ in range(self.world)
+            ]
+        return self._streams[rank]
+
+    def comm(self, rank: int):
+        """The CUTLASS choices' ``Comm`` of ``rank`` (made on first use, eagerly: its error buffer is pinned)."""
+        from ..lowerings.all_gather_matmul.cutlass import Comm, Errors
+
+        if rank not in self._comms:
+            self._comms[rank] = Comm(
+                data=self.data.ranks[rank],
+                flags=self.flags.ranks[rank],
+                side=self.streams(rank)[1],
+                errors=Errors.make(self.device),
+                sm_count=self.sm_count,
+                init_flags=self.init_flags,
+            )
+        return self._comms[rank]
+
+    # -- running every rank's call
+
+    @contextlib.contextmanager
+    def _rank_scratch(self, rank: int):
+        """kernels/cutlass_gemm.py's stream-K scratch of ``rank`` in place of the device's during its call."""
+        from ..kernels import cutlass_gemm
+
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        saved = cutlass_gemm._workspaces.pop(idx, None)
+        if rank in self._scratch:
+            cutlass_gemm._workspaces[idx] = self._scratch[rank]
+        try:
+            yield
+        finally:
+            mine = cutlass_gemm._workspaces.pop(idx, None)
+            if mine is not None:
+                old = self._scratch.get(rank)
+                if old is not None and old is not mine:
+                    self._retired.append(old)
+                self._scratch[rank] = mine
+            if saved is not None:
+                cutlass_gemm._workspaces[idx] = saved
+
+    def run(
+        self,
+        fn: Callable[[int, Any], Any],
+        *,
+        delay_rank: int | None = None,
+        delay_ms: float = 5.0,
+        sync: bool = True,
+        timeout_s: float = 120.0,
+    ) -> list[Any]:
+        """``fn(rank, comm)`` of every rank, each on its main stream (current while it runs), forked from and
+        joined back into the current stream; ``delay_rank``'s stream first sleeps ``delay_ms`` (approximately:
+        GPU clock cycles at 2 GHz). With ``sync`` (ignored while capturing), waits for the device (bounded by
+        ``timeout_s``). Returns the ranks' results. ``config.check_signals`` must be off: it synchronizes inside
+        a rank's call, before the next ranks have launched."""
+        cur = torch.cuda.current_stream(self.device)
+        results = []
+        for r in range(self.world):
+            comm = self.comm(r)
+            main = self.streams(r)[0]
+            main.wait_stream(cur)
+            with torch.cuda.stream(main), self._rank_scratch(r):
+                if r == delay_rank:
+                    torch.cuda._sleep(int(delay_ms * 2e6))
+                results.append(fn(r, comm))
+        for r in range(self.world):
+            cur.wait_stream(self.streams(r)[0])
+        if sync and not torch.cuda.is_current_stream_capturing():
+            self.wait(timeout_s)
+        return results
+
+    def capture(self, fn: Callable[[int, Any], Any], **kwargs) -> tuple[torch.cuda.CUDAGraph, list[Any]]:
+        """One CUDA graph of every rank's ``fn`` (as :meth:`run` issues them, ``kwargs`` included): replay it,
+        then :meth:`wait`. Run ``fn`` eagerly first (workspaces, flags, scratch, Triton's compilation)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results = self.run(fn, sync=False, **kwargs)
+        return graph, results
+
+    def wait(self, timeout_s: float = 120.0) -> None:
+        """Wait for the current stream (every rank's work was joined into it), polling: a protocol that hangs
+        raises TimeoutError instead of blocking forever (the device stays blocked: end the process)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"fluxcompile: simulated ranks ({self.tag}, world {self.world}) still running after "
+                    f"{timeout_s:g} s: a flag is never set"
+                )
+            time.sleep(0.001)
+
+    def errors(self) -> list[list[int]]:
+        """Every rank's error words (synchronizes)."""
+        return [[int(x) for x in self.comm(r).errors.err.tolist()] for r in range(self.world)]
