@@ -1,0 +1,310 @@
+"""The CUTLASS choices' protocols (lowerings/*/cutlass.py) between ranks simulated on one GPU
+(fluxcompile/testing/one_gpu_ranks.py: each rank its own streams and SM share, symmetric workspaces as slices
+of one allocation), and the launcher alone (kernels/cutlass_gemm.py) against torch.
+
+Per world size and variant: fresh random inputs per call, outputs never written before (a poisoned allocator;
+NaN-filled before each replay), rows not a multiple of the tile, fp32 references; several eager calls, one with
+a rank's launch delayed, then a CUDA graph of every rank's call replayed with new inputs copied into the captured
+ones. Every process of scripts/gpu-check runs them on its own GPU (nothing here talks between processes)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from gpu_helpers import poison_allocator
+
+from fluxcompile import config
+from fluxcompile.kernels import cutlass_gemm
+from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
+from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
+from fluxcompile.testing.numerics import TOLERANCE, assert_close
+from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
+
+pytestmark = pytest.mark.skipif(
+    cutlass_gemm.unavailable() is not None, reason=f"CUTLASS kernels: {cutlass_gemm.unavailable()}"
+)
+
+BF16 = torch.bfloat16
+TOL = TOLERANCE[BF16]
+ROWS, K, N, N2 = 200, 512, 768, 256  # rows per rank not a multiple of any tile
+WORLDS = (2, 4, 8)
+DATA_PARALLEL = [name for name, v in cutlass_gemm.VARIANTS.items() if not v.stream_k]
+STREAM_K = [name for name, v in cutlass_gemm.VARIANTS.items() if v.stream_k]
+AG_VARIANTS = [DATA_PARALLEL[0], *STREAM_K[:1]]  # one persistent, one stream-K
+RS_VARIANTS = [DATA_PARALLEL[0], DATA_PARALLEL[-1]]  # stream-K cannot signal
+EAGER_CALLS, REPLAYS = 3, 3
+
+
+@pytest.fixture(autouse=True)
+def _bounded():
+    """Kernel waits give up after 20 s (an error, not a hang); the flags stay as in production."""
+    with config.patch(experimental_cutlass=True, cutlass_timeout_s=20.0, check_signals=False):
+        yield
+
+
+def _run(ranks: OneGpuRanks, fn, **kwargs):
+    try:
+        return ranks.run(fn, timeout_s=90.0, **kwargs)
+    except TimeoutError as e:  # streams blocked on a flag cannot be cancelled: end the process
+        sys.stderr.write(f"\n{e}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _replay(ranks: OneGpuRanks, graph: torch.cuda.CUDAGraph) -> None:
+    graph.replay()
+    try:
+        ranks.wait(90.0)
+    except TimeoutError as e:
+        sys.stderr.write(f"\n{e}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _no_errors(ranks: OneGpuRanks) -> None:
+    errors = ranks.errors()
+    assert all(not w[0] for w in errors), f"wait errors: {errors}"
+
+
+# --- all_gather_matmul --------------------------------------------------------------------------------------
+
+
+class AgCase:
+    """Every rank's inputs (kept: a graph reads them), refreshed in place."""
+
+    def __init__(self, world: int, rows: int = ROWS):
+        self.world, self.rows = world, rows
+        self.A = [torch.empty(rows, K, device="cuda", dtype=BF16) for _ in range(world)]
+        # each rank its own weights: one [K, N] with a bias, one nn.Linear-style (an [N2, K] weight's transpose)
+        self.Bs = [[_weight("kn", BF16), _weight("nk", BF16, N2)] for _ in range(world)]
+        self.biases = [[torch.randn(N, device="cuda", dtype=BF16), None] for _ in range(world)]
+        self.refresh()
+
+    def refresh(self) -> None:
+        for a in self.A:
+            a.copy_(torch.randn_like(a))
+
+    def check(self, results, what: str) -> None:
+        gathered = torch.cat(self.A)
+        for r, (A_gathered, outs) in enumerate(results):
+            assert torch.equal(A_gathered, gathered), f"{what}: rank {r}'s gathered A"
+            for i, (out, b, bias) in enumerate(zip(outs, self.Bs[r], self.biases[r])):
+                want = gathered.float() @ b.float() + (bias.float() if bias is not None else 0)
+                assert_close(out, want, TOL, f"{what}: rank {r}'s output {i}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("variant", AG_VARIANTS)
+def test_all_gather_matmul_between_simulated_ranks(world, variant):
+    case = AgCase(world)
+    ranks = OneGpuRanks(world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}")
+
+    def fn(r, comm):
+        return ag.all_gather_matmul_on(comm, case.A[r], case.Bs[r], case.biases[r], 0, variant=variant)
+
+    for call in range(EAGER_CALLS):
+        case.refresh()
+        poison_allocator(1 << 28)
+        delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
+        case.check(_run(ranks, fn, **delay), f"{variant} world {world} eager call {call}")
+        _no_errors(ranks)
+
+    graph, results = ranks.capture(fn)
+    for replay in range(REPLAYS):
+        case.refresh()
+        for A_gathered, outs in results:
+            A_gathered.fill_(float("nan"))
+            for out in outs:
+                out.fill_(float("nan"))
+        _replay(ranks, graph)
+        case.check(results, f"{variant} world {world} replay {replay}")
+    _no_errors(ranks)
+    # an eager call after the replays (flags left as the graph found them)
+    case.refresh()
+    case.check(_run(ranks, fn), f"{variant} world {world} eager after replays")
+
+
+def test_all_gather_matmul_sequence_parallel_shard():
+    """A [1, S/w, K] shard gathered on dim 1 (the gathered output keeps its 3-D shape), fp16."""
+    world, variant = 2, DATA_PARALLEL[0]
+    A = [torch.randn(1, 77, K, device="cuda", dtype=torch.float16) for _ in range(world)]
+    B = torch.randn(K, N, device="cuda", dtype=torch.float16) / K**0.5
+    ranks = OneGpuRanks(world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp")
+    results = _run(ranks, lambda r, comm: ag.all_gather_matmul_on(comm, A[r], [B], [None], 1, variant=variant))
+    gathered = torch.cat(A, dim=1)
+    for A_gathered, (out,) in results:
+        assert torch.equal(A_gathered, gathered)
+        assert_close(out, gathered.view(-1, K).float() @ B.float(), TOLERANCE[torch.float16], "sp output")
+
+
+# --- matmul_reduce_scatter ----------------------------------------------------------------------------------
+
+
+class RsCase:
+    def __init__(self, world: int, out_shape: list[int], scatter_dim: int, reduce_op: str, bias: bool):
+        self.world, self.out_shape, self.scatter_dim, self.reduce_op = world, out_shape, scatter_dim, reduce_op
+        m, n = math.prod(out_shape[:-1]), out_shape[-1]
+        self.m, self.n = m, n
+        self.A = [torch.empty(m, K, device="cuda", dtype=BF16) for _ in range(world)]
+        # rank 0 an nn.Linear-style weight (K-major), the others [K, N]
+        self.B = [
+            ((torch.randn(n, K, device="cuda") / K**0.5).to(BF16).t() if r == 0 else _weight("kn", BF16, n))
+            for r in range(world)
+        ]
+        self.bias = [torch.randn(n, device="cuda", dtype=BF16) if bias else None for _ in range(world)]
+        self.refresh()
+
+    def refresh(self) -> None:
+        for a in self.A:
+            a.copy_(torch.randn_like(a))
+
+    def check(self, results, what: str) -> None:
+        total = sum(
+            a.float() @ b.float() + (x.float() if x is not None else 0) for a, b, x in zip(self.A, self.B, self.bias)
+        )
+        if self.reduce_op == "avg":
+            total = total / self.world
+        parts = total.reshape(self.out_shape).chunk(self.world, dim=self.scatter_dim)
+        for r, out in enumerate(results):
+            assert_close(out, parts[r].contiguous(), TOL, f"{what}: rank {r}")
+
+
+RS_CASES = {
+    # out_shape (as a function of world), scatter dim, reduce op, bias
+    "rows": (lambda w: [w * ROWS, N], 0, "sum", True),
+    "rows-3d-avg": (lambda w: [1, w * ROWS, N], 1, "avg", False),
+    "columns": (lambda w: [ROWS, N], 1, "sum", True),
+    "columns-3d-avg": (lambda w: [2, 100, N], -1, "avg", True),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("variant", RS_VARIANTS)
+@pytest.mark.parametrize("layout", list(RS_CASES))
+def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
+    shape_of, scatter_dim, reduce_op, bias = RS_CASES[layout]
+    case = RsCase(world, shape_of(world), scatter_dim, reduce_op, bias)
+    axis = rs.scatter_axis(case.out_shape, scatter_dim)
+    ranks = OneGpuRanks(world, rs.data_bytes(case.m, case.n, world, axis, BF16), rs.FLAG_BYTES, tag=f"rs{world}")
+    tag = f"{variant} {layout} world {world}"
+
+    def fn(r, comm):
+        return rs.matmul_reduce_scatter_on(
+            comm, [case.A[r]], [case.B[r]], case.bias[r], case.out_shape, scatter_dim, reduce_op, variant=variant
+        )
+
+    for call in range(EAGER_CALLS):
+        case.refresh()
+        poison_allocator(1 << 28)
+        delay = {"delay_rank": (call + 1) % world, "delay_ms": 20.0} if call == 1 else {}
+        case.check(_run(ranks, fn, **delay), f"{tag} eager call {call}")
+        _no_errors(ranks)
+
+    graph, results = ranks.capture(fn)
+    for replay in range(REPLAYS):
+        case.refresh()
+        for out in results:
+            out.fill_(float("nan"))
+        _replay(ranks, graph)
+        case.check(results, f"{tag} replay {replay}")
+    _no_errors(ranks)
+    # the counters, ready and done flags are back where they started
+    counters, ready, done = rs.flag_arrays(ranks.comm(0))
+    for r in range(world):
+        comm = ranks.comm(r)
+        assert comm.flags.view(r, (world,), torch.int32, counters.offset).eq(0).all(), f"rank {r}'s counters"
+        assert comm.flags.view(r, (world,), torch.int32, ready.offset).eq(0).all(), f"rank {r}'s ready flags"
+        assert comm.flags.view(r, (world,), torch.int32, done.offset).eq(1).all(), f"rank {r}'s done flags"
+
+
+# --- the launcher alone --------------------------------------------------------------------------------------
+
+
+def _weight(layout: str, dtype: torch.dtype, n: int = N) -> torch.Tensor:
+    """A [K, n] weight: row-major ("kn") or the transpose of a row-major [n, K] ("nk", an nn.Linear weight)."""
+    if layout == "kn":
+        return (torch.randn(K, n, device="cuda") / K**0.5).to(dtype)
+    return (torch.randn(n, K, device="cuda") / K**0.5).to(dtype).t()
+
+
+@pytest.mark.parametrize("variant", list(cutlass_gemm.VARIANTS))
+def test_gemm_matches_torch(variant):
+    """bf16 and fp16, both weight layouts, with and without bias, ragged M, eager and replayed from a graph with
+    new inputs; rotations change the tile order, never the result."""
+    for dtype in (BF16, torch.float16):
+        for layout in ("kn", "nk"):
+            for m in (200, 1000):
+                a = torch.randn(m, K, device="cuda", dtype=dtype)
+                b = _weight(layout, dtype)
+                assert cutlass_gemm.weight_layout(b) == layout
+                bias = torch.randn(N, device="cuda", dtype=dtype)
+                for x in (None, bias):
+                    out = torch.full((m, N), float("nan"), device="cuda", dtype=dtype)
+                    cutlass_gemm.gemm(a, b, out, x, variant=variant)
+                    want = a.float() @ b.float() + (x.float() if x is not None else 0)
+                    assert_close(out, want, TOLERANCE[dtype], f"{variant} {dtype} {layout} m={m} bias={x is not None}")
+                for rotate in ((0, 333), (1, 500)):
+                    out = torch.full((m, N), float("nan"), device="cuda", dtype=dtype)
+                    cutlass_gemm.gemm(a, b, out, bias, variant=variant, rotate=rotate, sm_count=16)
+                    assert_close(out, a.float() @ b.float() + bias.float(), TOLERANCE[dtype], f"rotate {rotate}")
+    # a CUDA graph (after the eager calls above: stream-K's scratch exists), replayed with new inputs
+    a = torch.randn(200, K, device="cuda", dtype=BF16)
+    b = _weight("nk", BF16)
+    bias = torch.randn(N, device="cuda", dtype=BF16)
+    out = torch.empty(200, N, device="cuda", dtype=BF16)
+    cutlass_gemm.gemm(a, b, out, bias, variant=variant)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cutlass_gemm.gemm(a, b, out, bias, variant=variant)
+    for _ in range(2):
+        a.copy_(torch.randn_like(a))
+        b.copy_(torch.randn_like(b))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, a.float() @ b.float() + bias.float(), TOL, f"{variant} replay")
+
+
+@pytest.mark.parametrize("variant", DATA_PARALLEL[:1] + DATA_PARALLEL[-1:])
+@pytest.mark.parametrize("axis", (0, 1))
+def test_gemm_signals_count_tiles(variant, axis):
+    m, chunk = 1000, (250 if axis == 0 else 192)
+    a = torch.randn(m, K, device="cuda", dtype=BF16)
+    b = _weight("kn", BF16)
+    out = torch.empty(m, N, device="cuda", dtype=BF16)
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    cutlass_gemm.gemm(a, b, out, variant=variant, signal=(counters, chunk, axis), err=err, rotate=(axis, chunk))
+    want = cutlass_gemm.tiles_per_chunk(variant, m, N, chunk, axis)
+    assert counters[: len(want)].tolist() == want
+    assert counters[len(want) :].eq(0).all()
+    assert_close(out, a.float() @ b.float(), TOL, "signalling GEMM")
+
+
+@pytest.mark.parametrize("variant", AG_VARIANTS)
+def test_gemm_waits_for_chunks(variant):
+    """Flags set: the result; one chunk's flag missing: the bounded wait gives up, naming rank, peer and chunk."""
+    world, rows, chunk_rows = 4, 200, 128
+    chunks = -(-rows // chunk_rows)
+    a = torch.randn(world * rows, K, device="cuda", dtype=BF16)
+    b = _weight("kn", BF16)
+    out = torch.empty(world * rows, N, device="cuda", dtype=BF16)
+    flags = torch.ones(world * chunks, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    flags[1 * chunks : 2 * chunks] = 0  # rank 1's rows: skipped (its own), never awaited
+    cutlass_gemm.gemm(a, b, out, variant=variant, wait=(flags, rows, chunk_rows, 1), err=err, rank=1, rotate=(0, 200))
+    torch.cuda.synchronize()
+    assert err.tolist() == [0] * cutlass_gemm.ERR_WORDS
+    assert_close(out, a.float() @ b.float(), TOL, "waiting GEMM")
+    flags[3 * chunks + 1] = 0  # rank 3's second chunk never arrives
+    with config.patch(cutlass_timeout_s=0.2):
+        cutlass_gemm.gemm(a, b, out, variant=variant, wait=(flags, rows, chunk_rows, 1), err=err, rank=1)
+    torch.cuda.synchronize()
+    assert err.tolist()[:4] == [1, 1, 3, 1]
+    with pytest.raises(RuntimeError, match="rank 1 timed out waiting for rank 3's chunk 1"):
+        cutlass_gemm.check_error(err, "test")

@@ -1,0 +1,573 @@
+"""The CUTLASS choices of all_gather_matmul and matmul_reduce_scatter (lowerings/*/cutlass.py) on CPU: their
+registration, how they decline (experimental switch, no Hopper, dtypes, layouts, pairs, scatter dims), the
+launcher's pure-Python parts (tiles per chunk, weight layouts, generated sources), the reduction kernel under
+Triton's interpreter and compiled for sm_90, and the one-GPU harness's symmetric-memory stand-in. Their protocol
+runs on GPUs: tests/gpu/test_cutlass_ranks.py."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from fluxcompile import config
+from fluxcompile.kernels import cutlass_gemm
+from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
+from fluxcompile.lowerings.choices import _REGISTRY
+from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
+from fluxcompile.symm_mem import FlagArray
+from fluxcompile.testing.numerics import assert_close
+from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BF16, FP16 = torch.bfloat16, torch.float16
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+_mode = FakeTensorMode()
+
+
+def cuda(*shape, dtype=BF16, t: bool = False, view=None) -> torch.Tensor:
+    """A tensor that says it is on cuda:0, without a GPU (only its metadata is read by ``supports``); ``t``: the
+    transpose of a row-major ``shape[::-1]`` (an nn.Linear weight's ``.t()``); ``view``: applied before."""
+    meta = torch.empty(shape[::-1] if t else shape, dtype=dtype, device="meta")
+    meta = meta.t() if t else meta
+    return FakeTensor(_mode, view(meta) if view else meta, torch.device("cuda", 0))
+
+
+def _cutlass(op: str):
+    return {name: c for name, c in _REGISTRY[op].items() if c.family == "cutlass"}
+
+
+def _ag_args(A=None, Bs=None, biases=None, gather_dim=0, world=4):
+    A = cuda(200, 512) if A is None else A
+    Bs = [cuda(512, 768)] if Bs is None else Bs
+    biases = [None] * len(Bs) if biases is None else biases
+    return (A, Bs, biases, gather_dim, world, "g")
+
+
+def _rs_args(As=None, Bs=None, bias=None, out_shape=(800, 768), scatter_dim=0, reduce_op="sum", world=4):
+    As = [cuda(out_shape[0] if len(out_shape) == 2 else 800, 512)] if As is None else As
+    Bs = [cuda(512, out_shape[-1])] if Bs is None else Bs
+    return (As, Bs, bias, list(out_shape), scatter_dim, reduce_op, world, "g")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The experimental switch on and the kernels said to be available (the checks after that one)."""
+    monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
+    with config.patch(experimental_cutlass=True):
+        yield
+
+
+# --- registration and the reasons to decline -------------------------------------------------------------
+
+
+def test_one_choice_per_variant_for_both_ops():
+    for op in OPS:
+        assert list(_cutlass(op)) == [f"cutlass:{v}" for v in cutlass_gemm.VARIANTS], op
+
+
+def test_declined_unless_enabled():
+    assert not config.experimental_cutlass
+    for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
+        for c in _cutlass(op).values():
+            assert c.declines(*args) == "experimental: FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1 enables it", c.name
+
+
+def test_declined_without_hopper():
+    """On this machine (no GPU, maybe no CUTLASS headers) the reason is the launcher's."""
+    why = cutlass_gemm.unavailable()
+    assert why is not None
+    with config.patch(experimental_cutlass=True):
+        for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
+            for c in _cutlass(op).values():
+                assert c.declines(*args) == why, c.name
+
+
+def test_one_rank_is_declined():
+    with config.patch(experimental_cutlass=True):
+        assert ag.supports(*_ag_args(world=1)) == "one rank: nothing to overlap"
+        assert rs.supports(*_rs_args(world=1)) == "one rank: nothing to overlap"
+
+
+def test_all_gather_accepts(hopper):
+    assert ag.supports(*_ag_args()) is None
+    # several weights, both layouts, biases, a sequence-parallel shard gathered on dim 1, fp16
+    Bs = [cuda(512, 768), cuda(512, 256, t=True), cuda(512, 64)]
+    assert ag.supports(*_ag_args(Bs=Bs, biases=[cuda(768), None, cuda(64)])) is None
+    assert ag.supports(*_ag_args(A=cuda(1, 77, 512))) is None
+    assert ag.supports(*_ag_args(A=cuda(1, 77, 512), gather_dim=1)) is None
+    assert ag.supports(*_ag_args(A=cuda(200, 512, dtype=FP16), Bs=[cuda(512, 768, dtype=FP16)])) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (dict(A=cuda(200, 512, dtype=torch.float32), Bs=[cuda(512, 768, dtype=torch.float32)]), "dtype torch.float32"),
+        (dict(Bs=[cuda(512, 768, dtype=FP16)]), "mixed dtypes"),
+        (dict(Bs=[cuda(512, 768)] * 5), "more than 4 weights"),
+        (dict(Bs=[cuda(512, 768)], biases=[cuda(1, 768)]), "a bias that is not [N]"),
+        (dict(Bs=[cuda(512, 768)], biases=[cuda(512)]), "a bias that is not [N]"),
+        (dict(Bs=[cuda(256, 768)]), "a weight that is not [K, N]"),
+        (dict(A=cuda(200, 500), Bs=[cuda(500, 768)]), "A is not row-major with 16-byte aligned rows"),
+        (dict(Bs=[cuda(512, 100)]), "weight dims or strides not 16-byte aligned"),
+        (dict(Bs=[cuda(512, 1536, view=lambda b: b[:, ::2])]), "a weight that is neither"),
+        (dict(A=cuda(2, 77, 512), gather_dim=1), "gather dim has a leading dim of size > 1"),
+        (dict(world=65), "more than 64 ranks"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_all_gather_declines(hopper, args, reason):
+    why = ag.supports(*_ag_args(**args))
+    assert why is not None and why.startswith(reason), why
+
+
+def test_all_gather_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
+    with config.patch(experimental_cutlass=True):
+        assert ag.supports(torch.randn(8, 64, dtype=BF16), [torch.randn(64, 32, dtype=BF16)], [None], 0, 2, "g") == (
+            "needs CUDA tensors"
+        )
+
+
+def test_reduce_scatter_accepts(hopper):
+    assert rs.supports(*_rs_args()) is None
+    assert rs.supports(*_rs_args(reduce_op="avg", bias=cuda(768))) is None
+    assert rs.supports(*_rs_args(scatter_dim=1)) is None  # columns
+    assert rs.supports(*_rs_args(scatter_dim=-1, out_shape=(4, 200, 768), As=[cuda(800, 512)])) is None
+    assert rs.supports(*_rs_args(scatter_dim=1, out_shape=(1, 800, 768), As=[cuda(800, 512)])) is None
+    assert rs.supports(*_rs_args(Bs=[cuda(512, 768, t=True)])) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (dict(As=[cuda(800, 512)] * 2, Bs=[cuda(512, 768)] * 2), "a sum of several products"),
+        (dict(reduce_op="max"), "reduce_op 'max'"),
+        (dict(As=[cuda(800, 512, dtype=torch.float32)], Bs=[cuda(512, 768, dtype=torch.float32)]), "dtype"),
+        (dict(Bs=[cuda(512, 768, dtype=FP16)]), "mixed dtypes"),
+        (dict(bias=cuda(1, 768)), "a bias that is not [N]"),
+        (dict(out_shape=(802, 768), As=[cuda(802, 512)]), "dim 0 of size 802 does not split over 4 ranks"),
+        (dict(out_shape=(800, 770), Bs=[cuda(512, 770)], scatter_dim=1), "dim 1 of size 770 does not split"),
+        (dict(out_shape=(800, 48), Bs=[cuda(512, 48)], scatter_dim=1), "column chunks of 12 elements"),
+        (
+            dict(out_shape=(4, 200, 768), As=[cuda(800, 512)], scatter_dim=1),
+            "scatter dim has a leading dim of size > 1",
+        ),
+        (dict(Bs=[cuda(512, 640)]), "operand shapes do not match out_shape"),
+        (dict(As=[cuda(800, 512, t=True)]), "A is not row-major"),
+        (dict(world=65), "more than 64 ranks"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_reduce_scatter_declines(hopper, args, reason):
+    why = rs.supports(*_rs_args(**args))
+    assert why is not None and why.startswith(reason), why
+
+
+def test_stream_k_variants_decline_the_reduce_scatter(hopper):
+    args = _rs_args()
+    for name, c in _cutlass("matmul_reduce_scatter").items():
+        why = c.declines(*args)
+        if cutlass_gemm.VARIANTS[name.partition(":")[2]].stream_k:
+            assert why is not None and why.startswith("stream-K"), name
+        else:
+            assert why is None, (name, why)
+    assert all(c.declines(*_ag_args()) is None for c in _cutlass("all_gather_matmul").values())
+
+
+def test_supports_never_raises(hopper):
+    assert ag.supports(None, [], [], 0, 4, "g").startswith("supports() raised")
+    assert rs.supports([None], [None], None, [8, 8], 0, "sum", 4, "g").startswith("supports() raised")
+
+
+# --- the launcher's pure-Python parts ---------------------------------------------------------------------
+
+
+def _brute_force_tiles(variant: str, m: int, n: int, chunk: int, axis: int) -> list[int]:
+    tm, tn, _ = cutlass_gemm.VARIANTS[variant].tile
+    extent = m if axis == 0 else n
+    counts = [0] * -(-extent // chunk)
+    for i in range(-(-m // tm)):
+        for j in range(-(-n // tn)):
+            lo, hi = (i * tm, min(m, (i + 1) * tm)) if axis == 0 else (j * tn, min(n, (j + 1) * tn))
+            for c in range(len(counts)):
+                if lo < min(extent, (c + 1) * chunk) and c * chunk < hi:
+                    counts[c] += 1
+    return counts
+
+
+@pytest.mark.parametrize("variant", list(cutlass_gemm.VARIANTS))
+def test_tiles_per_chunk(variant):
+    cases = [
+        (800, 768, 200, 0), (800, 768, 400, 0), (1000, 768, 125, 0), (200, 768, 96, 1), (200, 768, 192, 1),
+        (333, 1000, 250, 1), (64, 64, 16, 0), (4096, 4096, 512, 1), (130, 130, 130, 0), (7, 384, 48, 1),
+    ]  # fmt: skip
+    for m, n, chunk, axis in cases:
+        got = cutlass_gemm.tiles_per_chunk(variant, m, n, chunk, axis)
+        assert got == _brute_force_tiles(variant, m, n, chunk, axis), (m, n, chunk, axis)
+        # every tile is counted once per chunk it overlaps; a chunk is never left without tiles
+        assert all(t > 0 for t in got)
+
+
+def test_rs_chunk_layout():
+    assert rs.layout(800, 768, 4, 0) == (200, 200, 768)
+    assert rs.layout(800, 768, 4, 1) == (192, 800, 192)
+    assert rs.scatter_axis([800, 768], 0) == 0
+    assert rs.scatter_axis([800, 768], -1) == rs.scatter_axis([4, 200, 768], 2) == 1
+    assert rs.data_bytes(800, 768, 4, 0, BF16) == 4 * 200 * 768 * 2 + 800 * 768 * 2
+
+
+def test_ag_chunking():
+    assert ag.chunking(200, 128) == (128, 2)
+    assert ag.chunking(4096, 128) == (1024, 4)
+    assert ag.chunking(64, 128) == (64, 1)  # one chunk, smaller than a tile
+    assert ag.chunking(1000, 256) == (256, 4)
+    for rows in (1, 7, 200, 333, 1024, 5000):
+        for tile in (64, 128, 256):
+            chunk, n = ag.chunking(rows, tile)
+            assert 1 <= n <= ag.CHUNKS and (n - 1) * chunk < rows <= n * chunk
+
+
+def test_weight_layout_and_operand_checks():
+    a = torch.empty(256, 512, dtype=BF16)
+    kn = torch.empty(512, 768, dtype=BF16)
+    nk = torch.empty(768, 512, dtype=BF16).t()
+    assert cutlass_gemm.weight_layout(kn) == "kn"
+    assert cutlass_gemm.weight_layout(nk) == "nk"
+    assert cutlass_gemm.weight_layout(torch.empty(512, 1536, dtype=BF16)[:, ::2]) is None
+    assert cutlass_gemm.weight_layout(torch.empty(512, 768, dtype=BF16)[:, :384]) == "kn"  # padded rows
+    assert cutlass_gemm.operand_unsupported(a, kn) is None
+    assert cutlass_gemm.operand_unsupported(a, nk) is None
+    assert cutlass_gemm.operand_unsupported(a.half(), kn.half()) is None
+    assert cutlass_gemm.operand_unsupported(a.float(), kn.float()).startswith("dtype")
+    assert cutlass_gemm.operand_unsupported(a, kn.half()) == "mixed dtypes"
+    assert cutlass_gemm.operand_unsupported(a, kn, torch.float32) == "mixed dtypes"
+    assert cutlass_gemm.operand_unsupported(a[:, :500], kn[:500]).startswith("A is not row-major")
+    assert cutlass_gemm.operand_unsupported(a.t(), kn[:256]).startswith("A is not row-major")
+    assert cutlass_gemm.operand_unsupported(a, kn[:, :100]).startswith("weight dims")
+    assert cutlass_gemm.operand_unsupported(a, kn[:, ::2]).startswith("a weight that is neither")
+    assert cutlass_gemm.operand_unsupported(a[None], kn) == "operands that are not matrices"
+
+
+def test_generated_sources():
+    files = cutlass_gemm.generated_sources()
+    units = {f for f in files if f.endswith(".cu")}
+    assert units == {f"flux_gemm_{v}.cu" for v in cutlass_gemm.VARIANTS}
+    registry = files["flux_gemm_registry.cpp"]
+    assert set(files) == {*units, "flux_gemm_registry.cpp"}
+    for name, v in cutlass_gemm.VARIANTS.items():
+        assert f"FLUX_GEMM_VARIANT({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"flux_gemm_{name}.cu"]
+        assert f'{{"{name}", ' in registry and f"&flux_gemm_{name}}}" in registry
+        assert f"cudaError_t flux_gemm_{name}(" in registry
+
+
+# --- the reduction kernel -----------------------------------------------------------------------------------
+
+_REDUCE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import interpreter_compat  # noqa: F401
+import torch
+from fluxcompile.lowerings.matmul_reduce_scatter.cutlass import reduce_slots
+
+torch.manual_seed(0)
+errors = {}
+for world, rows, cols, ld, scale in ((2, 40, 96, 96, 1.0), (4, 33, 24, 96, 0.25), (3, 5, 300, 1200, 1.0)):
+    for rank in range(world):
+        slots = torch.randn(world, rows, cols).to(torch.bfloat16)
+        slots[rank] = float("nan")  # never written: must not be read
+        big = torch.randn(rows, ld).to(torch.bfloat16)
+        own = big[:, ld - cols:] if ld > cols else big
+        out = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
+        reduce_slots(slots, own, out, rank, scale)
+        want = own.float()
+        for j in range(1, world):  # the kernel's order (ring order from rank + 1)
+            want = want + slots[(rank + j) % world].float()
+        want = (want * scale).to(torch.bfloat16).float()
+        err = (out.float() - want).abs() / want.abs().clamp(min=1.0)
+        errors[f"{world}-{rows}x{cols}-r{rank}"] = float(err.max())  # NaN (a slot read that must not be) fails
+print(json.dumps(errors))
+"""
+
+
+def test_reduction_kernel_in_interpreter():
+    pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _REDUCE, os.path.join(HERE, "kernel_checks")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    errors = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(errors) == 9
+    for name, err in errors.items():
+        # the same fp32 sum, rounded once (the interpreter may round to bf16 differently: one ulp)
+        assert err <= 2**-7, f"{name}: max relative error {err}"
+
+
+def test_reduction_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
+    from test_kernels_compile import compile_sm90
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    types = {"slots": "*bf16", "own": "*bf16", "out": "*bf16", "scale": "fp32"}
+    k = compile_sm90(rs._reduce_kernel, dict(BLOCK_R=16, BLOCK_C=256), types, num_warps=4, num_stages=1)
+    assert "ld.global" in k.asm["ptx"]
+
+
+# --- the one-GPU harness's symmetric memory ----------------------------------------------------------------
+
+
+def test_harness_views_alias_one_allocation():
+    world = 3
+    ranks = OneGpuRanks(world, data_bytes=5000, flag_bytes=256, tag="t", device="cpu")
+    stride = ranks.data.stride
+    assert stride >= 5000 and stride % 256 == 0
+    base = ranks.data.alloc.data_ptr()
+    for r in range(world):
+        ws = ranks.data.ranks[r]
+        assert (ws.rank, ws.world_size) == (r, world)
+        assert ws.buffer.data_ptr() == base + r * stride and ws.nbytes == stride
+        assert list(ws.handle.buffer_ptrs) == [base + q * stride for q in range(world)]
+    # rank 0's view of rank 2's buffer is rank 2's own view, inside the one allocation
+    v0 = ranks.data.ranks[0].view(2, (10, 8), BF16, 64)
+    v2 = ranks.data.ranks[2].view(2, (10, 8), BF16, 64)
+    assert v0.data_ptr() == v2.data_ptr() == base + 2 * stride + 64
+    v0.fill_(3.0)
+    assert torch.equal(v2, torch.full((10, 8), 3.0, dtype=BF16))
+    assert bool(torch.isnan(ranks.data.ranks[1].view(1, (16,), BF16)).all())  # data starts as NaN
+    with pytest.raises(ValueError):
+        ranks.data.ranks[0].view(1, (stride,), BF16)  # past rank 1's buffer
+
+
+def test_harness_flags_are_set_on_every_rank_once():
+    world = 4
+    ranks = OneGpuRanks(world, data_bytes=1024, flag_bytes=ag.FLAG_BYTES, device="cpu")
+    flags = [FlagArray(ranks.flags.ranks[r], ag._DONE_OFFSET, ag.MAX_WORLD) for r in range(world)]
+    base = ranks.flags.alloc.data_ptr()
+    for r in range(world):
+        for q in range(world):
+            assert flags[r].addr(q, 5) == base + q * ranks.flags.stride + ag._DONE_OFFSET + 20
+    ranks.init_flags(flags[0], 1)
+    assert all(bool((flags[r].local() == 1).all()) for r in range(world))
+    flags[2].local()[3] = 0  # a rank consumed one
+    ranks.init_flags(flags[1], 1)  # once per array: no reset
+    assert int(flags[2].local()[3]) == 0
+    arrived = FlagArray(ranks.flags.ranks[0], ag._ARRIVED_OFFSET, ag.MAX_WORLD * ag.CHUNKS)
+    ranks.init_flags(arrived, 0)
+    assert int(flags[2].local()[0]) == 1  # the arrays do not overlap
+
+
+# --- the protocols, simulated on CPU ----------------------------------------------------------------------
+# Each rank is a thread that runs its call's operations as it issues them (streams are not simulated: a wait
+# blocks the thread); flags are int32 words in the harness's one allocation, written and awaited through their
+# addresses; the GEMM is torch's, waiting for the chunks (all-gather) and counting tiles (reduce-scatter) as the
+# kernel does. This checks the protocols' indexing and handshakes (slots, chunk flags, counters, done/ready over
+# several calls of changing shapes) with real interleavings; the kernels and streams are checked on GPUs.
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _word(addr: int) -> ctypes.c_int32:
+    return ctypes.c_int32.from_address(addr)
+
+
+def _spin(cond, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"simulated wait never satisfied: {what}")
+        time.sleep(20e-6)
+
+
+def _write(stream, addr: int, value: int) -> None:
+    if random.random() < 0.3:
+        time.sleep(random.random() * 2e-4)  # shake the interleavings
+    _word(addr).value = value
+
+
+def _wait(stream, addr: int, value: int) -> None:
+    _spin(lambda: _word(addr).value == value, f"word at {addr:#x} == {value}")
+
+
+def _consume(stream, addr: int) -> None:
+    _wait(stream, addr, 1)
+    _write(stream, addr, 0)
+
+
+def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, rank=0, **_):
+    assert err is not None or (wait is None and signal is None)
+    if wait is not None:
+        flags, rows_per_rank, chunk_rows, skip = wait
+        chunks = -(-rows_per_rank // chunk_rows)
+        for s in range(a.shape[0] // rows_per_rank):
+            for c in range(chunks) if s != skip else ():
+                addr = flags.data_ptr() + 4 * (s * chunks + c)
+                _spin(lambda addr=addr: _word(addr).value != 0, f"rank {rank}: chunk {c} of rank {s}")
+    out.copy_(a.float() @ b.float() + (bias.float() if bias is not None else 0))
+    if signal is not None:
+        counters, chunk, axis = signal
+        for c, t in enumerate(cutlass_gemm.tiles_per_chunk(variant, a.shape[0], b.shape[1], chunk, axis)):
+            _word(counters.data_ptr() + 4 * c).value += t  # only this rank's thread touches its counters
+    return out
+
+
+def _reduce(slots, own, out, rank, scale) -> None:
+    acc = own.float()
+    for j in range(1, slots.shape[0]):
+        acc = acc + slots[(rank + j) % slots.shape[0]].float()
+    out.copy_(acc * scale)
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    from fluxcompile.symm_mem import exchange
+
+    for mod in (ag, rs):
+        monkeypatch.setattr(mod, "current_stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fakes = {"stream_write": _write, "stream_wait": _wait, "stream_consume": _consume}
+    for mod, names in ((ag, ["stream_write"]), (exchange, ["stream_write", "stream_consume"]), (rs, list(fakes))):
+        for name in names:
+            monkeypatch.setattr(mod, name, fakes[name])
+    monkeypatch.setattr(cutlass_gemm, "gemm", _gemm)
+    monkeypatch.setattr(rs, "copy_2d", lambda stream, dst, src: dst.copy_(src))
+    monkeypatch.setattr(rs, "reduce_slots", _reduce)
+
+
+def _simulate(world: int, data_bytes: int, flag_bytes: int, calls: list, init) -> list[list]:
+    """``calls[i](rank, comm)`` on every rank, each rank a thread making its calls in order; their results."""
+    ranks = OneGpuRanks(world, data_bytes, flag_bytes, device="cpu")
+    words = cutlass_gemm.ERR_WORDS
+    comms = [
+        ag.Comm(
+            data=ranks.data.ranks[r],
+            flags=ranks.flags.ranks[r],
+            side=_Stream(),
+            errors=ag.Errors(torch.zeros(words, dtype=torch.int32), torch.zeros(words, dtype=torch.int32)),
+            init_flags=ranks.init_flags,
+        )
+        for r in range(world)
+    ]
+    init(comms[0])  # every rank's flags, before any rank runs (symm_mem.init_flags has a barrier)
+    results = [[None] * world for _ in calls]
+    failures = []
+
+    def rank_thread(r: int) -> None:
+        try:
+            for i, call in enumerate(calls):
+                results[i][r] = call(r, comms[r])
+        except BaseException as e:
+            failures.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+    assert not any(t.is_alive() for t in threads), "a simulated rank is still waiting"
+    return results
+
+
+@pytest.mark.parametrize("world", (2, 3, 4))
+def test_all_gather_protocol_simulated(simulated, world):
+    variant = next(n for n, v in cutlass_gemm.VARIANTS.items() if not v.stream_k)
+    g = torch.Generator().manual_seed(world)
+    shapes = [((200, 64), 0), ((40, 64), 0), ((1, 77, 64), 1), ((200, 64), 0)]  # rows: 2 chunks, 1, 1, 2
+    inputs = [
+        [
+            (
+                torch.randn(shape, generator=g).to(BF16),
+                [torch.randn(64, 48, generator=g).to(BF16), torch.randn(32, 64, generator=g).to(BF16).t()],
+                [torch.randn(48, generator=g).to(BF16), None],
+            )
+            for _ in range(world)
+        ]
+        for shape, _ in shapes
+    ]
+
+    def call(i, r, comm):
+        return ag.all_gather_matmul_on(comm, *inputs[i][r], shapes[i][1], variant=variant)
+
+    calls = [functools.partial(call, i) for i in range(len(shapes))]
+    nbytes = ag.data_bytes(200, 64, world, BF16)
+    results = _simulate(world, nbytes, ag.FLAG_BYTES, calls, ag.flag_arrays)
+    for i, (_, dim) in enumerate(shapes):
+        gathered = torch.cat([inputs[i][r][0] for r in range(world)], dim=dim)
+        for r, (A_gathered, outs) in enumerate(results[i]):
+            assert torch.equal(A_gathered, gathered), (i, r)
+            _, Bs, biases = inputs[i][r]
+            for out, b, bias in zip(outs, Bs, biases):
+                want = gathered.reshape(-1, 64).float() @ b.float() + (bias.float() if bias is not None else 0)
+                assert_close(out, want, 1e-2, f"call {i} rank {r}")
+
+
+@pytest.mark.parametrize("world", (2, 3, 4))
+def test_reduce_scatter_protocol_simulated(simulated, world):
+    variant = next(n for n, v in cutlass_gemm.VARIANTS.items() if not v.stream_k)
+    g = torch.Generator().manual_seed(world)
+    cases = [  # out_shape, scatter dim, reduce op, bias; shapes change between calls (slots move)
+        ([world * 50, 96], 0, "sum", True),
+        ([200, world * 16], 1, "sum", True),
+        ([1, world * 30, 48], 1, "avg", False),
+        ([2, 70, world * 24], -1, "avg", True),
+        ([world * 50, 96], 0, "sum", False),
+    ]
+    inputs = []
+    for out_shape, _, _, bias in cases:
+        m, n = math.prod(out_shape[:-1]), out_shape[-1]
+        inputs.append([
+            (torch.randn(m, 64, generator=g).to(BF16), torch.randn(64, n, generator=g).to(BF16),
+             torch.randn(n, generator=g).to(BF16) if bias else None)
+            for _ in range(world)
+        ])  # fmt: skip
+
+    def call(i, r, comm):
+        out_shape, dim, op, _ = cases[i]
+        a, b, bias = inputs[i][r]
+        return rs.matmul_reduce_scatter_on(comm, [a], [b], bias, out_shape, dim, op, variant=variant)
+
+    nbytes = max(rs.data_bytes(math.prod(s[:-1]), s[-1], world, rs.scatter_axis(s, d), BF16) for s, d, _, _ in cases)
+    results = _simulate(world, nbytes, rs.FLAG_BYTES, [functools.partial(call, i) for i in range(len(cases))],
+                        rs.flag_arrays)  # fmt: skip
+    for i, (out_shape, dim, op, _) in enumerate(cases):
+        total = sum(
+            (a.float() @ b.float() + (x.float() if x is not None else 0)).to(BF16).float() for a, b, x in inputs[i]
+        )
+        if op == "avg":
+            total = total / world
+        parts = total.reshape(out_shape).chunk(world, dim=dim)
+        for r, out in enumerate(results[i]):
+            assert list(out.shape) == list(parts[r].shape), (i, r)
+            assert_close(out, parts[r], 1e-2, f"call {i} rank {r}")
