@@ -36,6 +36,7 @@ IMPLEMENTATIONS = (
     "async_input_mm",
     "torch_symm_mem",
     "schedules",
+    "cutlass",
     "reference",
 )
 _families = list(IMPLEMENTATIONS)
@@ -109,6 +110,9 @@ class Config:
     experimental_gemv_peers: bool = _field(False, tuning=True)
     # The schedule language's all-reduce choices (schedules/gpu_executor.py).
     experimental_schedules: bool = _field(True, tuning=True)
+    # The Flux-style CUTLASS GEMMs of all_gather_matmul and matmul_reduce_scatter (csrc/flux_gemm.cuh): opt-in
+    # until their protocol has run between GPUs.
+    experimental_cutlass: bool = _field(False, tuning=True)
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).
@@ -120,10 +124,11 @@ class Config:
     sequence_graphs: int = 1024
 
     # Bounds on waits for peers. signal_timeout_s: the watchdog's bound on the cuBLAS-pipelined choices' flag
-    # waits (symm_mem/watchdog.py; 0 = off). decode_timeout_s / sched_timeout_s: the in-kernel spin-waits
-    # of the decode kernels and of the schedule executor.
+    # waits (symm_mem/watchdog.py; 0 = off). decode_timeout_s / cutlass_timeout_s / sched_timeout_s: the in-kernel spin-waits
+    # of the decode kernels, of the CUTLASS GEMMs and of the schedule executor.
     signal_timeout_s: float = 600.0
     decode_timeout_s: float = 60.0
+    cutlass_timeout_s: float = 60.0
     sched_timeout_s: float = 60.0
     # Check the Triton kernels' wait errors after every call (synchronizes) instead of at the next call.
     check_signals: bool = False

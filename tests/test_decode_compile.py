@@ -13,6 +13,7 @@ import pytest
 triton = pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
 
 from test_kernels_compile import compile_sm90  # noqa: E402
+from toolchain import find_cuobjdump, find_nvcc  # noqa: E402
 
 from fluxcompile.lowerings import extensions  # noqa: E402
 from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import TRITON_VARIANTS  # noqa: E402
@@ -63,15 +64,8 @@ def test_load_declines_without_gpu():
         extensions.load("gemv_ar")
 
 
-def _nvcc() -> str | None:
-    for cand in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and Path(cand).exists():
-            return cand
-    return None
-
-
 def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
     src = extensions.CSRC / "gemv_ar.cu"
@@ -87,24 +81,12 @@ def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
     ), f"register spills:\n{out.stderr[-3000:]}"
     # The m > 16 loader's math must be Hopper's warpgroup MMA fed by bulk tensor copies (mma.sync fed from
     # shared memory ran 18% slower at m = 64).
-    cuobjdump = _cuobjdump(nvcc)
+    cuobjdump = find_cuobjdump(nvcc)
     if cuobjdump is None:
         pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
     sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "gemv_ar.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout
-
-
-def _cuobjdump(nvcc: str) -> str | None:
-    """cuobjdump beside nvcc, on PATH, or the one Triton ships."""
-    cands = [Path(nvcc).resolve().parent / "cuobjdump", shutil.which("cuobjdump")]
-    try:
-        import triton
-
-        cands.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-    except ImportError:
-        pass
-    return next((str(c) for c in cands if c and Path(c).exists()), None)
 
 
 def test_pipelined_cpp_compiles(tmp_path):

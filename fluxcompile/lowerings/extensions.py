@@ -26,8 +26,35 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # module name -> its sources (headers are hashed too, so an edited header rebuilds)
     "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h"),
     "pipelined": ("pipelined.cpp",),  # host code only: the cuBLAS-pipelined choices' stream sequences
+    # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
+    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp"),
 }
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
+# Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build
+# directory and hashed with the sources) or its extra include directories (None: a prerequisite is missing).
+EXTRA_NVCC: dict[str, tuple[str, ...]] = {
+    # CUTLASS needs the half/bfloat16 operators that cpp_extension's default flags switch off.
+    "flux_gemm": (
+        "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+    ),
+}  # fmt: skip
+
+
+def _generated(name: str) -> dict[str, str]:
+    if name == "flux_gemm":
+        from ..kernels.cutlass_gemm import generated_sources
+
+        return generated_sources()
+    return {}
+
+
+def _includes(name: str) -> list[str] | None:
+    if name == "flux_gemm":
+        from ..kernels.cutlass_gemm import cutlass_include
+
+        return cutlass_include()
+    return []
 
 
 class Unavailable(RuntimeError):
@@ -54,8 +81,11 @@ def build_dir(name: str, capability: tuple[int, int]) -> Path:
     for src in SOURCES[name]:
         h.update(src.encode())
         h.update((CSRC / src).read_bytes())
+    for gen, text in sorted(_generated(name).items()):
+        h.update(gen.encode())
+        h.update(text.encode())
     h.update(arch_flag(capability).encode())
-    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(" ".join(NVCC_FLAGS + EXTRA_NVCC.get(name, ())).encode())
     h.update(torch.__version__.encode())
     h.update(str(torch.version.cuda).encode())
     return cache_root() / f"{name}-{h.hexdigest()[:16]}"
@@ -84,18 +114,27 @@ def load(name: str) -> ModuleType:
         raise Unavailable(why)
     from torch.utils import cpp_extension
 
+    includes = _includes(name)
+    if includes is None:
+        _failed[name] = f"csrc/{name}: its headers are missing (for flux_gemm: pip install nvidia-cutlass)"
+        raise Unavailable(_failed[name])
     capability = torch.cuda.get_device_capability()
     directory = build_dir(name, capability)
     directory.mkdir(parents=True, exist_ok=True)
-    sources = [str(CSRC / s) for s in SOURCES[name] if not s.endswith(".h")]
+    sources = [str(CSRC / s) for s in SOURCES[name] if not s.endswith((".h", ".cuh"))]
+    for gen, text in _generated(name).items():
+        path = directory / gen
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        sources.append(str(path))
     try:
         # An explicit -gencode keeps cpp_extension from adding its default architecture list.
         mod = cpp_extension.load(
             name=f"fluxcompile_{name}_{directory.name.rsplit('-', 1)[1]}",
             sources=sources,
             extra_cflags=["-O3"],
-            extra_cuda_cflags=[*NVCC_FLAGS, arch_flag(capability)],
-            extra_include_paths=[str(CSRC)],
+            extra_cuda_cflags=[*NVCC_FLAGS, *EXTRA_NVCC.get(name, ()), arch_flag(capability)],
+            extra_include_paths=[str(CSRC), *includes],
             build_directory=str(directory),
             with_cuda=True,  # CUDA headers and cudart also for the host-only modules
             verbose=config.csrc_verbose,

@@ -1,0 +1,70 @@
+// The Flux-style GEMM of csrc/flux_gemm*.cu: one persistent warp-specialized CUTLASS GEMM (sm_90a) per call,
+// whose tiles may wait for the chunks that hold their rows (all-gather) and whose epilogue may count each
+// stored tile on the counters of the chunks it overlaps (reduce-scatter). Plain C++: the binding includes it
+// without CUTLASS.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fluxcompile {
+
+// The cross-rank part of one call. Every pointer may be null (that part is off).
+struct FluxGemmSync {
+  // Tile order: tile indices along `rotate_axis` (0: M, 1: N) start at the tile holding element `rotate_elems`
+  // of that axis and wrap around, so the tiles whose data is there first (all-gather: this rank's rows) or
+  // whose results leave first (reduce-scatter: the next rank's rows) come first.
+  int rotate_axis = 0;
+  int rotate_elems = 0;
+  // All-gather: before loading a tile, the producer waits until wait_flags[s * chunks_per_rank + c] != 0 for
+  // every chunk c of every rank s whose rows the tile covers (rank s holds rows [s * rows_per_rank, ...),
+  // chunk c its rows [c * chunk_rows, ...)); rows of `skip_rank` are in place before the launch.
+  const unsigned* wait_flags = nullptr;
+  int rows_per_rank = 0;
+  int chunk_rows = 0;
+  int chunks_per_rank = 0;
+  int skip_rank = -1;
+  // Reduce-scatter: once a tile's stores have landed, +1 (release, system scope) on signal_counters[c] for every
+  // chunk c of `signal_elems` elements along `signal_axis` (0: rows, 1: columns) that the tile overlaps.
+  unsigned* signal_counters = nullptr;
+  int signal_axis = 0;
+  int signal_elems = 0;
+  // Bounded waits: after timeout_ns of %globaltimer a wait gives up and the first one records
+  // err[0..5] = 1, rank, the awaited rank, its chunk, 1 (the awaited value), 1 (kind: chunk arrival).
+  int* err = nullptr;
+  int rank = 0;
+  long long timeout_ns = 60'000'000'000LL;
+};
+
+struct FluxGemmProblem {
+  const void* a = nullptr;  // [m, k] row-major (lda)
+  const void* b = nullptr;  // [k, n]: b_kmajor ? b[k, j] at j * ldb + k : b[k, j] at k * ldb + j
+  void* d = nullptr;        // [m, n] row-major (ldd)
+  const void* bias = nullptr;  // [n] or null
+  int m = 0, n = 0, k = 0;
+  long long lda = 0, ldb = 0, ldd = 0;
+  bool b_kmajor = true;
+  int dtype = 0;  // 0: bf16, 1: fp16 (a, b, d and bias alike; fp32 accumulation)
+  // Launch: persistent CTAs on sm_count SMs (0: all); raster 0 heuristic, 1 along M, 2 along N; swizzle 1/2/4/8.
+  int sm_count = 0;
+  int raster = 0;
+  int swizzle = 1;
+  int device = 0;
+  void* workspace = nullptr;  // workspace_bytes(...) bytes (stream-K variants), else unused
+  FluxGemmSync sync;
+};
+
+// One tile configuration compiled for both dtypes and both weight layouts.
+struct FluxGemmVariant {
+  const char* name;
+  int tile_m, tile_n, tile_k, cluster_m, cluster_n;
+  int schedule;  // 0: cooperative, 1: ping-pong, 2: cooperative under stream-K (flux_gemm.cuh's Schedule)
+  // run(problem, stream, workspace_bytes_out): with workspace_bytes_out set, only writes the bytes it needs.
+  cudaError_t (*run)(const FluxGemmProblem&, cudaStream_t, size_t*);
+};
+
+const FluxGemmVariant* flux_gemm_variants(int* count);
+
+}  // namespace fluxcompile

@@ -1,0 +1,94 @@
+// Python binding of the Flux-style GEMM (flux_gemm.h). Pointers and the stream come from Python as integers;
+// kernels/cutlass_gemm.py validates shapes, layouts and dtypes. The variant table is generated at build time
+// (flux_gemm_registry.cpp) from kernels/cutlass_gemm.py's VARIANTS.
+#include <torch/extension.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "flux_gemm.h"
+
+namespace {
+
+template <typename P>
+P ptr(int64_t v) {
+  return reinterpret_cast<P>(static_cast<intptr_t>(v));
+}
+
+const fluxcompile::FluxGemmVariant& variant(int64_t index) {
+  int count = 0;
+  const fluxcompile::FluxGemmVariant* table = fluxcompile::flux_gemm_variants(&count);
+  if (index < 0 || index >= count) throw std::out_of_range("fluxcompile flux_gemm: no variant " + std::to_string(index));
+  return table[index];
+}
+
+// problem: a, b, d, bias, m, n, k, lda, ldb, ldd, b_kmajor, dtype, sm_count, raster, swizzle, device, workspace
+// sync: rotate_axis, rotate_elems, wait_flags, rows_per_rank, chunk_rows, chunks_per_rank, skip_rank,
+//       signal_counters, signal_axis, signal_elems, err, rank, timeout_ns
+fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::vector<int64_t>& s) {
+  if (q.size() != 17 || s.size() != 13) throw std::invalid_argument("fluxcompile flux_gemm: bad argument count");
+  fluxcompile::FluxGemmProblem p{};
+  p.a = ptr<const void*>(q[0]);
+  p.b = ptr<const void*>(q[1]);
+  p.d = ptr<void*>(q[2]);
+  p.bias = ptr<const void*>(q[3]);
+  p.m = static_cast<int>(q[4]);
+  p.n = static_cast<int>(q[5]);
+  p.k = static_cast<int>(q[6]);
+  p.lda = q[7];
+  p.ldb = q[8];
+  p.ldd = q[9];
+  p.b_kmajor = q[10] != 0;
+  p.dtype = static_cast<int>(q[11]);
+  p.sm_count = static_cast<int>(q[12]);
+  p.raster = static_cast<int>(q[13]);
+  p.swizzle = static_cast<int>(q[14]);
+  p.device = static_cast<int>(q[15]);
+  p.workspace = ptr<void*>(q[16]);
+  auto& y = p.sync;
+  y.rotate_axis = static_cast<int>(s[0]);
+  y.rotate_elems = static_cast<int>(s[1]);
+  y.wait_flags = ptr<const unsigned*>(s[2]);
+  y.rows_per_rank = static_cast<int>(s[3]);
+  y.chunk_rows = static_cast<int>(s[4]);
+  y.chunks_per_rank = static_cast<int>(s[5]);
+  y.skip_rank = static_cast<int>(s[6]);
+  y.signal_counters = ptr<unsigned*>(s[7]);
+  y.signal_axis = static_cast<int>(s[8]);
+  y.signal_elems = static_cast<int>(s[9]);
+  y.err = ptr<int*>(s[10]);
+  y.rank = static_cast<int>(s[11]);
+  y.timeout_ns = s[12];
+  return p;
+}
+
+void run(int64_t index, const std::vector<int64_t>& q, const std::vector<int64_t>& s, int64_t stream) {
+  const auto& v = variant(index);
+  cudaError_t rc = v.run(problem(q, s), ptr<cudaStream_t>(stream), nullptr);
+  if (rc != cudaSuccess) {
+    throw std::runtime_error(std::string("fluxcompile flux_gemm ") + v.name + " failed: " + cudaGetErrorString(rc));
+  }
+}
+
+int64_t workspace_bytes(int64_t index, const std::vector<int64_t>& q, const std::vector<int64_t>& s) {
+  size_t bytes = 0;
+  variant(index).run(problem(q, s), nullptr, &bytes);
+  return static_cast<int64_t>(bytes);
+}
+
+std::vector<std::string> names() {
+  int count = 0;
+  const fluxcompile::FluxGemmVariant* table = fluxcompile::flux_gemm_variants(&count);
+  std::vector<std::string> out;
+  for (int i = 0; i < count; ++i) out.emplace_back(table[i].name);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("run", &run, "one Flux-style GEMM (variant index, problem, sync, stream)");
+  m.def("workspace_bytes", &workspace_bytes, "bytes of workspace a call needs (stream-K variants)");
+  m.def("names", &names, "the compiled variants, in index order");
+}

@@ -1,0 +1,260 @@
+"""Launcher of the Flux-style CUTLASS GEMM (csrc/flux_gemm.cuh): one persistent warp-specialized sm_90a GEMM per
+call, whose tiles may wait for the chunks holding their rows (all-gather) and whose epilogue may count stored
+tiles on per-chunk counters (reduce-scatter).
+
+``VARIANTS`` is the one list of tile configurations: the build generates a translation unit per variant (built in
+parallel) and the registry the binding reads. Launch options that cost no compilation (raster order, swizzle, SM
+count) are arguments of :func:`gemm`. CUTLASS's headers come from the ``nvidia-cutlass`` package
+(``cutlass_library/source/include``); without them, or off Hopper, :func:`unavailable` gives the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..config import config
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled tile configuration (both dtypes, both weight layouts)."""
+
+    tile: tuple[int, int, int]  # M, N, K of a CTA's tile
+    cluster: tuple[int, int]  # CTAs of a cluster along M and N (TMA multicast of B and A)
+    # "coop": two warp groups per tile; "pp" (ping-pong): one per tile, the other's epilogue overlapping its
+    # mainloop; "sk": cooperative under CUTLASS's stream-K scheduler instead of the data-parallel one.
+    schedule: str = "coop"
+
+    @property
+    def name(self) -> str:
+        (tm, tn, tk), (cm, cn) = self.tile, self.cluster
+        return f"{tm}x{tn}x{tk}_c{cm}x{cn}" + ("" if self.schedule == "coop" else f"_{self.schedule}")
+
+    @property
+    def stream_k(self) -> bool:
+        return self.schedule == "sk"
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant((128, 256, 64), (2, 1)),
+        Variant((128, 256, 64), (1, 2)),
+        Variant((256, 128, 64), (2, 1)),
+        Variant((256, 128, 64), (1, 2)),
+        Variant((128, 192, 64), (2, 1)),
+        Variant((128, 224, 64), (2, 1)),
+        Variant((128, 128, 64), (2, 1), "pp"),
+        Variant((128, 128, 64), (1, 2), "pp"),
+        Variant((64, 256, 64), (1, 2), "pp"),
+        Variant((128, 256, 64), (2, 1), "sk"),
+        Variant((256, 128, 64), (1, 2), "sk"),
+        Variant((256, 128, 64), (2, 1), "sk"),
+    )
+}
+SCHEDULES = {"coop": 0, "pp": 1, "sk": 2}  # csrc/flux_gemm.cuh's Schedule
+RASTERS = {"auto": 0, "m": 1, "n": 2}
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+ERR_WORDS = 6  # csrc/flux_gemm.h FluxGemmSync::err
+
+
+def generated_sources() -> dict[str, str]:
+    """The build's generated files: one translation unit per variant and the registry (extensions.py)."""
+    files = {}
+    rows = []
+    for name, v in VARIANTS.items():
+        (tm, tn, tk), (cm, cn) = v.tile, v.cluster
+        sched = SCHEDULES[v.schedule]
+        files[f"flux_gemm_{name}.cu"] = (
+            f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched})\n'
+        )
+        rows.append((name, v))
+    decls = "\n".join(
+        f"cudaError_t flux_gemm_{n}(const FluxGemmProblem&, cudaStream_t, size_t*);" for n, _ in rows
+    )
+    table = ",\n".join(
+        f'    {{"{n}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}, {v.cluster[0]}, {v.cluster[1]}, '
+        f"{SCHEDULES[v.schedule]}, &flux_gemm_{n}}}"
+        for n, v in rows
+    )
+    files["flux_gemm_registry.cpp"] = (
+        '#include "flux_gemm.h"\nnamespace fluxcompile {\n'
+        f"{decls}\n"
+        f"static const FluxGemmVariant kVariants[] = {{\n{table}\n}};\n"
+        "const FluxGemmVariant* flux_gemm_variants(int* count) {\n"
+        "  *count = sizeof(kVariants) / sizeof(kVariants[0]);\n  return kVariants;\n}\n}  // namespace fluxcompile\n"
+    )
+    return files
+
+
+@functools.cache
+def cutlass_include() -> list[str] | None:
+    """CUTLASS's include directories from the ``nvidia-cutlass`` package (None if it is not installed)."""
+    import importlib.util
+
+    # The package's location only: importing cutlass_library runs its (slow) kernel generators.
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))).resolve() / "source"
+    dirs = [root / "include", root / "tools" / "util" / "include"]
+    return [str(d) for d in dirs if d.is_dir()] if (root / "include" / "cutlass").is_dir() else None
+
+
+def unavailable(device: torch.device | None = None) -> str | None:
+    """Why the kernels cannot run here (None if they may)."""
+    if cutlass_include() is None:
+        return "CUTLASS headers missing (pip install nvidia-cutlass)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "the CUTLASS kernels are built for Hopper (sm_90a) only"
+    return None
+
+
+def operand_unsupported(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> str | None:
+    """Why ``a @ b`` (a [M, K], b [K, N]) does not fit the kernels' layouts and dtypes (None if it does)."""
+    if a.dtype not in DTYPES:
+        return f"dtype {a.dtype} (bf16 and fp16 only)"
+    if b.dtype != a.dtype or (out_dtype is not None and out_dtype != a.dtype):
+        return "mixed dtypes"
+    if a.dim() != 2 or b.dim() != 2:
+        return "operands that are not matrices"
+    align = 16 // a.element_size()
+    if a.stride(1) != 1 or a.stride(0) % align or a.shape[1] % align:
+        return "A is not row-major with 16-byte aligned rows"
+    if weight_layout(b) is None:
+        return "a weight that is neither [K, N] row-major nor the transpose of an [N, K] row-major one"
+    ld = b.stride(0) if weight_layout(b) == "kn" else b.stride(1)
+    if ld % align or b.shape[1] % align or b.shape[0] % align:
+        return "weight dims or strides not 16-byte aligned"
+    return None
+
+
+def weight_layout(b: Tensor) -> str | None:
+    """``"kn"``: b[k, n] at k * ld + n; ``"nk"`` (K-major, an nn.Linear weight's transpose): at n * ld + k."""
+    if b.stride(1) == 1 and b.stride(0) >= b.shape[1]:
+        return "kn"
+    if b.stride(0) == 1 and b.stride(1) >= b.shape[0]:
+        return "nk"
+    return None
+
+
+def load():
+    """The built extension (extensions.load raises Unavailable with the reason)."""
+    from ..lowerings import extensions
+
+    return extensions.load("flux_gemm")
+
+
+@functools.cache
+def _index(name: str) -> int:
+    return list(load().names()).index(name)
+
+
+_workspaces: dict[tuple[int, int], Tensor] = {}
+_retired: list[Tensor] = []  # outgrown scratch, kept for CUDA graphs captured over it
+
+
+def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
+    """Scratch for stream-K's partials per (device, stream), so GEMMs on concurrent streams never share it; grown
+    eagerly and then reused (0 if none is needed)."""
+    if nbytes == 0:
+        return 0
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: run the CUTLASS GEMM once eagerly before CUDA graph capture")
+        if buf is not None:
+            _retired.append(buf)
+        buf = _workspaces[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+    return buf.data_ptr()
+
+
+def gemm(
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    bias: Tensor | None = None,
+    *,
+    variant: str,
+    raster: str = "auto",
+    swizzle: int = 1,
+    sm_count: int = 0,
+    rotate: tuple[int, int] = (0, 0),
+    wait: tuple[Tensor, int, int, int] | None = None,
+    signal: tuple[Tensor, int, int] | None = None,
+    err: Tensor | None = None,
+    rank: int = 0,
+) -> Tensor:
+    """``out = a @ b (+ bias)`` on the current stream with the variant ``variant`` (a name of VARIANTS).
+
+    rotate: (axis, element): tiles along axis 0 (M) or 1 (N) start at the tile holding that element.
+    wait: (flags, rows_per_rank, chunk_rows, skip_rank): flags int32 [ranks * chunks_per_rank]; a tile waits until
+      the flag of every chunk holding its rows is non-zero (bounded by ``config.cutlass_timeout_s``; a timeout
+      fills ``err``, int32 [ERR_WORDS]).
+    signal: (counters, chunk_elems, axis): once a tile's stores have landed, +1 on counters[c] for each chunk of
+      chunk_elems rows (axis 0) or columns (axis 1) it overlaps; see :func:`tiles_per_chunk`.
+    """
+    v = VARIANTS[variant]
+    m, k = a.shape
+    n = b.shape[1]
+    layout = weight_layout(b)
+    if signal is not None and v.stream_k:
+        raise ValueError("fluxcompile: stream-K variants do not signal per tile")
+    if (wait is not None or signal is not None) and err is None:
+        raise ValueError("fluxcompile: waits and signals need an error buffer")
+    ldb = b.stride(0) if layout == "kn" else b.stride(1)
+    device = a.device
+    q = [
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
+        m, n, k, a.stride(0), ldb, out.stride(0), int(layout == "nk"), DTYPES[a.dtype],
+        sm_count, RASTERS[raster], swizzle, device.index if device.index is not None else torch.cuda.current_device(),
+        0,
+    ]  # fmt: skip
+    flags, rows_per_rank, chunk_rows, skip = wait if wait is not None else (None, 0, 0, -1)
+    counters, sig_elems, sig_axis = signal if signal is not None else (None, 0, 0)
+    s = [
+        rotate[0], rotate[1],
+        flags.data_ptr() if flags is not None else 0, rows_per_rank, chunk_rows,
+        -(-rows_per_rank // chunk_rows) if chunk_rows else 0, skip,
+        counters.data_ptr() if counters is not None else 0, sig_axis, sig_elems,
+        err.data_ptr() if err is not None else 0, rank, int(config.cutlass_timeout_s * 1e9),
+    ]  # fmt: skip
+    ext = load()
+    index = _index(variant)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if v.stream_k:
+        q[16] = _workspace(device, stream, ext.workspace_bytes(index, q, s))
+    ext.run(index, q, s, stream)
+    return out
+
+
+def tiles_per_chunk(variant: str, m: int, n: int, chunk_elems: int, axis: int) -> list[int]:
+    """The value each counter of a ``signal`` reaches: tiles overlapping chunk c along ``axis``, times the tiles
+    along the other axis."""
+    tm, tn, _ = VARIANTS[variant].tile
+    extent, tile, other = (m, tm, -(-n // tn)) if axis == 0 else (n, tn, -(-m // tm))
+    chunks = -(-extent // chunk_elems)
+    counts = [0] * chunks
+    for t in range(-(-extent // tile)):
+        lo, hi = t * tile, min(extent, (t + 1) * tile)
+        for c in range(lo // chunk_elems, (hi - 1) // chunk_elems + 1):
+            counts[c] += other
+    return counts
+
+
+def check_error(err: Tensor, what: str) -> None:
+    """Raise if a wait of the kernel timed out (reads ``err``: a host synchronization)."""
+    words = [int(x) for x in err[:ERR_WORDS].tolist()]
+    if words[0]:
+        raise RuntimeError(
+            f"fluxcompile: {what}: rank {words[1]} timed out waiting for rank {words[2]}'s chunk {words[3]} "
+            f"(its arrival flag never became non-zero): is every rank running the same op?"
+        )
