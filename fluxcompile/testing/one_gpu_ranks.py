@@ -22,15 +22,14 @@ SMs: each rank's persistent GEMM gets ``((SMs - RESERVED_SMS) // world) // 2 * 2
 so every rank's CTAs are resident together and a few SMs stay free: a same-device copy (every "peer" push here)
 may run as a kernel, and a GEMM waiting for a chunk must never hold the SM its copy needs.
 
-The stream-K GEMMs' scratch (kernels/cutlass_gemm.py keeps one per device) is swapped per rank around each
-rank's call, since the ranks' GEMMs run at the same time here.
+The stream-K GEMMs' scratch is per stream in kernels/cutlass_gemm.py, so the ranks' concurrent GEMMs never
+share it.
 
 Importing this module needs no GPU (the allocations go to ``device``; streams are made on first use).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -100,8 +99,6 @@ class OneGpuRanks:
         self._initialized: set[tuple[int, int, int]] = set()
         self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] | None = None
         self._comms: dict[int, Any] = {}
-        self._scratch: dict[int, torch.Tensor] = {}
-        self._retired: list[torch.Tensor] = []  # outgrown scratch buffers (graphs may point at them)
 
     # -- the pieces of a rank's Comm
 
@@ -154,27 +151,6 @@ class OneGpuRanks:
 
     # -- running every rank's call
 
-    @contextlib.contextmanager
-    def _rank_scratch(self, rank: int):
-        """kernels/cutlass_gemm.py's stream-K scratch of ``rank`` in place of the device's during its call."""
-        from ..kernels import cutlass_gemm
-
-        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        saved = cutlass_gemm._workspaces.pop(idx, None)
-        if rank in self._scratch:
-            cutlass_gemm._workspaces[idx] = self._scratch[rank]
-        try:
-            yield
-        finally:
-            mine = cutlass_gemm._workspaces.pop(idx, None)
-            if mine is not None:
-                old = self._scratch.get(rank)
-                if old is not None and old is not mine:
-                    self._retired.append(old)
-                self._scratch[rank] = mine
-            if saved is not None:
-                cutlass_gemm._workspaces[idx] = saved
-
     def run(
         self,
         fn: Callable[[int, Any], Any],
@@ -195,7 +171,7 @@ class OneGpuRanks:
             comm = self.comm(r)
             main = self.streams(r)[0]
             main.wait_stream(cur)
-            with torch.cuda.stream(main), self._rank_scratch(r):
+            with torch.cuda.stream(main):
                 if r == delay_rank:
                     torch.cuda._sleep(int(delay_ms * 2e6))
                 results.append(fn(r, comm))
