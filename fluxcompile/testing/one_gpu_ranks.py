@@ -39,7 +39,7 @@ import torch
 
 from ..symm_mem import FlagArray, Workspace
 
-RESERVED_SMS = 8
+RESERVED_SMS = 24
 _ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
 
 
@@ -166,9 +166,12 @@ class OneGpuRanks:
         ``timeout_s``). Returns the ranks' results. ``config.check_signals`` must be off: it synchronizes inside
         a rank's call, before the next ranks have launched."""
         cur = torch.cuda.current_stream(self.device)
+        # Every rank's context first: making one pins host memory, which waits for the device, and a rank that
+        # waited for the GPU after an earlier rank's launch would leave that rank waiting for its data.
+        comms = [self.comm(r) for r in range(self.world)]
         results = []
         for r in range(self.world):
-            comm = self.comm(r)
+            comm = comms[r]
             main = self.streams(r)[0]
             main.wait_stream(cur)
             with torch.cuda.stream(main):

@@ -238,6 +238,7 @@ def matmul_reduce_scatter_on(
     def part(p: int) -> Tensor:  # owner p's chunk of our partial
         return partial[p * chunk : (p + 1) * chunk] if axis == 0 else partial[:, p * chunk : (p + 1) * chunk]
 
+    _load_reduction(slots, part(rank), rank)
     side.wait_stream(main)  # recorded before the GEMM: the side stream runs beside it
     cutlass_gemm.gemm(
         a, b, partial, bias.contiguous() if bias is not None else None,
@@ -307,6 +308,19 @@ if triton is not None:
             s = (rank + j) % world
             acc += tl.load(slots + s.to(tl.int64) * slot_elems + rc, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + rc, (acc * scale).to(out.dtype.element_ty), mask=mask)
+
+
+_loaded: set[tuple] = set()
+
+
+def _load_reduction(slots: Tensor, own: Tensor, rank: int) -> None:
+    """Run the reduction once per signature before the call's GEMM (its result unused): loading a kernel's module
+    waits for the device, which must not happen while this rank's GEMM waits for peers that have not launched."""
+    key = (slots.device, slots.dtype, tuple(slots.shape), own.stride(0), rank)
+    if key in _loaded or torch.cuda.is_current_stream_capturing():
+        return
+    reduce_slots(slots, own, torch.empty(own.shape, dtype=own.dtype, device=own.device), rank, 1.0)
+    _loaded.add(key)
 
 
 def reduce_slots(slots: Tensor, own: Tensor, out: Tensor, rank: int, scale: float) -> None:
