@@ -212,11 +212,11 @@ def gemm(
         raise ValueError("fluxcompile: waits and signals need an error buffer")
     ldb = b.stride(0) if layout == "kn" else b.stride(1)
     device = a.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
     q = [
         a.data_ptr(), b.data_ptr(), out.data_ptr(), bias.data_ptr() if bias is not None else 0,
         m, n, k, a.stride(0), ldb, out.stride(0), int(layout == "nk"), DTYPES[a.dtype],
-        sm_count, RASTERS[raster], swizzle, device.index if device.index is not None else torch.cuda.current_device(),
-        0,
+        sm_count, RASTERS[raster], swizzle, index, 0,
     ]  # fmt: skip
     flags, rows_per_rank, chunk_rows, skip = wait if wait is not None else (None, 0, 0, -1)
     counters, sig_elems, sig_axis = signal if signal is not None else (None, 0, 0)
@@ -228,11 +228,12 @@ def gemm(
         err.data_ptr() if err is not None else 0, rank, int(config.cutlass_timeout_s * 1e9),
     ]  # fmt: skip
     ext = load()
-    index = _index(variant)
-    stream = torch.cuda.current_stream(device).cuda_stream
+    which = _index(variant)
+    # The raw handle: torch.cuda.current_stream() builds a Stream object per call.
+    stream = torch._C._cuda_getCurrentRawStream(index)
     if v.stream_k:
-        q[16] = _workspace(device, stream, ext.workspace_bytes(index, q, s))
-    ext.run(index, q, s, stream)
+        q[16] = _workspace(device, stream, ext.workspace_bytes(which, q, s))
+    ext.run(which, q, s, stream)
     return out
 
 

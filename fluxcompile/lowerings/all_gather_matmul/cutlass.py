@@ -161,6 +161,17 @@ def read_flags(flags: FlagArray) -> list[int]:
 # --- supports -------------------------------------------------------------------------------------------
 
 
+def group_declines(group_size: int, A: Tensor) -> str | None:
+    """The reasons both ops' CUTLASS choices share: off, the group's size, no kernel for ``A``'s device."""
+    if not config.experimental_cutlass:
+        return EXPERIMENTAL
+    if group_size < 2:
+        return "one rank: nothing to overlap"
+    if group_size > MAX_WORLD:
+        return f"more than {MAX_WORLD} ranks"
+    return cutlass_gemm.unavailable(A.device if A.is_cuda else None)
+
+
 def supports(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
 ) -> str | None:
@@ -172,13 +183,7 @@ def supports(
 
 
 def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
-    if not config.experimental_cutlass:
-        return EXPERIMENTAL
-    if group_size < 2:
-        return "one rank: nothing to overlap"
-    if group_size > MAX_WORLD:
-        return f"more than {MAX_WORLD} ranks"
-    why = cutlass_gemm.unavailable(A.device if A.is_cuda else None)
+    why = group_declines(group_size, A)
     if why is not None:
         return why
     if not Bs or len(Bs) != len(biases):

@@ -42,12 +42,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
 from ...kernels import cutlass_gemm
 from ...symm_mem import FlagArray, stream_consume, stream_wait, stream_write
 from ...symm_mem.exchange import ring_order, slot_bytes
 from ...symm_mem.workspace import current_stream
-from ..all_gather_matmul.cutlass import EXPERIMENTAL, MAX_WORLD, NAME, Comm, comm_for, read_flags
+from ..all_gather_matmul.cutlass import MAX_WORLD, NAME, Comm, comm_for, group_declines, read_flags
 
 try:
     import triton
@@ -85,18 +84,12 @@ def supports(
 
 
 def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> str | None:
-    if not config.experimental_cutlass:
-        return EXPERIMENTAL
-    if group_size < 2:
-        return "one rank: nothing to overlap"
-    if group_size > MAX_WORLD:
-        return f"more than {MAX_WORLD} ranks"
+    why = group_declines(group_size, As[0])
+    if why is not None:
+        return why
     if len(As) != 1 or len(Bs) != 1:
         return "a sum of several products (one (A, B) pair only)"
     A, B = As[0], Bs[0]
-    why = cutlass_gemm.unavailable(A.device if A.is_cuda else None)
-    if why is not None:
-        return why
     if reduce_op not in ("sum", "avg"):
         return f"reduce_op {reduce_op!r} (sum and avg only)"
     if A.dtype not in _DTYPES:
