@@ -71,6 +71,8 @@ class Config:
     matmul_all_to_all: bool = True
     # The residual add + RMSNorm after an all-reduce, folded into it (decode's decoder-layer tail).
     all_reduce_rmsnorm: bool = True
+    # Embedding-bag pooling over this rank's tables, then the all-to-all to the batch owners (DLRM).
+    embedding_bag_all_to_all: bool = True
 
     # Minimum sizes of the (local) matmul for a rewrite: M rows (after the collective), N columns, K
     # contraction. Below them the original ops stay and the report says which bound was missed.

@@ -33,6 +33,20 @@ use_fast_accum=use_fast_accum)``, as in the graph that was rewritten:
 * producer ops take ``A_scales`` and ``B_scales``, one each per term of the sum;
 * ``out_dtype`` is every product's dtype (scaled matmuls only).
 
+Expert matmuls (the two all-to-all ops)
+---------------------------------------
+A weight ``Bs[i]`` may be 3-D, ``[E, K, N]``: one matrix per local expert, no bias. With ``offs`` (int32
+``[E]``, cumulative row ends, as ``torch._grouped_mm`` takes them) the matmul is ``torch._grouped_mm(X, Bs[i],
+offs=offs)``: rows ``offs[e-1]:offs[e]`` use expert ``e`` (``[R, N]``; rows after ``offs[-1]`` are
+unspecified, as grouped_mm leaves them). Without ``offs`` the experts have equal rows: ``torch.bmm(X.reshape(E,
+-1, K), Bs[i])`` (``[E, R / E, N]``); a producer's 3-D ``As[i]`` is already ``[E, C, K]``.
+
+``row_index`` (int64 ``[R']``) is the permutation between the exchange's order (by source rank) and the
+experts' order, as MoE layers write it (torchtitan's ``_permute``/``_unpermute``): the consumer gathers ``X =
+A_exchanged.reshape(-1, K)[row_index]``; the producer scatters ``Y[row_index[j]] = P[j]`` into zeros (adding
+where ``accumulate``: the backward of a gather). An index equal to the row count stands for a zero padding row
+(torchtitan appends one): it reads zeros and its writes are dropped.
+
 The compiled choice
 -------------------
 ``choice`` (last argument) is what the compile-time choice (``fx_passes/decide.py``) wrote into the graph for
@@ -56,10 +70,20 @@ The ops
     ``out = reduce_scatter(P.reshape(out_shape), dim=scatter_dim)``; ``scatter_dim`` may be the last (feature) dim.
 ``matmul_all_reduce(As, Bs, bias, out_shape, reduce_op, group_name) -> out``
     ``out = all_reduce(P.reshape(out_shape))``.
-``all_to_all_matmul(A, Bs, biases, output_split_sizes, input_split_sizes, group_name) -> (A_exchanged, outs)``
-    ``A_exchanged = all_to_all_single(A)`` along dim 0; ``outs[i]`` as for all_gather_matmul.
-``matmul_all_to_all(As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name) -> out``
-    ``out = all_to_all_single(P.reshape(out_shape))`` along dim 0.
+``all_to_all_matmul(A, Bs, biases, output_split_sizes, input_split_sizes, group_name, ..., offs, row_index)
+-> (A_exchanged, outs)``
+    ``A_exchanged = all_to_all_single(A)`` along dim 0; ``X = A_exchanged.reshape(-1, K)``, or its rows picked
+    by ``row_index`` (see "Expert matmuls"); ``outs[i]`` = the matmul of ``X`` with ``Bs[i]``: dense (with
+    ``biases[i]``, as for all_gather_matmul) or per expert. MoE dispatch, Ulysses attention.
+``matmul_all_to_all(As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name, ..., offs,
+row_index, accumulate) -> out``
+    ``P`` = the sum of the matmuls (dense or per expert); ``Y = P.reshape(-1, N)``, or its rows put at
+    ``row_index``; ``out = all_to_all_single(Y.reshape(out_shape))`` along dim 0. MoE combine.
+``embedding_bag_all_to_all(weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes,
+input_split_sizes, group_name) -> out``
+    ``P = cat([embedding_bag(indices[t], weights[t], offsets[t], mode)[0] for t], dim=-1)`` (``[B, T * D]``,
+    the layout of the pooled rows stacked along dim 1); ``out = all_to_all_single(P.reshape(out_shape))`` along
+    dim 0. ``mode`` is aten's: 0 sum, 1 mean, 2 max. The model-parallel embedding tables of DLRM.
 ``all_reduce_rmsnorm(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op,
 group_name) -> (h, normed)``
     The decoder layer's tail after a row-parallel projection: ``r = all_reduce(x if x is given else
@@ -70,6 +94,7 @@ group_name) -> (h, normed)``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,9 +115,13 @@ def _collective(op, *args) -> Tensor:
 
 _lib = torch.library.Library("fluxcompile", "DEF")
 # The trailing arguments, alike for every op with matmuls (see "Scaled matmuls" and "The compiled choice" above).
-_SCALING_TAIL = 'Tensor[]? B_scales=None, ScalarType? out_dtype=None, bool use_fast_accum=False, str choice=""'
+_SCALING = "Tensor[]? B_scales=None, ScalarType? out_dtype=None, bool use_fast_accum=False"
+_CHOICE = 'str choice=""'
+_SCALING_TAIL = f"{_SCALING}, {_CHOICE}"
 _CONSUMER_TAIL = f"Tensor? A_scale=None, {_SCALING_TAIL}"
 _PRODUCER_TAIL = f"Tensor[]? A_scales=None, {_SCALING_TAIL}"
+# The all-to-all ops' expert arguments (see "Expert matmuls"), before ``choice``.
+_EXPERTS = "Tensor? offs=None, Tensor? row_index=None"
 
 _lib.define(
     "all_gather_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, int gather_dim, int group_size, str group_name, "
@@ -108,11 +137,18 @@ _lib.define(
 )
 _lib.define(
     "all_to_all_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, SymInt[] output_split_sizes,"
-    f" SymInt[] input_split_sizes, str group_name, {_CONSUMER_TAIL}) -> (Tensor, Tensor[])"
+    f" SymInt[] input_split_sizes, str group_name, Tensor? A_scale=None, {_SCALING}, {_EXPERTS}, {_CHOICE})"
+    " -> (Tensor, Tensor[])"
 )
 _lib.define(
     "matmul_all_to_all(Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape,"
-    f" SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, {_PRODUCER_TAIL}) -> Tensor"
+    " SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name,"
+    f" Tensor[]? A_scales=None, {_SCALING}, {_EXPERTS}, bool accumulate=False, {_CHOICE}) -> Tensor"
+)
+_lib.define(
+    "embedding_bag_all_to_all(Tensor[] weights, Tensor[] indices, Tensor[] offsets, int mode,"
+    " bool include_last_offset, SymInt[] out_shape, SymInt[] output_split_sizes, SymInt[] input_split_sizes,"
+    ' str group_name, str choice="") -> Tensor'
 )
 _lib.define(
     "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
@@ -127,6 +163,7 @@ FUSED_OPS: tuple[str, ...] = (
     "all_to_all_matmul",
     "matmul_all_to_all",
     "all_reduce_rmsnorm",
+    "embedding_bag_all_to_all",
 )
 
 
@@ -329,24 +366,115 @@ def _exchange(A: Tensor, output_split_sizes, input_split_sizes, group_name: str)
     )
 
 
+def expert_matmul(
+    a: Tensor, b: Tensor, bias: Tensor | None, offs: Tensor | None, *scaling: Any
+) -> Tensor:
+    """One matmul of the all-to-all ops: dense (``b`` 2-D: ``_matmul``) or per expert (``b`` 3-D ``[E, K, N]``:
+    ``torch._grouped_mm`` with ``offs``, ``torch.bmm`` over equal groups without)."""
+    if b.dim() == 2:
+        return _matmul(a if a.dim() == 2 else a.reshape(-1, a.shape[-1]), b, bias, *scaling)
+    if b.dim() != 3 or bias is not None or (scaling and scaling[0] is not None):
+        raise ValueError(
+            f"fluxcompile: an expert weight is [E, K, N] with no bias or scales, got {list(b.shape)}"
+            f"{' with a bias' if bias is not None else ''}"
+        )
+    if offs is not None:
+        return torch._grouped_mm(a.reshape(-1, a.shape[-1]), b, offs=offs)
+    return torch.bmm(a.reshape(b.shape[0], -1, a.shape[-1]), b)
+
+
+def gather_rows(x: Tensor, row_index: Tensor | None) -> Tensor:
+    """``x`` (2-D) with its rows picked by ``row_index``; index ``len(x)`` reads a zero row (torchtitan's padding)."""
+    if row_index is None:
+        return x
+    return torch.cat([x, x.new_zeros(1, x.shape[-1])])[row_index]
+
+
+def scatter_rows(p: Tensor, row_index: Tensor | None, rows: int, accumulate: bool) -> Tensor:
+    """``Y`` of ``rows`` rows with ``Y[row_index[j]] = p[j]`` (added where ``accumulate``), zeros elsewhere;
+    writes to index ``rows`` (the padding row) are dropped. Without ``row_index``, ``p`` itself."""
+    if row_index is None:
+        return p
+    y = p.new_zeros(rows + 1, p.shape[-1])
+    return y.index_put_((row_index,), p, accumulate=accumulate)[:rows]
+
+
+def _check_experts(Bs: Sequence[Tensor], offs: Tensor | None, row_index: Tensor | None) -> None:
+    experts = [b.shape[0] for b in Bs if b.dim() == 3]
+    if offs is not None and (len(experts) != len(Bs) or offs.dim() != 1 or offs.numel() != experts[0]):
+        raise ValueError(
+            f"fluxcompile: offs ({list(offs.shape)}) needs [E, K, N] expert weights with E = offs.numel(), got "
+            f"{[list(b.shape) for b in Bs]}"
+        )
+    if row_index is not None and (row_index.dim() != 1 or row_index.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"fluxcompile: row_index must be a 1-D int32/int64 tensor, got {row_index.dtype}{list(row_index.shape)}")
+
+
 @torch.library.impl(_lib, "all_to_all_matmul", "CompositeExplicitAutograd")
 def _all_to_all_matmul_ref(
     A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
 ):  # fmt: skip
+    _check_experts(Bs, offs, row_index)
     A_exchanged = _exchange(A, output_split_sizes, input_split_sizes, group_name)
-    if _row_scale(A, A_scale):
-        A_scale = _exchange(A_scale, output_split_sizes, input_split_sizes, group_name)
-    return A_exchanged, _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
+    if all(b.dim() == 2 for b in Bs) and row_index is None:
+        if _row_scale(A, A_scale):
+            A_scale = _exchange(A_scale, output_split_sizes, input_split_sizes, group_name)
+        return A_exchanged, _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
+    if A_scale is not None or B_scales is not None:
+        raise ValueError("fluxcompile: scaled matmuls with expert weights or row_index are not supported")
+    if len(Bs) != len(biases):
+        raise ValueError(f"fluxcompile: {len(Bs)} weights but {len(biases)} biases")
+    x = gather_rows(A_exchanged.reshape(-1, A_exchanged.shape[-1]), row_index)
+    return A_exchanged, [expert_matmul(x, b, bias, offs) for b, bias in zip(Bs, biases)]
 
 
 @torch.library.impl(_lib, "matmul_all_to_all", "CompositeExplicitAutograd")
 def _matmul_all_to_all_ref(
     As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name,
-    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None,
+    accumulate=False, choice="",
 ):  # fmt: skip
-    P = matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum).reshape(out_shape)
-    return _exchange(P, output_split_sizes, input_split_sizes, group_name)
+    _check_experts(Bs, offs, row_index)
+    if all(b.dim() == 2 for b in Bs) and row_index is None:
+        P = matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum)
+    else:
+        _check_pairs(As, Bs)
+        if A_scales is not None or B_scales is not None:
+            raise ValueError("fluxcompile: scaled matmuls with expert weights or row_index are not supported")
+        P = None
+        for i, (a, b) in enumerate(zip(As, Bs)):
+            term = expert_matmul(a, b, bias if i == 0 else None, offs)
+            P = term if P is None else P + term
+        P = scatter_rows(P.reshape(-1, P.shape[-1]), row_index, math.prod(out_shape[:-1]), accumulate)
+    return _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
+
+
+def pooled_rows(
+    weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int, include_last_offset: bool
+) -> Tensor:
+    """``cat([embedding_bag(indices[t], weights[t], offsets[t], mode)[0] for t], dim=-1)``: ``[B, T * D]``."""
+    if not weights or not len(weights) == len(indices) == len(offsets):
+        raise ValueError(
+            f"fluxcompile: need as many tables, index and offset tensors (>0), got {len(weights)}, {len(indices)} "
+            f"and {len(offsets)}"
+        )
+    if mode not in (0, 1, 2):
+        raise ValueError(f"fluxcompile: embedding_bag mode {mode} is not 0 (sum), 1 (mean) or 2 (max)")
+    pooled = [
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset)[0]
+        for w, i, o in zip(weights, indices, offsets)
+    ]
+    return torch.cat(pooled, dim=-1)
+
+
+@torch.library.impl(_lib, "embedding_bag_all_to_all", "CompositeExplicitAutograd")
+def _embedding_bag_all_to_all_ref(
+    weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
+    group_name, choice="",
+):  # fmt: skip
+    P = pooled_rows(weights, indices, offsets, mode, include_last_offset)
+    return _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
 
 
 def rms_norm(h: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool) -> Tensor:
@@ -419,25 +547,50 @@ def _matmul_all_reduce_fake(
     return As[0].new_empty(list(out_shape), dtype=_product_dtype(As, Bs, A_scales, out_dtype))
 
 
+def _expert_out(x: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+    """The fake product of ``x`` (``[R, K]``) and one weight of an all-to-all op (see ``expert_matmul``)."""
+    dtype = out_dtype or x.dtype
+    if b.dim() == 3 and offs is None:
+        return x.new_empty((b.shape[0], x.shape[0] // b.shape[0], b.shape[-1]), dtype=dtype)
+    return x.new_empty((x.shape[0], b.shape[-1]), dtype=dtype)
+
+
 @torch.library.register_fake("fluxcompile::all_to_all_matmul")
 def _all_to_all_matmul_fake(
     A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
 ):  # fmt: skip
+    _check_experts(Bs, offs, row_index)
     rows = sum(output_split_sizes) if output_split_sizes else A.shape[0]
     A_out = A.new_empty([rows, *A.shape[1:]])
-    return A_out, _rows_out(A_out, Bs, out_dtype)
+    if all(b.dim() == 2 for b in Bs) and row_index is None:
+        return A_out, _rows_out(A_out, Bs, out_dtype)
+    x = A_out.new_empty((rows * math.prod(A.shape[1:-1]) if row_index is None else row_index.shape[0], A.shape[-1]))
+    return A_out, [_expert_out(x, b, offs, out_dtype) for b in Bs]
 
 
 @torch.library.register_fake("fluxcompile::matmul_all_to_all")
 def _matmul_all_to_all_fake(
     As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name,
-    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None,
+    accumulate=False, choice="",
 ):  # fmt: skip
+    _check_experts(Bs, offs, row_index)
     shape = list(out_shape)
     if output_split_sizes:
         shape[0] = sum(output_split_sizes)
     return As[0].new_empty(shape, dtype=_product_dtype(As, Bs, A_scales, out_dtype))
+
+
+@torch.library.register_fake("fluxcompile::embedding_bag_all_to_all")
+def _embedding_bag_all_to_all_fake(
+    weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
+    group_name, choice="",
+):  # fmt: skip
+    shape = list(out_shape)
+    if output_split_sizes:
+        shape[0] = sum(output_split_sizes)
+    return weights[0].new_empty(shape)
 
 
 @torch.library.register_fake("fluxcompile::all_reduce_rmsnorm")
@@ -460,4 +613,5 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     "all_to_all_matmul": _all_to_all_matmul_ref,
     "matmul_all_to_all": _matmul_all_to_all_ref,
     "all_reduce_rmsnorm": _all_reduce_rmsnorm_ref,
+    "embedding_bag_all_to_all": _embedding_bag_all_to_all_ref,
 }

@@ -127,6 +127,19 @@ def references(dtype_name: str) -> list[str]:
         assert_close(normed, n, 2 * tol, "all_reduce_rmsnorm normed")
         _check_fake("all_reduce_rmsnorm", args, (h, normed))
     checked.append("all_reduce_rmsnorm")
+
+    # embedding_bag_all_to_all: two tables pooled (sum) for 2 samples per rank, sent to the samples' owners.
+    weights = [_rand(g, 9, 8, dtype=dtype), _rand(g, 5, 8, dtype=dtype)]
+    indices = [torch.randint(0, 5, (3 * ws,), generator=g) for _ in weights]
+    offsets = [torch.arange(2 * ws) for _ in weights]  # the last bag holds the rest
+    args = (weights, indices, offsets, 0, False, [2 * ws, 16], [2] * ws, [2] * ws, group)
+    out = ops.op("embedding_bag_all_to_all")(*args)
+    pooled = torch.cat([torch.nn.functional.embedding_bag(i, w, o, mode="sum") for w, i, o in zip(weights, indices, offsets)], 1)
+    expected = torch.empty(2 * ws, 16, dtype=dtype)
+    dist.all_to_all_single(expected, pooled.contiguous(), [2] * ws, [2] * ws)
+    assert_close(out, expected, tol, "embedding_bag_all_to_all")
+    _check_fake("embedding_bag_all_to_all", args, out)
+    checked.append("embedding_bag_all_to_all")
     return checked
 
 
