@@ -115,6 +115,10 @@ class Config:
     # The Flux-style CUTLASS GEMMs of all_gather_matmul and matmul_reduce_scatter (csrc/flux_gemm.cuh): opt-in
     # until their protocol has run between GPUs.
     experimental_cutlass: bool = _field(False, tuning=True)
+    # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py) and of
+    # embedding_bag_all_to_all (kernels/embedding_bag.py): opt-in until their protocols have run between GPUs.
+    experimental_moe: bool = _field(False, tuning=True)
+    experimental_dlrm: bool = _field(False, tuning=True)
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).
