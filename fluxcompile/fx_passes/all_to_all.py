@@ -1,25 +1,32 @@
-"""all_to_all_single <-> mm => fluxcompile.all_to_all_matmul / fluxcompile.matmul_all_to_all.
+"""all_to_all_single <-> matmuls => fluxcompile.all_to_all_matmul / fluxcompile.matmul_all_to_all, and
+embedding_bag -> all_to_all_single => fluxcompile.embedding_bag_all_to_all.
 
-The exchange is along dim 0 (tokens), as in MoE dispatch and combine or Ulysses-style sequence
-parallelism. A collective whose result feeds matmuls is fused with them (consumer side); otherwise one
-whose input is a sum of matmuls is fused with those (producer side).
+The exchange is along dim 0 (tokens or samples), as in MoE dispatch and combine, Ulysses-style sequence
+parallelism and DLRM's embeddings. A collective whose result feeds matmuls is fused with them (consumer side:
+the MoE experts, fx_passes/experts.py, or dense ``mm``s); otherwise one whose input is made of matmuls is fused
+with those (producer side: the experts, or a sum of ``mm``s), or with the embedding bags that pool it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
-from .graph_utils import shape, single_wait
+from . import embedding_bag, experts
+from .decide import decide
+from .graph_utils import aten, c10d, call, is_call, shape, single_wait
 from .matmuls import Consumers, Producers, find_consumers
 from .report import Entry
 from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_consumers, rewrite_producers, rows, size_reason
 
 CONSUMER = "all_to_all_matmul"
 PRODUCER = "matmul_all_to_all"
+POOLED = "embedding_bag_all_to_all"
+_NO_SCALES = (None, None, None, False)  # A_scale(s), B_scales, out_dtype, use_fast_accum
 
 
 @dataclasses.dataclass
@@ -83,11 +90,111 @@ def match_producer(node: Node, wait: Node, cfg: Config) -> MatmulAllToAllMatch |
     return MatmulAllToAllMatch(node, wait, producers)
 
 
+def _expert_consumer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
+    if why := disabled_reason(cfg, CONSUMER):
+        return why
+    found = experts.find_expert_consumers(wait)
+    if isinstance(found, str):
+        return found
+    source, out_splits, in_splits, group_name = node.args[:4]
+    weights = [t.w for t in found.terms]
+    args = [source, weights, [None] * len(weights), out_splits, in_splits, group_name, *_NO_SCALES, found.offs,
+            found.permutation.index]  # fmt: skip
+    # Tuned with the index form's index only: a layout's row index is made below, once the site is rewritten.
+    decision = decide(CONSUMER, args, group_name, cfg)
+    if decision.keep:
+        return decision.keep
+    with graph.inserting_before(node):
+        args[-1] = experts.gather_index(graph, wait, found.permutation)
+        fused = call(graph, ops.op(CONSUMER), tuple(args), decision.kwargs())
+        exchanged = call(graph, operator.getitem, (fused, 0))
+        outs = call(graph, operator.getitem, (fused, 1))
+        for i, t in enumerate(found.terms):
+            t.node.replace_all_uses_with(call(graph, operator.getitem, (outs, i)))
+    wait.replace_all_uses_with(exchanged)
+    experts.erase_unused(graph, [*(t.node for t in found.terms), *reversed(found.permutation.nodes), wait, node])
+    kind = "grouped_mm" if found.offs is not None else "bmm"
+    how = "by index" if found.permutation.index is not None else "by layout" if found.permutation.layout else "none"
+    note = f"; {decision.note}" if decision.note else ""
+    return Entry(node.name, "all_to_all_single", str(group_name), CONSUMER,
+                 f"{len(found.terms)} expert {kind}(s) [{', '.join(t.node.name for t in found.terms)}], "
+                 f"permutation {how}{note}")  # fmt: skip
+
+
+def _expert_producer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
+    if why := disabled_reason(cfg, PRODUCER):
+        return why
+    source, out_splits, in_splits, group_name = node.args[:4]
+    found = experts.find_expert_producers(source)
+    if isinstance(found, str):
+        return found
+    out_shape = list(shape(source))
+    base_rows = [shape(n)[0] for n in found.permutation.nodes[1:2]]
+    if found.permutation.index is not None and base_rows and base_rows[0] != rows(out_shape):
+        return "the rows are put into a tensor of another row count than the exchanged one"
+    args = [[t.a for t in found.terms], [t.w for t in found.terms], None, out_shape, out_splits, in_splits,
+            group_name, *_NO_SCALES, found.offs, found.permutation.index, found.accumulate]  # fmt: skip
+    decision = decide(PRODUCER, args, group_name, cfg)
+    if decision.keep:
+        return decision.keep
+    with graph.inserting_before(node):
+        args[-2] = experts.scatter_index(graph, found.terms[0].node, found.permutation)
+        fused = call(graph, ops.op(PRODUCER), tuple(args), decision.kwargs())
+    wait.replace_all_uses_with(fused)
+    experts.erase_unused(
+        graph, [wait, node, source, *found.chain, *found.permutation.nodes, *(t.node for t in found.terms)]
+    )
+    kind = "grouped_mm" if found.offs is not None else "bmm"
+    how = "by index" if found.permutation.index is not None else "by layout" if found.permutation.layout else "none"
+    acc = ", accumulating" if found.accumulate else ""
+    note = f"; {decision.note}" if decision.note else ""
+    return Entry(node.name, "all_to_all_single", str(group_name), PRODUCER,
+                 f"sum of {len(found.terms)} expert {kind}(s) [{', '.join(t.node.name for t in found.terms)}], "
+                 f"permutation {how}{acc}{note}")  # fmt: skip
+
+
+def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
+    if why := disabled_reason(cfg, POOLED):
+        return why
+    source, out_splits, in_splits, group_name = node.args[:4]
+    found = embedding_bag.find_pooled(source)
+    if isinstance(found, str):
+        return found
+    bags = found.bags
+    args = ([b.args[0] for b in bags], [b.args[1] for b in bags], [b.args[2] for b in bags], found.mode,
+            found.include_last_offset, list(shape(source)), out_splits, in_splits, group_name)  # fmt: skip
+    decision = decide(POOLED, args, group_name, cfg)
+    if decision.keep:
+        return decision.keep
+    with graph.inserting_before(node):
+        fused = call(graph, ops.op(POOLED), args, decision.kwargs())
+    wait.replace_all_uses_with(fused)
+    experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
+    note = f"; {decision.note}" if decision.note else ""
+    mode = {0: "sum", 1: "mean", 2: "max"}.get(found.mode, str(found.mode))
+    return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
+                 f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{note}")  # fmt: skip
+
+
+def _sizes_from_wait(node: Node) -> None:
+    """Point the collective's size reads (``sym_size`` of an exchange with unbacked splits) at its wait, which has
+    the same shape, so the wait is the collective's only user."""
+    waits = [u for u in node.users if is_call(u, c10d.wait_tensor.default)]
+    if len(waits) == 1:
+        for u in list(node.users):
+            if is_call(u, aten.sym_size.int):
+                u.replace_input_with(node, waits[0])
+
+
 def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[3])
+    _sizes_from_wait(node)
     wait = single_wait(node)
     if wait is None:
         return Entry(node.name, "all_to_all_single", group, None, "not waited on by a single wait_tensor")
+    expert_consumer = _expert_consumer(graph, node, wait, cfg)
+    if isinstance(expert_consumer, Entry):
+        return expert_consumer
     consumer = match_consumer(node, wait, cfg)
     if not isinstance(consumer, str):
         rewrite_consumers(graph, node, ops.op(CONSUMER), consumer.fused_args(), wait, consumer.consumers, [wait])
@@ -95,8 +202,24 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
         return Entry(
             node.name, "all_to_all_single", group, CONSUMER, f"{len(consumer.consumers.matmuls)} matmul(s) [{names}]"
         )
+    expert_producer = _expert_producer(graph, node, wait, cfg)
+    if isinstance(expert_producer, Entry):
+        return expert_producer
     producer = match_producer(node, wait, cfg)
     if not isinstance(producer, str):
         rewrite_producers(graph, node, ops.op(PRODUCER), producer.fused_args(), wait, producer.producers, [])
         return Entry(node.name, "all_to_all_single", group, PRODUCER, describe_sum(producer.producers))
-    return Entry(node.name, "all_to_all_single", group, None, f"consumer side: {consumer}; producer side: {producer}")
+    pooled = _pooled(graph, node, wait, cfg)
+    if isinstance(pooled, Entry):
+        return pooled
+    return Entry(
+        node.name, "all_to_all_single", group, None,
+        f"consumer side: {_first(expert_consumer, consumer)}; producer side: {_first(expert_producer, producer)}; "
+        f"embedding bags: {pooled}",
+    )  # fmt: skip
+
+
+def _first(expert_reason: str, dense_reason: str) -> str:
+    """The more telling of the two reasons: the expert one unless it only says there are no experts."""
+    generic = ("no grouped_mm or bmm", "is not a grouped_mm or bmm", "the exchanged tensor is not")
+    return dense_reason if any(g in expert_reason for g in generic) else expert_reason
