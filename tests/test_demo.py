@@ -120,3 +120,38 @@ def test_cli_help_gives_every_command_a_sentence(capsys):
 def test_cli_without_a_command_says_so(capsys):
     assert cli.main([]) == 2
     assert "a command is required" in capsys.readouterr().err
+
+
+def test_demo_parses_the_model_options():
+    a, _ = demo.parse(["--backend", "gloo"])
+    assert (a.model, a.batch, a.dtype) == ("llama", demo.DemoArgs.batch, "float32")
+    moe = "--model moe --experts 4 --top-k 1 --tokens 24 --capacity-factor 1.5 --expert-form bmm"
+    a, _ = demo.parse(["--backend", "gloo", *moe.split()])
+    assert (a.model, a.experts, a.top_k, a.tokens, a.capacity_factor, a.expert_form, a.dtype) == (
+        "moe", 4, 1, 24, 1.5, "bmm", "float32"
+    )
+    a, _ = demo.parse(["--backend", "gloo", "--model", "moe"])  # grouped experts compile in bfloat16 only
+    assert (a.capacity_factor, a.expert_form, a.dtype) == (None, "grouped", "bfloat16")
+    dlrm = "--model dlrm --tables 4 --rows 10 --bag-size 2 --dense-in 5 --pooling mean --interaction cat"
+    a, _ = demo.parse(["--backend", "gloo", *dlrm.split()])
+    assert (a.model, a.tables, a.rows, a.bag_size, a.dense_in, a.pooling, a.interaction, a.batch) == (
+        "dlrm", 4, 10, 2, 5, "mean", "cat", demo.DLRM_BATCH
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "moe", "--experts", "3"], "--experts 3 must be a multiple of --world-size 2"),
+        (["--model", "moe", "--expert-form", "bmm"], "--expert-form bmm needs --capacity-factor"),
+        (["--model", "moe", "--dtype", "float32"], "--expert-form grouped compiles in bfloat16 only"),
+        (["--model", "dlrm", "--tables", "5"], "--tables 5 must be a multiple of --world-size 2"),
+    ],
+)
+def test_demo_refuses_a_model_it_cannot_build(monkeypatch, capsys, argv, message):
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(fluxcompile.testing, "RankPool", no_pool)
+    assert demo.main(["--backend", "gloo", *argv]) == 2
+    assert message in capsys.readouterr().err
