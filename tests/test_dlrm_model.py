@@ -1,0 +1,67 @@
+"""The DLRM with table-wise sharded embeddings (fluxcompile/models/dlrm.py) on gloo ranks: eager == the model in
+one process, compiled with backend="fluxcompile" == eager, forward and backward (dense-input grad and every
+parameter's grad, the tables' dense grads included).
+
+No assertion on fusion counts yet: ``ModelResult.report`` and ``.counts`` carry what the rewrite pass did.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from fluxcompile.demo import DemoArgs, ModelResult, check_dlrm, dlrm_case, dlrm_reference_errors
+from fluxcompile.models.dlrm import DLRMArgs, ModelParallelDLRM
+
+SMALL = {"dim": 16, "ffn": 32, "batch": 6, "tables": 4, "rows": 50, "bag_size": 3, "dense_in": 13, "seed": 0}
+
+
+def dlrm_on_world(a: DemoArgs) -> ModelResult:
+    return check_dlrm(dist.group.WORLD, a)
+
+
+def eager_on_world(a: DemoArgs) -> tuple[dict[str, float], float]:
+    from fluxcompile.testing.numerics import TOLERANCE
+
+    da, params, dense, sparse, grads = dlrm_case(dist.group.WORLD, a)
+    model = ModelParallelDLRM(da, dist.group.WORLD, params)
+    rows = slice(model.rank * a.batch, (model.rank + 1) * a.batch)
+    mine = sparse[model.rank * model.local_tables : (model.rank + 1) * model.local_tables]
+    d = dense[rows].clone().requires_grad_()
+    out = model(d, mine)
+    out.backward(grads[rows])
+    return dlrm_reference_errors(model, params, dense, sparse, grads, out, d.grad), TOLERANCE[dense.dtype]
+
+
+def run(ranks, world: int, **kw) -> list[ModelResult]:
+    a = DemoArgs(**{**SMALL, **kw})
+    results = ranks(world).run(dlrm_on_world, a)
+    for rank, r in enumerate(results):
+        assert r.ok, f"rank {rank}: {r}"
+        assert r.graphs == {"forward": 1, "backward": 1}, f"rank {rank}: graph breaks: {r.graphs}\n{r.report}"
+        assert any(name.startswith("tables.") for name in r.grad_errors), r.grad_errors
+    assert all(r.counts == results[0].counts for r in results), "ranks rewrote their graphs differently"
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_eager_model_matches_one_process(ranks, world):
+    for pooling in ("sum", "mean"):
+        for interaction in ("dot", "cat"):
+            a = DemoArgs(**{**SMALL, "tables": 8, "pooling": pooling, "interaction": interaction})
+            for rank, (errors, tol) in enumerate(ranks(world).run(eager_on_world, a)):
+                bad = {k: v for k, v in errors.items() if not v <= tol}
+                assert not bad, f"{pooling}/{interaction}, rank {rank} of {world}: {bad}"
+
+
+def test_compiled_sum_pooling_dot_interaction(ranks):
+    run(ranks, 2, pooling="sum", interaction="dot")
+
+
+def test_compiled_mean_pooling_cat_interaction_four_ranks(ranks):
+    run(ranks, 4, pooling="mean", interaction="cat", tables=8, batch=5)
+
+
+def test_dlrm_args_refuse_unknown_pooling():
+    with pytest.raises(ValueError, match="mode"):
+        DLRMArgs(mode="max")
