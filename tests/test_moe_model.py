@@ -78,6 +78,11 @@ def test_capacity_bmm(ranks):
     run(ranks, 2, expert_form="bmm", capacity_factor=1.0, dtype="float32")
 
 
+def test_capacity_grouped_mm(ranks):
+    # Equal groups: the offsets are constants.
+    run(ranks, 2, expert_form="grouped", capacity_factor=1.25, dtype="bfloat16")
+
+
 def test_capacity_drops_tokens(ranks):
     # Capacity 0.5: every rank drops token copies, whose contribution is exactly zero in both.
     results = run(ranks, 2, expert_form="loop", capacity_factor=0.5, dtype="float32")
@@ -86,11 +91,6 @@ def test_capacity_drops_tokens(ranks):
 
 def test_dropless_grouped_mm_four_ranks(ranks):
     run(ranks, 4, expert_form="grouped", dtype="bfloat16", experts=8, tokens=24)
-
-
-def test_capacity_bmm_four_ranks(ranks):
-    results = run(ranks, 4, expert_form="bmm", capacity_factor=1.0, dtype="float32", experts=8, tokens=24)
-    assert any(r.dropped > 0 for r in results), [r.dropped for r in results]
 
 
 class GroupedMMNeedsBF16(Exception):
