@@ -1,0 +1,41 @@
+"""fluxcompile.embedding_bag_all_to_all: its choices and its CUDA implementation, which asks the rank-synchronized
+autotuner for one choice per call signature (identically on every rank) and runs it.
+
+Choices, in registration order:
+* ``triton:<variant>`` (triton.py, experimental: ``FLUXCOMPILE_EXPERIMENTAL_DLRM=1``): the Triton pooling kernel of
+  kernels/embedding_bag.py, which stores every pooled row straight into its owner's output (one launch for all
+  tables), counters per (source, destination) pair, a bounded wait and a copy out of the receive buffer;
+* ``reference`` (``embedding_bag`` per table + ``cat`` + NCCL ``all_to_all_single``, registered by
+  lowerings/choices.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..autotune import pick
+from ..choices import Choice, register_choice
+from ..direct_calls import cuda_impl
+from . import triton
+
+OP = "embedding_bag_all_to_all"
+
+if triton.eb is not None:
+    for _name in triton.eb.VARIANTS:
+        register_choice(OP, Choice(f"{triton.NAME}:{_name}", *triton.make(_name)))
+
+
+@cuda_impl(OP, probe=lambda args: args[0][0])
+def embedding_bag_all_to_all_cuda(
+    weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
+    include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int], group_name: str, choice: str = "",
+) -> Tensor:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature."""
+    args = (
+        list(weights), list(indices), list(offsets), mode, include_last_offset, list(out_shape),
+        list(output_split_sizes), list(input_split_sizes), group_name,
+    )  # fmt: skip
+    return pick(OP, args, group_name, compiled=choice).fn(*args)
