@@ -1,0 +1,265 @@
+"""The DLRM kernel's protocol (lowerings/embedding_bag_all_to_all/triton.py, kernels/embedding_bag.py) on a GPU:
+one rank (the pooling kernel writes the output), ranks simulated on one GPU (fluxcompile/testing/one_gpu_ranks.py:
+each rank its own streams, symmetric workspaces as slices of one allocation) at 2, 4 and 8 ranks, and the
+registered choice between this run's processes (real peers where scripts/gpu-check starts several) against the
+reference (embedding_bag + NCCL all_to_all_single).
+
+Per case: each rank its own tables (different row counts), ragged bags with empty ones, fresh random indices per
+call, outputs never written before (a poisoned allocator; NaN-filled before each replay), references in fp32
+computed per rank by hand (rank s's pooled rows, chunk r to rank r, sources in rank order); several eager calls,
+one with a rank's launch delayed, then a CUDA graph of every rank's call replayed with new indices and offsets
+copied into the captured ones (fixed shapes), then an eager call after the replays. Waits give up after about 5 s
+(an error in the error words, not a hang)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_helpers import poison_allocator
+
+from fluxcompile import config, ops
+from fluxcompile.kernels import embedding_bag as eb
+from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
+from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
+from fluxcompile.testing.numerics import assert_close
+from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+WORLDS = (2, 4, 8)
+EAGER_CALLS, REPLAYS = 3, 3
+SPIN = 5_000_000  # polls of about 1 us: a missing peer is an error after about 5 s
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def _queues(world: int) -> None:
+    if int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")) < 2 * world + 4:
+        pytest.skip(f"CUDA_DEVICE_MAX_CONNECTIONS < {2 * world + 4} (scripts/gpu-check sets 32)")
+
+
+@pytest.fixture(autouse=True)
+def _config():
+    with config.patch(experimental_dlrm=True, check_signals=False):
+        yield
+
+
+class Rank:
+    """One rank's operands (kept: a graph reads them), refreshed in place."""
+
+    def __init__(self, g, tables, bags, dim, dtype, idx_dtype, last, max_len, row_base):
+        self.last, self.max_len, self.bags = last, max_len, bags
+        self.rows = [row_base + 37 * t for t in range(tables)]
+        self.weights = [torch.randn(n, dim, generator=g).to(device="cuda", dtype=dtype) for n in self.rows]
+        self.n_idx = [bags * max_len // 2 + t for t in range(tables)]
+        self.indices = [torch.zeros(n, dtype=idx_dtype, device="cuda") for n in self.n_idx]
+        self.offsets = [torch.zeros(bags + int(last), dtype=idx_dtype, device="cuda") for _ in self.rows]
+        self.g = g
+        self.refresh()
+
+    def refresh(self) -> None:
+        """New indices and new ragged bags (empty ones included) over the same index counts."""
+        for t, n in enumerate(self.n_idx):
+            self.indices[t].copy_(torch.randint(0, self.rows[t], (n,), generator=self.g))
+            cuts = torch.sort(torch.randint(0, n + 1, (self.bags - 1,), generator=self.g)).values
+            cuts[: min(2, len(cuts))] = 0  # bag 0 (and 1) empty
+            offs = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+            if self.last:
+                offs = torch.cat([offs, torch.tensor([n])])
+            self.offsets[t].copy_(offs)
+
+    def pooled(self, mode: int) -> torch.Tensor:
+        return ops.pooled_rows(
+            [w.float() for w in self.weights], [i.long() for i in self.indices], [o.long() for o in self.offsets],
+            mode, self.last,
+        )  # fmt: skip
+
+
+def expected(ranks: list[Rank], mode: int, out_shape, ins_of) -> list[torch.Tensor]:
+    world = len(ranks)
+    chunks = [list(torch.split(ranks[s].pooled(mode).reshape(out_shape), ins_of(s), dim=0)) for s in range(world)]
+    return [torch.cat([chunks[s][r] for s in range(world)], dim=0) for r in range(world)]
+
+
+def _run(harness: OneGpuRanks, fn, **kwargs):
+    try:
+        return harness.run(fn, timeout_s=90.0, **kwargs)
+    except TimeoutError as e:  # streams blocked on a flag cannot be cancelled: end the process
+        sys.stderr.write(f"\n{e}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _replay(harness: OneGpuRanks, graph: torch.cuda.CUDAGraph) -> None:
+    graph.replay()
+    try:
+        harness.wait(90.0)
+    except TimeoutError as e:
+        sys.stderr.write(f"\n{e}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _no_errors(harness: OneGpuRanks) -> None:
+    errors = harness.errors()
+    assert all(not w[0] for w in errors), [eb.error_message(w, "dlrm") for w in errors]
+
+
+def _splits(kind: str, world: int, units: int) -> list[list[int]]:
+    """sizes[s][r]: what rank s sends rank r (rows of out_shape's dim 0; every rank sends ``units``)."""
+    if kind != "unequal":
+        return [[units // world] * world for _ in range(world)]
+    sizes = []
+    for s in range(world):
+        row = [(units // world) + ((s + r) % 3 - 1) * (units // (4 * world)) for r in range(world)]
+        row[(s + 1) % world] = 0  # an empty chunk
+        row[-1] += units - sum(row)
+        sizes.append(row)
+    return sizes
+
+
+CASES = {
+    # tables per rank, bags per rank, dim, dtype, index dtype, include_last_offset, splits, 3-D out_shape
+    "fp32-sum": (3, 40, 64, torch.float32, torch.int64, False, "equal", False, 0),
+    "bf16-mean-last-i32": (2, 33, 128, torch.bfloat16, torch.int32, True, "equal", True, 1),
+    "fp16-unequal": (2, 48, 32, torch.float16, torch.int64, False, "unequal", False, 0),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_between_simulated_ranks(world, case):
+    _queues(world)
+    tables, bags_local, dim, dtype, idx_dtype, last, split_kind, three_d, mode = CASES[case]
+    variant = list(eb.VARIANTS)[(world + len(case)) % len(eb.VARIANTS)]
+    bags = bags_local * world
+    out_shape = [world, bags_local, tables * dim] if three_d else [bags, tables * dim]
+    units = out_shape[0]
+    sizes = _splits(split_kind, world, units)
+    uniform = split_kind == "equal"
+
+    def ins_of(s):
+        return sizes[s]
+
+    def outs_of(r):
+        return [row[r] for row in sizes]
+
+    g = torch.Generator().manual_seed(world * 100 + len(case))
+    ranks = [Rank(g, tables, bags, dim, dtype, idx_dtype, last, 6, 50 + 11 * r) for r in range(world)]
+    nbytes = lo.data_bytes(ranks[0].weights, ranks[0].offsets, last, out_shape, outs_of(0), ins_of(0), world)
+    harness = OneGpuRanks(world, nbytes, lo.FLAG_BYTES, tag=f"dlrm{world}{case}")
+
+    def fn(r, comm):
+        o, i = ([], []) if uniform and r % 2 == 0 else (outs_of(r), ins_of(r))  # empty lists mean equal splits
+        x = ranks[r]
+        return lo.embedding_bag_all_to_all_on(
+            comm, x.weights, x.indices, x.offsets, mode, last, out_shape, o, i, variant=variant, max_spin=SPIN
+        )
+
+    def check(results, what):
+        want = expected(ranks, mode, out_shape, ins_of)
+        for r, out in enumerate(results):
+            assert out.shape == want[r].shape, f"{what}: rank {r}'s shape {tuple(out.shape)}"
+            assert_close(out, want[r], TOL[dtype], f"{what}: rank {r}")
+
+    for call in range(EAGER_CALLS):
+        for x in ranks:
+            x.refresh()
+        poison_allocator(1 << 28)
+        delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
+        results = _run(harness, fn, **delay)
+        _no_errors(harness)
+        check(results, f"{case} world {world} eager call {call}")
+
+    graph, results = harness.capture(fn)
+    for replay in range(REPLAYS):
+        for x in ranks:
+            x.refresh()
+        for out in results:
+            out.fill_(float("nan"))
+        _replay(harness, graph)
+        check(results, f"{case} world {world} replay {replay}")
+    _no_errors(harness)
+    for x in ranks:
+        x.refresh()
+    check(_run(harness, fn), f"{case} world {world} eager after replays")
+    _no_errors(harness)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank(dtype):
+    """World 1: no workspace, the pooling kernel writes the output; eager calls and graph replays."""
+    g = torch.Generator().manual_seed(7)
+    x = Rank(g, 4, 300, 128, dtype, torch.int64, False, 9, 1000)
+    out_shape = [300, 4 * 128]
+    for variant in eb.VARIANTS:
+        for mode in (0, 1):
+            x.refresh()
+            poison_allocator(1 << 26)
+            out = lo.embedding_bag_all_to_all_on(None, x.weights, x.indices, x.offsets, mode, False, out_shape, [], [],
+                                                 variant=variant)  # fmt: skip
+            assert_close(out, x.pooled(mode), TOL[dtype], f"one rank {variant} mode {mode}")
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        lo.embedding_bag_all_to_all_on(None, x.weights, x.indices, x.offsets, 0, False, out_shape, [], [])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = lo.embedding_bag_all_to_all_on(None, x.weights, x.indices, x.offsets, 0, False, out_shape, [], [])
+    torch.cuda.current_stream().wait_stream(stream)
+    for replay in range(REPLAYS):
+        x.refresh()
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_close(out, x.pooled(0), TOL[dtype], f"one rank replay {replay}")
+
+
+def test_wait_times_out_into_error_words():
+    """Rank 1 of 2 never pools: rank 0's wait gives up and names it; the next eager call on rank 0 raises."""
+    g = torch.Generator().manual_seed(3)
+    world, bags, dim = 2, 16, 32
+    x = Rank(g, 2, bags, dim, torch.float32, torch.int64, False, 4, 40)
+    out_shape = [bags, 2 * dim]
+    harness = OneGpuRanks(world, lo.data_bytes(x.weights, x.offsets, False, out_shape, [], [], world), lo.FLAG_BYTES,
+                          tag="dlrm-timeout")  # fmt: skip
+
+    def fn(r, comm):
+        if r == 1:
+            return None
+        return lo.embedding_bag_all_to_all_on(comm, x.weights, x.indices, x.offsets, 0, False, out_shape, [], [],
+                                              max_spin=20_000)  # fmt: skip
+
+    _run(harness, fn)
+    words = harness.errors()[0]
+    msg = eb.error_message(words, "test")
+    assert msg is not None and "waiting for rank 1's pooled rows" in msg, words
+    with pytest.raises(RuntimeError, match="waiting for rank 1's pooled rows"):
+        _run(harness, fn)
+
+
+def test_registered_choice_between_processes():
+    """The op with the compiled choice ``triton:<variant>`` between this run's processes (one rank per GPU: real
+    peers over symmetric memory where there are several) against the op's reference (NCCL); DLRM's layout: every
+    rank pools the global batch for its own tables, batch chunk r goes to rank r."""
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    op = torch.ops.fluxcompile.embedding_bag_all_to_all.default
+    g = torch.Generator().manual_seed(1234 + rank)
+    bags_local, tables, dim = 64, 3, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        x = Rank(g, tables, bags_local * world, dim, dtype, torch.int64, False, 8, 500 + rank)
+        args = (x.weights, x.indices, x.offsets, 0, False, [bags_local * world, tables * dim], [], [], group.group_name)
+        for variant in (eb.DEFAULT, list(eb.VARIANTS)[-1]):
+            for call in range(3):
+                x.refresh()
+                poison_allocator(1 << 26)
+                got = op(*args, choice=f"triton:{variant}")
+                want = op(*args, choice="reference")
+                assert_close(got, want, TOL[dtype], f"rank {rank} {dtype} {variant} call {call}")
+        torch.cuda.synchronize()
+        errors = lo._errors[torch.cuda.current_device()].err.tolist() if world > 1 else [0] * eb.ERR_WORDS
+        assert not errors[0], eb.error_message(errors, "registered choice")
