@@ -22,9 +22,10 @@ def _seed() -> int:
     return int(t)
 
 
-def dropless(x, router, w1, w2, experts: int, top_k: int):
+def dropless(x, router, w1, w2, experts: int, top_k: int, pad: bool = False):
     """torchtitan's dropless layer in plain ops: sort by expert, exchange counts and rows, permute by index into
-    the experts' order, grouped_mm, un-permute by index_put, exchange back."""
+    the experts' order, grouped_mm, un-permute by index_put, exchange back; with ``pad``, torchtitan's zero row
+    appended before the permutation (one padding index at the end of the last expert's rows)."""
     group, world = dist.group.WORLD, dist.get_world_size()
     local, d = experts // world, x.shape[-1]
     weights, ids = torch.softmax(x.float() @ router, -1).topk(top_k, -1)
@@ -38,9 +39,15 @@ def dropless(x, router, w1, w2, experts: int, top_k: int):
     segment = torch.searchsorted(recv_counts.cumsum(0), torch.arange(routed.shape[0]), right=True)
     perm = torch.argsort(segment % local, stable=True)
     offs = recv_counts.view(world, local).sum(0).cumsum(0).to(torch.int32)
+    if pad:
+        routed = torch.vstack((routed, routed.new_zeros(routed.shape[-1])))
+        perm = torch.cat([perm, perm.new_full((1,), routed.shape[0] - 1)])
+        offs = offs + (torch.arange(local) == local - 1).to(torch.int32)
     y = torch._grouped_mm(torch.relu(torch._grouped_mm(routed[perm], w1, offs=offs)), w2, offs=offs)
-    out = y.new_empty(y.shape)
+    out = y.new_empty(routed.shape[0], y.shape[-1])
     out[perm] = y
+    if pad:
+        out = out[:-1]
     back = fc.all_to_all_single_autograd(out, send, recv, group)
     unsorted = torch.empty_like(back)
     unsorted[order] = back
@@ -65,9 +72,9 @@ def moe_case(form: str) -> tuple[dict, float]:
     w1 = torch.randn(experts // world, d, f, dtype=dtype, requires_grad=True)
     w2 = torch.randn(experts // world, f, d, dtype=dtype, requires_grad=True)
     x = torch.randn(12 + dist.get_rank(), d, dtype=dtype)
-    if form == "dropless":
+    if form.startswith("dropless"):
         router = torch.randn(d, experts)
-        fn = lambda x: dropless(x, router, w1, w2, experts, 2)  # noqa: E731
+        fn = lambda x: dropless(x, router, w1, w2, experts, 2, pad=form == "dropless-padded")  # noqa: E731
     else:
         fn = lambda x: capacity(x, w1, w2, 2)  # noqa: E731
     params = [w1, w2]
@@ -86,13 +93,15 @@ def moe_case(form: str) -> tuple[dict, float]:
     return counts, max(errs), rep.format()
 
 
-@pytest.mark.parametrize(("world", "form"), [(2, "dropless"), (2, "capacity"), (4, "dropless")])
+@pytest.mark.parametrize(
+    ("world", "form"), [(2, "dropless"), (2, "dropless-padded"), (2, "capacity"), (4, "dropless")]
+)
 def test_moe_dispatch_and_combine_fuse(ranks, world, form):
     for counts, err, report in ranks(world).run(moe_case, form):
         # Forward: dispatch and combine; backward: the combine's backward is a dispatch and vice versa.
         assert counts == {"forward": {A2AMM: 1, MMA2A: 1}, "backward": {A2AMM: 1, MMA2A: 1}}, report
         assert err <= 1e-2, report
-    if form == "dropless":
+    if form.startswith("dropless"):
         assert "permutation by index, accumulating" in report
     else:
         assert "permutation by layout" in report

@@ -18,7 +18,7 @@ from .. import ops
 from ..config import Config
 from . import embedding_bag, experts
 from .decide import decide
-from .graph_utils import aten, c10d, call, is_call, shape, single_wait
+from .graph_utils import aten, c10d, call, is_call, shape, single_wait, val
 from .matmuls import Consumers, Producers, find_consumers
 from .report import Entry
 from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_consumers, rewrite_producers, rows, size_reason
@@ -97,6 +97,8 @@ def _expert_consumer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
     if isinstance(found, str):
         return found
     source, out_splits, in_splits, group_name = node.args[:4]
+    if found.loop is not None:
+        return _loop_consumer(graph, node, wait, found, cfg)
     weights = [t.w for t in found.terms]
     args = [source, weights, [None] * len(weights), out_splits, in_splits, group_name, *_NO_SCALES, found.offs,
             found.permutation.index]  # fmt: skip
@@ -121,6 +123,37 @@ def _expert_consumer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
                  f"permutation {how}{note}")  # fmt: skip
 
 
+def _loop_consumer(graph: Graph, node: Node, wait: Node, found: experts.ExpertConsumers, cfg: Config) -> Entry | str:
+    """One mm per expert on the split rows: the fused op runs them as one grouped matmul per weight, whose
+    output is split back into the experts' pieces."""
+    source, out_splits, in_splits, group_name = node.args[:4]
+    loop = found.loop
+    if any(shape(w)[0] != len(loop.sizes) for w, _ in loop.weights):
+        return "a stacked expert weight with another expert count than the split"
+    with graph.inserting_before(node):
+        row_index = experts.gather_index(graph, wait, found.permutation)
+        weights, offs = experts.loop_operands(graph, loop, val(wait).device)
+    args = (source, weights, [None] * len(weights), out_splits, in_splits, group_name, *_NO_SCALES, offs, row_index)
+    decision = decide(CONSUMER, args, group_name, cfg)
+    if decision.keep:
+        return decision.keep  # the operands made above are dead and go with Inductor's dead-code elimination
+    with graph.inserting_before(node):
+        fused = call(graph, ops.op(CONSUMER), args, decision.kwargs())
+        exchanged = call(graph, operator.getitem, (fused, 0))
+        experts.loop_results(graph, loop, call(graph, operator.getitem, (fused, 1)))
+    wait.replace_all_uses_with(exchanged)
+    mms = [mm for per_weight in loop.mms for mm in per_weight]
+    experts.erase_unused(graph, [*mms, loop.split, *reversed(found.permutation.nodes), wait, node])
+    note = f"; {decision.note}" if decision.note else ""
+    return Entry(node.name, "all_to_all_single", str(group_name), CONSUMER,
+                 f"one mm per expert ({len(loop.sizes)} experts x {len(weights)} weight(s)) as grouped matmuls, "
+                 f"permutation {_how(found.permutation)}{note}")  # fmt: skip
+
+
+def _how(permutation: experts.Permutation) -> str:
+    return "by index" if permutation.index is not None else "by layout" if permutation.layout else "none"
+
+
 def _expert_producer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     if why := disabled_reason(cfg, PRODUCER):
         return why
@@ -129,9 +162,6 @@ def _expert_producer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
     if isinstance(found, str):
         return found
     out_shape = list(shape(source))
-    base_rows = [shape(n)[0] for n in found.permutation.nodes[1:2]]
-    if found.permutation.index is not None and base_rows and base_rows[0] != rows(out_shape):
-        return "the rows are put into a tensor of another row count than the exchanged one"
     args = [[t.a for t in found.terms], [t.w for t in found.terms], None, out_shape, out_splits, in_splits,
             group_name, *_NO_SCALES, found.offs, found.permutation.index, found.accumulate]  # fmt: skip
     decision = decide(PRODUCER, args, group_name, cfg)

@@ -16,6 +16,7 @@ W)`` with 3-D weights, as ``ops.py`` ("Expert matmuls") defines the fused ops' a
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from .graph_utils import aten, call, is_call, is_reshape, prims, shape, val
 
 GROUPED = aten._grouped_mm.default
 BMM = aten.bmm.default
+_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 _LAYOUT = (aten.permute.default, aten.clone.default)
 
 
@@ -47,11 +49,22 @@ class ExpertTerm:
 
 
 @dataclasses.dataclass
+class LoopTerms:
+    """One ``mm`` per expert on the splits of the experts' operand: ``mm(split[e], W[e])`` (or ``W[e].t()``)."""
+
+    split: Node
+    sizes: list[Any]  # rows per expert (ints or SymInt nodes)
+    weights: list[tuple[Node, bool]]  # (the stacked [E, K, N] weight, whether each expert's matrix is transposed)
+    mms: list[list[Node]]  # per weight, per expert
+
+
+@dataclasses.dataclass
 class ExpertConsumers:
     x: Node  # the experts' operand
     permutation: Permutation
     terms: list[ExpertTerm]
     offs: Node | None
+    loop: LoopTerms | None = None  # the one-mm-per-expert form (then ``terms`` is empty)
 
 
 @dataclasses.dataclass
@@ -76,6 +89,47 @@ def _expert_term(node: Node) -> ExpertTerm | str | None:
     if is_call(node, BMM):
         return ExpertTerm(node, node.args[0], node.args[1])
     return None
+
+
+def _expert_matrix(w: Node) -> tuple[Node, int, bool] | None:
+    """``W[e]`` (``select(W, 0, e)``) or its transpose, as (W, e, transposed)."""
+    transposed = is_call(w, aten.permute.default) and list(w.args[1]) == [1, 0]
+    if transposed:
+        w = w.args[0]
+    if is_call(w, aten.select.int) and w.args[1] == 0 and len(shape(w.args[0]) or ()) == 3:
+        return w.args[0], w.args[2], transposed
+    return None
+
+
+def _loop_terms(split: Node) -> LoopTerms | str:
+    """The per-expert mms on the pieces of ``split`` (along dim 0), grouped by stacked weight."""
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim != 0:
+        return "the experts' rows are split along another dim than 0"
+    pieces = {u.args[1]: u for u in split.users if is_call(u, operator.getitem)}
+    count = len(val(split)) if isinstance(val(split), (list, tuple)) else 0
+    if is_call(split, aten.split_with_sizes.default):
+        sizes = list(split.args[1])
+    else:
+        size, rows = split.args[1], shape(split.args[0])[0]
+        if not isinstance(size, int) or not isinstance(rows, int) or rows % size:
+            return "a split into pieces of unequal or symbolic size"
+        sizes = [size] * (rows // size)
+    groups: dict[tuple[Node, bool], dict[int, Node]] = {}
+    for e, piece in pieces.items():
+        for user in piece.users:
+            if is_call(user, aten.mm.default) and user.args[0] is piece:
+                matrix = _expert_matrix(user.args[1])
+                if matrix is not None and matrix[1] == e:
+                    groups.setdefault((matrix[0], matrix[2]), {})[e] = user
+    weights, mms = [], []
+    for (w, transposed), by_expert in groups.items():
+        if shape(w)[0] == count == len(sizes) and sorted(by_expert) == list(range(count)):
+            weights.append((w, transposed))
+            mms.append([by_expert[e] for e in range(count)])
+    if not weights:
+        return "no weight has one mm per expert (mm(x_e, W[e])) on the split rows"
+    return LoopTerms(split, sizes, weights, mms)
 
 
 def _offs(term: ExpertTerm) -> Node | None:
@@ -109,6 +163,24 @@ def _layout_path(start: Node, end: Node) -> list[Node] | None:
     return path[::-1]
 
 
+def _appends_zero_row(cat: Node, node: Node, k: Any) -> bool:
+    parts = list(cat.args[0])
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return dim == 0 and len(parts) == 2 and parts[0] is node and _zero_row(parts[1], k)
+
+
+def _into_zero_rows(scatter: Node, node: Node) -> bool:
+    """``slice_scatter(zeros[R + 1, K], node, 0, 0, R)``: ``node`` with a zero row appended (the backward of
+    dropping the padding row)."""
+    base, src = scatter.args[:2]
+    dim, start = (scatter.args[2] if len(scatter.args) > 2 else 0), (scatter.args[3] if len(scatter.args) > 3 else 0)
+    rows, base_rows = (shape(node) or (None,))[0], (shape(base) or (None,))[0]
+    return (
+        src is node and dim == 0 and start in (0, None) and is_call(base, aten.full.default) and base.args[1] == 0
+        and rows is not None and base_rows is not None and _same(base_rows, rows + 1)
+    )
+
+
 def find_expert_consumers(result: Node) -> ExpertConsumers | str:
     """The expert matmuls reading the exchanged tensor ``result`` ([R, K]) after a permutation, if any."""
     rshape = shape(result)
@@ -120,12 +192,21 @@ def find_expert_consumers(result: Node) -> ExpertConsumers | str:
 
     def visit(node: Node, layout: list[Node], index: Node | None, nodes: list[Node]) -> None:
         for user in node.users:
-            if _expert_term(user) is not None and user.args[0] is node:
+            if (_expert_term(user) is not None or is_call(user, *_SPLITS)) and user.args[0] is node:
                 found.append((node, Permutation(index, layout, nodes)))
             elif index is None and not layout and is_call(user, aten.index.Tensor) and user.args[0] is node:
                 idx = user.args[1]
                 if len(idx) == 1 and isinstance(idx[0], Node) and len(shape(idx[0]) or ()) == 1:
                     visit(user, [], idx[0], [*nodes, user])
+            elif index is None and not layout and (
+                (is_call(user, aten.cat.default) and _appends_zero_row(user, node, k))
+                or (is_call(user, aten.slice_scatter.default) and _into_zero_rows(user, node))
+            ):
+                padded = [u for u in user.users if is_call(u, aten.index.Tensor) and u.args[0] is user]
+                for u in padded:  # the padding row reads zeros, as the fused op's index == rows does
+                    idx = u.args[1]
+                    if len(idx) == 1 and isinstance(idx[0], Node) and len(shape(idx[0]) or ()) == 1:
+                        visit(u, [], idx[0], [*nodes, user, u])
             elif index is None and (is_reshape(user) or is_call(user, *_LAYOUT)) and user.args[0] is node:
                 if _keeps_features(user, k):
                     visit(user, [*layout, user], None, [*nodes, user])
@@ -137,6 +218,12 @@ def find_expert_consumers(result: Node) -> ExpertConsumers | str:
     if len(xs) > 1:
         return "expert matmuls read the exchanged rows through different permutations"
     x, permutation = found[0]
+    splits = [u for u in x.users if is_call(u, *_SPLITS) and u.args[0] is x]
+    if splits:
+        loop = _loop_terms(splits[0])
+        if isinstance(loop, str):
+            return loop
+        return ExpertConsumers(x, permutation, [], None, loop)
     terms = []
     for user in x.users:
         term = _expert_term(user)
@@ -172,6 +259,8 @@ def _terms_of(node: Node) -> tuple[list[ExpertTerm], list[Node]] | str:
                 return p
         return [t for p in parts for t in p[0]], [*chain, node, *(c for p in parts for c in p[1])]
     term = _expert_term(node)
+    if is_call(node, aten.cat.default) and any(is_call(p, aten.mm.default) for p in node.args[0]):
+        return "the experts' outputs are concatenated from one mm per expert (of that form only the dispatch fuses)"
     if term is None:
         return f"{node.name} is not a grouped_mm or bmm"
     if isinstance(term, str):
@@ -188,12 +277,44 @@ def _empty_base(base: Node, accumulate: bool) -> bool:
     return not accumulate and is_call(base, aten.empty.memory_format, aten.empty_like.default)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) are known to be equal, without guarding on them."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def _padding_slice(node: Node) -> Node | None:
+    """``x[:-1]`` dropping the padding row of an index_put's result (torchtitan's ``_unpermute``): ``x``."""
+    if not is_call(node, aten.slice.Tensor) or len(node.users) != 1:
+        return None
+    src = node.args[0]
+    dim, start = (node.args[1] if len(node.args) > 1 else 0), (node.args[2] if len(node.args) > 2 else 0)
+    end = node.args[3] if len(node.args) > 3 else None
+    end = val(end) if isinstance(end, Node) else end
+    rows = (shape(src) or (None,))[0]
+    if dim != 0 or start not in (0, None) or not is_call(src, aten.index_put.default) or len(src.users) != 1:
+        return None
+    return src if end == -1 or (rows is not None and _same(end, rows - 1)) else None
+
+
+def _zero_row(node: Node, k: Any) -> bool:
+    """A tensor of one row of zeros (``x.new_zeros(k)``, maybe viewed as ``[1, k]``)."""
+    while is_reshape(node):
+        node = node.args[0]
+    return is_call(node, aten.full.default) and node.args[1] == 0 and math.prod(shape(node) or (0,)) == k
+
+
 def find_expert_producers(source: Node) -> ExpertProducers | str:
     """The expert matmuls whose rows, permuted, make ``source`` (the exchange's input)."""
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return "the exchanged tensor is not at least 2-D"
     node, chain = _strip_reshapes(source)
+    padded = _padding_slice(node)
+    if padded is not None:
+        chain.append(node)
+        node = padded
     if is_call(node, aten.index_put.default) and len(node.users) == 1:
         base, indices, values = node.args[:3]
         accumulate = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
@@ -201,6 +322,8 @@ def find_expert_producers(source: Node) -> ExpertProducers | str:
             return "an index_put that is not by one row index"
         if not _empty_base(base, accumulate) or len(shape(base) or ()) != 2 or len(base.users) != 1:
             return "an index_put into a tensor that is not new (empty, or zeros when adding)"
+        if len(sshape) != 2 or not _same(shape(base)[0], sshape[0] + (padded is not None)):
+            return "the rows are put into a tensor of another row count than the exchanged one"
         found = _terms_of(values)
         if isinstance(found, str):
             return found
@@ -274,6 +397,26 @@ def scatter_index(graph: Graph, terms_out: Node, permutation: Permutation) -> No
                                                     "requires_grad": False})  # fmt: skip
     empty = call(graph, aten.empty.memory_format, ([rows],), {"dtype": torch.int64, "device": device})
     return call(graph, aten.index_put.default, (empty, [g], iota))
+
+
+def loop_operands(graph: Graph, loop: LoopTerms, device: torch.device) -> tuple[list[Node], Node]:
+    """The fused consumer's stacked weights (transposed per expert where the mms were) and ``offs`` (the
+    cumulative split sizes, int32), made in the graph."""
+    weights = [
+        call(graph, aten.permute.default, (w, [0, 2, 1])) if transposed else w for w, transposed in loop.weights
+    ]
+    sizes = [call(graph, aten.full.default, ([1], s), {"dtype": torch.int64, "device": device}) for s in loop.sizes]
+    ends = call(graph, aten.cumsum.default, (call(graph, aten.cat.default, (sizes,)), 0))
+    return weights, call(graph, prims.convert_element_type.default, (ends, torch.int32))
+
+
+def loop_results(graph: Graph, loop: LoopTerms, outs: Node) -> None:
+    """Each per-expert mm replaced by its rows of the fused op's output for its weight."""
+    for j, mms in enumerate(loop.mms):
+        out = call(graph, operator.getitem, (outs, j))
+        pieces = call(graph, aten.split_with_sizes.default, (out, list(loop.sizes)))
+        for e, mm in enumerate(mms):
+            mm.replace_all_uses_with(call(graph, operator.getitem, (pieces, e)))
 
 
 def erase_unused(graph: Graph, nodes: Sequence[Node]) -> None:
