@@ -93,6 +93,11 @@ VARIANTS = {
 DEFAULT = "b8u4w4"
 
 
+def name_of(v: Variant) -> str:
+    """``b<bags>u<unroll>w<warps>`` (``d<block_d>`` after it when set): the names of ``VARIANTS``."""
+    return f"b{v.block_b}u{v.unroll}w{v.num_warps}" + (f"d{v.block_d}" if v.block_d else "")
+
+
 @triton.jit(do_not_specialize=["B", "T", "rank", "world", "rot"])
 def pool_kernel(
     tables, out, peer_data, peer_counters, dst_off, src_start, state,

@@ -351,7 +351,7 @@ def comm_for(group_name: str, world: int, data_bytes: int) -> Comm:
 def embedding_bag_all_to_all(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
-    input_split_sizes: Sequence[int], group_name: str, *, variant: str = "",
+    input_split_sizes: Sequence[int], group_name: str, *, variant: str | eb.Variant = "",
 ) -> Tensor:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -438,10 +438,11 @@ def _report(errors: Errors, what: str) -> None:
 def embedding_bag_all_to_all_on(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
-    input_split_sizes: Sequence[int], *, variant: str = "", max_spin: int | None = None,
+    input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
 ) -> Tensor:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
-    call. The protocol of the module's docstring, on the current stream."""
+    call. The protocol of the module's docstring, on the current stream. ``variant``: a name of ``VARIANTS``
+    (default: ``DEFAULT``) or a ``Variant``."""
     steps = protocol(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
         variant=variant, max_spin=max_spin,
@@ -456,13 +457,16 @@ def embedding_bag_all_to_all_on(
 def protocol(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
-    input_split_sizes: Sequence[int], *, variant: str = "", max_spin: int | None = None,
+    input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
 ) -> Generator[str, None, Tensor]:  # fmt: skip
     """:func:`embedding_bag_all_to_all_on` as a generator that yields the name of each launch after it (its value
     is the output): the CPU tests run every simulated rank's launches in lockstep in Triton's interpreter, which
     cannot run two ranks at once."""
-    variant = variant or eb.DEFAULT
-    v = eb.VARIANTS[variant]
+    if isinstance(variant, str):
+        variant = variant or eb.DEFAULT
+        v = eb.VARIANTS[variant]
+    else:  # a Variant of one's own (benchmarks/dlrm.py's sweep)
+        v, variant = variant, eb.name_of(variant)
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     w0 = weights[0]
     device, dtype = w0.device, w0.dtype
