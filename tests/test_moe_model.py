@@ -1,7 +1,8 @@
 """The expert-parallel MoE layer (fluxcompile/models/moe.py) on gloo ranks: eager == the layer in one process,
 compiled with backend="fluxcompile" == eager, forward and backward (input grad and every parameter's grad).
 
-No assertion on fusion counts yet: ``ModelResult.report`` and ``.counts`` carry what the rewrite pass did.
+Each compiled form also asserts what fused: ``D`` (dispatch: all_to_all_matmul) and ``C`` (combine:
+matmul_all_to_all) in the forward and the backward graph.
 """
 
 from __future__ import annotations
@@ -32,13 +33,23 @@ def eager_on_world(a: DemoArgs) -> tuple[dict[str, float], float]:
     return moe_reference_errors(layer, params, xs, grads, out, x.grad), TOLERANCE[xs.dtype]
 
 
-def run(ranks, world: int, **kw) -> list[ModelResult]:
+D, C = "all_to_all_matmul", "matmul_all_to_all"
+BOTH = {D: 1, C: 1}
+
+
+def fused(r: ModelResult) -> dict[str, dict[str, int]]:
+    return {kind: {op: n for op, n in counts.items() if n} for kind, counts in r.counts.items()}
+
+
+def run(ranks, world: int, expect: dict[str, dict[str, int]] | None = None, **kw) -> list[ModelResult]:
     a = DemoArgs(**{**SMALL, **kw})
     results = ranks(world).run(moe_on_world, a)
     for rank, r in enumerate(results):
         assert r.ok, f"rank {rank}: {r}"
         assert r.graphs == {"forward": 1, "backward": 1}, f"rank {rank}: graph breaks: {r.graphs}\n{r.report}"
     assert all(r.counts == results[0].counts for r in results), "ranks rewrote their graphs differently"
+    if expect is not None:
+        assert fused(results[0]) == expect, results[0].report
     return results
 
 
@@ -67,30 +78,33 @@ def test_eager_layer_matches_one_process(ranks, world):
 
 def test_dropless_grouped_mm(ranks):
     # torchtitan's form: split sizes from .tolist() (unbacked SymInts), torch._grouped_mm in bfloat16.
-    run(ranks, 2, expert_form="grouped", dtype="bfloat16", tokens=20)
+    run(ranks, 2, {"forward": BOTH, "backward": BOTH}, expert_form="grouped", dtype="bfloat16", tokens=20)
 
 
 def test_dropless_loop_of_mm(ranks):
-    run(ranks, 2, expert_form="loop", dtype="float32")
+    # Only the dispatch's forward fuses: the combine concatenates per-expert outputs, the backward slices.
+    run(ranks, 2, {"forward": {D: 1}, "backward": {}}, expert_form="loop", dtype="float32")
 
 
 def test_capacity_bmm(ranks):
-    run(ranks, 2, expert_form="bmm", capacity_factor=1.0, dtype="float32")
+    run(ranks, 2, {"forward": BOTH, "backward": BOTH}, expert_form="bmm", capacity_factor=1.0, dtype="float32")
 
 
 def test_capacity_grouped_mm(ranks):
     # Equal groups: the offsets are constants.
-    run(ranks, 2, expert_form="grouped", capacity_factor=1.25, dtype="bfloat16")
+    expect = {"forward": BOTH, "backward": BOTH}
+    run(ranks, 2, expect, expert_form="grouped", capacity_factor=1.25, dtype="bfloat16")
 
 
 def test_capacity_drops_tokens(ranks):
     # Capacity 0.5: every rank drops token copies, whose contribution is exactly zero in both.
-    results = run(ranks, 2, expert_form="loop", capacity_factor=0.5, dtype="float32")
+    results = run(ranks, 2, {"forward": {D: 1}, "backward": {}}, expert_form="loop", capacity_factor=0.5,
+                  dtype="float32")  # fmt: skip
     assert all(r.dropped > 0 for r in results), [r.dropped for r in results]
 
 
 def test_dropless_grouped_mm_four_ranks(ranks):
-    run(ranks, 4, expert_form="grouped", dtype="bfloat16", experts=8, tokens=24)
+    run(ranks, 4, {"forward": BOTH, "backward": BOTH}, expert_form="grouped", dtype="bfloat16", experts=8, tokens=24)
 
 
 class GroupedMMNeedsBF16(Exception):
