@@ -1,0 +1,757 @@
+"""Grouped GEMM (MoE experts) as one persistent Triton kernel, with the all-to-all of the MoE dispatch and combine
+built into it: the dispatch pulls its rows from the peers' send buffers, the combine scatters its rows into the
+peers' receive buffers. lowerings/all_to_all/triton.py runs the per-rank protocols around it.
+
+The GEMM
+--------
+``outs[w][rows of group g] = X[rows of group g] @ Bs[w][g]`` for up to ``MAX_WEIGHTS`` weights ``[E, K, N_w]``
+sharing ``X`` (w1 and w3 of a SwiGLU expert). Groups are ``torch._grouped_mm``'s: ends ``offs`` (int32 ``[E]``, read
+on the device; no host synchronization), or equal groups of ``R / E`` rows (``torch.bmm``). Rows after the last
+group end are not computed (grouped_mm leaves them unspecified). ``X`` is ``a`` itself, or its rows picked through
+``row_index`` (``X[j] = a[row_index[j]]``; an index outside ``[0, len(a))``, torchtitan's padding index
+``len(a)`` included, reads a zero row).
+
+Tiles: one launch multiplies one weight, or two that share every A tile (two accumulators in one mainloop: w1
+and w3, each with half the variant's BLOCK_N, so registers and shared memory are the variant's); a third weight
+is a second launch. (One mainloop per weight in one kernel would add up their pipelines' shared memory.) A program
+walks the groups (their ends loaded on the device, as Triton's grouped-GEMM tutorial does) and takes every
+``num_progs``-th tile; inside a group, Flux's grouped swizzle (``GROUP_M`` row blocks sweep the N blocks) keeps
+the A rows and weight columns of neighbouring tiles in L2. A tile's rows may run into the next group (it loads
+them, they are masked out): output tiles store only rows of their own group. The weights are read through TMA
+(Hopper tensor descriptors over ``[E * K, N]``, or ``[E * N, K]`` for a weight stored ``[E, N, K]`` and
+transposed; made once per program), ``a`` through TMA when its rows are neither gathered nor written by this
+launch (TMA reads through the async proxy, which a generic store of another program is not ordered with),
+otherwise through pointer loads (cp.async); masks handle ragged groups, K and N.
+
+The dispatch's pull (``Pull``)
+------------------------------
+The exchanged rows ``A_exchanged`` (rows ``[source rank][...]``, as ``all_to_all_single`` returns them) are
+read from every source's symmetric send buffer, which holds that rank's ``A``: source ``s`` has published into
+this rank's flag words ``info[s] = (offset, count)`` (where this rank's rows start in its send buffer, and how
+many), then ``ready[s] = epoch`` (release). A program bounded-waits (acquire) for every source's ``ready``, then
+its *copy tiles* (``COPY_M`` exchanged rows each; a row's source is found from the published counts; the local
+rank's rows come straight from ``A``) copy rows from the peers (peer-to-peer loads) into ``A_exchanged``, the op's
+first output, in place. The GEMM then reads ``A_exchanged`` from local memory (gathered through ``row_index``):
+a weight's column blocks would each re-read the A rows, and reads of a peer's memory are not cached in this
+GPU's L2. Two ways to run it:
+* fused (``gemm=True``): the copy tiles come first in every program's order, each adds its rows per source to
+  local counters (``arrived[s]``, release); a GEMM tile bounded-waits (acquire) until every source its rows come
+  from has all its rows (``arrived[s] >= count``), so the GEMM starts while the last rows are still in flight.
+  This needs every program resident (at most one per SM, nothing else filling the GPU).
+* split (``gemm=False``): a launch of copy tiles only; the GEMM is a second launch (A through TMA where no
+  ``row_index`` gathers it).
+The last program to finish (a counter in the flag words) resets the counters and tells every source
+``done[me] = epoch`` (release): its send buffer may be overwritten by its next call.
+
+The combine's scatter (``Scatter``)
+-----------------------------------
+Every output row ``j`` goes to its final position: row ``i = row_index[j]`` (or ``j``) of ``Y``, dropped when
+``i`` is outside ``[0, y_rows)`` (the padding index), belongs to destination ``d`` whose range of ``Y`` holds it;
+``d`` has published ``info[d] = (offset, count)`` (where this rank's rows start in its receive buffer, how many)
+and ``ready[d] = epoch`` once its buffer is ready (zeroed where needed). Before its first store a program waits
+for every destination's ``ready``; the epilogue stores each row at ``offset + i - start`` of ``d``'s receive
+buffer (peer-to-peer stores), or with ``accumulate`` atomically adds it there in fp32 (the receive buffers are
+then fp32). The last program to finish writes ``done[me] = epoch`` (release) into every destination's flags:
+everything this rank sends has landed. A counter of rows would not do: ``row_index`` may drop or repeat rows.
+
+Waits and errors
+----------------
+Every wait is :func:`kernels.waits.bounded_wait`: after ``max_spin`` polls it records (rank, peer, tile, awaited
+value, kind) in ``err`` (``ERR_WORDS`` int32) and the launch's other waits give up at once; tiles whose data
+never came are skipped, never read from unpublished addresses. :func:`check_error` raises naming the rank and
+the signal (``WAIT_KINDS``). Epochs: ``state[0]`` (this rank's flag words) counts the calls; :func:`publish`
+increments it, so flags only grow, are never reset across ranks, and CUDA graph replays advance them.
+
+Flag words (int32, one array per rank and per op, in symmetric memory): ``ready[64]``, ``info[64][2]``,
+``done[64]`` (written by peers), ``arrived[64]``, ``scratch[64]``, ``state[8]`` (this rank's own).
+
+Checked on CPU with Triton's interpreter (tests/test_moe_kernels.py: ragged and empty groups, gather with
+padding, several weights, both weight layouts, TMA, the pull and the scatter against ``ops`` references, waits
+that time out) and compiled for sm_90 (wgmma, TMA, shared memory); on GPUs by tests/gpu/test_moe_ranks.py and
+benchmarks/moe.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .waits import bounded_wait
+
+MAX_WEIGHTS = 3
+MAX_WORLD = 64
+ERR_WORDS = 8  # code, rank, peer, tile, awaited value, kind
+
+# Flag words of one rank (int32 offsets).
+READY = 0
+INFO = MAX_WORLD
+DONE = 3 * MAX_WORLD
+ARRIVED = 4 * MAX_WORLD
+SCRATCH = 5 * MAX_WORLD
+STATE = 6 * MAX_WORLD  # [0] epoch, [1] unused, [2] programs finished
+FLAG_WORDS = 6 * MAX_WORLD + 8
+FLAG_BYTES = 4096
+
+_READY = tl.constexpr(READY)
+_INFO = tl.constexpr(INFO)
+_DONE = tl.constexpr(DONE)
+_ARRIVED = tl.constexpr(ARRIVED)
+_SCRATCH = tl.constexpr(SCRATCH)
+_STATE = tl.constexpr(STATE)
+
+WAIT_KINDS = {
+    1: ("ready flag", "its rows in its send buffer (dispatch)"),
+    2: ("arrival counter", "its rows copied into this rank's exchanged rows (dispatch)"),
+    3: ("done flag", "it to finish reading this rank's send buffer (dispatch)"),
+    4: ("ready flag", "its receive buffer (combine)"),
+    5: ("done flag", "its rows delivered into this rank's receive buffer (combine)"),
+    6: ("published splits", "the split sizes every rank published (they disagree with this rank's)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One tile configuration offered to the autotuner and the benchmark."""
+
+    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    tma: bool = True  # weights (and ungathered A) through TMA where their layout allows
+
+    @property
+    def name(self) -> str:
+        bm, bn, bk = self.block
+        return f"{bm}x{bn}x{bk}-w{self.num_warps}s{self.num_stages}"
+
+
+# A weight's column block is BLOCK_N, or BLOCK_N / 2 where two weights share the A tiles. A column block of 256
+# is never read through TMA: that computed wrong results under Triton 3.6 (BENCHMARKS.md, the AG-GEMM kernel).
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant((128, 128, 64), num_warps=8, num_stages=4),
+        Variant((128, 256, 64), num_warps=8, num_stages=3),
+        Variant((128, 128, 64), num_warps=4, num_stages=4),
+        Variant((256, 128, 64), num_warps=8, num_stages=3),
+        Variant((128, 64, 64), num_warps=4, num_stages=4),
+        Variant((64, 128, 64), num_warps=4, num_stages=5),
+    )
+}
+DEFAULT = "128x128x64-w8s4"
+
+COPY_M = 32  # rows of a copy tile (pull)
+COPY_K = 256  # columns per copy step
+
+
+@dataclasses.dataclass
+class Signals:
+    """One rank's signals for a launch: its flag words (``my_flags``, int32 ``[FLAG_WORDS]``), every rank's flag
+    words as addresses seen from here (``peer_flags``, int64 ``[world]``), the error words (int32
+    ``[ERR_WORDS]``) and the wait bound in polls."""
+
+    my_flags: torch.Tensor
+    peer_flags: torch.Tensor
+    err: torch.Tensor
+    rank: int
+    world: int
+    max_spin: int = 1 << 26
+
+
+@dataclasses.dataclass
+class Pull:
+    """The dispatch's copy phase: ``a_local`` this rank's rows (contiguous ``[rows, K]``, the local source),
+    ``src_bases`` (int64 ``[world]``) every rank's send buffer as an address seen from here, ``a_out`` the
+    exchanged rows (contiguous, ``rows`` x K, written here), ``rows`` their number."""
+
+    a_local: torch.Tensor
+    src_bases: torch.Tensor
+    a_out: torch.Tensor
+    rows: int
+
+
+@dataclasses.dataclass
+class Scatter:
+    """The combine's epilogue: ``dst_bases`` (int64 ``[world]``) every rank's receive buffer (rows of N elements,
+    the output's dtype, or fp32 with ``accumulate``), ``y_rows`` the rows of Y (an index outside ``[0, y_rows)``
+    is dropped)."""
+
+    dst_bases: torch.Tensor
+    y_rows: int
+    accumulate: bool = False
+
+
+# --- device helpers ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _locate(rows, table, world):
+    """Which published range holds each of ``rows`` (int32): (rank, start of its range); rank == world past the
+    last range. ``table`` holds (offset, count) int32 pairs per rank; ranges follow each other in rank order."""
+    who = tl.zeros_like(rows)
+    start = tl.zeros_like(rows)
+    lo = tl.full((), 0, tl.int32)
+    for s in range(world):
+        end = lo + tl.load(table + 2 * s + 1)
+        past = rows >= end
+        who += past.to(tl.int32)
+        start = tl.where(past, end, start)
+        lo = end
+    return who, start
+
+
+@triton.jit
+def _record(err, rank, peer, tile, value, kind):
+    """Record an error that is not a timeout (the first error of a launch wins, as in bounded_wait)."""
+    if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
+        tl.atomic_xchg(err + 1, rank)
+        tl.atomic_xchg(err + 2, peer)
+        tl.atomic_xchg(err + 3, tile)
+        tl.atomic_xchg(err + 4, value)
+        tl.atomic_xchg(err + 5, kind)
+
+
+@triton.jit
+def _wait_all(my_flags, slot, e, err, max_spin, rank, world, kind, SKIP_SELF: tl.constexpr):
+    """Bounded waits until ``my_flags[slot + s] - e >= 0`` for every rank s (not this one with ``SKIP_SELF``);
+    1 if all passed."""
+    ok = tl.full((), 1, tl.int32)
+    for s in range(world):
+        want = ok != 0
+        if SKIP_SELF:
+            want = want & (s != rank)
+        if want:
+            ok = bounded_wait(my_flags + slot + s, e, err, max_spin, rank, s, -1, kind, True).to(tl.int32)
+    return ok
+
+
+@triton.jit
+def _pull_tile(
+    t, local_addr, src_bases, a_out, my_flags, n_rows, K, rank, world,
+    COUNT: tl.constexpr, ALIGN: tl.constexpr, COPY_M: tl.constexpr, COPY_K: tl.constexpr,
+):  # fmt: skip
+    """Copy exchanged rows t * COPY_M.. from their sources into ``a_out``; with COUNT, add them to the sources'
+    arrival counters afterwards."""
+    dtype = a_out.dtype.element_ty
+    rows = t * COPY_M + tl.arange(0, COPY_M)
+    valid = rows < n_rows
+    who, start = _locate(rows, my_flags + _INFO, world)
+    valid = valid & (who < world)
+    src = tl.minimum(who, world - 1)
+    offset = tl.load(my_flags + _INFO + 2 * src, mask=valid, other=0)
+    base = tl.load(src_bases + src, mask=valid, other=0)
+    base = tl.where(src == rank, local_addr, base)
+    src_row = (offset + rows - start).to(tl.int64)
+    row_ptr = tl.multiple_of(base.to(tl.pointer_type(dtype)) + src_row * K, ALIGN)
+    out_row = rows.to(tl.int64) * K
+    for k0 in range(0, K, COPY_K):
+        ks = k0 + tl.arange(0, COPY_K)
+        m = valid[:, None] & (ks[None, :] < K)
+        x = tl.load(row_ptr[:, None] + ks[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        tl.store(a_out + out_row[:, None] + ks[None, :], x, mask=m)
+    if COUNT:
+        tl.debug_barrier()  # every thread's stores before the counters' (cumulative) release
+        for s in range(world):
+            n_s = tl.sum(((who == s) & valid).to(tl.int32), axis=0)
+            if n_s > 0:
+                tl.atomic_add(my_flags + _ARRIVED + s, n_s, sem="release", scope="gpu")
+
+
+@triton.jit
+def _b_tile(b_ptrs, b_desc, g, col0, k0, ks, K, width, sbk, offs_n,
+            B_TMA: tl.constexpr, B_T: tl.constexpr):  # fmt: skip
+    if B_TMA:
+        if B_T:  # the weight is stored [E, N, K]: rows g * N + col0.. of its [E * N, K] view
+            t = b_desc.load([g * width + col0, k0]).T
+        else:  # [E * K, N]: rows g * K + k0.. (K is a multiple of BLOCK_K: no row of the next expert)
+            t = b_desc.load([g * K + k0, col0])
+    else:
+        t = tl.load(b_ptrs + ks[:, None] * sbk, mask=(ks[:, None] < K) & (offs_n[None, :] < width), other=0.0)
+    return t
+
+
+@triton.jit
+def _mma(
+    a, a_desc, a_rows, a_ok, b0, d0, b1, d1, g, row0, col0, K, n0, n1, stride_am, stride_ak,
+    sbe0, sbk0, sbn0, sbe1, sbk1, sbn1,
+    DUAL: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The fp32 [BLOCK_M, BLOCK_N] products of the tile's A rows (``a_rows`` of ``a``, zero where not ``a_ok``;
+    with A_TMA rows row0.. through ``a_desc``) and columns col0.. of expert ``g`` of the weight(s): one mainloop,
+    with DUAL two accumulators sharing each A tile (w1 and w3). Returns (acc0, acc1); acc1 is acc0 unless DUAL."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    gl = tl.full((), 0, tl.int64) + g
+    a_ptrs = a + a_rows[:, None] * stride_am
+    b0_ptrs = b0 + gl * sbe0 + offs_n[None, :] * sbn0
+    b1_ptrs = b1 + gl * sbe1 + offs_n[None, :] * sbn1
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        if A_TMA:
+            a_tile = a_desc.load([row0, k0])
+        else:
+            a_tile = tl.load(a_ptrs + ks[None, :] * stride_ak, mask=a_ok[:, None] & (ks[None, :] < K), other=0.0)
+        t0 = _b_tile(b0_ptrs, d0, g, col0, k0, ks, K, n0, sbk0, offs_n, B_TMA, B_T)
+        if IEEE:
+            acc0 = tl.dot(a_tile, t0, acc0, input_precision="ieee")
+        else:
+            acc0 = tl.dot(a_tile, t0, acc0)
+        if DUAL:
+            t1 = _b_tile(b1_ptrs, d1, g, col0, k0, ks, K, n1, sbk1, offs_n, B_TMA, B_T)
+            if IEEE:
+                acc1 = tl.dot(a_tile, t1, acc1, input_precision="ieee")
+            else:
+                acc1 = tl.dot(a_tile, t1, acc1)
+    if not DUAL:
+        acc1 = acc0
+    return acc0, acc1
+
+
+@triton.jit
+def _b_desc(b, E, K, width, sbk, sbn, B_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if B_T:
+        d = tl.make_tensor_descriptor(b, [E * width, K], [sbn, 1], [BLOCK_N, BLOCK_K])
+    else:
+        d = tl.make_tensor_descriptor(b, [E * K, width], [sbk, 1], [BLOCK_K, BLOCK_N])
+    return d
+
+
+# Sizes, ranks and addresses are not value-specialized: one compiled kernel serves every call of a shape family.
+@triton.jit(
+    do_not_specialize=[
+        "R", "n_a", "group_rows", "n_pull", "y_rows", "rank", "world", "max_spin", "num_progs", "local_addr",
+    ]
+)  # fmt: skip
+def grouped_gemm_kernel(
+    a, row_index, offs, b0, b1, c0, c1,
+    local_addr, src_bases, a_out, dst_bases, my_flags, peer_flags, err,
+    R, n_a, K, n0, n1, n_tiles, E, group_rows,
+    stride_am, stride_ak, sbe0, sbe1, sbk0, sbk1, sbn0, sbn1,
+    n_pull, y_rows, rank, world, max_spin, num_progs,
+    HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, Y_INDEX: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
+    DUAL: tl.constexpr, PULL: tl.constexpr, GEMM: tl.constexpr, SCATTER: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    COPY_M: tl.constexpr, COPY_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    e_call = tl.full((), 0, tl.int32)
+    if PULL or SCATTER:
+        e_call = tl.load(my_flags + _STATE, volatile=True)  # this call's epoch (publish() advanced it)
+
+    # --- the dispatch's copy tiles: every source's rows into A_exchanged
+    n_copy = tl.full((), 0, tl.int32)
+    if PULL:
+        n_copy = tl.cdiv(n_pull, COPY_M)
+        pull_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False)
+        tl.debug_barrier()
+        if pull_ok != 0:
+            if pid == 0:
+                total = tl.full((), 0, tl.int32)
+                for s in range(world):
+                    total += tl.load(my_flags + _INFO + 2 * s + 1)
+                if total != n_pull:
+                    _record(err, rank, -1, total, n_pull, 6)
+            for t in range(pid, n_copy, num_progs):
+                _pull_tile(t, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM, ALIGN, COPY_M, COPY_K)
+
+    # --- the GEMM tiles
+    if GEMM:
+        if A_TMA:
+            a_desc = tl.make_tensor_descriptor(a, [n_a, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        else:
+            a_desc = a
+        if B_TMA:
+            d0 = _b_desc(b0, E, K, n0, sbk0, sbn0, B_T, BLOCK_N, BLOCK_K)
+            d1 = d0
+            if DUAL:
+                d1 = _b_desc(b1, E, K, n1, sbk1, sbn1, B_T, BLOCK_N, BLOCK_K)
+        else:
+            d0 = b0
+            d1 = b1
+        scatter_ok = tl.full((), 1, tl.int32)
+        waited = tl.full((), 0, tl.int32)
+        # The GEMM tiles continue the copy tiles' round robin over the programs.
+        t = (pid + num_progs - n_copy % num_progs) % num_progs
+        base = tl.full((), 0, tl.int32)
+        for g in range(E):
+            if HAS_OFFS:
+                lo = tl.load(offs + g - 1, mask=g > 0, other=0).to(tl.int32)
+                hi = tl.load(offs + g).to(tl.int32)
+                lo = tl.minimum(tl.maximum(lo, 0), R)
+                hi = tl.minimum(tl.maximum(hi, lo), R)
+            else:
+                lo = g * group_rows
+                hi = lo + group_rows
+            m_tiles = tl.cdiv(hi - lo, BLOCK_M)
+            count = m_tiles * n_tiles
+            while t < base + count:
+                tt = t - base
+                in_group = GROUP_M * n_tiles
+                first_m = (tt // in_group) * GROUP_M
+                group_m = tl.minimum(m_tiles - first_m, GROUP_M)
+                pid_m = first_m + (tt % in_group) % group_m
+                pid_n = (tt % in_group) // group_m
+                row0 = lo + pid_m * BLOCK_M
+                j = row0 + tl.arange(0, BLOCK_M)
+                j_ok = j < hi
+                # The rows of `a` this tile reads.
+                if GATHER:
+                    idx = tl.load(row_index + j, mask=j_ok, other=n_a).to(tl.int64)
+                    idx = tl.where(idx < 0, idx + n_a + 1, idx)  # torch's negative indices (-1: the padding row)
+                    a_ok = j_ok & (idx >= 0) & (idx < n_a)
+                    a_rows = tl.where(a_ok, idx, 0).to(tl.int32)
+                else:
+                    a_ok = j_ok
+                    a_rows = j
+                tile_ok = tl.full((), 1, tl.int32)
+                if PULL:
+                    # Fused dispatch: wait until every source of these rows has all its rows in A_exchanged.
+                    who, _ = _locate(a_rows, my_flags + _INFO, world)
+                    for s in range(world):
+                        touched = tl.max(((who == s) & a_ok).to(tl.int32), axis=0)
+                        if (touched > 0) & (tile_ok != 0):
+                            need = tl.load(my_flags + _INFO + 2 * s + 1)
+                            tile_ok = bounded_wait(
+                                my_flags + _ARRIVED + s, need, err, max_spin, rank, s, t, 2, False
+                            ).to(tl.int32)
+                    tl.debug_barrier()
+                col0 = pid_n * BLOCK_N
+                acc, acc1 = _mma(
+                    a, a_desc, a_rows.to(tl.int64), a_ok, b0, d0, b1, d1, g, row0, col0, K, n0, n1,
+                    stride_am, stride_ak, sbe0, sbk0, sbn0, sbe1, sbk1, sbn1,
+                    DUAL, A_TMA, B_TMA, B_T, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                )  # fmt: skip
+                width = n0
+                dtype = c0.dtype.element_ty
+                cols = col0 + tl.arange(0, BLOCK_N)
+                col_ok = cols < width
+                if SCATTER:
+                    if waited == 0:  # before this program's first store: every destination's buffer is ready
+                        scatter_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 4, False)
+                        tl.debug_barrier()
+                        waited = 1
+                    if Y_INDEX:
+                        yi = tl.load(row_index + j, mask=j_ok, other=y_rows).to(tl.int64)
+                        yi = tl.where(yi < 0, yi + y_rows + 1, yi)  # torch's negative indices (-1: the padding row)
+                    else:
+                        yi = j.to(tl.int64)
+                    y_ok = j_ok & (yi >= 0) & (yi < y_rows)
+                    yi32 = tl.where(y_ok, yi, 0).to(tl.int32)
+                    who, start = _locate(yi32, my_flags + _INFO, world)
+                    y_ok = y_ok & (who < world) & (scatter_ok != 0)
+                    dst = tl.minimum(who, world - 1)
+                    offset = tl.load(my_flags + _INFO + 2 * dst, mask=y_ok, other=0)
+                    dbase = tl.load(dst_bases + dst, mask=y_ok, other=0)
+                    pos = (offset + yi32 - start).to(tl.int64) * width
+                    m = y_ok[:, None] & col_ok[None, :]
+                    if ACCUMULATE:
+                        rp = tl.multiple_of(dbase.to(tl.pointer_type(tl.float32)) + pos, ALIGN)
+                        tl.atomic_add(rp[:, None] + cols[None, :], acc, mask=m, sem="relaxed", scope="sys")
+                    else:
+                        rp = tl.multiple_of(dbase.to(tl.pointer_type(dtype)) + pos, ALIGN)
+                        tl.store(rp[:, None] + cols[None, :], acc.to(dtype), mask=m)
+                else:
+                    keep = (j_ok & (tile_ok != 0))[:, None]
+                    out_rows = j.to(tl.int64)[:, None]
+                    tl.store(c0 + out_rows * n0 + cols[None, :], acc.to(dtype), mask=keep & col_ok[None, :])
+                    if DUAL:
+                        tl.store(c1 + out_rows * n1 + cols[None, :], acc1.to(dtype), mask=keep & (cols < n1)[None, :])
+                t += num_progs
+            base += count
+
+    # --- the last program to finish: reset the counters, tell the peers
+    if PULL or SCATTER:
+        tl.debug_barrier()
+        finished = tl.atomic_add(my_flags + _STATE + 2, 1, sem="acq_rel", scope="sys")
+        if finished == num_progs - 1:
+            tl.atomic_xchg(my_flags + _STATE + 2, 0, sem="relaxed", scope="gpu")
+            if PULL:
+                if GEMM:
+                    for s in range(world):
+                        tl.atomic_xchg(my_flags + _ARRIVED + s, 0, sem="relaxed", scope="gpu")
+                for p in range(world):
+                    if p != rank:  # we read nothing more from p's send buffer in this call
+                        pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+                        tl.atomic_xchg(pf + _DONE + rank, e_call, sem="release", scope="sys")
+            if SCATTER:
+                for d in range(world):  # everything we send to d has landed
+                    pf = tl.load(peer_flags + d).to(tl.pointer_type(tl.int32))
+                    tl.atomic_xchg(pf + _DONE + rank, e_call, sem="release", scope="sys")
+
+
+@triton.jit
+def _put(scratch, i: tl.constexpr, packed):
+    p = packed.to(tl.int64)
+    tl.store(scratch + 2 * i, (p & 0x7FFFFFFF).to(tl.int32))
+    tl.store(scratch + 2 * i + 1, ((p >> 32) & 0x3FFFFFFF).to(tl.int32))
+
+
+# The split sizes come as host ints: packed two per int64 argument (a CUDA graph keeps kernel arguments by value),
+# with bit 62 set so that every argument is an int64 (Triton types a small int as int32: another compiled kernel).
+@triton.jit(
+    do_not_specialize=["rank", "world"] + [f"u{i:02d}" for i in range(MAX_WORLD // 2)]
+)  # fmt: skip
+def publish_kernel(
+    my_flags, peer_flags, rank, world,
+    u00, u01, u02, u03, u04, u05, u06, u07, u08, u09, u10, u11, u12, u13, u14, u15,
+    u16, u17, u18, u19, u20, u21, u22, u23, u24, u25, u26, u27, u28, u29, u30, u31,
+):  # fmt: skip
+    """Advance this rank's epoch e; write ``info[rank] = (offset, count)`` of every rank p's range (the counts are
+    ``u``; offsets their prefix sums) into p's flag words, then ``ready[rank] = e`` (release)."""
+    e = tl.load(my_flags + _STATE, volatile=True) + 1
+    tl.store(my_flags + _STATE, e)
+    sc = my_flags + _SCRATCH
+    _put(sc, 0, u00)
+    _put(sc, 1, u01)
+    _put(sc, 2, u02)
+    _put(sc, 3, u03)
+    _put(sc, 4, u04)
+    _put(sc, 5, u05)
+    _put(sc, 6, u06)
+    _put(sc, 7, u07)
+    _put(sc, 8, u08)
+    _put(sc, 9, u09)
+    _put(sc, 10, u10)
+    _put(sc, 11, u11)
+    _put(sc, 12, u12)
+    _put(sc, 13, u13)
+    _put(sc, 14, u14)
+    _put(sc, 15, u15)
+    _put(sc, 16, u16)
+    _put(sc, 17, u17)
+    _put(sc, 18, u18)
+    _put(sc, 19, u19)
+    _put(sc, 20, u20)
+    _put(sc, 21, u21)
+    _put(sc, 22, u22)
+    _put(sc, 23, u23)
+    _put(sc, 24, u24)
+    _put(sc, 25, u25)
+    _put(sc, 26, u26)
+    _put(sc, 27, u27)
+    _put(sc, 28, u28)
+    _put(sc, 29, u29)
+    _put(sc, 30, u30)
+    _put(sc, 31, u31)
+    tl.debug_barrier()
+    offset = tl.full((), 0, tl.int32)
+    for p in range(world):
+        count = tl.load(sc + p, volatile=True)
+        pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+        tl.store(pf + _INFO + 2 * rank, offset)
+        tl.store(pf + _INFO + 2 * rank + 1, count)
+        offset += count
+    tl.debug_barrier()  # the info words before the flags' (cumulative) release
+    for p in range(world):
+        pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(pf + _READY + rank, e, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["rank", "world", "max_spin"])
+def wait_kernel(my_flags, err, rank, world, max_spin, KIND: tl.constexpr, SKIP_SELF: tl.constexpr):
+    """Bounded waits until every rank's ``done`` word reaches this rank's current epoch."""
+    e = tl.load(my_flags + _STATE, volatile=True)
+    _wait_all(my_flags, _DONE, e, err, max_spin, rank, world, KIND, SKIP_SELF)
+
+
+# --- launchers ---------------------------------------------------------------------------------------------
+
+
+def pack_counts(counts: Sequence[int]) -> list[int]:
+    """``publish_kernel``'s ``u`` arguments: ``MAX_WORLD`` int32 counts, two per int64."""
+    if len(counts) > MAX_WORLD or any(not 0 <= int(c) < 2**30 for c in counts):
+        raise ValueError(f"fluxcompile: at most {MAX_WORLD} counts in [0, 2**30), got {list(counts)}")
+    c = [int(x) for x in counts] + [0] * (MAX_WORLD - len(counts))
+    return [c[2 * i] | (c[2 * i + 1] << 32) | (1 << 62) for i in range(MAX_WORLD // 2)]
+
+
+def publish(sig: Signals, counts: Sequence[int]) -> None:
+    """Advance this rank's epoch and publish ``counts[p]`` rows for every rank p (see ``publish_kernel``)."""
+    if len(counts) != sig.world:
+        raise ValueError(f"fluxcompile: {len(counts)} counts for {sig.world} ranks")
+    publish_kernel[(1,)](sig.my_flags, sig.peer_flags, sig.rank, sig.world, *pack_counts(counts), num_warps=1)
+
+
+def wait_done(sig: Signals, kind: int, skip_self: bool) -> None:
+    """A one-program kernel: bounded waits until every rank's ``done`` word reaches this rank's epoch."""
+    wait_kernel[(1,)](
+        sig.my_flags, sig.err, sig.rank, sig.world, sig.max_spin, KIND=kind, SKIP_SELF=skip_self, num_warps=1
+    )
+
+
+def _tma_weight_layout(b: torch.Tensor, block: tuple[int, int, int]) -> bool | None:
+    """``B_T`` for a weight TMA can read (``[E, K, N]`` rows of N, K a multiple of BLOCK_K; or ``[E, N, K]``
+    transposed), None where it cannot."""
+    es = b.element_size()
+    _, k, n = b.shape
+    if b.data_ptr() % 16:
+        return None
+    if b.stride(2) == 1 and n > 1 and b.stride(0) == k * b.stride(1) and (b.stride(1) * es) % 16 == 0:
+        return False if k % block[2] == 0 else None
+    if b.stride(1) == 1 and b.stride(0) == n * b.stride(2) and (b.stride(2) * es) % 16 == 0:
+        return True
+    return None
+
+
+def weight_layouts(Bs: Sequence[torch.Tensor], block: tuple[int, int, int]) -> bool | None:
+    """The common ``B_T`` of weights that all go through TMA, None where one cannot (pointer loads then)."""
+    layouts = {_tma_weight_layout(b, block) for b in Bs}
+    return layouts.pop() if len(layouts) == 1 and None not in layouts else None
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    Bs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor] | None = None,
+    *,
+    offs: torch.Tensor | None = None,
+    row_index: torch.Tensor | None = None,
+    pull: Pull | None = None,
+    gemm: bool = True,
+    scatter: Scatter | None = None,
+    sig: Signals | None = None,
+    variant: Variant | str = DEFAULT,
+    num_programs: int | None = None,
+    tma: bool | None = None,
+) -> list[torch.Tensor]:
+    """``outs[w] = grouped(X, Bs[w])`` (see the module), with the dispatch's ``pull`` before it (``a`` is then
+    ``pull.a_out``; ``gemm=False``: the pull only) or the combine's ``scatter`` as its epilogue (then nothing is
+    stored locally and ``outs`` is ignored). One launch per two weights (two share each A tile: their column
+    blocks are half the variant's BLOCK_N each); a third weight is a second launch, after the pull.
+
+    a: ``[n_a, K]`` with contiguous rows; Bs: ``[E, K, N_w]``, any strides; offs: ``[E]`` int32/int64 group ends,
+    or None (equal groups: the rows of X divide by E); row_index: ``[R]`` int32/int64, or None (X = a); with
+    ``scatter`` it places the output rows instead (one index per row of ``a``); outs: contiguous ``[R, N_w]`` (made
+    when None). ``sig`` is required with ``pull`` or ``scatter``. ``num_programs``: the persistent programs
+    (default: the device's SMs; with ``pull`` and ``gemm`` every one must be resident). ``tma``: the variant's
+    choice unless given.
+    """
+    v = VARIANTS[variant] if isinstance(variant, str) else variant
+    if not 1 <= len(Bs) <= MAX_WEIGHTS:
+        raise ValueError(f"grouped_gemm: 1 to {MAX_WEIGHTS} weights, got {len(Bs)}")
+    if a.dim() != 2 or a.stride(1) != 1:
+        raise ValueError("grouped_gemm: a must be [rows, K] with contiguous rows")
+    n_a, k = a.shape
+    E = Bs[0].shape[0]
+    if any(b.dim() != 3 or b.shape[0] != E or b.shape[1] != k or b.dtype != a.dtype for b in Bs):
+        raise ValueError(f"grouped_gemm: weights must be [E, K={k}, N] of a's dtype, got {[tuple(b.shape) for b in Bs]}")
+    gather = row_index is not None and scatter is None  # the combine's row_index places output rows instead
+    R = row_index.numel() if gather else n_a
+    if row_index is not None and not gather and row_index.numel() != n_a:
+        raise ValueError(f"grouped_gemm: the scatter's row_index needs one index per row ({n_a}), got {row_index.numel()}")
+    if offs is not None and (offs.dim() != 1 or offs.numel() != E):
+        raise ValueError(f"grouped_gemm: offs must be [E={E}]")
+    if offs is None and R % E:
+        raise ValueError(f"grouped_gemm: {R} rows do not split into {E} equal groups")
+    if (pull is not None or scatter is not None) and sig is None:
+        raise ValueError("grouped_gemm: the pull and the scatter need the signals")
+    if pull is not None and (pull.a_out is not a or not a.is_contiguous()):
+        raise ValueError("grouped_gemm: with a pull, a is the pull's output")
+    if scatter is not None and (len(Bs) != 1 or pull is not None):
+        raise ValueError("grouped_gemm: the scatter epilogue takes one weight and no pull")
+    widths = [b.shape[2] for b in Bs]
+    if scatter is None and gemm:
+        if outs is None:
+            outs = [torch.empty(R, n, dtype=a.dtype, device=a.device) for n in widths]
+        if any(o.shape != (R, n) or not o.is_contiguous() for o, n in zip(outs, widths)):
+            raise ValueError("grouped_gemm: outputs must be contiguous [R, N]")
+    outs = list(outs) if outs is not None else []
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    kw = dict(offs=offs, row_index=row_index, gather=gather, R=R, sig=sig, v=v, num_programs=num_programs, tma=tma)
+    if len(Bs) <= 2:
+        _launch(a, list(Bs), outs, pull=pull, gemm=gemm, scatter=scatter, **kw)
+    else:  # the first two weights (after the pull), then the third from the rows now local
+        _launch(a, list(Bs[:2]), outs[:2], pull=pull, gemm=gemm, scatter=None, **kw)
+        if gemm:
+            _launch(a, list(Bs[2:]), outs[2:], pull=None, gemm=True, scatter=None, **kw)
+    return outs
+
+
+def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig, v, num_programs, tma) -> None:
+    """One launch of ``grouped_gemm_kernel`` for one or two weights (see :func:`grouped_gemm`)."""
+    n_a, k = a.shape
+    E = Bs[0].shape[0]
+    dual = len(Bs) == 2
+    bm, bn, bk = v.block
+    if dual:
+        bn //= 2  # two accumulators of half the columns: the variant's registers and shared memory
+    widths = [b.shape[2] for b in Bs]
+    n_tiles = triton.cdiv(max(widths), bn)
+    use_tma = v.tma if tma is None else tma
+    b_t = weight_layouts(Bs, (bm, bn, bk)) if use_tma and bn <= 128 else None
+    es = a.element_size()
+    a_tma = bool(
+        use_tma and gemm and not gather and pull is None and n_a > 0
+        and a.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
+    )  # fmt: skip
+    if b_t is not None or a_tma:
+        from .ag_gemm import _set_allocator
+
+        _set_allocator()
+    # Rows of peers' buffers are 16-byte aligned where the row length is (the buffers themselves are).
+    row_bytes = k * es if pull is not None else widths[0] * (4 if scatter is not None and scatter.accumulate else es)
+    align = 16 if row_bytes % 16 == 0 else 1
+    if pull is not None and pull.a_local.data_ptr() % 16:
+        align = 1
+    n_pull = pull.rows if pull is not None else 0
+    work = (triton.cdiv(n_pull, COPY_M) if pull is not None else 0) + (
+        min(triton.cdiv(R, bm) + E, R) * n_tiles if gemm and R else 0
+    )
+    if work == 0 and sig is None:
+        return  # nothing to compute, nobody to signal
+    progs = max(1, min(num_programs, work))
+    b1 = Bs[1] if dual else Bs[0]
+    c0 = outs[0] if outs else a
+    c1 = outs[1] if dual and outs else c0
+    # Pointer arguments a launch does not use get `a` (never read through).
+    grouped_gemm_kernel[(progs,)](
+        a, row_index if row_index is not None else a, offs if offs is not None else a,
+        Bs[0], b1, c0, c1,
+        pull.a_local.data_ptr() if pull is not None else 0,
+        pull.src_bases if pull is not None else a,
+        pull.a_out if pull is not None else a,
+        scatter.dst_bases if scatter is not None else a,
+        sig.my_flags if sig is not None else a,
+        sig.peer_flags if sig is not None else a,
+        sig.err if sig is not None else a,
+        R, n_a, k, widths[0], b1.shape[2], n_tiles, E, R // E if offs is None else 0,
+        a.stride(0), a.stride(1),
+        Bs[0].stride(0), b1.stride(0), Bs[0].stride(1), b1.stride(1), Bs[0].stride(2), b1.stride(2),
+        n_pull, scatter.y_rows if scatter is not None else 0,
+        sig.rank if sig is not None else 0, sig.world if sig is not None else 1,
+        sig.max_spin if sig is not None else 0, progs,
+        HAS_OFFS=offs is not None, GATHER=gather, Y_INDEX=row_index is not None and scatter is not None,
+        A_TMA=a_tma, B_TMA=b_t is not None, B_T=bool(b_t), DUAL=dual, PULL=pull is not None, GEMM=gemm,
+        SCATTER=scatter is not None, ACCUMULATE=scatter is not None and scatter.accumulate,
+        IEEE=a.dtype == torch.float32, ALIGN=align,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=v.group_m, COPY_M=COPY_M, COPY_K=COPY_K,
+        num_warps=v.num_warps, num_stages=v.num_stages,
+    )  # fmt: skip
+
+
+def check_error(err: torch.Tensor, group_name: str, what: str = "the MoE all-to-all") -> None:
+    """Raise if a wait of the kernels timed out or the splits disagreed (reads ``err``: a host synchronization
+    when on the GPU)."""
+    code, rank, peer, tile, value, kind = (int(x) for x in err[:6].tolist())
+    if not code:
+        return
+    signal, meaning = WAIT_KINDS.get(kind, (f"signal of kind {kind}", "?"))
+    if kind == 6:
+        raise RuntimeError(
+            f"fluxcompile: {what}: rank {rank} of group {group_name}: the split sizes the ranks published add up to "
+            f"{tile} rows, but this rank expects {value}: every rank must pass matching splits"
+        )
+    tile_s = f" (tile {tile})" if tile >= 0 else ""
+    raise RuntimeError(
+        f"fluxcompile: {what}: rank {rank} of group {group_name} timed out waiting for rank {peer}'s {signal}"
+        f"{tile_s}: {meaning}; it never reached {value}. Is every rank running the same op in the same order?"
+    )
