@@ -70,7 +70,7 @@ def _compile_sm90(kernel, constexprs: dict, types: dict[str, str], num_warps: in
 
 _POOL_TYPES = {
     "tables": "*i64", "peer_data": "*i64", "peer_counters": "*i64", "dst_off": "*i64", "src_start": "*i64",
-    "state": "*i32",
+    "state": "*i64",
 }  # fmt: skip
 
 
@@ -94,23 +94,23 @@ def test_pool_kernel_compiles_for_sm90(variant, dtype, signal, tmp_path, monkeyp
     ptx = k.asm["ptx"]
     assert "ld.global.v4" in ptx, "the table rows are not loaded as 16-byte vectors"
     assert "st.global.v4" in ptx or "st.global.v2" in ptx, "the pooled rows are not stored as vectors"
-    assert ("atom.global.sys.release.add" in ptx) == signal, "the counters' release adds at system scope"
+    assert ("atom.global.sys.release.add.u64" in ptx) == signal, "the counters' release adds at system scope (64-bit)"
 
 
 def test_protocol_kernels_compile_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    _compile_sm90(eb.wait_kernel, {}, {"counters": "*i32", "expect": "*i32", "state": "*i32", "err": "*i32"}, 1)
+    _compile_sm90(eb.wait_kernel, {}, {"counters": "*i64", "expect": "*i64", "state": "*i64", "err": "*i32"}, 1)
     _compile_sm90(
-        eb.publish_kernel, {"BLOCK_W": 64}, {"my_pub": "*i64", "my_flag": "*i32", "my_prefix": "*i64", "state": "*i32"}, 1
+        eb.publish_kernel, {"BLOCK_W": 64}, {"my_pub": "*i64", "my_flag": "*i64", "my_prefix": "*i64", "state": "*i64"}, 1
     )
     _compile_sm90(
         eb.fetch_offsets_kernel, {"BLOCK_W": 64},
-        {"my_prefix": "*i64", "peer_pub": "*i64", "peer_flags": "*i64", "dst_off": "*i64", "state": "*i32", "err": "*i32"},
+        {"my_prefix": "*i64", "peer_pub": "*i64", "peer_flags": "*i64", "dst_off": "*i64", "state": "*i64", "err": "*i32"},
         1,
     )  # fmt: skip
     _compile_sm90(
         eb.copy_kernel, {"BLOCK": eb.COPY_BLOCK},
-        {"out": "*bf16", "recv": "*bf16", "state": "*i32", "total": "i64", "hole_lo": "i64", "hole_hi": "i64",
+        {"out": "*bf16", "recv": "*bf16", "state": "*i64", "total": "i64", "hole_lo": "i64", "hole_hi": "i64",
          "parity_elems": "i64"}, 4,
     )  # fmt: skip
     _compile_sm90(eb.fill_kernel, {}, {"dst": "*i64", **{f"v{i}": "i64" for i in range(16)}}, 1)

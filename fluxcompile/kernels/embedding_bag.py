@@ -20,7 +20,7 @@ launch pools every table whatever their row counts. Bag blocks are visited from 
 (rotated), so the ranks do not all store into the same peer at once.
 
 Signals (with ``SIGNAL``, i.e. more than one rank): after its stores a program adds, per peer ``r`` it stored to,
-the number of segments it stored there to ``counter[rank]`` on ``r`` (``peer_counters[r]``: release, system
+the number of segments it stored there to ``counter[rank]`` (int64: it grows by a call's segments) on ``r`` (``peer_counters[r]``: release, system
 scope); program (0, 0) adds one more to every peer (a token: every pair signals every call, even an empty
 chunk). Counters only grow: the receiver's :func:`wait_kernel` keeps in ``state`` what each source's counter must
 reach (``state[1 + s]``, plus this call's ``expect[s]`` = segments it receives from ``s`` + 1) and waits, bounded,
@@ -185,8 +185,8 @@ def pool_kernel(
             if k != rank:
                 cnt = tl.sum((remote & (r == k)).to(tl.int32), axis=0) + token
                 if cnt > 0:
-                    counter = tl.load(peer_counters + k).to(tl.pointer_type(tl.int32)) + rank
-                    tl.atomic_add(counter, cnt, sem="release", scope="sys")
+                    counter = tl.load(peer_counters + k).to(tl.pointer_type(tl.int64)) + rank
+                    tl.atomic_add(counter, cnt.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["max_spin", "rank", "world"])
@@ -226,7 +226,7 @@ def fetch_offsets_kernel(
         if p == rank:
             tl.store(dst_off + p, tl.load(my_prefix + rank))
         else:
-            flag = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+            flag = tl.load(peer_flags + p).to(tl.pointer_type(tl.int64))
             bounded_wait(flag, e, err, max_spin, rank, p, e, 1, True)
             pub = tl.load(peer_pub + p).to(tl.pointer_type(tl.int64))
             tl.store(dst_off + p, tl.load(pub + half + rank, volatile=True))
@@ -295,7 +295,7 @@ def pool(
     """Launch :func:`pool_kernel`. ``tables``: int64 ``[4, T]`` (weight, indices, offsets addresses; index counts);
     ``out``: this rank's output (contiguous, the tables' dtype); ``dst_off`` int64 ``[world]``, ``src_start`` int64
     ``[world + 1]`` (see the module). With ``world > 1``: ``peer_data``/``peer_counters`` int64 ``[world]``
-    (addresses of every rank's receive buffer and counter array), ``state`` (this rank's int32 ``[1 + world]``),
+    (addresses of every rank's receive buffer and counter array), ``state`` (this rank's int64 ``[1 + MAX_WORLD]``),
     ``parity_elems`` (elements of a receive buffer's half). ``rot_segment``: the segment whose bag block goes
     first (None: bag 0). ``aligned``: every table's address and ``dim`` are multiples of 16 (bytes and elements),
     so are ``out``'s, every receive buffer's and ``parity_elems``: the kernel vectorizes its loads and stores."""

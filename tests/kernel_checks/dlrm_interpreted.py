@@ -135,7 +135,7 @@ class Ranks:
         return [outs.get(r) for r in range(self.world)]
 
     def counters(self, r: int) -> list[int]:
-        return self.comms[r].flags.view(r, (self.world,), torch.int32, lo._COUNTERS).tolist()
+        return self.comms[r].flags.view(r, (self.world,), torch.int64, lo._COUNTERS).tolist()
 
 
 def expected(world, cases, mode, last, out_shape, outs_of, ins_of):

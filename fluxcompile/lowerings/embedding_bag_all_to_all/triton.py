@@ -61,11 +61,12 @@ OP = "embedding_bag_all_to_all"
 EXPERIMENTAL = "experimental: FLUXCOMPILE_EXPERIMENTAL_DLRM=1 enables it"
 TAG = "embedding_bag_all_to_all.triton"
 MAX_WORLD = 64
-# The flag workspace of a rank: counters (int32 [MAX_WORLD], counter[s]: segments received from rank s, plus one
-# per call), the epoch of its last published offsets (int32), the published offsets (int64 [2, MAX_WORLD]).
+# The flag workspace of a rank, all int64 (a counter grows by a call's segments: int32 would wrap within a training
+# run): counters ([MAX_WORLD], counter[s]: segments received from rank s, plus one per call), the epoch of its last
+# published offsets, the published offsets ([2, MAX_WORLD]).
 _COUNTERS = 0
-_PUB_FLAG = 4 * MAX_WORLD
-_PUB = 8 * MAX_WORLD
+_PUB_FLAG = 8 * MAX_WORLD
+_PUB = 16 * MAX_WORLD
 FLAG_BYTES = _PUB + 16 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a receive buffer's half is a multiple of this many elements
 DEFAULT_TIMEOUT_S = 60.0
@@ -383,7 +384,7 @@ def data_bytes(
 
 
 def _state(comm: Comm) -> tuple[Tensor, Tensor]:
-    """This rank's protocol state (int32 ``[1 + MAX_WORLD]``: the epoch, then each source's counter target) and its
+    """This rank's protocol state (int64 ``[1 + MAX_WORLD]``: the epoch, then each source's counter target) and its
     offsets scratch (int64 ``[MAX_WORLD]``), one pair per flag workspace, whose counters the state must match (both
     start at zero and only grow). The workspace's buffer is kept with them, so its address is never reused for
     another one while they live."""
@@ -394,7 +395,7 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
             raise RuntimeError(f"fluxcompile: run {OP} ({NAME}) once eagerly before CUDA graph capture")
         entry = _states[buf.data_ptr()] = (
             buf,
-            torch.zeros(1 + MAX_WORLD, dtype=torch.int32, device=buf.device),
+            torch.zeros(1 + MAX_WORLD, dtype=torch.int64, device=buf.device),
             torch.zeros(MAX_WORLD, dtype=torch.int64, device=buf.device),
         )
     return entry[1], entry[2]
@@ -492,7 +493,7 @@ def protocol(
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     if world > MAX_WORLD:
         raise ValueError(f"fluxcompile: {what}: more than {MAX_WORLD} ranks")
-    comm.init_flags(FlagArray(comm.flags, _COUNTERS, _PUB_FLAG // 4 + 1), 0)  # counters and the offsets' flag
+    comm.init_flags(FlagArray(comm.flags, _COUNTERS, (_PUB_FLAG + 8) // 4), 0)  # counters and the offsets' flag
     _check_previous(comm.errors, what)
     state, scratch = _state(comm)
     spin = max_spin if max_spin is not None else _max_spin()
@@ -504,7 +505,7 @@ def protocol(
         dst_off = scratch
         prefix = device_table(lay.recv_prefix, device)
         my_pub = comm.flags.view(rank, (2 * MAX_WORLD,), torch.int64, _PUB)
-        eb.publish(my_pub, comm.flags.view(rank, (1,), torch.int32, _PUB_FLAG), prefix, state, world, MAX_WORLD)
+        eb.publish(my_pub, comm.flags.view(rank, (1,), torch.int64, _PUB_FLAG), prefix, state, world, MAX_WORLD)
         yield "publish"
         eb.fetch_offsets(prefix, peer_pub, peer_flags, dst_off, state, err, spin, rank, world, MAX_WORLD)
         yield "fetch_offsets"
@@ -514,8 +515,8 @@ def protocol(
         rot_segment=lay.src_start[(rank + 1) % world], **common,
     )  # fmt: skip
     yield "pool"
-    counters = comm.flags.view(rank, (MAX_WORLD,), torch.int32, _COUNTERS)
-    eb.wait(counters, device_table(lay.expect, device, torch.int32), state, err, spin, rank, world)
+    counters = comm.flags.view(rank, (MAX_WORLD,), torch.int64, _COUNTERS)
+    eb.wait(counters, device_table(lay.expect, device), state, err, spin, rank, world)
     yield "wait"
     recv = comm.data.view(rank, (2 * lay.parity_elems,), dtype)
     eb.copy_out(out.view(-1), recv, state, lay.hole, lay.parity_elems)
