@@ -119,6 +119,8 @@ class Config:
     # embedding_bag_all_to_all (kernels/embedding_bag.py): opt-in until their protocols have run between GPUs.
     experimental_moe: bool = _field(False, tuning=True)
     experimental_dlrm: bool = _field(False, tuning=True)
+    # Bound (seconds) on the DLRM kernel's waits for its peers' rows.
+    dlrm_timeout_s: float = 60.0
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).

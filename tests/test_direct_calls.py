@@ -60,7 +60,10 @@ def test_every_op_with_a_cuda_implementation_has_an_entry():
     from torch._inductor.select_algorithm import extern_kernels
 
     entries = direct_calls.registered()
-    assert set(entries) == {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_rmsnorm"}
+    assert set(entries) == {
+        "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_rmsnorm",
+        "embedding_bag_all_to_all",
+    }  # fmt: skip
     for op, entry in entries.items():
         assert getattr(extern_kernels, direct_calls.entry_name(op)) is entry
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fluxcompile::{op}", "CUDA"), op

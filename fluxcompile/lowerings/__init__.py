@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (register their choices and CUDA implementations)
     all_gather_matmul,
     all_to_all,
     comm_buffers,
+    embedding_bag_all_to_all,
     matmul_all_reduce,
     matmul_reduce_scatter,
 )

@@ -69,12 +69,11 @@ _PUB_FLAG = 8 * MAX_WORLD
 _PUB = 16 * MAX_WORLD
 FLAG_BYTES = _PUB + 16 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a receive buffer's half is a multiple of this many elements
-DEFAULT_TIMEOUT_S = 60.0
 
 
 def timeout_s() -> float:
-    """The bound on the kernels' waits: ``config.dlrm_timeout_s`` where the config has it, else 60 s."""
-    return float(getattr(config, "dlrm_timeout_s", DEFAULT_TIMEOUT_S))
+    """The bound on the kernels' waits: ``config.dlrm_timeout_s``."""
+    return float(config.dlrm_timeout_s)
 
 
 def _max_spin() -> int:
