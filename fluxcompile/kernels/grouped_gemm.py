@@ -335,7 +335,8 @@ def grouped_gemm_kernel(
     R, n_a, K, n0, n1, n_tiles, E, group_rows,
     stride_am, stride_ak, sbe0, sbe1, sbk0, sbk1, sbn0, sbn1,
     n_pull, y_rows, rank, world, max_spin, num_progs,
-    HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, Y_INDEX: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
+    HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, Y_INDEX: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
     DUAL: tl.constexpr, PULL: tl.constexpr, GEMM: tl.constexpr, SCATTER: tl.constexpr,
     ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -360,7 +361,9 @@ def grouped_gemm_kernel(
                 if total != n_pull:
                     _record(err, rank, -1, total, n_pull, 6)
             for t in range(pid, n_copy, num_progs):
-                _pull_tile(t, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM, ALIGN, COPY_M, COPY_K)
+                _pull_tile(
+                    t, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM, ALIGN, COPY_M, COPY_K
+                )
 
     # --- the GEMM tiles
     if GEMM:
@@ -642,14 +645,15 @@ def grouped_gemm(
     n_a, k = a.shape
     E = Bs[0].shape[0]
     if any(b.dim() != 3 or b.shape[0] != E or b.shape[1] != k or b.dtype != a.dtype for b in Bs):
-        raise ValueError(f"grouped_gemm: weights must be [E, K={k}, N] of a's dtype, got {[tuple(b.shape) for b in Bs]}")
+        shapes = [tuple(b.shape) for b in Bs]
+        raise ValueError(f"grouped_gemm: weights must be [E, K={k}, N] of a's dtype, got {shapes}")
     gather = row_index is not None and scatter is None  # the combine's row_index places output rows instead
     R = row_index.numel() if gather else n_a
     if row_index is not None and not gather and row_index.numel() != n_a:
-        raise ValueError(f"grouped_gemm: the scatter's row_index needs one index per row ({n_a}), got {row_index.numel()}")
+        raise ValueError(f"grouped_gemm: the scatter's row_index needs one index per row ({n_a}): {row_index.numel()}")
     if offs is not None and (offs.dim() != 1 or offs.numel() != E):
         raise ValueError(f"grouped_gemm: offs must be [E={E}]")
-    if offs is None and R % E:
+    if gemm and offs is None and R % E:
         raise ValueError(f"grouped_gemm: {R} rows do not split into {E} equal groups")
     if (pull is not None or scatter is not None) and sig is None:
         raise ValueError("grouped_gemm: the pull and the scatter need the signals")

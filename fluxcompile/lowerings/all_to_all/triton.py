@@ -1,0 +1,566 @@
+"""all_to_all_matmul (MoE dispatch) and matmul_all_to_all (MoE combine) with the Triton grouped GEMM of
+kernels/grouped_gemm.py, whose copy tiles pull the dispatched rows from the peers and whose epilogue scatters the
+combined rows to them: no NCCL, no staging copy of the exchanged rows, no host synchronization.
+
+Dispatch, on rank r of w (``A`` its rows in ``[destination][...]`` order, ``input_split_sizes[p]`` of them for p):
+  1. (w > 1) ``wait_done``: a one-program kernel waits (bounded) until every peer has finished reading r's send
+     buffer in the previous call (``done[p] >= epoch``);
+  2. (w > 1) copy ``A`` into r's symmetric send buffer (copy engine);
+  3. ``publish``: a one-program kernel advances r's epoch e and writes into every rank p's flag words
+     ``info[r] = (where p's rows start in r's send buffer, how many)``, then ``ready[r] = e`` (release);
+  4. the grouped GEMM: its copy tiles wait for every source's ``ready``, copy the rows ``[source][...]`` from the
+     sources' send buffers (r's own from ``A``) into ``A_exchanged`` (the op's first output: filled in place, no
+     further copy) and count them per source; its GEMM tiles wait until the sources their rows come from are all
+     in, and multiply the rows picked by ``row_index`` with the expert weights (w1 and w3 share each A tile); the
+     last program tells every source ``done[r] = e``. Variant ``-split``: the copy tiles are a launch of their
+     own and the GEMM a second one (A through TMA where no row_index gathers it).
+Combine, on rank r (``As[0]`` its product rows in the experts' order, ``Y[row_index[j]] = P[j]``, Y's rows
+``[destination][...]``, ``input_split_sizes[d]`` of them for d):
+  1. where ``row_index`` is given: zero r's receive buffer (rows nobody writes are zeros; ``accumulate`` adds into
+     zeros, in an fp32 buffer);
+  2. ``publish``: ``info[r] = (where p's rows start in r's receive buffer, how many)`` into every p, then
+     ``ready[r] = e``;
+  3. the grouped GEMM whose epilogue waits for every destination's ``ready`` before its first store, then stores
+     (or atomically adds) each row at its final position in its destination's receive buffer (peer-to-peer); its
+     last program writes ``done[r] = e`` into every destination's flags;
+  4. ``wait_done``: waits (bounded) until every source's ``done[s] >= e``, then copies the receive buffer into a
+     fresh output (copy engine).
+
+What stays on the GPU: the epoch (a counter in the rank's flag words that ``publish`` advances), every offset and
+count a rank needs from its peers (published into its flag words), ``offs`` and ``row_index`` (read by the
+kernel: group sizes and the permutation never reach the host), the error words. What comes from the host: the
+split sizes, which the op receives as host ints (SymInt lists) and which fix the shapes: they reach the device
+as ``publish``'s kernel arguments (by value, so a CUDA graph replays them; a graph is captured for fixed splits,
+and ``offs``/``row_index`` may change between its replays). Nothing is synchronized with the host and nothing is
+allocated on the hot path but the op's outputs: workspaces, flag views and address tables are made on a rank's
+first call (eagerly; a collective where a symmetric workspace is made or grows) and reused.
+
+The send (dispatch) and receive (combine) buffers hold this rank's own rows (``A``, resp. the op's output), so
+they are sized by its token copies: equal on every rank when every rank has as many tokens (training). A
+workspace grows collectively: where token counts differ between ranks, warm up with the largest batch on every
+rank first (or the growing rank waits for its peers in the rendezvous).
+
+Flags are epoch-valued and only grow (no reset race between calls, CUDA graph replays advance them); the only
+resets are of the rank's own counters, by the last program of the launch that used them. Every wait is bounded
+(``config.moe_timeout_s``, 60 s by default): it records the waiting rank, the peer and the signal in an error
+buffer, copied to pinned host memory at the end of the call and checked at the start of the next eager one (no
+synchronization on the hot path), or after every call with ``config.check_signals``.
+
+``Comm`` carries what the protocol takes from its group (workspaces, error buffer, SM count, flag
+initialization); :func:`all_to_all_matmul_on` / :func:`matmul_all_to_all_on` take it explicitly, so the same code
+runs between GPUs (:func:`comm_for`), between ranks simulated on one GPU (fluxcompile/testing/one_gpu_ranks.py)
+and, on CPU tensors, under Triton's interpreter (tests/test_moe_kernels.py).
+
+Experimental: it declines every call unless ``config.experimental_moe`` (FLUXCOMPILE_EXPERIMENTAL_MOE=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...config import config
+from ...symm_mem import FlagArray, Workspace, workspace
+from ...symm_mem import init_flags as symm_init_flags
+
+try:
+    from ...kernels import grouped_gemm as gg
+except ImportError:  # no Triton: the choices are not registered (__init__.py)
+    gg = None
+
+NAME = "triton"
+EXPERIMENTAL = "experimental: FLUXCOMPILE_EXPERIMENTAL_MOE=1 enables it"
+MAX_WORLD = 64  # kernels/grouped_gemm.py's flag words per peer
+MAX_WEIGHTS = 3
+_DTYPES = (torch.bfloat16, torch.float16)
+DISPATCH_TAG = "all_to_all_matmul.triton"
+COMBINE_TAG = "matmul_all_to_all.triton"
+SPLIT = "-split"  # the dispatch's variant with the pull and the GEMM in two launches
+DEFAULT = "128x128x64-w8s4"
+
+# The choices' variants: every tile configuration, and for the dispatch each also split.
+DISPATCH_VARIANTS = [*gg.VARIANTS, *(f"{name}{SPLIT}" for name in gg.VARIANTS)] if gg is not None else []
+COMBINE_VARIANTS = list(gg.VARIANTS) if gg is not None else []
+
+
+def timeout_s() -> float:
+    """The bound on the kernels' waits: ``config.moe_timeout_s`` (60 s where the config has no such field)."""
+    return float(getattr(config, "moe_timeout_s", 60.0))
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# --- the communication context -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Errors:
+    """A rank's error words of the kernels' bounded waits, their pinned host copy and the event after which the
+    copy has landed (on CPU, under the interpreter: checked at once)."""
+
+    err: Tensor  # int32 [ERR_WORDS] on the device
+    host: Tensor  # int32 [ERR_WORDS], pinned
+    event: torch.cuda.Event | None = None
+
+    @classmethod
+    def make(cls, device: torch.device) -> Errors:
+        device = torch.device(device)
+        if _capturing(device):
+            raise RuntimeError("fluxcompile: run the MoE Triton choices once eagerly before CUDA graph capture")
+        host = torch.zeros(gg.ERR_WORDS, dtype=torch.int32)
+        err = torch.zeros(gg.ERR_WORDS, dtype=torch.int32, device=device)
+        return cls(err, host.pin_memory() if device.type == "cuda" else host)
+
+    def check_previous(self, group: str, what: str) -> None:
+        """Raise if an earlier call's wait timed out and its copy has landed (no synchronization). Event queries
+        are not allowed while capturing; a captured graph's replays are checked by the next eager call."""
+        if self.err.device.type != "cuda" or _capturing(self.err.device):
+            return
+        if self.event is not None and self.event.query() and int(self.host[0]):
+            gg.check_error(self.host, group, what)
+
+    def report(self, group: str, what: str) -> None:
+        """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
+        ``config.check_signals``, which synchronizes; on CPU, now)."""
+        if self.err.device.type != "cuda":
+            gg.check_error(self.err, group, what)
+            return
+        if _capturing(self.err.device):
+            return
+        self.host.copy_(self.err, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+        if config.check_signals:
+            self.event.synchronize()
+            gg.check_error(self.host, group, what)
+
+
+@dataclasses.dataclass
+class Comm:
+    """What the protocol of one rank takes from its group: ``data`` (the symmetric send buffer of the dispatch,
+    receive buffer of the combine; None for one rank's dispatch) and ``flags`` (``gg.FLAG_BYTES`` per rank)
+    workspaces, the error buffer, the persistent kernel's programs (``sm_count``, 0: every SM) and
+    ``init_flags(flags, value)``, which sets a flag array on every rank before any peer writes into it."""
+
+    data: Workspace | None
+    flags: Workspace
+    errors: Errors
+    group: str = ""
+    sm_count: int = 0
+    init_flags: Callable[[FlagArray, int], None] = symm_init_flags
+    max_spin: int | None = None
+    _tables: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.flags.rank
+
+    @property
+    def world(self) -> int:
+        return self.flags.world_size
+
+    def _addresses(self, ws: Workspace) -> Tensor:
+        """Every rank's buffer of ``ws`` as int64 addresses seen from here (made once per buffer, eagerly: a
+        host-to-device copy cannot be captured)."""
+        key = (id(ws.handle), ws.buffer.data_ptr())
+        table = self._tables.get(key)
+        if table is None:
+            device = ws.buffer.device
+            if _capturing(device):
+                raise RuntimeError("fluxcompile: a MoE workspace changed during CUDA graph capture")
+            ptrs = [int(ws.handle.buffer_ptrs[p]) for p in range(ws.world_size)]
+            table = self._tables[key] = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        return table
+
+    def signals(self) -> gg.Signals:
+        key = ("signals", id(self.flags.handle), self.flags.buffer.data_ptr())
+        sig = self._tables.get(key)
+        if sig is None:
+            self.init_flags(FlagArray(self.flags, 0, gg.FLAG_WORDS), 0)
+            my_flags = self.flags.view(self.rank, (gg.FLAG_WORDS,), torch.int32)
+            spin = self.max_spin if self.max_spin is not None else int(timeout_s() * 1e6)
+            sig = gg.Signals(my_flags, self._addresses(self.flags), self.errors.err, self.rank, self.world, spin)
+            self._tables[key] = sig
+        return sig
+
+    def data_bases(self) -> Tensor:
+        return self._addresses(self.data) if self.data is not None else self.signals().peer_flags
+
+
+class _LocalHandle:
+    """The symmetric handle of one rank alone (a plain allocation): one rank needs no symmetric memory."""
+
+    def __init__(self, buffer: Tensor):
+        self.buffer = buffer
+        self.buffer_ptrs = [buffer.data_ptr()]
+        self.world_size = 1
+
+    def get_buffer(self, rank: int, shape, dtype: torch.dtype, offset_elems: int = 0) -> Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        start = offset_elems * itemsize
+        end = start + math.prod(shape) * itemsize
+        if rank != 0 or end > self.buffer.numel():
+            raise ValueError(f"fluxcompile: a local buffer of {self.buffer.numel()} bytes, a view asks up to {end}")
+        return self.buffer[start:end].view(dtype).view(list(shape))
+
+
+_local: dict[tuple[str, int, str], Workspace] = {}
+_retired: list[Tensor] = []  # outgrown local buffers, kept alive for graphs captured over them
+_errors: dict[tuple[int, str], Errors] = {}
+_comms: dict[tuple[str, int, str], Comm] = {}
+
+
+def _local_workspace(group_name: str, nbytes: int, tag: str) -> Workspace:
+    """One rank's stand-in for a symmetric workspace: a plain allocation that grows like ``workspace``."""
+    key = (group_name, torch.cuda.current_device(), tag)
+    ws = _local.get(key)
+    if ws is None or ws.nbytes < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fluxcompile: the MoE workspace '{tag}' cannot grow during CUDA graph capture")
+        if ws is not None:
+            _retired.append(ws.buffer)
+        size = max(nbytes, 2 * ws.nbytes if ws is not None else 0, 1 << 20)
+        buf = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        ws = _local[key] = Workspace(group_name, buf, _LocalHandle(buf), 0, 1)
+    return ws
+
+
+def _init_local(flags: FlagArray, value: int) -> None:
+    flags.local().fill_(value)
+
+
+def buffer_bytes(nbytes: int) -> int:
+    """A data workspace's request for ``nbytes``: the next power of two (ranks with slightly different token counts
+    then ask for the same size; see the module on growth)."""
+    return 1 << max(20, (max(nbytes, 1) - 1).bit_length())
+
+
+def comm_for(group_name: str, world: int, data_bytes: int, tag: str) -> Comm:
+    """The ``Comm`` of this rank in a process group, for the op ``tag``: its (group, device, tag) workspaces (a
+    collective where one must be made or grow: every rank makes the same call; one rank's are plain allocations)
+    and its error buffer."""
+    device = torch.cuda.current_device()
+    if world == 1:
+        data = _local_workspace(group_name, buffer_bytes(data_bytes), tag) if data_bytes else None
+        flags = _local_workspace(group_name, gg.FLAG_BYTES, f"{tag}.flags")
+    else:
+        data = workspace(group_name, buffer_bytes(data_bytes), tag=tag, world=world) if data_bytes else None
+        flags = workspace(group_name, gg.FLAG_BYTES, tag=f"{tag}.flags", world=world)
+    key = (group_name, device, tag)
+    comm = _comms.get(key)
+    if comm is None:
+        errors = _errors.get((device, tag))
+        if errors is None:
+            errors = _errors[(device, tag)] = Errors.make(torch.device("cuda", device))
+        init = _init_local if world == 1 else symm_init_flags
+        comm = _comms[key] = Comm(data, flags, errors, group_name, 0, init)
+    elif data is not None:
+        comm.data = data  # the workspace may have grown (address tables are kept per buffer)
+    return comm
+
+
+# --- supports -------------------------------------------------------------------------------------------
+
+
+def _group_size(group_name: str) -> int | str:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name).size()
+    except Exception as e:
+        return f"no process group {group_name!r} ({type(e).__name__})"
+
+
+def _common_declines(
+    A: Tensor, Bs: Sequence[Tensor], offs, row_index, output_split_sizes, input_split_sizes, group_name, scaled: bool
+) -> str | None:
+    """The reasons both ops decline (the same on every rank: shapes, dtypes, group, config; never row counts)."""
+    if not config.experimental_moe:
+        return EXPERIMENTAL
+    if scaled:
+        return "scaled matmuls"
+    if not A.is_cuda:
+        return "needs CUDA tensors"
+    if A.dtype not in _DTYPES:
+        return f"dtype {A.dtype} (bf16 and fp16 only)"
+    if not Bs or any(b.dim() != 3 for b in Bs):
+        return "dense weights (2-D): another choice handles them"
+    if len(Bs) > MAX_WEIGHTS:
+        return f"more than {MAX_WEIGHTS} weights"
+    if any(b.dtype != A.dtype for b in Bs):
+        return "mixed dtypes"
+    if any(t.device != A.device for t in (*Bs, *(x for x in (offs, row_index) if x is not None))):
+        return "operands on several devices"
+    E, k = Bs[0].shape[0], Bs[0].shape[1]
+    if any(b.shape[:2] != (E, k) for b in Bs):
+        return "weights of different experts or K"
+    if offs is not None and (offs.dim() != 1 or offs.numel() != E or offs.dtype not in (torch.int32, torch.int64)):
+        return f"offs of {offs.dtype}{list(offs.shape)} for {E} experts"
+    if row_index is not None and (row_index.dim() != 1 or row_index.dtype not in (torch.int32, torch.int64)):
+        return f"row_index of {row_index.dtype}{list(row_index.shape)}"
+    world = _group_size(group_name)
+    if isinstance(world, str):
+        return world
+    if world > MAX_WORLD:
+        return f"more than {MAX_WORLD} ranks"
+    for splits in (output_split_sizes, input_split_sizes):
+        if splits and len(splits) != world:
+            return f"{len(splits)} split sizes for a group of {world} ranks"
+    if bool(output_split_sizes) != bool(input_split_sizes):
+        return "one split list given, the other empty"
+    return None
+
+
+def dispatch_supports(
+    A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
+) -> str | None:  # fmt: skip
+    """None when the Triton choices handle this all_to_all_matmul call, else why not (never raises)."""
+    try:
+        scaled = A_scale is not None or B_scales is not None or out_dtype is not None
+        why = _common_declines(A, Bs, offs, row_index, output_split_sizes, input_split_sizes, group_name, scaled)
+        if why is not None:
+            return why
+        if A.dim() < 2 or A.shape[-1] != Bs[0].shape[1]:
+            return f"A of shape {list(A.shape)} for weights with K = {Bs[0].shape[1]}"
+        if len(biases) != len(Bs) or any(x is not None for x in biases):
+            return "a bias with expert weights"
+        return None
+    except Exception as e:  # a broken check declines
+        return f"supports() raised {type(e).__name__}: {e}"
+
+
+def combine_supports(
+    As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name,
+    A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None,
+    accumulate=False, choice="",
+) -> str | None:  # fmt: skip
+    """None when the Triton choices handle this matmul_all_to_all call, else why not (never raises)."""
+    try:
+        scaled = A_scales is not None or B_scales is not None or out_dtype is not None
+        if not As:
+            return "no matmul"
+        why = _common_declines(As[0], Bs, offs, row_index, output_split_sizes, input_split_sizes, group_name, scaled)
+        if why is not None:
+            return why
+        if len(As) != 1 or len(Bs) != 1:
+            return "a sum of several matmuls"
+        if bias is not None:
+            return "a bias with expert weights"
+        a, b = As[0], Bs[0]
+        if a.dtype != b.dtype or a.shape[-1] != b.shape[1] or a.dim() not in (2, 3):
+            return f"A of {a.dtype}{list(a.shape)} for weights {b.dtype}{list(b.shape)}"
+        if a.dim() == 3 and (offs is not None or a.shape[0] != b.shape[0]):
+            return "a 3-D A that is not [E, C, K] for bmm"
+        if len(out_shape) < 2 or out_shape[-1] != b.shape[2]:
+            return f"out_shape {list(out_shape)} for products of {b.shape[2]} columns"
+        return None
+    except Exception as e:
+        return f"supports() raised {type(e).__name__}: {e}"
+
+
+def _tma_ok(variant: gg.Variant, device: torch.device) -> bool:
+    return variant.tma and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _variant(name: str) -> tuple[gg.Variant, bool]:
+    split = name.endswith(SPLIT)
+    return gg.VARIANTS[name.removesuffix(SPLIT)], split
+
+
+def make_dispatch(name: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
+    """(fn, supports) of all_to_all_matmul's choice ``triton:<name>``."""
+    if name not in DISPATCH_VARIANTS:
+        raise ValueError(f"fluxcompile: no MoE Triton variant {name!r}")
+
+    def run(
+        A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
+        A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
+    ):  # fmt: skip
+        return all_to_all_matmul(
+            A, Bs, output_split_sizes, input_split_sizes, group_name, offs=offs, row_index=row_index, variant=name
+        )
+
+    return run, dispatch_supports
+
+
+def make_combine(name: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
+    """(fn, supports) of matmul_all_to_all's choice ``triton:<name>``."""
+    if name not in COMBINE_VARIANTS:
+        raise ValueError(f"fluxcompile: no MoE Triton variant {name!r}")
+
+    def run(
+        As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name,
+        A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None,
+        accumulate=False, choice="",
+    ):  # fmt: skip
+        return matmul_all_to_all(
+            As[0], Bs[0], out_shape, output_split_sizes, input_split_sizes, group_name,
+            offs=offs, row_index=row_index, accumulate=accumulate, variant=name,
+        )  # fmt: skip
+
+    return run, combine_supports
+
+
+# --- the protocols --------------------------------------------------------------------------------------
+
+
+def _splits(sizes: Sequence[int], rows: int, world: int, unit: int, what: str) -> list[int]:
+    """Matrix rows per rank of an exchange along dim 0 (``unit`` matrix rows per dim-0 index): the given split
+    sizes, or equal splits of ``rows`` dim-0 indices where the list is empty (all_to_all_single's convention)."""
+    if sizes:
+        if len(sizes) != world:
+            raise ValueError(f"fluxcompile: {len(sizes)} {what} for {world} ranks")
+        return [int(s) * unit for s in sizes]
+    if rows % world:
+        raise ValueError(f"fluxcompile: {rows} rows do not split equally over {world} ranks")
+    return [rows // world * unit] * world
+
+
+def _num_programs(comm: Comm, device: torch.device) -> int | None:
+    return comm.sm_count or None
+
+
+def dispatch_bytes(A: Tensor, world: int) -> int:
+    """The dispatch's send buffer: this rank's rows (none for one rank, which reads ``A`` itself)."""
+    return A.numel() * A.element_size() if world > 1 else 0
+
+
+def all_to_all_matmul(
+    A: Tensor, Bs: Sequence[Tensor], output_split_sizes, input_split_sizes, group_name: str, *,
+    offs: Tensor | None = None, row_index: Tensor | None = None, variant: str = DEFAULT,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
+    world = _group_size(group_name)
+    if isinstance(world, str):
+        raise ValueError(f"fluxcompile: {world}")
+    comm = comm_for(group_name, world, dispatch_bytes(A, world), DISPATCH_TAG)
+    return all_to_all_matmul_on(comm, A, Bs, output_split_sizes, input_split_sizes, offs, row_index, variant=variant)
+
+
+def all_to_all_matmul_on(
+    comm: Comm, A: Tensor, Bs: Sequence[Tensor], output_split_sizes, input_split_sizes,
+    offs: Tensor | None = None, row_index: Tensor | None = None, *, variant: str = DEFAULT,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The dispatch's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol
+    of the module's docstring, on the current stream."""
+    rank, world = comm.rank, comm.world
+    v, split = _variant(variant)
+    what = f"all_to_all_matmul ({NAME}:{variant})"
+    k = A.shape[-1]
+    unit = math.prod(A.shape[1:-1])
+    a_local = A.reshape(-1, k)
+    if not a_local.is_contiguous() or a_local.data_ptr() % 16:
+        a_local = a_local.contiguous()
+    send = _splits(input_split_sizes, A.shape[0], world, unit, "input split sizes")
+    recv = _splits(output_split_sizes, A.shape[0], world, unit, "output split sizes")
+    if sum(send) != a_local.shape[0]:
+        raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, A has {a_local.shape[0]}")
+    received = sum(recv)
+    exchanged_shape = [received // unit, *A.shape[1:]] if unit else [0, *A.shape[1:]]
+    sig = comm.signals()
+    comm.errors.check_previous(comm.group, what)
+
+    if world > 1:
+        nbytes = a_local.numel() * a_local.element_size()
+        if comm.data is None or comm.data.nbytes < nbytes:
+            raise ValueError(f"fluxcompile: {what}: the send buffer has too few bytes for {nbytes}")
+        gg.wait_done(sig, 3, skip_self=True)  # every peer has read our previous rows
+        comm.data.view(rank, tuple(a_local.shape), a_local.dtype).copy_(a_local)
+    gg.publish(sig, send)
+
+    A_exchanged = torch.empty(exchanged_shape, dtype=A.dtype, device=A.device)
+    a_ex = A_exchanged.view(received, k)
+    pull = gg.Pull(a_local, comm.data_bases(), a_ex, received)
+    offs_ = offs.contiguous() if offs is not None else None
+    rows_ = row_index.contiguous() if row_index is not None else None
+    kw = dict(variant=v, num_programs=_num_programs(comm, A.device), tma=_tma_ok(v, A.device))
+    if split:
+        gg.grouped_gemm(a_ex, Bs, pull=pull, gemm=False, sig=sig, **kw)
+        outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, **kw)
+    else:
+        outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, pull=pull, sig=sig, **kw)
+    if offs is None:  # bmm: [E, rows / E, N]
+        outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
+    comm.errors.report(comm.group, what)
+    return A_exchanged, outs
+
+
+def combine_bytes(out_shape: Sequence[int], output_split_sizes, N: int, dtype: torch.dtype, accumulate: bool) -> int:
+    """The combine's receive buffer: this rank's output rows (fp32 where rows are accumulated)."""
+    rows = (sum(output_split_sizes) if output_split_sizes else out_shape[0]) * math.prod(out_shape[1:-1])
+    return rows * N * (4 if accumulate else dtype.itemsize)
+
+
+def matmul_all_to_all(
+    a: Tensor, b: Tensor, out_shape: Sequence[int], output_split_sizes, input_split_sizes, group_name: str, *,
+    offs: Tensor | None = None, row_index: Tensor | None = None, accumulate: bool = False, variant: str = DEFAULT,
+) -> Tensor:  # fmt: skip
+    """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
+    world = _group_size(group_name)
+    if isinstance(world, str):
+        raise ValueError(f"fluxcompile: {world}")
+    acc32 = accumulate and row_index is not None
+    nbytes = combine_bytes(out_shape, output_split_sizes, b.shape[2], a.dtype, acc32)
+    comm = comm_for(group_name, world, nbytes, COMBINE_TAG)
+    return matmul_all_to_all_on(
+        comm, a, b, out_shape, output_split_sizes, input_split_sizes, offs, row_index, accumulate, variant=variant
+    )
+
+
+def matmul_all_to_all_on(
+    comm: Comm, a: Tensor, b: Tensor, out_shape: Sequence[int], output_split_sizes, input_split_sizes,
+    offs: Tensor | None = None, row_index: Tensor | None = None, accumulate: bool = False, *,
+    variant: str = DEFAULT,
+) -> Tensor:  # fmt: skip
+    """The combine's result on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
+    the module's docstring, on the current stream."""
+    rank, world = comm.rank, comm.world
+    v, _ = _variant(variant)
+    what = f"matmul_all_to_all ({NAME}:{variant})"
+    n = b.shape[2]
+    h = a.reshape(-1, a.shape[-1])
+    if not h.is_contiguous() or h.data_ptr() % 16:
+        h = h.contiguous()
+    unit = math.prod(out_shape[1:-1])
+    y_rows = out_shape[0] * unit
+    send = _splits(input_split_sizes, out_shape[0], world, unit, "input split sizes")
+    recv = _splits(output_split_sizes, out_shape[0], world, unit, "output split sizes")
+    if sum(send) != y_rows:
+        raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, out_shape has {y_rows}")
+    if row_index is None and h.shape[0] != y_rows:
+        raise ValueError(f"fluxcompile: {what}: {h.shape[0]} product rows for an output of {y_rows}")
+    if row_index is not None and row_index.numel() != h.shape[0]:
+        raise ValueError(f"fluxcompile: {what}: row_index has {row_index.numel()} entries for {h.shape[0]} rows")
+    if offs is None and h.shape[0] % b.shape[0]:
+        raise ValueError(f"fluxcompile: {what}: {h.shape[0]} rows do not split into {b.shape[0]} equal groups")
+    mine = sum(recv)
+    acc32 = accumulate and row_index is not None  # without row_index no row is written twice
+    buf_dtype = torch.float32 if acc32 else a.dtype
+    nbytes = mine * n * buf_dtype.itemsize
+    if comm.data is None or comm.data.nbytes < nbytes:
+        raise ValueError(f"fluxcompile: {what}: the receive buffer has too few bytes for {nbytes}")
+    sig = comm.signals()
+    comm.errors.check_previous(comm.group, what)
+
+    received = comm.data.view(rank, (mine, n), buf_dtype)
+    if row_index is not None:
+        received.zero_()  # rows no product lands on are zeros; accumulated rows start from zero
+    gg.publish(sig, recv)  # where each source's rows go in our buffer
+    gg.grouped_gemm(
+        h, [b], offs=offs.contiguous() if offs is not None else None,
+        row_index=row_index.contiguous() if row_index is not None else None,
+        scatter=gg.Scatter(comm.data_bases(), y_rows, acc32), sig=sig,
+        variant=v, num_programs=_num_programs(comm, a.device), tma=_tma_ok(v, a.device),
+    )  # fmt: skip
+    gg.wait_done(sig, 5, skip_self=False)  # every source's rows have landed
+    out = torch.empty([mine // unit if unit else 0, *out_shape[1:]], dtype=a.dtype, device=a.device)
+    out.view(mine, n).copy_(received)
+    comm.errors.report(comm.group, what)
+    return out
