@@ -110,8 +110,8 @@ def compile_like_launch(kernel, values: dict, constexprs: dict, num_warps: int, 
         raise
 
 
-def _ptxas_spills(ptx: str, tmp_path) -> int:
-    """Bytes spilled by ptxas for sm_90a (Triton's bundled ptxas, -v)."""
+def _ptxas(ptx: str, tmp_path) -> tuple[int, int]:
+    """(registers per thread, bytes spilled) by ptxas for sm_90a (Triton's bundled ptxas, -v)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("no ptxas bundled with Triton")
@@ -120,7 +120,12 @@ def _ptxas_spills(ptx: str, tmp_path) -> int:
     out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(src), "-o", str(tmp_path / "k.cubin")],
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    return sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", out.stderr))
+    regs = max(int(x) for x in re.findall(r"Used (\d+) registers", out.stderr))
+    return regs, sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", out.stderr))
+
+
+def _ptxas_spills(ptx: str, tmp_path) -> int:
+    return _ptxas(ptx, tmp_path)[1]
 
 
 # Mixtral's w1/w3 GEMM as the launcher passes it (K = 4096, N = 14336, 8 experts, 8 ranks).
@@ -147,17 +152,13 @@ _MODES = {  # mode -> (constexprs beyond the defaults, B layout [E, N, K]?)
 
 
 def _constexprs(variant: gg.Variant, extra: dict) -> dict:
-    bm, bn, bk = variant.block
-    dual = extra.get("DUAL", False)
+    bm, bn, bk = gg.launch_block(variant, extra.get("DUAL", False))
     base = dict(
-        HAS_OFFS=True, GATHER=False, Y_INDEX=False, A_TMA=True, B_TMA=(bn // 2 if dual else bn) <= 128, B_T=False,
+        HAS_OFFS=True, GATHER=False, Y_INDEX=False, A_TMA=True, B_TMA=True, B_T=False,
         DUAL=False, PULL=False, GEMM=True, SCATTER=False, ACCUMULATE=False, IEEE=False, ALIGN=16,
-        BLOCK_M=bm, BLOCK_N=bn // 2 if dual else bn, BLOCK_K=bk, GROUP_M=variant.group_m,
-        COPY_M=gg.COPY_M, COPY_K=gg.COPY_K,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=variant.group_m, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K,
     )  # fmt: skip
     base.update(extra)
-    if "B_TMA" not in extra:
-        base["B_TMA"] = base["B_TMA"] and base["BLOCK_N"] <= 128
     return base
 
 
@@ -189,13 +190,21 @@ def test_kernel_compiles_for_sm90(mode, tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", list(gg.VARIANTS))
 def test_every_variant_fits_sm90(name, tmp_path, monkeypatch):
     """Every tile configuration in the dispatch's heaviest mode (two weights, gathered, fused pull) and the
-    combine's: within shared memory, no spills."""
+    combine's: within shared memory, no spills. A variant that runs two programs per SM where nothing waits
+    (``per_sm``) must fit twice on an SM in those launches (the GEMM alone: one or two weights, gathered or not)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     v = gg.VARIANTS[name]
-    for extra in (dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True), dict(SCATTER=True, Y_INDEX=True)):
+    modes = [dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True), dict(SCATTER=True, Y_INDEX=True)]
+    plain = [dict(DUAL=True), dict(), dict(GATHER=True, A_TMA=False, DUAL=True)] if v.per_sm > 1 else []
+    for extra in modes + plain:
         k = compile_like_launch(gg.grouped_gemm_kernel, _VALUES, _constexprs(v, extra), v.num_warps, v.num_stages)
         assert k.metadata.shared <= 227 * 1024, (extra, k.metadata.shared)
-        assert _ptxas_spills(k.asm["ptx"], tmp_path) == 0, extra
+        regs, spills = _ptxas(k.asm["ptx"], tmp_path)
+        assert spills == 0, extra
+        if extra in plain:
+            # sm_90: 228 KiB of shared memory per SM (1 KiB reserved per block), 64 Ki registers
+            assert v.per_sm * (k.metadata.shared + 1024) <= 228 * 1024, (extra, k.metadata.shared)
+            assert v.per_sm * v.num_warps * 32 * (-(-regs // 8) * 8) <= 65536, (extra, regs)
 
 
 def test_small_kernels_compile_for_sm90(tmp_path, monkeypatch):

@@ -122,15 +122,19 @@ class Variant:
     num_stages: int = 3
     group_m: int = 8
     tma: bool = True  # weights (and ungathered A) through TMA where their layout allows
+    # Persistent programs per SM in launches that wait for nothing (the GEMM alone, the split dispatch's GEMM):
+    # two hide each other's tile prologue and epilogue where two fit on an SM (tests/test_moe_kernels.py checks
+    # shared memory and registers). Launches that wait run one per SM (every program resident).
+    per_sm: int = 1
 
     @property
     def name(self) -> str:
         bm, bn, bk = self.block
-        return f"{bm}x{bn}x{bk}-w{self.num_warps}s{self.num_stages}"
+        return f"{bm}x{bn}x{bk}-w{self.num_warps}s{self.num_stages}" + (f"x{self.per_sm}" if self.per_sm > 1 else "")
 
 
-# A weight's column block is BLOCK_N, or BLOCK_N / 2 where two weights share the A tiles. A column block of 256
-# is never read through TMA: that computed wrong results under Triton 3.6 (BENCHMARKS.md, the AG-GEMM kernel).
+# A weight's column block is BLOCK_N, or BLOCK_N / 2 where two weights share the A tiles, at most 128
+# (launch_block): 256 through TMA computed wrong results under Triton 3.6 (BENCHMARKS.md, the AG-GEMM kernel).
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
@@ -140,6 +144,8 @@ VARIANTS: dict[str, Variant] = {
         Variant((256, 128, 64), num_warps=8, num_stages=3),
         Variant((128, 64, 64), num_warps=4, num_stages=4),
         Variant((64, 128, 64), num_warps=4, num_stages=5),
+        Variant((128, 128, 64), num_warps=8, num_stages=3, per_sm=2),
+        Variant((128, 128, 64), num_warps=4, num_stages=3, per_sm=2),
     )
 }
 DEFAULT = "128x128x64-w8s4"
@@ -384,12 +390,19 @@ def grouped_gemm_kernel(
         # The GEMM tiles continue the copy tiles' round robin over the programs.
         t = (pid + num_progs - n_copy % num_progs) % num_progs
         base = tl.full((), 0, tl.int32)
+        prev_hi = tl.full((), 0, tl.int32)
+        next_end = tl.full((), 0, tl.int32)
+        if HAS_OFFS:
+            next_end = tl.load(offs).to(tl.int32)
         for g in range(E):
             if HAS_OFFS:
-                lo = tl.load(offs + g - 1, mask=g > 0, other=0).to(tl.int32)
-                hi = tl.load(offs + g).to(tl.int32)
-                lo = tl.minimum(tl.maximum(lo, 0), R)
-                hi = tl.minimum(tl.maximum(hi, lo), R)
+                # Group g's rows [lo, hi) (clamped into [0, R], never overlapping); the next group's end is loaded
+                # now, while this group's tiles run, not when the program reaches it.
+                end = next_end
+                next_end = tl.load(offs + g + 1, mask=g + 1 < E, other=0).to(tl.int32)
+                lo = prev_hi
+                hi = tl.minimum(tl.maximum(end, lo), R)
+                prev_hi = hi
             else:
                 lo = g * group_rows
                 hi = lo + group_rows
@@ -680,18 +693,24 @@ def grouped_gemm(
     return outs
 
 
+def launch_block(v: Variant, dual: bool) -> tuple[int, int, int]:
+    """A launch's (BLOCK_M, BLOCK_N per weight, BLOCK_K): two weights get half the variant's columns each (two
+    accumulators: the variant's registers and shared memory); a weight's block is at most 128 columns (256
+    through TMA computed wrong results under Triton 3.6, and one accumulator of 256 spills)."""
+    bm, bn, bk = v.block
+    return bm, min(bn // 2 if dual else bn, 128), bk
+
+
 def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig, v, num_programs, tma) -> None:
     """One launch of ``grouped_gemm_kernel`` for one or two weights (see :func:`grouped_gemm`)."""
     n_a, k = a.shape
     E = Bs[0].shape[0]
     dual = len(Bs) == 2
-    bm, bn, bk = v.block
-    if dual:
-        bn //= 2  # two accumulators of half the columns: the variant's registers and shared memory
+    bm, bn, bk = launch_block(v, dual)
     widths = [b.shape[2] for b in Bs]
     n_tiles = triton.cdiv(max(widths), bn)
     use_tma = v.tma if tma is None else tma
-    b_t = weight_layouts(Bs, (bm, bn, bk)) if use_tma and bn <= 128 else None
+    b_t = weight_layouts(Bs, (bm, bn, bk)) if use_tma else None
     es = a.element_size()
     a_tma = bool(
         use_tma and gemm and not gather and pull is None and n_a > 0
@@ -712,7 +731,7 @@ def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig
     )
     if work == 0 and sig is None:
         return  # nothing to compute, nobody to signal
-    progs = max(1, min(num_programs, work))
+    progs = max(1, min(num_programs * (v.per_sm if sig is None else 1), work))
     b1 = Bs[1] if dual else Bs[0]
     c0 = outs[0] if outs else a
     c1 = outs[1] if dual and outs else c0
