@@ -82,9 +82,11 @@ COMBINE_TAG = "matmul_all_to_all.triton"
 SPLIT = "-split"  # the dispatch's variant with the pull and the GEMM in two launches
 DEFAULT = "128x128x64-w8s4"
 
-# The choices' variants: every tile configuration, and for the dispatch each also split.
-DISPATCH_VARIANTS = [*gg.VARIANTS, *(f"{name}{SPLIT}" for name in gg.VARIANTS)] if gg is not None else []
-COMBINE_VARIANTS = list(gg.VARIANTS) if gg is not None else []
+# The choices' variants: the tile configurations of one program per SM (launches that wait run one per SM), and
+# for the dispatch every configuration split (its GEMM launch waits for nothing).
+_ONE_PER_SM = [name for name, v in gg.VARIANTS.items() if v.per_sm == 1] if gg is not None else []
+DISPATCH_VARIANTS = [*_ONE_PER_SM, *(f"{name}{SPLIT}" for name in gg.VARIANTS)] if gg is not None else []
+COMBINE_VARIANTS = list(_ONE_PER_SM)
 
 
 def timeout_s() -> float:
