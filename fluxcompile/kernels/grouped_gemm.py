@@ -31,7 +31,8 @@ this rank's flag words ``info[s] = (offset, count)`` (where this rank's rows sta
 many), then ``ready[s] = epoch`` (release). A program bounded-waits (acquire) for every source's ``ready``, then
 its *copy tiles* (``COPY_M`` exchanged rows each; a row's source is found from the published counts; the local
 rank's rows come straight from ``A``) copy rows from the peers (peer-to-peer loads) into ``A_exchanged``, the op's
-first output, in place. The GEMM then reads ``A_exchanged`` from local memory (gathered through ``row_index``):
+first output, in place; a rank's copy tiles start at its own rows, then rank + 1's, ..., so the ranks do not all
+read from rank 0 at once. The GEMM then reads ``A_exchanged`` from local memory (gathered through ``row_index``):
 a weight's column blocks would each re-read the A rows, and reads of a peer's memory are not cached in this
 GPU's L2. Two ways to run it:
 * fused (``gemm=True``): the copy tiles come first in every program's order, each adds its rows per source to
@@ -197,12 +198,13 @@ class Scatter:
 @triton.jit
 def _locate(rows, table, world):
     """Which published range holds each of ``rows`` (int32): (rank, start of its range); rank == world past the
-    last range. ``table`` holds (offset, count) int32 pairs per rank; ranges follow each other in rank order."""
+    last range. ``table`` holds (offset, count) int32 pairs per rank (written by the peers: read through L2);
+    ranges follow each other in rank order."""
     who = tl.zeros_like(rows)
     start = tl.zeros_like(rows)
     lo = tl.full((), 0, tl.int32)
     for s in range(world):
-        end = lo + tl.load(table + 2 * s + 1)
+        end = lo + tl.load(table + 2 * s + 1, cache_modifier=".cg")
         past = rows >= end
         who += past.to(tl.int32)
         start = tl.where(past, end, start)
@@ -248,7 +250,7 @@ def _pull_tile(
     who, start = _locate(rows, my_flags + _INFO, world)
     valid = valid & (who < world)
     src = tl.minimum(who, world - 1)
-    offset = tl.load(my_flags + _INFO + 2 * src, mask=valid, other=0)
+    offset = tl.load(my_flags + _INFO + 2 * src, mask=valid, other=0, cache_modifier=".cg")
     base = tl.load(src_bases + src, mask=valid, other=0)
     base = tl.where(src == rank, local_addr, base)
     src_row = (offset + rows - start).to(tl.int64)
@@ -360,16 +362,23 @@ def grouped_gemm_kernel(
         pull_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False)
         tl.debug_barrier()
         if pull_ok != 0:
+            total = tl.full((), 0, tl.int32)
+            mine = tl.full((), 0, tl.int32)  # where this rank's own rows start
+            for s in range(world):
+                count = tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
+                mine += tl.where(s < rank, count, 0)
+                total += count
             if pid == 0:
-                total = tl.full((), 0, tl.int32)
-                for s in range(world):
-                    total += tl.load(my_flags + _INFO + 2 * s + 1)
                 if total != n_pull:
                     _record(err, rank, -1, total, n_pull, 6)
+            # Copy tiles from this rank's own rows on, then rank + 1's, ...: at any moment the ranks read from
+            # different sources, not all from rank 0.
+            shift = mine // COPY_M
             for t in range(pid, n_copy, num_progs):
                 _pull_tile(
-                    t, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM, ALIGN, COPY_M, COPY_K
-                )
+                    (t + shift) % n_copy, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM, ALIGN,
+                    COPY_M, COPY_K,
+                )  # fmt: skip
 
     # --- the GEMM tiles
     if GEMM:
@@ -434,7 +443,7 @@ def grouped_gemm_kernel(
                     for s in range(world):
                         touched = tl.max(((who == s) & a_ok).to(tl.int32), axis=0)
                         if (touched > 0) & (tile_ok != 0):
-                            need = tl.load(my_flags + _INFO + 2 * s + 1)
+                            need = tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
                             tile_ok = bounded_wait(
                                 my_flags + _ARRIVED + s, need, err, max_spin, rank, s, t, 2, False
                             ).to(tl.int32)
@@ -464,7 +473,7 @@ def grouped_gemm_kernel(
                     who, start = _locate(yi32, my_flags + _INFO, world)
                     y_ok = y_ok & (who < world) & (scatter_ok != 0)
                     dst = tl.minimum(who, world - 1)
-                    offset = tl.load(my_flags + _INFO + 2 * dst, mask=y_ok, other=0)
+                    offset = tl.load(my_flags + _INFO + 2 * dst, mask=y_ok, other=0, cache_modifier=".cg")
                     dbase = tl.load(dst_bases + dst, mask=y_ok, other=0)
                     pos = (offset + yi32 - start).to(tl.int64) * width
                     m = y_ok[:, None] & col_ok[None, :]

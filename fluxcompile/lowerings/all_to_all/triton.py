@@ -1,6 +1,8 @@
 """all_to_all_matmul (MoE dispatch) and matmul_all_to_all (MoE combine) with the Triton grouped GEMM of
 kernels/grouped_gemm.py, whose copy tiles pull the dispatched rows from the peers and whose epilogue scatters the
-combined rows to them: no NCCL, no staging copy of the exchanged rows, no host synchronization.
+combined rows to them: no NCCL, no host synchronization; the exchanged rows land in the op's output directly, and
+the combined rows in the receiver's buffer. (The GEMM reads the exchanged rows from local memory, not from the
+peers: every column block re-reads its A rows, and a peer's memory is not cached in this GPU's L2.)
 
 Dispatch, on rank r of w (``A`` its rows in ``[destination][...]`` order, ``input_split_sizes[p]`` of them for p):
   1. (w > 1) ``wait_done``: a one-program kernel waits (bounded) until every peer has finished reading r's send
