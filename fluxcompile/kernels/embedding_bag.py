@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .waits import bounded_wait
+from .waits import timed_wait
 
 ERR_WORDS = 6
 KIND_ROWS = 0
@@ -190,14 +190,14 @@ def pool_kernel(
 
 
 @triton.jit(do_not_specialize=["max_spin", "rank", "world"])
-def wait_kernel(counters, expect, state, err, max_spin, rank, world):
+def wait_kernel(counters, expect, state, err, max_spin, rank, world, TIMED: tl.constexpr):
     """One program: wait until every source's counter reached its target, then publish the epoch."""
     e = tl.load(state, volatile=True) + 1
     for s in range(0, world):
         inc = tl.load(expect + s)
         if inc != 0:
             target = tl.load(state + 1 + s, volatile=True) + inc
-            bounded_wait(counters + s, target, err, max_spin, rank, s, e, 0, True)
+            timed_wait(counters + s, target, err, max_spin, rank, s, e, 0, True, TIMED)
             tl.store(state + 1 + s, target)
     tl.store(state, e)
 
@@ -216,7 +216,8 @@ def publish_kernel(my_pub, my_flag, my_prefix, state, world, BLOCK_W: tl.constex
 
 @triton.jit(do_not_specialize=["max_spin", "rank", "world"])
 def fetch_offsets_kernel(
-    my_prefix, peer_pub, peer_flags, dst_off, state, err, max_spin, rank, world, BLOCK_W: tl.constexpr
+    my_prefix, peer_pub, peer_flags, dst_off, state, err, max_spin, rank, world, BLOCK_W: tl.constexpr,
+    TIMED: tl.constexpr,
 ):  # fmt: skip
     """One program: our entry of every peer's published prefix, once its flag has reached the epoch (bounded
     wait): ``dst_off[p]``."""
@@ -227,7 +228,7 @@ def fetch_offsets_kernel(
             tl.store(dst_off + p, tl.load(my_prefix + rank))
         else:
             flag = tl.load(peer_flags + p).to(tl.pointer_type(tl.int64))
-            bounded_wait(flag, e, err, max_spin, rank, p, e, 1, True)
+            timed_wait(flag, e, err, max_spin, rank, p, e, 1, True, TIMED)
             pub = tl.load(peer_pub + p).to(tl.pointer_type(tl.int64))
             tl.store(dst_off + p, tl.load(pub + half + rank, volatile=True))
 
@@ -326,7 +327,7 @@ def pool(
 def wait(counters: torch.Tensor, expect: torch.Tensor, state: torch.Tensor, err: torch.Tensor, max_spin: int,
          rank: int, world: int) -> None:  # fmt: skip
     """Launch :func:`wait_kernel` (one program)."""
-    wait_kernel[(1,)](counters, expect, state, err, max_spin, rank, world, num_warps=1)
+    wait_kernel[(1,)](counters, expect, state, err, max_spin, rank, world, TIMED=counters.is_cuda, num_warps=1)
 
 
 def publish(my_pub: torch.Tensor, my_flag: torch.Tensor, my_prefix: torch.Tensor, state: torch.Tensor, world: int,
@@ -341,8 +342,9 @@ def fetch_offsets(
 ) -> None:  # fmt: skip
     """Launch :func:`fetch_offsets_kernel` (one program)."""
     fetch_offsets_kernel[(1,)](
-        my_prefix, peer_pub, peer_flags, dst_off, state, err, max_spin, rank, world, BLOCK_W=block_w, num_warps=1
-    )
+        my_prefix, peer_pub, peer_flags, dst_off, state, err, max_spin, rank, world, BLOCK_W=block_w,
+        TIMED=state.is_cuda, num_warps=1,
+    )  # fmt: skip
 
 
 def fill(t: torch.Tensor, values: tuple[int, ...]) -> None:

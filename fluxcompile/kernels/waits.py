@@ -38,3 +38,44 @@ def bounded_wait(flag, e, err, max_spin, rank, peer, tile, kind, SYS: tl.constex
                 tl.atomic_xchg(err + 4, e)
                 tl.atomic_xchg(err + 5, kind)
     return ok
+
+
+@triton.jit
+def now_ns():
+    """The GPU's global timer, in nanoseconds."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def timed_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS: tl.constexpr, TIMED: tl.constexpr):
+    """:func:`bounded_wait` bounded by time: ``budget_us`` microseconds of the global timer (``TIMED``, compiled
+    kernels), or that many polls (Triton's interpreter, which has no timer): a poll's duration depends on what
+    the memory system is doing, so a bound in polls is no bound in time."""
+    if TIMED:
+        start = now_ns()
+        budget_ns = budget_us.to(tl.int64) * 1000
+        if SYS:
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        else:
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        bail = tl.load(err, volatile=True)
+        late = False
+        while ((seen - e) < 0) & (bail == 0) & (not late):
+            if SYS:
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            else:
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            bail = tl.load(err, volatile=True)
+            late = (now_ns() - start) > budget_ns
+        ok = (seen - e) >= 0
+        if (seen - e) < 0:
+            if bail == 0:
+                if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
+                    tl.atomic_xchg(err + 1, rank)
+                    tl.atomic_xchg(err + 2, peer)
+                    tl.atomic_xchg(err + 3, tile)
+                    tl.atomic_xchg(err + 4, e)
+                    tl.atomic_xchg(err + 5, kind)
+    else:
+        ok = bounded_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS)
+    return ok

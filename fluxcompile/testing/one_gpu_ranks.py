@@ -31,6 +31,7 @@ Importing this module needs no GPU (the allocations go to ``device``; streams ar
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,33 @@ from ..symm_mem import FlagArray, Workspace
 
 RESERVED_SMS = 24
 _ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
+
+
+def _on_threads(call: Callable[[int], Any], world: int, timeout_s: float) -> list[Any]:
+    """``[call(r) for r in range(world)]``, each on a thread of its own. A rank's host call may block in the
+    driver until the device is idle (loading a kernel's module on its first launch, allocating): on one thread, a
+    rank blocked so while an earlier rank's kernel waits for a later rank's data would never let that later rank
+    launch; on threads, it does, as separate processes do between GPUs."""
+    results: list[Any] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+
+    def run(r: int) -> None:
+        try:
+            results[r] = call(r)
+        except BaseException as e:  # re-raised on the caller's thread
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"one-gpu-rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for r, t in enumerate(threads):
+        t.join(timeout_s)
+        if t.is_alive():
+            raise TimeoutError(f"OneGpuRanks: rank {r}'s host call did not return within {timeout_s:g} s")
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
 
 
 class Handle:
@@ -169,15 +197,19 @@ class OneGpuRanks:
         # Every rank's context first: making one pins host memory, which waits for the device, and a rank that
         # waited for the GPU after an earlier rank's launch would leave that rank waiting for its data.
         comms = [self.comm(r) for r in range(self.world)]
-        results = []
         for r in range(self.world):
-            comm = comms[r]
-            main = self.streams(r)[0]
-            main.wait_stream(cur)
-            with torch.cuda.stream(main):
+            self.streams(r)[0].wait_stream(cur)
+
+        def call(r: int) -> Any:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.streams(r)[0]):
                 if r == delay_rank:
                     torch.cuda._sleep(int(delay_ms * 2e6))
-                results.append(fn(r, comm))
+                return fn(r, comms[r])
+
+        if torch.cuda.is_current_stream_capturing():
+            results = [call(r) for r in range(self.world)]  # one capture: its calls stay on this thread
+        else:
+            results = _on_threads(call, self.world, timeout_s)
         for r in range(self.world):
             cur.wait_stream(self.streams(r)[0])
         if sync and not torch.cuda.is_current_stream_capturing():

@@ -48,7 +48,9 @@ def _queues(world: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _bounded():
-    """Kernel waits give up after 5 s (an error, not a hang); the flags stay as in production."""
+    """Kernel waits give up after 5 s (an error, not a hang); the flags stay as in production. The extension is
+    built first: the simulated ranks' host calls run on threads, which would build it while a peer waits."""
+    cutlass_gemm.load()
     with config.patch(experimental_cutlass=True, cutlass_timeout_s=5.0, check_signals=False):
         yield
 

@@ -20,8 +20,8 @@ Why a copy: the caller may keep the output across later calls, so it cannot be a
 (which the next-but-one call overwrites); our own chunk (1/w of it) is stored into the output directly.
 
 Host synchronization: none on the hot path. Device tables (pointer tables of the tensors, split prefixes) are
-cached by value; a new one is copied from pinned memory without a sync (eagerly), or written by a small kernel
-whose arguments carry the values (while capturing a CUDA graph). The first call in a group makes the symmetric
+cached by value; a new one is written by a small kernel whose arguments carry the values (no pinned staging:
+allocating it would synchronize the device). The first call in a group makes the symmetric
 workspaces and sets the flags (collective, host barrier): warm up eagerly before capturing. A wait that times
 out fills the error words, copied to pinned memory at the end of the call and checked at the next eager call
 (or at once with ``config.check_signals``).
@@ -77,7 +77,7 @@ def timeout_s() -> float:
 
 
 def _max_spin() -> int:
-    return max(1, int(timeout_s() * 1e6))  # polls of about 1 us
+    return max(1, int(timeout_s() * 1e6))  # microseconds of the GPU timer (polls under the interpreter)
 
 
 # --- the call's layout ----------------------------------------------------------------------------------------
@@ -190,20 +190,18 @@ _captured: set[tuple] = set()  # used while capturing a graph: never evicted
 
 
 def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    """A device tensor holding ``values``, cached by value (read-only: callers never write it). Made without a host
-    synchronization: copied from pinned memory eagerly, written by a kernel while capturing a CUDA graph."""
+    """A device tensor holding ``values``, cached by value (read-only: callers never write it), written by a small
+    kernel whose arguments carry the values: no pinned staging, whose allocation would synchronize the device
+    (and so wait for a peer's kernel that waits for this rank's rows), and safe while capturing a CUDA graph."""
     key = (device, dtype, values)
     capturing = _capturing(device)
     t = _tables.get(key)
     if t is None:
         if device.type != "cuda":
             t = torch.tensor(values, dtype=dtype, device=device)
-        elif capturing:
-            t = torch.empty(len(values), dtype=dtype, device=device)
-            eb.fill(t, values)
         else:
             t = torch.empty(len(values), dtype=dtype, device=device)
-            t.copy_(torch.tensor(values, dtype=dtype).pin_memory(), non_blocking=True)
+            eb.fill(t, values)
         _tables[key] = t
         if len(_tables) > _MAX_TABLES:
             for old in list(_tables):
