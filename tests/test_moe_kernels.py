@@ -136,7 +136,7 @@ _VALUES = {
     "peer_flags": "*i64", "err": "*i32", "local_addr": 1 << 40,
     "R": 8192, "n_a": 8192, "K": _K, "n0": _N, "n1": _N, "n_tiles": 224, "E": 8, "group_rows": 0,
     "stride_am": _K, "stride_ak": 1, "sbe0": _K * _N, "sbe1": _K * _N, "sbk0": _N, "sbk1": _N, "sbn0": 1, "sbn1": 1,
-    "n_pull": 8192, "y_rows": 8192, "rank": 3, "world": 8, "max_spin": 1 << 26, "num_progs": 132,
+    "n_pull": 8192, "y_rows": 8192, "rank": 3, "world": 8, "max_spin": 60_000_000, "num_progs": 132,
 }  # fmt: skip
 _MODES = {  # mode -> (constexprs beyond the defaults, B layout [E, N, K]?)
     "w1+w3": (dict(DUAL=True), False),
@@ -155,7 +155,7 @@ def _constexprs(variant: gg.Variant, extra: dict) -> dict:
     bm, bn, bk = gg.launch_block(variant, extra.get("DUAL", False))
     base = dict(
         HAS_OFFS=True, GATHER=False, Y_INDEX=False, A_TMA=True, B_TMA=True, B_T=False,
-        DUAL=False, PULL=False, GEMM=True, SCATTER=False, ACCUMULATE=False, IEEE=False, ALIGN=16,
+        DUAL=False, PULL=False, GEMM=True, SCATTER=False, ACCUMULATE=False, IEEE=False, ALIGN=16, TIMED=True,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=variant.group_m, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K,
     )  # fmt: skip
     base.update(extra)
@@ -182,6 +182,8 @@ def test_kernel_compiles_for_sm90(mode, tmp_path, monkeypatch):
             assert "cp.async.cg.shared.global" in ptx, "A's pointer loads are not pipelined (cp.async)"
     if const["PULL"]:
         assert re.search(r"ld\.global\.cg\.v4", ptx), "the pull's peer loads are not 16-byte vectors"
+    if const["PULL"] or const["SCATTER"]:
+        assert "%globaltimer" in ptx, "the waits are bounded by the GPU's timer"
     if const["SCATTER"] and not const["ACCUMULATE"]:
         assert "st.global.v4" in ptx, "the scatter's stores are not 16-byte vectors"
     assert _ptxas_spills(ptx, tmp_path) == 0, "registers spill"
@@ -209,10 +211,11 @@ def test_every_variant_fits_sm90(name, tmp_path, monkeypatch):
 
 def test_small_kernels_compile_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    values = {"my_flags": "*i32", "peer_flags": "*i64", "err": "*i32", "rank": 1, "world": 8, "max_spin": 1 << 26}
+    values = {"my_flags": "*i32", "peer_flags": "*i64", "err": "*i32", "rank": 1, "world": 8, "max_spin": 60_000_000}
     values.update({f"u{i:02d}": (1 << 62) | 5 for i in range(gg.MAX_WORLD // 2)})
     compile_like_launch(gg.publish_kernel, values, {}, 1, 1)
-    compile_like_launch(gg.wait_kernel, values, dict(KIND=3, SKIP_SELF=True), 1, 1)
+    k = compile_like_launch(gg.wait_kernel, values, dict(KIND=3, SKIP_SELF=True, TIMED=True), 1, 1)
+    assert "%globaltimer" in k.asm["ptx"], "the waits are bounded by the GPU's timer"
 
 
 # --- the launcher's host side -----------------------------------------------------------------------------------

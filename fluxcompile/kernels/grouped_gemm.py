@@ -57,8 +57,9 @@ everything this rank sends has landed. A counter of rows would not do: ``row_ind
 
 Waits and errors
 ----------------
-Every wait is :func:`kernels.waits.bounded_wait`: after ``max_spin`` polls it records (rank, peer, tile, awaited
-value, kind) in ``err`` (``ERR_WORDS`` int32) and the launch's other waits give up at once; tiles whose data
+Every wait is :func:`kernels.waits.timed_wait` (``bounded_wait`` bounded by the GPU's timer): after ``max_spin``
+microseconds (polls under the interpreter) it records (rank, peer, tile, awaited value, kind) in ``err``
+(``ERR_WORDS`` int32) and the launch's other waits give up at once; tiles whose data
 never came are skipped, never read from unpublished addresses. :func:`check_error` raises naming the rank and
 the signal (``WAIT_KINDS``). Epochs: ``state[0]`` (this rank's flag words) counts the calls; :func:`publish`
 increments it, so flags only grow, are never reset across ranks, and CUDA graph replays advance them.
@@ -81,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .waits import bounded_wait
+from .waits import timed_wait
 
 MAX_WEIGHTS = 3
 MAX_WORLD = 64
@@ -159,14 +160,15 @@ COPY_K = 256  # columns per copy step
 class Signals:
     """One rank's signals for a launch: its flag words (``my_flags``, int32 ``[FLAG_WORDS]``), every rank's flag
     words as addresses seen from here (``peer_flags``, int64 ``[world]``), the error words (int32
-    ``[ERR_WORDS]``) and the wait bound in polls."""
+    ``[ERR_WORDS]``) and the bound of every wait, ``max_spin``: microseconds of the GPU's timer (polls under
+    Triton's interpreter, which has no timer)."""
 
     my_flags: torch.Tensor
     peer_flags: torch.Tensor
     err: torch.Tensor
     rank: int
     world: int
-    max_spin: int = 1 << 26
+    max_spin: int = 60_000_000
 
 
 @dataclasses.dataclass
@@ -224,7 +226,7 @@ def _record(err, rank, peer, tile, value, kind):
 
 
 @triton.jit
-def _wait_all(my_flags, slot, e, err, max_spin, rank, world, kind, SKIP_SELF: tl.constexpr):
+def _wait_all(my_flags, slot, e, err, max_spin, rank, world, kind, SKIP_SELF: tl.constexpr, TIMED: tl.constexpr):
     """Bounded waits until ``my_flags[slot + s] - e >= 0`` for every rank s (not this one with ``SKIP_SELF``);
     1 if all passed."""
     ok = tl.full((), 1, tl.int32)
@@ -233,7 +235,7 @@ def _wait_all(my_flags, slot, e, err, max_spin, rank, world, kind, SKIP_SELF: tl
         if SKIP_SELF:
             want = want & (s != rank)
         if want:
-            ok = bounded_wait(my_flags + slot + s, e, err, max_spin, rank, s, -1, kind, True).to(tl.int32)
+            ok = timed_wait(my_flags + slot + s, e, err, max_spin, rank, s, -1, kind, True, TIMED).to(tl.int32)
     return ok
 
 
@@ -346,7 +348,7 @@ def grouped_gemm_kernel(
     HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, Y_INDEX: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
     DUAL: tl.constexpr, PULL: tl.constexpr, GEMM: tl.constexpr, SCATTER: tl.constexpr,
-    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr, TIMED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     COPY_M: tl.constexpr, COPY_K: tl.constexpr,
 ):  # fmt: skip
@@ -359,7 +361,7 @@ def grouped_gemm_kernel(
     n_copy = tl.full((), 0, tl.int32)
     if PULL:
         n_copy = tl.cdiv(n_pull, COPY_M)
-        pull_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False)
+        pull_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False, TIMED)
         tl.debug_barrier()
         if pull_ok != 0:
             total = tl.full((), 0, tl.int32)
@@ -444,8 +446,8 @@ def grouped_gemm_kernel(
                         touched = tl.max(((who == s) & a_ok).to(tl.int32), axis=0)
                         if (touched > 0) & (tile_ok != 0):
                             need = tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
-                            tile_ok = bounded_wait(
-                                my_flags + _ARRIVED + s, need, err, max_spin, rank, s, t, 2, False
+                            tile_ok = timed_wait(
+                                my_flags + _ARRIVED + s, need, err, max_spin, rank, s, t, 2, False, TIMED
                             ).to(tl.int32)
                     tl.debug_barrier()
                 col0 = pid_n * BLOCK_N
@@ -460,7 +462,7 @@ def grouped_gemm_kernel(
                 col_ok = cols < width
                 if SCATTER:
                     if waited == 0:  # before this program's first store: every destination's buffer is ready
-                        scatter_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 4, False)
+                        scatter_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 4, False, TIMED)
                         tl.debug_barrier()
                         waited = 1
                     if Y_INDEX:
@@ -581,10 +583,12 @@ def publish_kernel(
 
 
 @triton.jit(do_not_specialize=["rank", "world", "max_spin"])
-def wait_kernel(my_flags, err, rank, world, max_spin, KIND: tl.constexpr, SKIP_SELF: tl.constexpr):
+def wait_kernel(
+    my_flags, err, rank, world, max_spin, KIND: tl.constexpr, SKIP_SELF: tl.constexpr, TIMED: tl.constexpr
+):
     """Bounded waits until every rank's ``done`` word reaches this rank's current epoch."""
     e = tl.load(my_flags + _STATE, volatile=True)
-    _wait_all(my_flags, _DONE, e, err, max_spin, rank, world, KIND, SKIP_SELF)
+    _wait_all(my_flags, _DONE, e, err, max_spin, rank, world, KIND, SKIP_SELF, TIMED)
 
 
 # --- launchers ---------------------------------------------------------------------------------------------
@@ -608,7 +612,8 @@ def publish(sig: Signals, counts: Sequence[int]) -> None:
 def wait_done(sig: Signals, kind: int, skip_self: bool) -> None:
     """A one-program kernel: bounded waits until every rank's ``done`` word reaches this rank's epoch."""
     wait_kernel[(1,)](
-        sig.my_flags, sig.err, sig.rank, sig.world, sig.max_spin, KIND=kind, SKIP_SELF=skip_self, num_warps=1
+        sig.my_flags, sig.err, sig.rank, sig.world, sig.max_spin, KIND=kind, SKIP_SELF=skip_self,
+        TIMED=sig.my_flags.is_cuda, num_warps=1,
     )
 
 
@@ -764,7 +769,7 @@ def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig
         HAS_OFFS=offs is not None, GATHER=gather, Y_INDEX=row_index is not None and scatter is not None,
         A_TMA=a_tma, B_TMA=b_t is not None, B_T=bool(b_t), DUAL=dual, PULL=pull is not None, GEMM=gemm,
         SCATTER=scatter is not None, ACCUMULATE=scatter is not None and scatter.accumulate,
-        IEEE=a.dtype == torch.float32, ALIGN=align,
+        IEEE=a.dtype == torch.float32, ALIGN=align, TIMED=a.is_cuda,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=v.group_m, COPY_M=COPY_M, COPY_K=COPY_K,
         num_warps=v.num_warps, num_stages=v.num_stages,
     )  # fmt: skip

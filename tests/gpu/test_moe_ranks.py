@@ -35,7 +35,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 D, FFN, E = 512, 768, 3  # model dim, expert FFN dim, local experts
 WORLDS = (1, 2, 4, 8)
 EAGER_CALLS, REPLAYS = 3, 3
-SPIN = 5_000_000  # polls (about 5 s): a missing flag is an error, not a hang
+SPIN = 5_000_000  # microseconds: a missing flag is an error after 5 s, not a hang
 DEVICE = "cuda"  # the Layer's tensors (a CPU smoke run of this file's logic sets "cpu")
 
 
@@ -301,7 +301,7 @@ def test_missing_peer_is_an_error_naming_it():
     """World 2, rank 1 never calls: rank 0's copy tiles give up waiting for rank 1's ready flag."""
     _queues(2)
     dcomms, _, ranks = _harness(2, 256, "moe-missing")
-    dcomms[0].max_spin = 200_000
+    dcomms[0].max_spin = 200_000  # 0.2 s
     dcomms[0]._tables.clear()  # the signals again, with the smaller bound
     A = torch.randn(100, D, device="cuda", dtype=BF16)
     w = _weights(FFN, 2, BF16, "nk", torch.Generator().manual_seed(0))

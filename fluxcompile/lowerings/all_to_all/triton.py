@@ -149,8 +149,9 @@ class Errors:
 class Comm:
     """What the protocol of one rank takes from its group: ``data`` (the symmetric send buffer of the dispatch,
     receive buffer of the combine; None for one rank's dispatch) and ``flags`` (``gg.FLAG_BYTES`` per rank)
-    workspaces, the error buffer, the persistent kernel's programs (``sm_count``, 0: every SM) and
-    ``init_flags(flags, value)``, which sets a flag array on every rank before any peer writes into it."""
+    workspaces, the error buffer, the persistent kernel's programs (``sm_count``, 0: every SM),
+    ``init_flags(flags, value)``, which sets a flag array on every rank before any peer writes into it, and the
+    waits' bound ``max_spin`` (microseconds of the GPU's timer, polls under the interpreter; None: the config's)."""
 
     data: Workspace | None
     flags: Workspace
@@ -188,7 +189,7 @@ class Comm:
         if sig is None:
             self.init_flags(FlagArray(self.flags, 0, gg.FLAG_WORDS), 0)
             my_flags = self.flags.view(self.rank, (gg.FLAG_WORDS,), torch.int32)
-            spin = self.max_spin if self.max_spin is not None else int(timeout_s() * 1e6)
+            spin = self.max_spin if self.max_spin is not None else int(timeout_s() * 1e6)  # microseconds
             sig = gg.Signals(my_flags, self._addresses(self.flags), self.errors.err, self.rank, self.world, spin)
             self._tables[key] = sig
         return sig
