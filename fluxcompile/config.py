@@ -119,8 +119,9 @@ class Config:
     # embedding_bag_all_to_all (kernels/embedding_bag.py): opt-in until their protocols have run between GPUs.
     experimental_moe: bool = _field(False, tuning=True)
     experimental_dlrm: bool = _field(False, tuning=True)
-    # Bound (seconds) on the DLRM kernel's waits for its peers' rows.
+    # Bounds (seconds) on the DLRM and MoE kernels' waits for their peers.
     dlrm_timeout_s: float = 60.0
+    moe_timeout_s: float = 60.0
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).

@@ -344,17 +344,16 @@ def tma_unsupported(a_local: torch.Tensor, slot_stride: int, Bs: Sequence[torch.
     return None
 
 
-_allocator_set = False
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 def _set_allocator() -> None:
     """Device-side tensor descriptors need global scratch, which Triton asks its allocator for at launch
-    (inside a CUDA graph capture the allocation comes from the graph's pool, like any other)."""
-    global _allocator_set
-    if not _allocator_set:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-        _allocator_set = True
+    (inside a CUDA graph capture the allocation comes from the graph's pool, like any other). Triton keeps the
+    allocator in a context variable, which a new thread starts without: set it on every launch that needs it."""
+    triton.set_allocator(_scratch)
 
 
 def check_error(err: torch.Tensor, rank: int, group_name: str) -> None:

@@ -30,6 +30,7 @@ Importing this module needs no GPU (the allocations go to ``device``; streams ar
 
 from __future__ import annotations
 
+import contextvars
 import math
 import threading
 import time
@@ -58,7 +59,11 @@ def _on_threads(call: Callable[[int], Any], world: int, timeout_s: float) -> lis
         except BaseException as e:  # re-raised on the caller's thread
             errors[r] = e
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"one-gpu-rank{r}") for r in range(world)]
+    # Each thread runs in a copy of the caller's context (context variables such as Triton's allocator).
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(run, r), name=f"one-gpu-rank{r}")
+        for r in range(world)
+    ]
     for t in threads:
         t.start()
     for r, t in enumerate(threads):

@@ -92,8 +92,8 @@ COMBINE_VARIANTS = list(_ONE_PER_SM)
 
 
 def timeout_s() -> float:
-    """The bound on the kernels' waits: ``config.moe_timeout_s`` (60 s where the config has no such field)."""
-    return float(getattr(config, "moe_timeout_s", 60.0))
+    """The bound on the kernels' waits: ``config.moe_timeout_s``."""
+    return float(config.moe_timeout_s)
 
 
 def _capturing(device: torch.device) -> bool:
