@@ -147,14 +147,19 @@ def cache_key(op_name: str, args: tuple, group_name: str, key_extra: str = "") -
     return _key(op_name, args, group_name, key_extra, choices_for(op_name))
 
 
-def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "", compiled: str = "") -> Choice:
+def pick(
+    op_name: str, args: tuple, group_name: str, key_extra: str = "", compiled: str = "", key_args: tuple | None = None
+) -> Choice:
     """The choice to run ``op_name(*args)`` with, identical on every rank of ``group_name``.
 
     ``compiled`` is the op's compiled choice (lowerings/compiled.py): when given, it decides, with no tuning and
     no collective. Otherwise a collective on a memo miss (see the module docstring for what that asks of
-    callers).
+    callers). ``key_args`` (default ``args``) is what the call signature is made of: an op whose arguments differ
+    between ranks or calls (an all-to-all's split sizes and row counts) passes what is equal on every rank and
+    stable across its calls, so every rank hits or misses the memo alike and a new routing is no new tuning.
     """
-    fast = _fast_key(op_name, args, group_name, f"{key_extra}|{compiled}" if compiled else key_extra)
+    key_args = args if key_args is None else key_args
+    fast = _fast_key(op_name, key_args, group_name, f"{key_extra}|{compiled}" if compiled else key_extra)
     hit = _fast.get(fast)
     if hit is not None:
         return hit
@@ -165,7 +170,7 @@ def pick(op_name: str, args: tuple, group_name: str, key_extra: str = "", compil
     candidates = choices_for(op_name)
     if not candidates:
         raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")
-    key = _key(op_name, args, group_name, key_extra, candidates)
+    key = _key(op_name, key_args, group_name, key_extra, candidates)
     memo_key = key if config.autotune else key + "|fixed"
     choice = _memo.get(memo_key)
     if choice is not None:

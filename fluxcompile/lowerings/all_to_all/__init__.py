@@ -10,11 +10,22 @@ Choices, in registration order:
   destination's receive buffer. Expert weights (``[E, K, N]``, grouped by ``offs`` or equal groups) only: dense
   weights are declined;
 * ``reference`` (NCCL ``all_to_all_single`` + matmuls, registered by lowerings/choices.py).
+
+Their CUDA implementations ask the rank-synchronized autotuner for one choice per call signature and run it. The
+signature leaves out what differs between ranks and between calls of a layer (the split sizes, the exchanged
+rows' count): every rank then hits or misses the autotuner's memo alike, and a new routing is no new tuning.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from ..autotune import pick
 from ..choices import Choice, register_choice
+from ..direct_calls import cuda_impl
 from . import triton
 
 OPS = ("all_to_all_matmul", "matmul_all_to_all")
@@ -24,3 +35,43 @@ if triton.gg is not None:
         register_choice(OPS[0], Choice(f"{triton.NAME}:{_name}", *triton.make_dispatch(_name)))
     for _name in triton.COMBINE_VARIANTS:
         register_choice(OPS[1], Choice(f"{triton.NAME}:{_name}", *triton.make_combine(_name)))
+
+
+def _rows_free(t: Tensor | None) -> Any:
+    """A tensor whose row count varies between ranks and calls, by everything else."""
+    if t is None:
+        return None
+    return f"{t.dtype}{list(t.shape[1:])}{'' if t.is_contiguous() else list(t.stride()[1:])}"
+
+
+@cuda_impl(OPS[0], probe=lambda args: args[0])
+def all_to_all_matmul_cuda(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int], group_name: str, A_scale: Tensor | None = None,
+    B_scales: Sequence[Tensor] | None = None, out_dtype=None, use_fast_accum: bool = False,
+    offs: Tensor | None = None, row_index: Tensor | None = None, choice: str = "",
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature."""
+    args = (A, list(Bs), list(biases), list(output_split_sizes), list(input_split_sizes), group_name, A_scale,
+            None if B_scales is None else list(B_scales), out_dtype, use_fast_accum, offs, row_index)  # fmt: skip
+    key = (_rows_free(A), list(Bs), [b is None for b in biases], len(output_split_sizes), group_name,
+           _rows_free(A_scale), B_scales is None, out_dtype, use_fast_accum, _rows_free(offs), _rows_free(row_index))  # fmt: skip
+    return pick(OPS[0], args, group_name, compiled=choice, key_args=key).fn(*args)
+
+
+@cuda_impl(OPS[1], probe=lambda args: args[0][0])
+def matmul_all_to_all_cuda(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
+    output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], group_name: str,
+    A_scales: Sequence[Tensor] | None = None, B_scales: Sequence[Tensor] | None = None, out_dtype=None,
+    use_fast_accum: bool = False, offs: Tensor | None = None, row_index: Tensor | None = None,
+    accumulate: bool = False, choice: str = "",
+) -> Tensor:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature."""
+    args = (list(As), list(Bs), bias, list(out_shape), list(output_split_sizes), list(input_split_sizes), group_name,
+            None if A_scales is None else list(A_scales), None if B_scales is None else list(B_scales), out_dtype,
+            use_fast_accum, offs, row_index, accumulate)  # fmt: skip
+    key = ([_rows_free(a) for a in As], list(Bs), bias, list(out_shape[1:]), len(output_split_sizes), group_name,
+           A_scales is None, B_scales is None, out_dtype, use_fast_accum, _rows_free(offs), _rows_free(row_index),
+           accumulate)  # fmt: skip
+    return pick(OPS[1], args, group_name, compiled=choice, key_args=key).fn(*args)
