@@ -322,7 +322,7 @@ def find_expert_producers(source: Node) -> ExpertProducers | str:
             return "an index_put that is not by one row index"
         if not _empty_base(base, accumulate) or len(shape(base) or ()) != 2 or len(base.users) != 1:
             return "an index_put into a tensor that is not new (empty, or zeros when adding)"
-        if len(sshape) != 2 or not _same(shape(base)[0], sshape[0] + (padded is not None)):
+        if len(sshape) != 2 or not _same(shape(base)[0], sshape[0] + int(padded is not None)):
             return "the rows are put into a tensor of another row count than the exchanged one"
         found = _terms_of(values)
         if isinstance(found, str):
