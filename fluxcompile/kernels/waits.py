@@ -13,6 +13,17 @@ import triton.language as tl
 
 
 @triton.jit
+def record_timeout(err, rank, peer, tile, e, kind):
+    """The first timeout of a launch fills the error words; later ones leave them."""
+    if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
+        tl.atomic_xchg(err + 1, rank)
+        tl.atomic_xchg(err + 2, peer)
+        tl.atomic_xchg(err + 3, tile)
+        tl.atomic_xchg(err + 4, e)
+        tl.atomic_xchg(err + 5, kind)
+
+
+@triton.jit
 def bounded_wait(flag, e, err, max_spin, rank, peer, tile, kind, SYS: tl.constexpr):
     """Bounded acquire-wait until ``*flag - e >= 0``; 1 when it passed, 0 on timeout (recorded once)."""
     if SYS:
@@ -31,12 +42,7 @@ def bounded_wait(flag, e, err, max_spin, rank, peer, tile, kind, SYS: tl.constex
     ok = (seen - e) >= 0
     if (seen - e) < 0:
         if bail == 0:
-            if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
-                tl.atomic_xchg(err + 1, rank)
-                tl.atomic_xchg(err + 2, peer)
-                tl.atomic_xchg(err + 3, tile)
-                tl.atomic_xchg(err + 4, e)
-                tl.atomic_xchg(err + 5, kind)
+            record_timeout(err, rank, peer, tile, e, kind)
     return ok
 
 
@@ -70,12 +76,7 @@ def timed_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS: tl.constexp
         ok = (seen - e) >= 0
         if (seen - e) < 0:
             if bail == 0:
-                if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
-                    tl.atomic_xchg(err + 1, rank)
-                    tl.atomic_xchg(err + 2, peer)
-                    tl.atomic_xchg(err + 3, tile)
-                    tl.atomic_xchg(err + 4, e)
-                    tl.atomic_xchg(err + 5, kind)
+                record_timeout(err, rank, peer, tile, e, kind)
     else:
         ok = bounded_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS)
     return ok
