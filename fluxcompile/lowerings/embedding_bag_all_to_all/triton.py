@@ -190,10 +190,13 @@ _captured: set[tuple] = set()  # used while capturing a graph: never evicted
 
 
 def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    """A device tensor holding ``values``, cached by value (read-only: callers never write it), written by a small
-    kernel whose arguments carry the values: no pinned staging, whose allocation would synchronize the device
-    (and so wait for a peer's kernel that waits for this rank's rows), and safe while capturing a CUDA graph."""
-    key = (device, dtype, values)
+    """A device tensor holding ``values``, cached by value and stream (read-only: callers never write it), written
+    by a small kernel whose arguments carry the values: no pinned staging, whose allocation would synchronize the
+    device (and so wait for a peer's kernel that waits for this rank's rows), and safe while capturing a graph."""
+    # Per stream: a table is written on the stream that first needs it, and only that stream's later work is
+    # ordered after the write (ranks simulated on one GPU share a device and their tables' values).
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, dtype, values)
     capturing = _capturing(device)
     t = _tables.get(key)
     if t is None:
