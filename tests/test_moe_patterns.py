@@ -93,9 +93,8 @@ def moe_case(form: str) -> tuple[dict, float]:
     return counts, max(errs), rep.format()
 
 
-@pytest.mark.parametrize(
-    ("world", "form"), [(2, "dropless"), (2, "dropless-padded"), (2, "capacity"), (4, "dropless")]
-)
+# Four ranks: tests/test_moe_model.py::test_dropless_grouped_mm_four_ranks.
+@pytest.mark.parametrize(("world", "form"), [(2, "dropless"), (2, "dropless-padded"), (2, "capacity")])
 def test_moe_dispatch_and_combine_fuse(ranks, world, form):
     for counts, err, report in ranks(world).run(moe_case, form):
         # Forward: dispatch and combine; backward: the combine's backward is a dispatch and vice versa.
