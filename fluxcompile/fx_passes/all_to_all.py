@@ -116,7 +116,7 @@ def _expert_consumer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
     wait.replace_all_uses_with(exchanged)
     experts.erase_unused(graph, [*(t.node for t in found.terms), *reversed(found.permutation.nodes), wait, node])
     kind = "grouped_mm" if found.offs is not None else "bmm"
-    how = "by index" if found.permutation.index is not None else "by layout" if found.permutation.layout else "none"
+    how = _how(found.permutation)
     note = f"; {decision.note}" if decision.note else ""
     return Entry(node.name, "all_to_all_single", str(group_name), CONSUMER,
                  f"{len(found.terms)} expert {kind}(s) [{', '.join(t.node.name for t in found.terms)}], "
@@ -175,7 +175,7 @@ def _expert_producer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
         graph, [wait, node, source, *found.chain, *found.permutation.nodes, *(t.node for t in found.terms)]
     )
     kind = "grouped_mm" if found.offs is not None else "bmm"
-    how = "by index" if found.permutation.index is not None else "by layout" if found.permutation.layout else "none"
+    how = _how(found.permutation)
     acc = ", accumulating" if found.accumulate else ""
     note = f"; {decision.note}" if decision.note else ""
     return Entry(node.name, "all_to_all_single", str(group_name), PRODUCER,
