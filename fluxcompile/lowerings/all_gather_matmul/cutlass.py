@@ -74,25 +74,26 @@ class Errors:
             torch.zeros(words, dtype=torch.int32, device=device), torch.zeros(words, dtype=torch.int32).pin_memory()
         )
 
-    def check_previous(self, what: str) -> None:
-        """Raise if an earlier call's wait timed out and its copy has landed (no synchronization). Event queries
-        are not allowed while capturing; a captured graph's replays are checked by the next eager call."""
-        if torch.cuda.is_current_stream_capturing():
+    def check_previous(self, what: str, check: Callable[[Tensor, str], None] | None = None) -> None:
+        """Raise if an earlier call's wait timed out and its copy has landed (no synchronization), through
+        ``check`` (the kernel family's message; default the CUTLASS GEMM's). Event queries are not allowed while
+        capturing; a captured graph's replays are checked by the next eager call. Not on CPU (the interpreter)."""
+        if not self.err.is_cuda or torch.cuda.is_current_stream_capturing():
             return
         if self.event is not None and self.event.query() and int(self.host[0]):
-            cutlass_gemm.check_error(self.host, what)
+            (check or cutlass_gemm.check_error)(self.host, what)
 
-    def report(self, what: str) -> None:
+    def report(self, what: str, check: Callable[[Tensor, str], None] | None = None) -> None:
         """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
         ``config.check_signals``, which synchronizes)."""
-        if torch.cuda.is_current_stream_capturing():
+        if not self.err.is_cuda or torch.cuda.is_current_stream_capturing():
             return
         self.host.copy_(self.err, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
         if config.check_signals:
             self.event.synchronize()
-            cutlass_gemm.check_error(self.host, what)
+            (check or cutlass_gemm.check_error)(self.host, what)
 
 
 @dataclasses.dataclass

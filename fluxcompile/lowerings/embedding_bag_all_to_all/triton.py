@@ -417,25 +417,6 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check_previous(errors: Errors, what: str) -> None:
-    """Raise if an earlier call's wait timed out and its copy has landed (no synchronization; not while capturing)."""
-    if not errors.err.is_cuda or torch.cuda.is_current_stream_capturing():
-        return
-    if errors.event is not None and errors.event.query() and int(errors.host[0]):
-        eb.check_error(errors.host, what)
-
-
-def _report(errors: Errors, what: str) -> None:
-    if not errors.err.is_cuda or torch.cuda.is_current_stream_capturing():
-        return
-    errors.host.copy_(errors.err, non_blocking=True)
-    errors.event = torch.cuda.Event()
-    errors.event.record()
-    if config.check_signals:
-        errors.event.synchronize()
-        eb.check_error(errors.host, what)
-
-
 def embedding_bag_all_to_all_on(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
@@ -494,7 +475,7 @@ def protocol(
     if world > MAX_WORLD:
         raise ValueError(f"fluxcompile: {what}: more than {MAX_WORLD} ranks")
     comm.init_flags(FlagArray(comm.flags, _COUNTERS, (_PUB_FLAG + 8) // 4), 0)  # counters and the offsets' flag
-    _check_previous(comm.errors, what)
+    comm.errors.check_previous(what, eb.check_error)
     state, scratch = _state(comm)
     spin = max_spin if max_spin is not None else _max_spin()
     err = comm.errors.err
@@ -521,5 +502,5 @@ def protocol(
     recv = comm.data.view(rank, (2 * lay.parity_elems,), dtype)
     eb.copy_out(out.view(-1), recv, state, lay.hole, lay.parity_elems)
     yield "copy"
-    _report(comm.errors, what)
+    comm.errors.report(what, eb.check_error)
     return out
