@@ -112,11 +112,11 @@ class Config:
     experimental_gemv_peers: bool = _field(False, tuning=True)
     # The schedule language's all-reduce choices (schedules/gpu_executor.py).
     experimental_schedules: bool = _field(True, tuning=True)
-    # The Flux-style CUTLASS GEMMs of all_gather_matmul and matmul_reduce_scatter (csrc/flux_gemm.cuh): opt-in
-    # until their protocol has run between GPUs.
-    experimental_cutlass: bool = _field(False, tuning=True)
+    # The Flux-style CUTLASS GEMMs of all_gather_matmul and matmul_reduce_scatter (csrc/flux_gemm.cuh), among the
+    # autotuner's choices on Hopper (the first use builds them: csrc_cache).
+    experimental_cutlass: bool = _field(True, tuning=True)
     # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py) and of
-    # embedding_bag_all_to_all (kernels/embedding_bag.py): opt-in until their protocols have run between GPUs.
+    # embedding_bag_all_to_all (kernels/embedding_bag.py): opt-in (README, "Mixture-of-experts and DLRM").
     experimental_moe: bool = _field(False, tuning=True)
     experimental_dlrm: bool = _field(False, tuning=True)
     # Bounds (seconds) on the DLRM and MoE kernels' waits for their peers.

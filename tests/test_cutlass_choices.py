@@ -78,11 +78,12 @@ def test_one_choice_per_variant_for_both_ops():
         assert list(_cutlass(op)) == [f"cutlass:{v}" for v in cutlass_gemm.VARIANTS], op
 
 
-def test_declined_unless_enabled():
-    assert not config.experimental_cutlass
-    for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
-        for c in _cutlass(op).values():
-            assert c.declines(*args) == "experimental: FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1 enables it", c.name
+def test_on_by_default_and_declined_when_switched_off():
+    assert config.experimental_cutlass
+    with config.patch(experimental_cutlass=False):
+        for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
+            for c in _cutlass(op).values():
+                assert c.declines(*args) == "switched off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0)", c.name
 
 
 def test_declined_without_hopper():

@@ -20,7 +20,7 @@ initialization, error buffer, watchdog); :func:`all_gather_matmul_on` takes it e
 between GPUs (the registered choice builds the group's ``Comm``: :func:`comm_for`) and between ranks simulated
 on one GPU (fluxcompile/testing/one_gpu_ranks.py).
 
-Experimental: it declines every call unless ``config.experimental_cutlass`` (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1).
+On by default; it declines every call while ``config.experimental_cutlass`` is off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ...symm_mem.workspace import current_stream
 from .cublas_pipelined import layout_supports, shard_layout
 
 NAME = "cutlass"
-EXPERIMENTAL = "experimental: FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1 enables it"
+EXPERIMENTAL = "switched off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0)"
 MAX_WORLD = 64
 MAX_WEIGHTS = 4
 CHUNKS = 4  # communication chunks per shard (each at least one tile of M rows where the shard has them)

@@ -30,7 +30,7 @@ into the output. One launch, no temporary; torch ops would need an fp32 temporar
 Errors, the communication context (``Comm``) and the watchdog are the all-gather choice's
 (lowerings/all_gather_matmul/cutlass.py). Stream-K variants cannot count tiles: they decline.
 
-Experimental: it declines every call unless ``config.experimental_cutlass`` (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=1).
+On by default; it declines every call while ``config.experimental_cutlass`` is off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0).
 """
 
 from __future__ import annotations
