@@ -3,9 +3,9 @@
 The harness (``integration/megatron/megatron_harness.py``) builds Megatron's ``MLP`` and a ``SelfAttention``'s
 ``linear_qkv`` / ``linear_proj`` from ``get_gpt_layer_local_spec()``, runs them with Megatron's own functions
 (the reference), eagerly with ``fluxcompile.integrations.megatron.enable()`` and compiled with fluxcompile, forward
-and backward, and compares outputs and every gradient (input and parameters). The tests assert which fused op
-every collective of the forward and the backward graph became, and the reason of the one Megatron site that
-cannot fuse. megatron-core is a test dependency on CPU machines (``scripts/setup-env test`` installs it); where
+and backward, and compares outputs and every gradient (input and parameters); ``gpt_layer.py`` does the same for
+the whole transformer layer. The tests assert which fused op every collective of the forward and the backward
+graph became, and the reason of the one Megatron site that cannot fuse. megatron-core is a test dependency on CPU machines (``scripts/setup-env test`` installs it); where
 it is not importable these tests are skipped, with that reason.
 """
 
@@ -19,6 +19,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration", "megatron"))
 
+import gpt_layer
 import megatron_harness as harness
 
 pytestmark = pytest.mark.skipif(
@@ -101,6 +102,17 @@ def test_gather_output_is_kept_with_its_reason(ranks):
     assert kept.graph == "forward" and kept.collective == "all_gather_into_tensor"
     assert "a tensor computed by mm: no fused op for matmul -> all_gather" in kept.detail, r.report
     assert r.fused("backward") == {MMAR: 1}, r.report
+
+
+def rank_gpt_layer() -> tuple[list[str], str]:
+    return gpt_layer.run(gpt_layer.parse(["--device", "cpu"]))
+
+
+def test_whole_gpt_layer(ranks):
+    # integration/megatron/gpt_layer.py (the GPU check) on gloo: the real core attention, norms and residuals too.
+    for rank, (failures, text) in enumerate(ranks(2).run(rank_gpt_layer)):
+        assert not failures, f"rank {rank}: {failures}\n{text}"
+        assert "8 collectives, 8 fused" in text, text
 
 
 def rank_enable_disable() -> dict[str, bool]:

@@ -98,6 +98,30 @@ def megatron_on_cpu() -> Iterator[None]:
         torch.cuda.current_device = saved  # type: ignore[assignment]
 
 
+class SequenceParallelTorchNorm:
+    """Megatron's ``WrappedTorchNorm`` (torch's ``LayerNorm`` or ``RMSNorm``, by ``config.normalization``) that
+    also takes sequence parallelism: its parameters are marked ``sequence_parallel`` as Apex's and Transformer
+    Engine's norms mark theirs, so Megatron's ``finalize_model_grads`` sums their gradients over the
+    tensor-parallel ranks. The local spec's own norm refuses sequence parallelism without Apex."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> nn.Module:
+        norm_cls = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def gpt_layer_spec() -> Any:
+    """``get_gpt_layer_local_spec()`` with :class:`SequenceParallelTorchNorm` as its two layer norms."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return spec
+
+
 class WithBias(nn.Module):
     """A Megatron module returning ``(output, bias)`` (``skip_bias_add``), with the bias added."""
 
@@ -179,7 +203,7 @@ class Result:
         return [s for s in self.sites if s.fused_op is None]
 
 
-def _run(model: Any, params: list[tuple[str, nn.Parameter]], x: torch.Tensor, grad: torch.Tensor) -> dict:
+def forward_backward(model: Any, params: list[tuple[str, nn.Parameter]], x: torch.Tensor, grad: torch.Tensor) -> dict:
     """Forward and backward; the output and every gradient (input and parameters), by name."""
     for _, p in params:
         p.grad = None
@@ -191,7 +215,7 @@ def _run(model: Any, params: list[tuple[str, nn.Parameter]], x: torch.Tensor, gr
     return values
 
 
-def _errors(got: dict, want: dict) -> dict[str, float]:
+def compare(got: dict, want: dict) -> dict[str, float]:
     """Relative error of each value; a gradient that one side has and the other lacks counts as infinite."""
     errors = {"output": rel_err(got["output"], want["output"])}
     both = [(k, got[k], want[k]) for k in want if k != "output" and got[k] is not None and want[k] is not None]
@@ -228,20 +252,16 @@ def check(
         x, grad = x.chunk(world)[rank].contiguous(), grad.chunk(world)[rank].contiguous()
 
     with megatron_on_cpu():
-        want = _run(model, params, x, grad)
+        want = forward_backward(model, params, x, grad)
     try:
         flux_megatron.enable(inductor=route == "enable")
-        eager = _errors(_run(model, params, x, grad), want)
+        eager = compare(forward_backward(model, params, x, grad), want)
         torch._dynamo.reset()
         compiled_model = torch.compile(model, backend="fluxcompile") if route == "backend" else torch.compile(model)
         with fresh_compiles(), fluxcompile.collect_reports() as rep:
-            got = _run(compiled_model, params, x, grad)
+            got = forward_backward(compiled_model, params, x, grad)
     finally:
         flux_megatron.disable()
-    graphs: dict[str, int] = {}
-    for g in rep.graphs:
-        graphs[g.kind] = graphs.get(g.kind, 0) + 1
-    sites = [Site(g.kind, e.collective, e.fused_op, e.detail) for g in rep.graphs for e in g.entries]
     return Result(
         version,
         module,
@@ -250,8 +270,21 @@ def check(
         route,
         TOLERANCE[torch.float32],
         eager,
-        _errors(got, want),
-        graphs,
-        sites,
+        compare(got, want),
+        graphs_of(rep),
+        sites_of(rep),
         rep.format(),
     )
+
+
+def graphs_of(report: Any) -> dict[str, int]:
+    """How many graphs of each kind a ``fluxcompile`` report covers."""
+    graphs: dict[str, int] = {}
+    for g in report.graphs:
+        graphs[g.kind] = graphs.get(g.kind, 0) + 1
+    return graphs
+
+
+def sites_of(report: Any) -> list[Site]:
+    """Every collective of a ``fluxcompile`` report, in graph order."""
+    return [Site(g.kind, e.collective, e.fused_op, e.detail) for g in report.graphs for e in g.entries]
