@@ -55,6 +55,10 @@ gradient; without sequence parallelism, GEMM + all-reduce (row-parallel forward,
 gradient). The weight gradients contract over the gathered rows, which no fused op computes: they read the
 gathered tensor the fused ops return.
 
+Uncompiled calls run the same code while enabled: blocking collectives, so the overlap Megatron's eager code gets
+from its asynchronous handles (the input-gradient collective beside the weight-gradient GEMM) is gone there; the
+fused ops are where the compiled layers overlap.
+
 ``enable()`` also installs the rewrite pass into plain Inductor (``fluxcompile.enable()``), so
 ``torch.compile(model)`` fuses as ``torch.compile(model, backend="fluxcompile")`` does;
 ``enable(inductor=False)`` replaces Megatron's functions only. :func:`disable` restores everything
@@ -85,7 +89,7 @@ _originals: dict[tuple[str, str], Any] = {}
 _inductor_enabled = False
 
 
-# torch 2.13 names them *_single (the *_tensor names warn outside compile); torch 2.11 has the *_tensor ones only.
+# torch 2.13 names them *_single (the *_tensor names warn outside compile); an older torch may have only *_tensor.
 _all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
 
