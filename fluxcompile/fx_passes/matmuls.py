@@ -159,7 +159,7 @@ def find_producers(start: Node, collective: str) -> Producers | str:
             src = src.args[0]
         if src is not node and is_call(src, *_fused_targets()):
             return f"its matmul is already fused into {op_name(src)}"
-        if not _has_matmul_ancestor(node):
+        if matmul_ancestor(node) is None:
             return f"{op_name(node)} ({node.name}) feeds the {collective}, not a matmul"
         return f"{op_name(node)} ({node.name}) between mm and {collective}"
 
@@ -184,17 +184,17 @@ def find_producers(start: Node, collective: str) -> Producers | str:
     return Producers(terms, chain)
 
 
-def _has_matmul_ancestor(node: Node, limit: int = 64) -> bool:
-    """Whether an mm/addmm is among the (nearest ``limit``) nodes ``node`` is computed from."""
+def matmul_ancestor(node: Node, limit: int = 64) -> Node | None:
+    """The first mm/addmm found among the (nearest ``limit``) nodes ``node`` is computed from, or None."""
     stack, seen = [node], {node}
     while stack and len(seen) <= limit:
         for a in stack.pop().all_input_nodes:
             if is_call(a, aten.mm.default, aten.addmm.default):
-                return True
+                return a
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
-    return False
+    return None
 
 
 def _fused_targets() -> tuple:
