@@ -22,7 +22,9 @@ installs into /tmp/site; download them on a machine with network:
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \\
-      -d .whl megatron-core==0.16.1 packaging==26.2
+      -d .whl megatron-core==0.16.1
+
+(its other imports, numpy and packaging, are on that machine already).
 """
 
 from __future__ import annotations
