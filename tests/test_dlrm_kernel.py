@@ -228,3 +228,39 @@ def test_error_message_words():
     assert eb.error_message([0, 0, 0, 0, 0, 0], "x") is None
     msg = eb.error_message([1, 3, 5, 7, 40, eb.KIND_ROWS], "op")
     assert msg.startswith("fluxcompile: op: rank 3 timed out in call 7 waiting for rank 5's pooled rows"), msg
+
+
+def test_simulated_ranks_set_flags_once_when_their_first_calls_race(monkeypatch):
+    """The one-GPU harness runs every rank's first call on its own thread, and each call sets the protocol's flags
+    (``comm.init_flags``): exactly one fill, so none wipes what a faster rank already added to a peer's counter."""
+    import time
+
+    from fluxcompile.symm_mem import FlagArray
+    from fluxcompile.testing.one_gpu_ranks import OneGpuRanks, _on_threads
+
+    world = 4
+    sim = OneGpuRanks(world, 1024, lo.FLAG_BYTES, tag="dlrm-init-race", device="cpu")
+    handle = sim.flags.handle
+    fills = []
+    get_buffer = handle.get_buffer
+
+    def slow_get_buffer(rank, shape, dtype, offset_elems=0):
+        fills.append(rank)
+        time.sleep(0.02)  # the other ranks' threads run meanwhile
+        return get_buffer(rank, shape, dtype, offset_elems)
+
+    monkeypatch.setattr(handle, "get_buffer", slow_get_buffer)
+
+    def first_call(r):
+        flags = FlagArray(sim.flags.ranks[r], lo._COUNTERS, (lo._PUB_FLAG + 8) // 4)
+        sim.init_flags(flags, 0)
+        # This rank's pooling signals its peers at once.
+        for p in range(world):
+            if p != r:
+                get_buffer(p, (lo.MAX_WORLD,), torch.int64, lo._COUNTERS // 8)[r] += 1
+
+    _on_threads(first_call, world, timeout_s=30.0)
+    assert sorted(fills) == list(range(world)), f"flags filled {len(fills)} times: {fills}"
+    for p in range(world):
+        counters = get_buffer(p, (world,), torch.int64, lo._COUNTERS // 8).tolist()
+        assert counters == [int(s != p) for s in range(world)], (p, counters)

@@ -130,6 +130,7 @@ class OneGpuRanks:
         self.flags = SimulatedWorkspace(world, flag_bytes, f"{tag}.flags", self.device)
         self._sm_count = sm_count
         self._initialized: set[tuple[int, int, int]] = set()
+        self._init_lock = threading.Lock()
         self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] | None = None
         self._comms: dict[int, Any] = {}
 
@@ -140,15 +141,19 @@ class OneGpuRanks:
         Synchronizes (eager only), so no rank's stream writes into the flags before they are set."""
         handle = flags.ws.handle
         key = (id(handle), flags.offset, flags.count)
-        if key in self._initialized:
-            return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fluxcompile: simulated flags must be initialized by an eager call before capture")
-        for r in range(self.world):
-            handle.get_buffer(r, (flags.count,), torch.int32, flags.offset // 4).fill_(value)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._initialized.add(key)
+        # Ranks' first calls run on threads at once: one of them sets the flags, the others wait for it here.
+        # A second fill would wipe what a faster rank already signalled, and its synchronization would wait for
+        # that rank's kernels, which may be waiting for this one.
+        with self._init_lock:
+            if key in self._initialized:
+                return
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("fluxcompile: simulated flags must be initialized by an eager call before capture")
+            for r in range(self.world):
+                handle.get_buffer(r, (flags.count,), torch.int32, flags.offset // 4).fill_(value)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._initialized.add(key)
 
     @property
     def sm_count(self) -> int:
