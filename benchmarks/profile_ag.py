@@ -1,5 +1,6 @@
 """GPU timeline of one call per method (which stream runs what, when, for how long), all-gather+GEMM and
-GEMM+reduce-scatter: where a fused choice's time beyond its GEMM goes.
+GEMM+reduce-scatter: where a fused choice's time beyond its GEMM goes. The CUTLASS choices (``--cutlass`` variants,
+on Hopper) are profiled too: their own copies, the GEMM, and the peers' pushes beside it.
 
 python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op ag --rows 1024 --cols 49152 --inner 12288
 python -m torch.distributed.run --nproc-per-node 2 benchmarks/profile_ag.py --op rs --rows 2048 --cols 4096 --inner 14336
@@ -17,7 +18,21 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 
-def _methods(op: str, m: int, n: int, k: int, world: int, group: str) -> dict[str, Callable[[], object]]:
+def _cutlass(op: str, variants: list[str], args: tuple) -> dict[str, Callable[[], object]]:
+    """The registered ``cutlass:<variant>`` choices that take ``args`` (none where the kernels cannot run)."""
+    from fluxcompile import config
+    from fluxcompile.lowerings import choices_for
+
+    name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
+    with config.patch(experimental_cutlass=True):
+        registered = {c.name: c for c in choices_for(name)}
+        picked = [registered[f"cutlass:{v}"] for v in variants if f"cutlass:{v}" in registered]
+        return {c.name: c.fn for c in picked if c.declines(*args) is None}
+
+
+def _methods(
+    op: str, m: int, n: int, k: int, world: int, group: str, cutlass: list[str]
+) -> dict[str, Callable[[], object]]:
     from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as ag
     from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs
 
@@ -26,8 +41,10 @@ def _methods(op: str, m: int, n: int, k: int, world: int, group: str) -> dict[st
         a = torch.randn(m // world, k, device="cuda", dtype=bf)
         b = torch.randn(k, n // world, device="cuda", dtype=bf)
         full = torch.randn(m, k, device="cuda", dtype=bf)
+        cut = _cutlass(op, cutlass, (a, [b], [None], 0, world, group))
         return {
             "cublas (whole local GEMM)": lambda: full @ b,
+            **{name: (lambda fn=fn: fn(a, [b], [None], 0, world, group)) for name, fn in cut.items()},
             "cublas_pipelined": lambda: ag.all_gather_matmul(a, [b], [None], 0, world, group),
             "cublas_pipelined:concurrent": lambda: ag.all_gather_matmul(
                 a, [b], [None], 0, world, group, concurrent=True
@@ -40,8 +57,10 @@ def _methods(op: str, m: int, n: int, k: int, world: int, group: str) -> dict[st
     b = torch.randn(k // world, n, device="cuda", dtype=bf) / k**0.5
     args = ([a], [b], None, [m, n], 0, "sum", world, group)
     out = torch.empty(m // world, n, device="cuda", dtype=bf)
+    cut = _cutlass(op, cutlass, args)
     return {
         "cublas (whole local GEMM)": lambda: a @ b,
+        **{name: (lambda fn=fn: fn(*args)) for name, fn in cut.items()},
         "nccl_cublas": lambda: dist.reduce_scatter_tensor(out, a @ b),
         "cublas_pipelined": lambda: rs.matmul_reduce_scatter(*args),
         "cublas_pipelined:push": lambda: rs.matmul_reduce_scatter(*args, push=True),
@@ -56,6 +75,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--cols", dest="n", type=int, default=49152)
     p.add_argument("--inner", dest="k", type=int, default=12288)
+    p.add_argument(
+        "--cutlass", nargs="*", default=["128x256x64_c2x1", "256x128x64_c2x1"], help="CUTLASS variants to profile"
+    )
     args = p.parse_args()
     lr = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(lr)
@@ -67,7 +89,7 @@ def main() -> None:
         warnings.simplefilter("ignore")
         symm.enable_symm_mem_for_group(group)
     for m in args.rows:
-        for name, fn in _methods(args.op, m, args.n, args.k, world, group).items():
+        for name, fn in _methods(args.op, m, args.n, args.k, world, group, args.cutlass).items():
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
