@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from timing import time_us
 
 from fluxcompile.kernels import cutlass_gemm as cg
 
@@ -77,16 +78,6 @@ class Problem:
         elif not cg.VARIANTS[variant].stream_k:
             kw.update(signal=(self.counters, self.rows, 0), rotate=(0, self.rows))
         cg.gemm(self.a, self.b, self.out, self.bias, **kw)
-
-
-def time_us(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def iters_for(p: Problem) -> int:
@@ -153,7 +144,9 @@ def correctness() -> list[str]:
             p = Problem(op, 2, 1000, 768, 512, dtype, layout, bias)
             rel = check(p, (name, "auto", 1))
             ok = rel < 1e-2
-            lines.append(f"{'ok ' if ok else 'BAD'} {name:22s} {str(dtype)[6:]:8s} {layout} bias={bias:d} {op} rel={rel:.2e}")
+            lines.append(
+                f"{'ok ' if ok else 'BAD'} {name:22s} {str(dtype)[6:]:8s} {layout} bias={bias:d} {op} rel={rel:.2e}"
+            )
             if not ok:
                 raise SystemExit("\n".join(lines))
     return lines

@@ -30,6 +30,7 @@ import os
 import statistics
 import time
 
+import timing
 import torch
 import torch.nn.functional as F
 
@@ -61,18 +62,7 @@ def _device_name() -> str:
 
 
 def time_us(fn, iters: int) -> float:
-    if DEVICE != "cuda":
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) * 1e6 / iters
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return timing.time_us(fn, iters, cuda=DEVICE == "cuda")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -37,8 +37,8 @@ import json
 import math
 import os
 import statistics
-import time
 
+import timing
 import torch
 
 from fluxcompile import config, ops
@@ -63,18 +63,7 @@ def sync() -> None:
 
 
 def time_us(fn, iters: int) -> float:
-    if DEVICE != "cuda":
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) / iters * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return timing.time_us(fn, iters, cuda=DEVICE == "cuda")
 
 
 def iters_for(flops: float) -> int:
