@@ -224,6 +224,32 @@ def compare(got: dict, want: dict) -> dict[str, float]:
     return errors
 
 
+def three_ways(
+    model: Any,
+    params: list[tuple[str, nn.Parameter]],
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    route: str = "backend",
+    reference_context: Any = contextlib.nullcontext,
+) -> tuple[dict[str, float], dict[str, float], Any]:
+    """Forward and backward with Megatron's own functions (the reference, inside ``reference_context()``), eagerly
+    with the integration on, and compiled (``route``: ``backend="fluxcompile"``, or ``enable`` and plain
+    ``torch.compile``): (eager errors, compiled errors, the compiled graphs' report)."""
+    flux_megatron.disable()
+    with reference_context():
+        want = forward_backward(model, params, x, grad)
+    try:
+        flux_megatron.enable(inductor=route == "enable")
+        eager = compare(forward_backward(model, params, x, grad), want)
+        torch._dynamo.reset()
+        compiled_model = torch.compile(model, backend="fluxcompile") if route == "backend" else torch.compile(model)
+        with fresh_compiles(), fluxcompile.collect_reports() as rep:
+            got = forward_backward(compiled_model, params, x, grad)
+    finally:
+        flux_megatron.disable()
+    return eager, compare(got, want), rep
+
+
 def check(
     module: str, sequence_parallel: bool, route: str = "backend", frozen_weights: bool = False, seed: int = 0
 ) -> Result:
@@ -234,7 +260,6 @@ def check(
     version = flux_megatron.check_layout()
     warnings.filterwarnings("ignore", module="megatron")
     setup_parallel_state()
-    flux_megatron.disable()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = transformer_config(sequence_parallel)
     torch.manual_seed(seed)
@@ -251,17 +276,8 @@ def check(
     if sequence_parallel:
         x, grad = x.chunk(world)[rank].contiguous(), grad.chunk(world)[rank].contiguous()
 
-    with megatron_on_cpu():
-        want = forward_backward(model, params, x, grad)
-    try:
-        flux_megatron.enable(inductor=route == "enable")
-        eager = compare(forward_backward(model, params, x, grad), want)
-        torch._dynamo.reset()
-        compiled_model = torch.compile(model, backend="fluxcompile") if route == "backend" else torch.compile(model)
-        with fresh_compiles(), fluxcompile.collect_reports() as rep:
-            got = forward_backward(compiled_model, params, x, grad)
-    finally:
-        flux_megatron.disable()
+    # Only the reference runs Megatron's own code, which allocates its buffers on the "current CUDA device".
+    eager, compiled, rep = three_ways(model, params, x, grad, route, megatron_on_cpu)
     return Result(
         version,
         module,
@@ -270,7 +286,7 @@ def check(
         route,
         TOLERANCE[torch.float32],
         eager,
-        compare(got, want),
+        compiled,
         graphs_of(rep),
         sites_of(rep),
         rep.format(),
