@@ -78,10 +78,21 @@ def _rs_args(case: str, group, seed: int):
     return ([A], [B], b, out_shape, dim, reduce_op, w, group.group_name)
 
 
+def _operands(args) -> list[torch.Tensor]:
+    """The call's activation operands: A (all-gather) or the list of As (reduce-scatter)."""
+    return args[0] if isinstance(args[0], list) else [args[0]]
+
+
 def _refresh(args) -> None:
     """Fresh values in the same tensors (what a CUDA graph replays on)."""
-    for t in args[0] if isinstance(args[0], list) else [args[0]]:
+    for t in _operands(args):
         t.normal_()
+
+
+def _snapshot(args) -> tuple:
+    """The call's arguments with copies of its activation operands (the next refresh overwrites them in place)."""
+    copies = [t.clone() for t in _operands(args)]
+    return (copies if isinstance(args[0], list) else copies[0], *args[1:])
 
 
 def _supported(choice, args) -> None:
@@ -146,16 +157,11 @@ def test_alternating_shapes_without_sync(op, variant):
         for i in range(6):
             args = both[i % 2]
             _refresh(args)
-            snapshot = [t.clone() for t in (args[0] if isinstance(args[0], list) else [args[0]])]
+            snapshot = _snapshot(args)
             outs.append((choice.fn(*args), snapshot))
     torch.cuda.synchronize()
     for i, (got, snapshot) in enumerate(outs):
-        args = both[i % 2]
-        if isinstance(args[0], list):
-            args = (snapshot, *args[1:])
-        else:
-            args = (snapshot[0], *args[1:])
-        _check(op, got, args, f"{choice.name} call {i}")
+        _check(op, got, snapshot, f"{choice.name} call {i}")
 
 
 @pytest.mark.parametrize(
