@@ -19,12 +19,11 @@ from .. import ops
 from ..config import Config
 from .decide import decide
 from .graph_utils import aten, call, is_call, shape, single_wait, static_int, val
-from .matmuls import Consumers, find_consumers, matmul_ancestor
+from .matmuls import MATMULS, Consumers, find_consumers, matmul_ancestor
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
 
 PATTERN = "all_gather_matmul"
-MATMULS = (aten.mm.default, aten.addmm.default)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,8 @@ from torch.fx import Node
 
 from .graph_utils import aten, dtype, is_call, is_dtype_change, is_reshape, op_name, shape, val
 
+MATMULS = (aten.mm.default, aten.addmm.default)  # the matmuls the patterns fuse
+
 
 @dataclasses.dataclass
 class ConsumerMatmul:
@@ -90,9 +92,9 @@ def _descendants(node: Node) -> set[Node]:
 
 
 def _other_reason(user: Node, node: Node) -> str:
-    if is_call(user, aten.mm.default, aten.addmm.default) and node is user.args[-2]:
+    if is_call(user, *MATMULS) and node is user.args[-2]:
         return f"{user.name}'s right operand or bias is computed from the collective's result"
-    if is_call(user, aten.mm.default, aten.addmm.default):
+    if is_call(user, *MATMULS):
         return f"{user.name} takes it as the right operand (contraction over the collective's dim)"
     if is_dtype_change(user):
         return f"dtype change {dtype(node)} -> {user.args[1]} in {user.name}"
@@ -133,7 +135,7 @@ def find_producers(start: Node, collective: str) -> Producers | str:
         if not isinstance(node, Node):
             return f"{node!r} is not a tensor produced in the graph"
         if len(node.users) != 1:
-            what = "mm result" if is_call(node, aten.mm.default, aten.addmm.default) else node.name
+            what = "mm result" if is_call(node, *MATMULS) else node.name
             return f"{what} ({node.name}) has {len(node.users)} users"
         if dtype(node) != out_dtype:
             return f"dtype change {dtype(node)} -> {out_dtype} between mm and {collective}"
@@ -189,7 +191,7 @@ def matmul_ancestor(node: Node, limit: int = 64) -> Node | None:
     stack, seen = [node], {node}
     while stack and len(seen) <= limit:
         for a in stack.pop().all_input_nodes:
-            if is_call(a, aten.mm.default, aten.addmm.default):
+            if is_call(a, *MATMULS):
                 return a
             if a not in seen:
                 seen.add(a)
