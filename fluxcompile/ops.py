@@ -361,6 +361,13 @@ def _matmul_all_reduce_ref(
 
 
 def _exchange(A: Tensor, output_split_sizes, input_split_sizes, group_name: str) -> Tensor:
+    if not output_split_sizes or not input_split_sizes:
+        # An empty list means equal splits; the raw functional op takes explicit ones (with NCCL, empty lists
+        # give an empty output that the exchange then writes past).
+        world = torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+        equal = [A.shape[0] // world] * world
+        output_split_sizes = output_split_sizes or equal
+        input_split_sizes = input_split_sizes or equal
     return _moved(
         A, lambda x: _collective(_c10d.all_to_all_single, x, output_split_sizes, input_split_sizes, group_name)
     )

@@ -139,6 +139,11 @@ def references(dtype_name: str) -> list[str]:
     dist.all_to_all_single(expected, pooled.contiguous(), [2] * ws, [2] * ws)
     assert_close(out, expected, tol, "embedding_bag_all_to_all")
     _check_fake("embedding_bag_all_to_all", args, out)
+    # Equal splits as empty lists (a graph's all_to_all_single without split sizes).
+    args = (weights, indices, offsets, 0, False, [2 * ws, 16], [], [], group)
+    out = ops.op("embedding_bag_all_to_all")(*args)
+    assert_close(out, expected, tol, "embedding_bag_all_to_all, equal splits as empty lists")
+    _check_fake("embedding_bag_all_to_all", args, out)
     checked.append("embedding_bag_all_to_all")
     return checked
 
