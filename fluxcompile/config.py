@@ -109,7 +109,7 @@ class Config:
     # The decode GEMM+all-reduce kernels (csrc/gemv_ar.cu, kernels/gemm_ar.py) and PyTorch's two-shot choice.
     experimental_decode: bool = _field(True, tuning=True)
     # csrc/gemv_ar.cu between GPUs (it runs at one rank either way).
-    experimental_gemv_peers: bool = _field(False, tuning=True)
+    experimental_gemv_peers: bool = _field(True, tuning=True)
     # The schedule language's all-reduce choices (schedules/gpu_executor.py).
     experimental_schedules: bool = _field(True, tuning=True)
     # The Flux-style CUTLASS GEMMs of all_gather_matmul and matmul_reduce_scatter (csrc/flux_gemm.cuh), among the

@@ -19,7 +19,7 @@ graph capture; a shape's first call also synchronizes the ranks once (host barri
 no rank's kernel waits out another's JIT compilation.
 
 Both kernels decline every call while ``config.experimental_decode`` is off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0),
-and the CUDA kernel runs between GPUs only with ``config.experimental_gemv_peers``.
+and the CUDA kernel runs between GPUs only while ``config.experimental_gemv_peers`` is on (the default).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
     if mode == "oneshot-ll" and world < 2:
         return "LL words travel between ranks: with one rank this is the one-shot choice"
     if world > 1 and not config.experimental_gemv_peers:
-        return "csrc/gemv_ar.cu between GPUs is experimental (FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 enables it)"
+        return "csrc/gemv_ar.cu between GPUs is switched off (FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 turns it on)"
     tiles = -(-n // CUDA_TILE_N)
     if tiles > MAX_TILES or (two_shot and tiles < world):
         return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
