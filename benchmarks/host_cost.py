@@ -170,10 +170,11 @@ def main() -> None:
     if args.loopback:
         os.environ.setdefault("RANK", "0"), os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.environ.setdefault("MASTER_PORT", "29511")
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
+    # The device named, so NCCL does not guess it from the rank (its barriers and teardown use it).
+    dist.init_process_group("nccl", device_id=device)
+    rank = dist.get_rank()
     import fluxcompile  # registers the ops and their CUDA implementations
     from fluxcompile.lowerings import choices_for, direct_calls, pick
 
@@ -360,6 +361,7 @@ def main() -> None:
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
             print(f"== cProfile of {args.profile_calls} calls of {op} (tottime)")
             print("\n".join(s.getvalue().splitlines()[:60]))
+    torch.cuda.synchronize(device)
     dist.barrier()
     dist.destroy_process_group()
 
