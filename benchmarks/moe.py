@@ -23,8 +23,9 @@ the layer's tokens; the dispatch (all_to_all_matmul with w1, w3, ``row_index`` a
 rewrites torchtitan's layer) and the combine (matmul_all_to_all with w2) through the registered ``triton:<variant>``
 choices against their references (NCCL ``all_to_all_single`` + index + ``torch._grouped_mm``: the reference choice)
 and, with ``--vdev``, against ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM backend) + index + grouped_mm where
-the torch has it. Interleaved rounds behind a barrier, each rank's median, the slowest rank reported; outputs
-checked against the references.
+the torch has it. Every rank draws the routing of every rank from one seed and checks that the ranks' split lists
+describe one exchange (an error names the pairs that differ). Interleaved rounds behind a barrier, each rank's
+median, the slowest rank reported; outputs checked against the references.
 
 Writes ``moe-gemm.json``/``moe-gemm.txt`` (a) or ``moe-peers.json``/``moe-peers.txt`` (b) into ``--out`` and prints
 the table after ``== moe table``.
@@ -209,8 +210,12 @@ def one_gpu(args) -> list[dict]:
 
 
 class EpLayer:
-    """This rank's share of an expert-parallel MoE layer: routing of every rank's tokens (shared seed), this
-    rank's sorted token copies ``A``, split sizes, the permutation and group ends of what it receives."""
+    """This rank's share of an expert-parallel MoE layer: routing of every rank's tokens (``g``, seeded alike on
+    every rank), this rank's sorted token copies ``A``, split sizes, the permutation and group ends of what it
+    receives.
+
+    ``g`` gives the same draws on every rank, layer after layer: the routing, and one seed. This rank's tensors
+    (``h`` has as many rows as the rank receives) come from a generator of its own, seeded from it and the rank."""
 
     def __init__(self, g, layer: str, kind: str, rank: int, world: int):
         d, ffn, E, k, tokens = (SMOKE_LAYERS if DEVICE != "cuda" else LAYERS)[layer]
@@ -221,18 +226,36 @@ class EpLayer:
         # counts[s, e]: token copies of rank s for expert e (global ids), from every rank's routing
         counts = torch.stack([torch.bincount(routing(g, tokens, E, k, kind).reshape(-1), minlength=E)
                               for _ in range(world)])  # fmt: skip
+        own = torch.Generator().manual_seed(int(torch.randint(1 << 62, (1,), generator=g)) + rank)
         self.send = counts[rank].view(world, EL).sum(1).tolist()  # rows to each rank
         recv_counts = counts[:, rank * EL : (rank + 1) * EL]  # [source, local expert]
         self.recv = recv_counts.sum(1).tolist()
         n = sum(self.recv)
         self.row_index = permute_indices(recv_counts, n).to(DEVICE)
         self.offs = torch.cumsum(recv_counts.sum(0), 0).to(device=DEVICE, dtype=torch.int32)
-        self.A = torch.randn(tokens * k, d, generator=g).to(device=DEVICE, dtype=DTYPE)
-        self.w = [weight(g, EL, d, ffn, "nk") for _ in range(2)]
-        self.w2 = weight(g, EL, ffn, d, "nk")
-        self.h = torch.randn(n, ffn, generator=g).to(device=DEVICE, dtype=DTYPE)
+        self.A = torch.randn(tokens * k, d, generator=own).to(device=DEVICE, dtype=DTYPE)
+        self.w = [weight(own, EL, d, ffn, "nk") for _ in range(2)]
+        self.w2 = weight(own, EL, ffn, d, "nk")
+        self.h = torch.randn(n, ffn, generator=own).to(device=DEVICE, dtype=DTYPE)
         self.flops_d = 2.0 * n * d * ffn * 2
         self.flops_c = 2.0 * n * d * ffn
+
+
+def ep_layers(layers: list[str], rank: int, world: int):
+    """This rank's ``EpLayer`` of every layer, balanced then skewed, in the order (b) runs them."""
+    g = torch.Generator().manual_seed(1234)  # the same routing on every rank
+    for layer in layers:
+        for kind in ("balanced", "skewed"):
+            yield EpLayer(g, layer, kind, rank, world)
+
+
+def split_mismatch(sends: list[list[int]], recvs: list[list[int]]) -> str | None:
+    """Where the ranks' split lists do not describe one exchange (rank s sends rank r ``sends[s][r]`` rows, rank r
+    expects ``recvs[r][s]`` from s), or None."""
+    world = len(sends)
+    bad = [f"rank {s} sends rank {r} {sends[s][r]} rows, rank {r} expects {recvs[r][s]}"
+           for s in range(world) for r in range(world) if sends[s][r] != recvs[r][s]]  # fmt: skip
+    return "; ".join(bad) or None
 
 
 def permute_indices(counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -329,60 +352,63 @@ def peers(args) -> list[dict]:
     vdev_ok = None
     if args.vdev:
         vdev_ok = hasattr(torch.ops.symm_mem, "all_to_all_vdev") or "no torch.ops.symm_mem.all_to_all_vdev"
-    g = torch.Generator().manual_seed(1234)  # the same routing on every rank
     variants = args.peer_variants.split(",")
     rows = []
-    for layer in args.layers.split(","):
-        for kind in ("balanced", "skewed"):
-            L = EpLayer(g, layer, kind, rank, world)
-            dargs, cargs = _dispatch_args(L, group), _combine_args(L, group)
-            cands = {
-                "nccl": (
-                    lambda da=dargs: ops.REFERENCES["all_to_all_matmul"](*da),
-                    lambda ca=cargs: ops.REFERENCES["matmul_all_to_all"](*ca),
-                )
-            }
-            ref_d, ref_c = cands["nccl"][0](), cands["nccl"][1]()
-            if vdev_ok is True and DEVICE == "cuda":
-                try:
-                    v = Vdev(L, group, world)
-                    got_d, got_c = v.dispatch(), v.combine()
-                    if not torch.equal(got_d[0], ref_d[0]) or rel_err(got_c, ref_c) > 2e-2:
-                        raise RuntimeError("all_to_all_vdev results differ from NCCL's")
-                    cands["vdev"] = (v.dispatch, v.combine)
-                except Exception as e:
-                    vdev_ok = f"{type(e).__name__}: {str(e)[:200]}"
-            for name in variants:
-                run_d, run_c = _choices(name, world)
-                cands[f"triton:{name}"] = (lambda r=run_d, da=dargs: r(*da), lambda r=run_c, ca=cargs: r(*ca))
-            errs = {}
+    for L in ep_layers(args.layers.split(","), rank, world):
+        layer, kind = L.layer, L.kind
+        lists = [None] * world
+        dist.all_gather_object(lists, (L.send, L.recv))  # every rank sees every list: one verdict
+        why = split_mismatch([s for s, _ in lists], [r for _, r in lists])
+        if why:
+            raise RuntimeError(f"benchmarks/moe.py: {layer} {kind}: the ranks' split sizes disagree: {why}")
+        dargs, cargs = _dispatch_args(L, group), _combine_args(L, group)
+        cands = {
+            "nccl": (
+                lambda da=dargs: ops.REFERENCES["all_to_all_matmul"](*da),
+                lambda ca=cargs: ops.REFERENCES["matmul_all_to_all"](*ca),
+            )
+        }
+        ref_d, ref_c = cands["nccl"][0](), cands["nccl"][1]()
+        if vdev_ok is True and DEVICE == "cuda":
+            try:
+                v = Vdev(L, group, world)
+                got_d, got_c = v.dispatch(), v.combine()
+                if not torch.equal(got_d[0], ref_d[0]) or rel_err(got_c, ref_c) > 2e-2:
+                    raise RuntimeError("all_to_all_vdev results differ from NCCL's")
+                cands["vdev"] = (v.dispatch, v.combine)
+            except Exception as e:
+                vdev_ok = f"{type(e).__name__}: {str(e)[:200]}"
+        for name in variants:
+            run_d, run_c = _choices(name, world)
+            cands[f"triton:{name}"] = (lambda r=run_d, da=dargs: r(*da), lambda r=run_c, ca=cargs: r(*ca))
+        errs = {}
+        for name, (fd, fc) in cands.items():
+            a_ex, outs = fd()
+            out = fc()
+            exact = torch.equal(a_ex, ref_d[0])
+            e = max([rel_err(o, r) for o, r in zip(outs, ref_d[1])] + [rel_err(out, ref_c)])
+            errs[name] = e if exact else float("inf")
+        sync()
+        times = {(name, op): [] for name in cands for op in ("dispatch", "combine")}
+        it_d, it_c = iters_for(L.flops_d), iters_for(L.flops_c)
+        for _ in range(args.rounds):
             for name, (fd, fc) in cands.items():
-                a_ex, outs = fd()
-                out = fc()
-                exact = torch.equal(a_ex, ref_d[0])
-                e = max([rel_err(o, r) for o, r in zip(outs, ref_d[1])] + [rel_err(out, ref_c)])
-                errs[name] = e if exact else float("inf")
-            sync()
-            times = {(name, op): [] for name in cands for op in ("dispatch", "combine")}
-            it_d, it_c = iters_for(L.flops_d), iters_for(L.flops_c)
-            for _ in range(args.rounds):
-                for name, (fd, fc) in cands.items():
-                    for op, fn, it in (("dispatch", fd, it_d), ("combine", fc, it_c)):
-                        dist.barrier()
-                        times[(name, op)].append(time_us(fn, it))
-            med = torch.tensor([statistics.median(times[key]) for key in times], dtype=torch.float64, device=DEVICE)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank is what the step waits for
-            errt = torch.tensor([errs[n] for n in cands], dtype=torch.float64, device=DEVICE)
-            dist.all_reduce(errt, op=dist.ReduceOp.MAX)
-            for (name, op), us in zip(times, med.tolist()):
-                base = med.tolist()[list(times).index(("nccl", op))]
-                row = dict(layer=layer, routing=kind, op=op, world=world, candidate=name, us=us, ratio=us / base,
-                           rel_err=float(errt[list(cands).index(name)]), rows_recv=sum(L.recv))  # fmt: skip
-                rows.append(row)
-                if rank == 0:
-                    print(f"   {layer:8s} {kind:9s} {op:8s} {name:32s} {us:10.1f} us  x{us / base:.3f} vs NCCL  "
-                          f"rel {row['rel_err']:.1e}", flush=True)  # fmt: skip
-            del L
+                for op, fn, it in (("dispatch", fd, it_d), ("combine", fc, it_c)):
+                    dist.barrier()
+                    times[(name, op)].append(time_us(fn, it))
+        med = torch.tensor([statistics.median(times[key]) for key in times], dtype=torch.float64, device=DEVICE)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank is what the step waits for
+        errt = torch.tensor([errs[n] for n in cands], dtype=torch.float64, device=DEVICE)
+        dist.all_reduce(errt, op=dist.ReduceOp.MAX)
+        for (name, op), us in zip(times, med.tolist()):
+            base = med.tolist()[list(times).index(("nccl", op))]
+            row = dict(layer=layer, routing=kind, op=op, world=world, candidate=name, us=us, ratio=us / base,
+                       rel_err=float(errt[list(cands).index(name)]), rows_recv=sum(L.recv))  # fmt: skip
+            rows.append(row)
+            if rank == 0:
+                print(f"   {layer:8s} {kind:9s} {op:8s} {name:32s} {us:10.1f} us  x{us / base:.3f} vs NCCL  "
+                      f"rel {row['rel_err']:.1e}", flush=True)  # fmt: skip
+        del L
     if rank == 0 and args.vdev:
         print(f"   all_to_all_vdev: {'timed' if vdev_ok is True else vdev_ok}", flush=True)
     return rows

@@ -1,0 +1,54 @@
+"""benchmarks/moe.py's expert-parallel layers (b) on CPU: every rank builds the same routing, so the ranks' split
+lists describe one exchange in every layer of the run, the skewed layers after the balanced ones included; the
+benchmark's own check of that (split_mismatch) names the pairs that differ."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="benchmarks/moe.py imports the Triton kernels")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    """benchmarks/moe.py as module ``bench_moe`` (benchmarks/ on the path: it imports ``timing``)."""
+    if "bench_moe" not in sys.modules:
+        bench = os.path.join(ROOT, "benchmarks")
+        if bench not in sys.path:
+            sys.path.append(bench)
+        spec = importlib.util.spec_from_file_location("bench_moe", os.path.join(bench, "moe.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["bench_moe"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["bench_moe"]
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_every_layer_splits_agree_across_ranks(world, monkeypatch):
+    m = _load()
+    monkeypatch.setattr(m, "DEVICE", "cpu")
+    monkeypatch.setattr(m, "DTYPE", torch.float16)
+    layers = list(m.SMOKE_LAYERS)
+    per_rank = [list(m.ep_layers(layers, r, world)) for r in range(world)]  # each rank's run, on its own
+    kinds = [(L.layer, L.kind) for L in per_rank[0]]
+    assert kinds == [(name, kind) for name in layers for kind in ("balanced", "skewed")]
+    layer_ranks = [[per_rank[r][i] for r in range(world)] for i in range(len(kinds))]
+    verdicts = {
+        kind: m.split_mismatch([L.send for L in Ls], [L.recv for L in Ls]) for kind, Ls in zip(kinds, layer_ranks)
+    }
+    assert verdicts == dict.fromkeys(kinds), f"world {world}: {verdicts}"
+    for Ls in layer_ranks:  # every rank's rows are its own: a row from the wrong source shows in the exchange
+        assert not torch.equal(Ls[0].A, Ls[1].A)
+
+
+def test_split_mismatch_names_the_pairs():
+    m = _load()
+    assert m.split_mismatch([[3, 5], [2, 7]], [[3, 2], [5, 7]]) is None
+    why = m.split_mismatch([[3, 5], [2, 7]], [[3, 2], [6, 7]])
+    assert why == "rank 0 sends rank 1 5 rows, rank 1 expects 6"
