@@ -11,7 +11,8 @@
   three weights, accumulate with repeated rows, bmm with equal splits; a rank whose peer never calls gets an
   error naming the rank and the signal.
 * The registered choices (``comm_for``, group resolution) on a group of one rank and, between the GPUs of
-  scripts/gpu-check, against ``ops.REFERENCES`` (NCCL ``all_to_all_single`` + grouped_mm).
+  scripts/gpu-check, against ``ops.REFERENCES`` (NCCL ``all_to_all_single`` + grouped_mm): calls whose splits
+  change from one to the next, the fused and the split dispatch in turn over the same workspaces.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def _harness(world: int, rows: int, tag: str) -> tuple[list[moe.Comm], list[moe.
                 ranks.init_flags, SPIN,
             )
             for r in range(world)
-        ]
+        ]  # fmt: skip
         for c in out:
             c.signals()  # every rank's flags set before any rank runs
         return out
@@ -323,15 +324,15 @@ def test_missing_peer_is_an_error_naming_it():
 # --- the registered choices ---------------------------------------------------------------------------------------
 
 
-def _choice_call(group, world: int, rank: int, g: torch.Generator, counts, dtype=BF16):
-    """Every rank's inputs from a generator seeded alike on every rank; this rank's dispatch and combine through
-    the registered choices and through the references."""
+def _choice_call(group, world: int, rank: int, g: torch.Generator, counts, dtype=BF16, variant: str = gg.DEFAULT):
+    """Every rank's inputs from a generator seeded alike on every rank; this rank's dispatch (choice
+    ``triton:<variant>``) and combine through the registered choices and through the references."""
     name = group.group_name
     layer = Layer(world, counts, g, dtype=dtype)  # every rank builds every rank's inputs; keeps its own
     A, w, w2, offs, row_index = layer.A[rank], layer.w[rank], layer.w2[rank], layer.offs[rank], layer.row_index[rank]
     send, recv = counts[rank], layer.recv[rank]
-    run_d, sup_d = moe.make_dispatch(gg.DEFAULT)
-    run_c, sup_c = moe.make_combine(gg.DEFAULT)
+    run_d, sup_d = moe.make_dispatch(variant)
+    run_c, sup_c = moe.make_combine(variant.removesuffix(moe.SPLIT))
     dargs = (A, w, [None] * len(w), recv, send, name, None, None, None, False, offs, row_index)
     with config.patch(experimental_moe=True):
         assert sup_d(*dargs) is None, sup_d(*dargs)
@@ -380,7 +381,8 @@ def test_registered_choices_between_gpus(monkeypatch):
     monkeypatch.setattr(moe, "timeout_s", lambda: 10.0)
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(shared_seed())
-    for call in range(3):
+    for call in range(4):
         counts = _equal_counts(world, g, 300 * world if call else 40 * world)  # the workspaces grow after call 0
-        problems = _choice_call(dist.group.WORLD, world, rank, g, counts)
-        assert_on_every_rank("; ".join(f"call {call}: {p}" for p in problems) or None)
+        variant = gg.DEFAULT + (moe.SPLIT if call % 2 else "")
+        problems = _choice_call(dist.group.WORLD, world, rank, g, counts, variant=variant)
+        assert_on_every_rank("; ".join(f"call {call} ({variant}): {p}" for p in problems) or None)
