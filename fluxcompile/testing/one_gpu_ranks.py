@@ -25,16 +25,28 @@ may run as a kernel, and a GEMM waiting for a chunk must never hold the SM its c
 The stream-K GEMMs' scratch is per stream in kernels/cutlass_gemm.py, so the ranks' concurrent GEMMs never
 share it.
 
+Launch order: every simulated rank shares one CUDA context, and loading a kernel's module (Triton's first launch
+of a specialization, a lazily loaded library kernel) waits until the device's queued work has drained while it
+holds the context's lock. A rank whose thread loads a module after a peer has queued a kernel that waits for this
+rank's next launch stalls until that wait times out (between GPUs each process has its own context and nothing
+stalls). ``launches`` names the protocol's launch functions (``(module, name)`` pairs, patched while a call
+runs): they pass a :class:`Turnstile`, so a rank's k-th launch (its compilation and module load included) comes
+after every rank's (k-1)-th and after the k-th of the ranks before it. A protocol whose launch needs no peer's
+launch of the same or a later position (tests/kernel_checks/moe_protocol_interpreted.py checks the MoE
+protocols so) then only ever queues waits that the queued work satisfies, and every load's drain ends.
+
 Importing this module needs no GPU (the allocations go to ``device``; streams are made on first use).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import functools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,10 +58,10 @@ _ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
 
 
 def _on_threads(call: Callable[[int], Any], world: int, timeout_s: float) -> list[Any]:
-    """``[call(r) for r in range(world)]``, each on a thread of its own. A rank's host call may block in the
-    driver until the device is idle (loading a kernel's module on its first launch, allocating): on one thread, a
-    rank blocked so while an earlier rank's kernel waits for a later rank's data would never let that later rank
-    launch; on threads, it does, as separate processes do between GPUs."""
+    """``[call(r) for r in range(world)]``, each on a thread of its own, as separate processes make their calls
+    between GPUs. A rank's host call may block in the driver until the device's queued work has drained (loading a
+    kernel's module, pinning host memory): threads alone do not end such a block while a queued kernel waits for
+    the blocked rank; the launch order of :class:`Turnstile` does."""
     results: list[Any] = [None] * world
     errors: list[BaseException | None] = [None] * world
 
@@ -74,6 +86,90 @@ def _on_threads(call: Callable[[int], Any], world: int, timeout_s: float) -> lis
         if e is not None:
             raise e
     return results
+
+
+def _in_turns(
+    call: Callable[[int], Any], world: int, launches: Sequence[tuple[Any, str]], timeout_s: float
+) -> list[Any]:
+    """:func:`_on_threads` with ``launches`` passing a :class:`Turnstile` (turns bounded by ``timeout_s``)."""
+    turns = Turnstile(world, timeout_s)
+
+    def rank_call(r: int) -> Any:
+        with turns.rank(r):
+            return call(r)
+
+    with turns.patch(launches):
+        return _on_threads(rank_call, world, timeout_s)
+
+
+class Turnstile:
+    """The ranks' launches one at a time, in round-robin order of their positions: a rank's k-th launch (k from 0)
+    starts once every rank before it has finished its k-th and every rank after it its (k-1)-th, or has returned
+    (:meth:`rank` marks a rank's thread and, on leaving, its return). A launch from a thread that is no rank's, or
+    from inside a launch, runs at once. A turn that does not come within ``timeout_s`` raises TimeoutError."""
+
+    def __init__(self, world: int, timeout_s: float):
+        self.world = world
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._finished = [0] * world  # launches each rank has finished
+        self._returned = [False] * world
+        self._local = threading.local()
+
+    def _turn(self, r: int, k: int) -> bool:
+        return all(
+            self._returned[p] or self._finished[p] >= (k + 1 if p < r else k) for p in range(self.world) if p != r
+        )
+
+    @contextlib.contextmanager
+    def rank(self, r: int) -> Iterator[None]:
+        """The current thread makes rank ``r``'s call while this is entered."""
+        self._local.rank, self._local.inside = r, False
+        try:
+            yield
+        finally:
+            self._local.rank = None
+            with self._cond:
+                self._returned[r] = True
+                self._cond.notify_all()
+
+    def wrap(self, launch: Callable[..., Any]) -> Callable[..., Any]:
+        """``launch``, passing the turnstile."""
+
+        @functools.wraps(launch)
+        def turn(*args, **kwargs):
+            r = getattr(self._local, "rank", None)
+            if r is None or self._local.inside:
+                return launch(*args, **kwargs)
+            with self._cond:
+                k = self._finished[r]
+                if not self._cond.wait_for(lambda: self._turn(r, k), timeout=self.timeout_s):
+                    raise TimeoutError(
+                        f"OneGpuRanks: rank {r}'s launch {k} ({getattr(launch, '__name__', launch)}) waited "
+                        f"{self.timeout_s:g} s for its turn: launched so far {self._finished}, returned {self._returned}"
+                    )
+            self._local.inside = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self._local.inside = False
+                with self._cond:
+                    self._finished[r] += 1
+                    self._cond.notify_all()
+
+        return turn
+
+    @contextlib.contextmanager
+    def patch(self, launches: Sequence[tuple[Any, str]]) -> Iterator[None]:
+        """Every ``getattr(owner, name)`` of ``launches`` wrapped while this is entered."""
+        saved = [(owner, name, getattr(owner, name)) for owner, name in launches]
+        try:
+            for owner, name, fn in saved:
+                setattr(owner, name, self.wrap(fn))
+            yield
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
 
 
 class Handle:
@@ -110,7 +206,9 @@ class SimulatedWorkspace:
 
 class OneGpuRanks:
     """``world`` ranks on one device (see the module). ``data_bytes``/``flag_bytes``: each rank's data and flag
-    workspace; data starts as 0xFF bytes (NaN in bf16 and fp16: a read of what nobody wrote shows), flags as 0."""
+    workspace; data starts as 0xFF bytes (NaN in bf16 and fp16: a read of what nobody wrote shows), flags as 0.
+    ``launches``: the protocol's launch functions that pass the :class:`Turnstile` in eager calls (see the
+    module)."""
 
     def __init__(
         self,
@@ -120,6 +218,7 @@ class OneGpuRanks:
         tag: str = "one_gpu",
         device: torch.device | str | None = None,
         sm_count: int | None = None,
+        launches: Sequence[tuple[Any, str]] = (),
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -129,6 +228,7 @@ class OneGpuRanks:
         self.data = SimulatedWorkspace(world, data_bytes, tag, self.device, fill=0xFF)
         self.flags = SimulatedWorkspace(world, flag_bytes, f"{tag}.flags", self.device)
         self._sm_count = sm_count
+        self.launches = tuple(launches)
         self._initialized: set[tuple[int, int, int]] = set()
         self._init_lock = threading.Lock()
         self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] | None = None
@@ -201,8 +301,9 @@ class OneGpuRanks:
         """``fn(rank, comm)`` of every rank, each on its main stream (current while it runs), forked from and
         joined back into the current stream; ``delay_rank``'s stream first sleeps ``delay_ms`` (approximately:
         GPU clock cycles at 2 GHz). With ``sync`` (ignored while capturing), waits for the device (bounded by
-        ``timeout_s``). Returns the ranks' results. ``config.check_signals`` must be off: it synchronizes inside
-        a rank's call, before the next ranks have launched."""
+        ``timeout_s``). Eagerly, ``launches`` pass a :class:`Turnstile` (turns bounded by ``timeout_s``).
+        Returns the ranks' results. ``config.check_signals`` must be off: it synchronizes inside a rank's call,
+        before the next ranks have launched."""
         cur = torch.cuda.current_stream(self.device)
         # Every rank's context first: making one pins host memory, which waits for the device, and a rank that
         # waited for the GPU after an earlier rank's launch would leave that rank waiting for its data.
@@ -219,7 +320,7 @@ class OneGpuRanks:
         if torch.cuda.is_current_stream_capturing():
             results = [call(r) for r in range(self.world)]  # one capture: its calls stay on this thread
         else:
-            results = _on_threads(call, self.world, timeout_s)
+            results = _in_turns(call, self.world, self.launches, timeout_s)
         for r in range(self.world):
             cur.wait_stream(self.streams(r)[0])
         if sync and not torch.cuda.is_current_stream_capturing():

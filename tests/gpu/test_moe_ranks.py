@@ -217,7 +217,7 @@ def _equal_counts(world: int, g: torch.Generator, rows: int) -> list[list[int]]:
 def _harness(world: int, rows: int, tag: str) -> tuple[list[moe.Comm], list[moe.Comm], OneGpuRanks]:
     """Each rank's dispatch and combine ``Comm`` over the harness's workspaces (``rows``: the most rows a rank
     sends or gets back)."""
-    rd = OneGpuRanks(world, rows * D * 2, gg.FLAG_BYTES, tag=f"{tag}-d")
+    rd = OneGpuRanks(world, rows * D * 2, gg.FLAG_BYTES, tag=f"{tag}-d", launches=moe.LAUNCHES)
     rc = OneGpuRanks(world, rows * D * 4, gg.FLAG_BYTES, tag=f"{tag}-c")
     dev = torch.device("cuda", torch.cuda.current_device())
 

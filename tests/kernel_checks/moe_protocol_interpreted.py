@@ -64,8 +64,9 @@ class Turnstile:
 def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin: int = 5000):
     """Run ``calls[i](rank, comms)`` on every rank (a thread each); their results per call and rank."""
     gate = Turnstile(world)
-    saved = (gg.publish, gg.wait_done, gg._launch)
-    gg.publish, gg.wait_done, gg._launch = (gate.wrap(f) for f in saved)
+    saved = [(owner, name, getattr(owner, name)) for owner, name in moe.LAUNCHES]
+    for owner, name, fn in saved:
+        setattr(owner, name, gate.wrap(fn))
     try:
         comms = []
         for tag in ("dispatch", "combine"):
@@ -101,7 +102,8 @@ def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin
             failures.append("a simulated rank is still running")
         return results, failures
     finally:
-        gg.publish, gg.wait_done, gg._launch = saved
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def prefix(xs):
