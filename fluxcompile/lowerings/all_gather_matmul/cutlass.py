@@ -64,6 +64,7 @@ class Errors:
     err: Tensor  # int32 [ERR_WORDS] on the device
     host: Tensor  # int32 [ERR_WORDS], pinned
     event: torch.cuda.Event | None = None
+    reported: str = ""  # the call whose copy the host holds
 
     @classmethod
     def make(cls, device: torch.device) -> Errors:
@@ -81,7 +82,8 @@ class Errors:
         if not self.err.is_cuda or torch.cuda.is_current_stream_capturing():
             return
         if self.event is not None and self.event.query() and int(self.host[0]):
-            (check or cutlass_gemm.check_error)(self.host, what)
+            # The words were recorded by an earlier call (the one that copied them or one before it).
+            (check or cutlass_gemm.check_error)(self.host, f"{self.reported} or an earlier call (found at {what})")
 
     def report(self, what: str, check: Callable[[Tensor, str], None] | None = None) -> None:
         """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
@@ -89,6 +91,7 @@ class Errors:
         if not self.err.is_cuda or torch.cuda.is_current_stream_capturing():
             return
         self.host.copy_(self.err, non_blocking=True)
+        self.reported = what
         self.event = torch.cuda.Event()
         self.event.record()
         if config.check_signals:

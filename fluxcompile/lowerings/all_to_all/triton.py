@@ -114,6 +114,7 @@ class Errors:
     err: Tensor  # int32 [ERR_WORDS] on the device
     host: Tensor  # int32 [ERR_WORDS], pinned
     event: torch.cuda.Event | None = None
+    reported: str = ""  # the call whose copy the host holds
 
     @classmethod
     def make(cls, device: torch.device) -> Errors:
@@ -130,7 +131,8 @@ class Errors:
         if self.err.device.type != "cuda" or _capturing(self.err.device):
             return
         if self.event is not None and self.event.query() and int(self.host[0]):
-            gg.check_error(self.host, group, what)
+            # The words were recorded by an earlier call (the one that copied them or one before it).
+            gg.check_error(self.host, group, f"{self.reported} or an earlier call (found at {what})")
 
     def report(self, group: str, what: str) -> None:
         """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
@@ -141,6 +143,7 @@ class Errors:
         if _capturing(self.err.device):
             return
         self.host.copy_(self.err, non_blocking=True)
+        self.reported = what
         self.event = torch.cuda.Event()
         self.event.record()
         if config.check_signals:
