@@ -231,14 +231,19 @@ def matmul_sum(
     return out
 
 
-def check_group(group_size: int, group_name: str) -> None:
-    """A clear error where the graph's group size disagrees with the process group's (bad input)."""
+def group_size_of(group_name: str) -> int:
+    """The size of the process group ``group_name`` (a clear error where there is none)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
-        actual = _resolve_process_group(group_name).size()
+        return _resolve_process_group(group_name).size()
     except Exception as e:
         raise ValueError(f"fluxcompile: no process group named {group_name!r}: {e}") from e
+
+
+def check_group(group_size: int, group_name: str) -> None:
+    """A clear error where the graph's group size disagrees with the process group's (bad input)."""
+    actual = group_size_of(group_name)
     if actual != group_size:
         raise ValueError(f"fluxcompile: group_size={group_size} but process group {group_name!r} has {actual} ranks")
 
@@ -364,7 +369,7 @@ def _exchange(A: Tensor, output_split_sizes, input_split_sizes, group_name: str)
     if not output_split_sizes or not input_split_sizes:
         # An empty list means equal splits; the raw functional op takes explicit ones (with NCCL, empty lists
         # give an empty output that the exchange then writes past).
-        world = torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+        world = group_size_of(group_name)
         equal = [A.shape[0] // world] * world
         output_split_sizes = output_split_sizes or equal
         input_split_sizes = input_split_sizes or equal
