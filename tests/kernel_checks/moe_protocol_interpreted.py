@@ -26,48 +26,17 @@ import torch
 from fluxcompile import ops
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
-from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
+from fluxcompile.testing.one_gpu_ranks import OneGpuRanks, Turnstile
 
 DT = torch.float16  # bf16 products are wrong in Triton 3.6's interpreter
 TILE = "tiny"
 gg.VARIANTS[TILE] = gg.Variant((16, 32, 16), num_warps=4, num_stages=2)  # two weights: 16 columns each
 
 
-class Turnstile:
-    """Launches one at a time, in round-robin order over the ranks' launch counts."""
-
-    def __init__(self, world: int):
-        self.world = world
-        self.cond = threading.Condition()
-        self.turn = 0
-        self.count = [0] * world
-        self.local = threading.local()
-
-    def wrap(self, fn):
-        def run(*args, **kwargs):
-            r = self.local.rank
-            with self.cond:
-                slot = self.count[r] * self.world + r
-                self.count[r] += 1
-                if not self.cond.wait_for(lambda: self.turn == slot, timeout=60):
-                    raise TimeoutError(f"rank {r}: launch slot {slot} never came (turn {self.turn})")
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self.cond:
-                    self.turn += 1
-                    self.cond.notify_all()
-
-        return run
-
-
 def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin: int = 5000):
     """Run ``calls[i](rank, comms)`` on every rank (a thread each); their results per call and rank."""
-    gate = Turnstile(world)
-    saved = [(owner, name, getattr(owner, name)) for owner, name in moe.LAUNCHES]
-    for owner, name, fn in saved:
-        setattr(owner, name, gate.wrap(fn))
-    try:
+    gate = Turnstile(world, timeout_s=60.0)
+    with gate.patch(moe.LAUNCHES):
         comms = []
         for tag in ("dispatch", "combine"):
             ranks = OneGpuRanks(world, data_bytes, gg.FLAG_BYTES, tag=tag, device="cpu")
@@ -83,15 +52,12 @@ def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin
         failures = []
 
         def rank_thread(r: int) -> None:
-            gate.local.rank = r
-            try:
-                for i, call in enumerate(calls):
-                    results[i][r] = call(r, comms[0][r], comms[1][r])
-            except BaseException as e:
-                failures.append(f"rank {r}: {type(e).__name__}: {e}")
-                with gate.cond:  # let the others run into their timeouts instead of waiting for our turn
-                    gate.turn = 1 << 30
-                    gate.cond.notify_all()
+            with gate.rank(r):  # a rank that fails returns: the others no longer wait for its turns
+                try:
+                    for i, call in enumerate(calls):
+                        results[i][r] = call(r, comms[0][r], comms[1][r])
+                except BaseException as e:
+                    failures.append(f"rank {r}: {type(e).__name__}: {e}")
 
         threads = [threading.Thread(target=rank_thread, args=(r,), daemon=True) for r in range(world)]
         for t in threads:
@@ -101,9 +67,6 @@ def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin
         if any(t.is_alive() for t in threads):
             failures.append("a simulated rank is still running")
         return results, failures
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
 
 
 def prefix(xs):
