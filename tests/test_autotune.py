@@ -372,3 +372,14 @@ def test_fast_key_describes_tensors_exactly_in_every_form():
     assert key([a[:3]], [b], None, [3, 3], 0, "sum", 2, "g") != base
     assert key([a], [b], torch.zeros(3), [4, 3], 0, "sum", 2, "g") != base
     assert key([a], [b], None, [4, 3], 1, "sum", 2, "g") != base
+
+
+def test_cost_is_the_slower_of_device_and_host():
+    """A call whose host work outlasts its GPU work is ranked by its host time: a choice 30% faster on the
+    GPU but with four times the host cost loses to one whose host keeps up."""
+    assert autotune.cost([1.0, 1.2, 0.8], []) == 1.0  # host not measured (CPU, where the time is the host's)
+    assert autotune.cost([1.0, 1.2, 0.8], [0.2, 0.3, 0.25]) == 1.0  # host hidden behind the GPU
+    assert autotune.cost([1.0, 1.2, 0.8], [1.5, 1.7, 1.6]) == 1.6  # host-bound
+    heavy_host = autotune.cost([0.74] * 3, [1.24] * 3)
+    light_host = autotune.cost([0.76] * 3, [0.25] * 3)
+    assert light_host < heavy_host

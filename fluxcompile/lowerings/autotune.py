@@ -13,8 +13,10 @@ on the group:
    the ranks meet at a barrier, then run it ``WARMUP`` times; then, in ``ROUNDS`` interleaved rounds over
    the candidates, time it ``ITERS`` times in all (CUDA events on GPU, ``perf_counter`` on CPU), so clock
    drift during tuning hits every candidate alike (each round with the GPU queued ``QUEUE_US`` ahead, so
-   the GPU's time is measured, not the host's launch latency); a rank's time is its median, and the all-reduced MAX over ranks is the
-   candidate's time (the slowest rank is what the step waits for). An exception makes that rank's time
+   the GPU's time is measured, not the host's launch latency). On GPU the host's time per call is measured
+   too, and a rank's time is the larger of the two medians (``cost``): a call whose host work outlasts its
+   GPU work paces the step at its host time, since every later launch waits behind it. The all-reduced MAX
+   over ranks is the candidate's time (the slowest rank is what the step waits for). An exception makes that rank's time
    +inf, hence the candidate's. The winner is the smallest finite time, ties going to the earlier
    candidate; if nothing finished, ``"reference"``. Rank 0 writes the cache file (atomically) before
    any rank returns. Calls that run inside CUDA graphs in practice (``time_in_cuda_graphs``: decode) are
@@ -71,7 +73,7 @@ ROUNDS = 3  # the timed runs are interleaved over the candidates in this many ro
 # From an idle GPU the first calls of a round wait for the host instead, and choices whose GPU times differ
 # clearly are ranked by host noise, differently per run.
 QUEUE_US = 3000.0
-TIMING = "gpu-queued"  # in the cache key: winners timed another way are tuned again
+TIMING = "gpu-queued+host"  # in the cache key: winners timed another way are tuned again
 
 GRAPH_CALLS = 10  # calls per captured graph when a call signature is timed as CUDA graph replays
 
@@ -263,6 +265,7 @@ def _benchmark(
     instead of favouring whichever ran while the chip was cool."""
     run_device = _run_device(args)
     samples: list[list[float] | None] = []
+    host: list[list[float]] = [[] for _ in candidates]
     for choice in candidates:  # warm-up: compilation, workspaces, communicators
         _barrier(group, device)
         _synchronize(run_device)
@@ -281,10 +284,17 @@ def _benchmark(
             _barrier(group, device)  # every rank, every candidate: a failed one still meets the others
             _synchronize(run_device)
             got = samples[i]
-            if got is not None and not _run(choice, args, run_device, iters, got, runners[i]):
+            if got is not None and not _run(choice, args, run_device, iters, got, runners[i], host[i]):
                 samples[i] = None
     per_call = GRAPH_CALLS if graphs else 1
-    return [statistics.median(x) / per_call if x else math.inf for x in samples]
+    return [cost(x, h) / per_call if x else math.inf for x, h in zip(samples, host)]
+
+
+def cost(device_ms: list[float], host_ms: list[float]) -> float:
+    """A candidate's time on one rank from its timed calls: the median device time, or the median host time
+    per call where that is larger (the host then paces the step). ``host_ms`` may be empty (not measured)."""
+    t = statistics.median(device_ms)
+    return max(t, statistics.median(host_ms)) if host_ms else t
 
 
 def _captured(choice: Choice, args: tuple, run_device: torch.device) -> Any:
@@ -303,10 +313,17 @@ def _captured(choice: Choice, args: tuple, run_device: torch.device) -> Any:
 
 
 def _run(
-    choice: Choice, args: tuple, run_device: torch.device, iters: int, samples: list[float] | None, fn: Any = None
+    choice: Choice,
+    args: tuple,
+    run_device: torch.device,
+    iters: int,
+    samples: list[float] | None,
+    fn: Any = None,
+    host: list[float] | None = None,
 ) -> bool:
     """Run ``choice`` (or ``fn``, its captured graph's replay) ``iters`` times, appending each time (ms) to
-    ``samples`` unless None; False if it raised."""
+    ``samples`` unless None, and on GPU each call's host time (ms) to ``host`` unless None; False if it
+    raised."""
     fn = fn or functools.partial(choice.fn, *args)
     try:
         if samples is None:
@@ -318,10 +335,14 @@ def _run(
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
             ]
             queue_gpu(QUEUE_US, run_device)
+            clock = time.perf_counter
             for start, end in events:
+                t0 = clock()
                 start.record()
                 fn()
                 end.record()
+                if host is not None:
+                    host.append((clock() - t0) * 1e3)
             torch.cuda.synchronize(run_device)
             samples += [start.elapsed_time(end) for start, end in events]
         else:
