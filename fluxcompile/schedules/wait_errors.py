@@ -16,8 +16,8 @@ When both slots hold an error the peer's is raised: it names the root cause.
 A dependency's bound is ``DEP_SPIN_FACTOR`` peer bounds (:func:`dependency_spin`), so where a peer is missing
 its wait normally expires first and the dependencies give up without recording anything:
 
-* a dependency polls GPU-scope flags in this GPU's memory, a peer wait system-scope ones: with bounds equal in
-  polls the dependency's expired first (4 H100s);
+* a dependency polls GPU-scope flags in this GPU's memory, a peer wait system-scope ones, which can take
+  longer per poll: with bounds equal in polls the dependency can expire first;
 * the program it depends on may, when healthy, wait up to a peer bound (a peer far behind) before it sets the
   flag;
 * a chain through several programs needs no more: with a peer missing, the first peer wait that cannot pass

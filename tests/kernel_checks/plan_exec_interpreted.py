@@ -7,7 +7,7 @@ sent to rank 0 (their inputs, one message each) is put into its mailbox with the
 flags. A healthy call must give the sum, publish the epoch and send rank 0's input to every peer. Then one peer's
 message never comes: the error must name that peer, in the threadblock order of the library (the program waiting
 on the peer runs first) and reversed (the programs that depend on it run first, so their dependency waits time
-out before the peer wait has started: what happened on 4 H100s, where those waits expired first).
+out before the peer wait has started, as on a GPU where those waits expire first).
 
 The interpreter runs the programs one after the other, so a dependency on a later program can never pass: in
 the reversed order every call's dependencies time out as they would on a GPU where the program they depend on
