@@ -1,12 +1,17 @@
 """The GPU half of fluxcompile.schedules, checked on CPU: the plan encoding round-trips, the NumPy model
 of the interpreter kernel (schedules/emulator.py) gives the right result for every library program over
-several calls with random interleavings, a protocol without the per-call ack is caught, and the kernel
-compiles for sm_90 with 16-byte vector loads and stores."""
+several calls with random interleavings, a protocol without the per-call ack is caught, the kernel
+compiles for sm_90 with 16-byte vector loads and stores, and a wait on a missing peer is the error raised, also
+when a threadblock dependency behind it timed out first (error words, and the kernel in Triton's interpreter)."""
 
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -181,3 +186,74 @@ def test_schedules_choices_registered_and_gated():
     with config.patch(experimental_schedules=False):
         why = names["schedules:one_shot"].declines([a_cuda], [b], None, [4, 32], "sum", "0")
     assert "FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0" in why
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeouts: which error is raised (schedules/wait_errors.py), and the kernel under Triton's interpreter.
+
+
+def _words(peer: list[int] | None = None, dependency: list[int] | None = None) -> list[int]:
+    from fluxcompile.schedules.wait_errors import DEP_SLOT, ERR_WORDS
+
+    w = [0] * ERR_WORDS
+    if peer:
+        w[: len(peer)] = peer
+    if dependency:
+        w[DEP_SLOT : DEP_SLOT + len(dependency)] = dependency
+    return w
+
+
+def test_a_peer_wait_error_wins_over_a_dependency_error():
+    """Both slots set (a dependency timed out behind a wait on a missing peer, whichever expired first): the
+    peer's error is raised; a dependency error alone does not claim to know its cause."""
+    from fluxcompile.schedules.wait_errors import DEPENDENCY, MESSAGE, check_error, error_message
+
+    assert error_message(_words(), "g") is None
+    check_error(_words(), "g")
+    dependency = [1, 0, -1, 4, 2, DEPENDENCY]  # rank 0 waited on done flag 4 at epoch 2
+    message = [1, 0, 3, 9, 2, MESSAGE]  # rank 0 waited on rank 3's message 9
+    with pytest.raises(RuntimeError, match=r"rank 0 of group g timed out waiting for rank 3's message") as ex:
+        check_error(_words(peer=message, dependency=dependency), "g")
+    assert "message 9 never reached epoch 2" in str(ex.value)
+    assert "dependency (done flag 4) timed out as well" in str(ex.value)
+    assert "resident" not in str(ex.value)
+    alone = error_message(_words(dependency=dependency), "g")
+    assert "rank 0 of group g timed out in a threadblock dependency (done flag 4, call epoch 2)" in alone
+    assert "no wait on a peer timed out" in alone
+    assert "not every program of the launch became resident" in alone and "a peer far behind" in alone
+
+
+def test_dependency_waits_outlast_peer_waits():
+    from fluxcompile.schedules.wait_errors import DEP_SPIN_FACTOR, dependency_spin
+
+    assert DEP_SPIN_FACTOR >= 2
+    for spin in (1, 20_000, 60_000_000):
+        assert dependency_spin(spin) == DEP_SPIN_FACTOR * spin
+    assert dependency_spin(1 << 30) == 2**31 - 1  # a 32-bit kernel argument
+
+
+def test_plan_exec_in_interpreter_names_the_missing_peer():
+    """tests/kernel_checks/plan_exec_interpreted.py: rank 0 of the 4-rank one-shot all-reduce, a healthy call,
+    then one peer's message missing, with the library's threadblock order and with the programs that depend on
+    the waiting one run (and time out) first."""
+    pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(here, "kernel_checks", "plan_exec_interpreted.py")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results["healthy"] is None, results["healthy"]
+    missing = "rank 0 of group test timed out waiting for rank 1's message"
+    in_order, reversed_ = results["in order"], results["reversed"]
+    assert in_order["first call"] is None
+    assert missing in in_order["second call"] and "dependency" not in in_order["second call"], in_order
+    # Reversed: the dependencies time out before the peer wait starts, in both calls.
+    assert "timed out in a threadblock dependency" in reversed_["first call"], reversed_
+    assert "call epoch 1" in reversed_["first call"] and "resident" in reversed_["first call"]
+    assert missing in reversed_["second call"], reversed_
+    assert reversed_["dependency slot"][0] == 1 and reversed_["dependency slot"][4] == 2, reversed_
+    p = reversed_["peer slot"]  # set, rank 0, peer 1, message, epoch 2, a message wait
+    assert (p[0], p[1], p[2], p[4], p[5]) == (1, 0, 1, 2, 11), reversed_

@@ -4,6 +4,7 @@ hanging, and once one wait of a launch has timed out the others give up at once.
 
 Error words: ``err[0]`` set to 1 by the first timeout; then ``err[1..5]`` = the waiting rank, the peer
 (-1: none), the tile or message, the awaited value, and a code for which wait it was (``kind``, per kernel).
+:func:`dependency_wait` records into a second set of words of the same layout (schedules/wait_errors.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ def bounded_wait(flag, e, err, max_spin, rank, peer, tile, kind, SYS: tl.constex
     if (seen - e) < 0:
         if bail == 0:
             record_timeout(err, rank, peer, tile, e, kind)
+    return ok
+
+
+@triton.jit
+def dependency_wait(flag, e, err, dep_err, max_spin, rank, tile, kind):
+    """Bounded acquire-wait (GPU scope) until ``*flag - e >= 0`` on a flag of this rank's own programs, which
+    may themselves be waiting on a peer. It gives up at once when ``err`` or ``dep_err`` holds an error, and
+    its timeout goes to ``dep_err`` (the same layout), not ``err``: the peer waits, which give up on ``err``
+    only, keep waiting and can record the root cause there. 1 when it passed, 0 otherwise."""
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+    bail = tl.load(err, volatile=True) | tl.load(dep_err, volatile=True)
+    spins = 0
+    while ((seen - e) < 0) & (spins < max_spin) & (bail == 0):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        bail = tl.load(err, volatile=True) | tl.load(dep_err, volatile=True)
+        spins += 1
+    ok = (seen - e) >= 0
+    if (seen - e) < 0:
+        if bail == 0:
+            record_timeout(dep_err, rank, -1, tile, e, kind)
     return ok
 
 

@@ -28,11 +28,11 @@ from ..config import config
 from ..symm_mem import FlagArray, Workspace, init_flags, workspace
 from .encoding import EncodedPlan, encode
 from .plan import Plan
+from .wait_errors import ERR_WORDS, check_error
 
 ACK_WORDS = 64  # as schedules/plan_exec.py; also the largest group
 MSG_FLAGS = 1 << 16  # message flags (message id * slices + slice)
 DONE_FLAGS = 1 << 16  # dependency flags (instruction index * slices + slice)
-ERR_WORDS = 8
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Bytes of a chunk per program: small slices spread a chunk over more SMs (bandwidth), large ones keep
 # the number of flags (latency) down. Tunable per call (``slices=``) or here.
@@ -47,7 +47,7 @@ class _Channel:
     peer_flags: Tensor  # int64 [world]
     state: Tensor  # int32 [4]: epoch, finished-program count
     done: Tensor  # int32 [DONE_FLAGS]
-    err: Tensor  # int32 [ERR_WORDS]
+    err: Tensor  # int32 [ERR_WORDS]: a peer wait's and a dependency's slot (wait_errors.py)
     err_host: Tensor  # pinned copy of err
     max_programs: int  # the group's smallest SM count: every program of a launch is resident
     mbox: Workspace | None = None
@@ -197,22 +197,15 @@ def _build(plan: Plan, ch: _Channel, x: Tensor, slices: int | None) -> _Launch:
 
 
 def _check_previous(ch: _Channel) -> None:
-    if ch.event is not None and ch.event.query() and int(ch.err_host[0]):
-        _raise(ch.err_host, ch.group_name)
-
-
-def _raise(err: Tensor, group_name: str) -> None:
-    from .plan_exec import check_error
-
-    check_error(err, group_name)
+    if ch.event is not None and ch.event.query():
+        check_error(ch.err_host, ch.group_name)
 
 
 def check_errors() -> None:
     """Synchronize and raise if a wait of the schedule kernel timed out on this rank (tests, after replays)."""
     torch.cuda.synchronize()
     for ch in _channels.values():
-        if int(ch.err[0]):
-            _raise(ch.err.cpu(), ch.group_name)
+        check_error(ch.err.cpu(), ch.group_name)
 
 
 def output_shape(x: Tensor, out_numel: int) -> tuple[int, ...]:

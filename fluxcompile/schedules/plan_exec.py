@@ -17,9 +17,11 @@ program waits for that peer's ack of the previous call (``>= e - 1``), so no mai
 while the peer may still read it. All plans of a group share the epoch, flags and mailbox: every rank
 runs the group's collectives in the same order, so epochs agree.
 
-Timeouts: ``max_spin`` polls; the first records (code, rank, peer, index, epoch, kind) in ``err``, later
-waits give up at once; :func:`check_error` raises naming the rank and the signal. All programs must be
-resident together (the launcher keeps the grid at most the SM count).
+Timeouts: a wait on a peer (message, ack) gives up after ``max_spin`` polls, a threadblock dependency after
+``dependency_spin(max_spin)``; each kind records into its own slot of ``err`` (schedules/wait_errors.py), and a
+peer wait's error, which names the root cause, wins over a dependency's, which is often its consequence;
+:func:`wait_errors.check_error` raises naming the rank and the signal. All programs must be resident together
+(the launcher keeps the grid at most the SM count).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.waits import bounded_wait
+from ..kernels.waits import bounded_wait, dependency_wait
+from .wait_errors import ACK, DEP_SLOT, DEPENDENCY, ERR_WORDS, MESSAGE, dependency_spin
 
 WORDS = 16  # int32 words per instruction (layout in schedules/encoding.py)
 ACK_WORDS = 64  # per-source ack flags at the start of the flag array; message flags follow
-ERR_WORDS = 8
-WAIT_KINDS = {11: "message", 12: "ack of the previous call", 13: "threadblock dependency"}
+_DEP_SLOT = tl.constexpr(DEP_SLOT)  # the dependency slot of err, as the kernel sees it
+_MESSAGE, _ACK, _DEPENDENCY = tl.constexpr(MESSAGE), tl.constexpr(ACK), tl.constexpr(DEPENDENCY)
 # Op bits (schedules/encoding.py): what an instruction reads, stores and sends.
 USE_SRC, USE_RECV, ACC_DST, STORE_DST, SEND = 1, 2, 4, 8, 16
 
@@ -50,10 +53,10 @@ def _local_ptr(buf, inp, out, scr, mbox):
     return p
 
 
-@triton.jit(do_not_specialize=["n_tb", "S", "chunk_vecs", "slice_vecs", "rank", "world", "max_spin"])
+@triton.jit(do_not_specialize=["n_tb", "S", "chunk_vecs", "slice_vecs", "rank", "world", "max_spin", "dep_spin"])
 def plan_exec_kernel(
     code, tbs, deps, inp, out, scr, peer_mbox, peer_flags, done, state, err,
-    n_tb, S, chunk_vecs, slice_vecs, rank, world, max_spin,
+    n_tb, S, chunk_vecs, slice_vecs, rank, world, max_spin, dep_spin,
     VEC: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     dtype = out.dtype.element_ty
@@ -94,14 +97,15 @@ def plan_exec_kernel(
         acc_dst = (bits & 4) != 0
         store_dst = (bits & 8) != 0
         do_send = (bits & 16) != 0
-        # Waits: same-rank dependencies, the incoming message, the peer's ack of the previous call.
+        # Waits: same-rank dependencies (their timeouts in the dependency slot), the incoming message, the
+        # peer's ack of the previous call.
         for d in range(dep_start, dep_start + dep_n):
             di = tl.load(deps + d)
-            bounded_wait(done + di * S + s, e, err, max_spin, rank, -1, di, 13, False)
+            dependency_wait(done + di * S + s, e, err, err + _DEP_SLOT, dep_spin, rank, di, _DEPENDENCY)
         if use_recv:
-            bounded_wait(my_flags + 64 + recv_msg * S + s, e, err, max_spin, rank, recv_peer, recv_msg, 11, True)
+            bounded_wait(my_flags + 64 + recv_msg * S + s, e, err, max_spin, rank, recv_peer, recv_msg, _MESSAGE, True)
         if do_send:
-            bounded_wait(my_flags + send_peer, e - 1, err, max_spin, rank, send_peer, -1, 12, True)
+            bounded_wait(my_flags + send_peer, e - 1, err, max_spin, rank, send_peer, -1, _ACK, True)
         tl.debug_barrier()  # every thread reads after the (single-thread) acquires
         sp = _local_ptr(src_buf, inp, out, scr, mbox)
         dp = _local_ptr(dst_buf, inp, out, scr, mbox)
@@ -170,36 +174,20 @@ def plan_exec(
     """Launch ``max(n_tb, 1) * slices`` programs (see the module docstring). ``chunk_elems`` and
     ``slice_elems`` are multiples of ``vec``; code/tbs/deps come from ``schedules.encoding``; peer_mbox /
     peer_flags: int64 ``[world]`` addresses of every rank's mailbox and flag array as mapped here; done:
-    this rank's int32 dependency flags; state: int32 ``[4]``; err: int32 ``[ERR_WORDS]``."""
+    this rank's int32 dependency flags; state: int32 ``[4]``; err: int32 ``[ERR_WORDS]``
+    (schedules/wait_errors.py); ``max_spin``: the peer waits' bound in polls."""
+    if err.numel() < ERR_WORDS:
+        raise ValueError(f"plan_exec: err needs {ERR_WORDS} words, not {err.numel()}")
     if chunk_elems % vec or slice_elems % vec:
         raise ValueError(f"plan_exec: chunk ({chunk_elems}) and slice ({slice_elems}) must be multiples of {vec}")
     grid = (max(n_tb, 1) * slices,)
     align = vec * out.element_size()
     args = (
         code, tbs, deps, inp, out, scr, peer_mbox, peer_flags, done, state, err,
-        n_tb, slices, chunk_elems // vec, slice_elems // vec, rank, world, max_spin,
+        n_tb, slices, chunk_elems // vec, slice_elems // vec, rank, world, max_spin, dependency_spin(max_spin),
     )  # fmt: skip
     meta = dict(VEC=vec, BLOCK=block, ALIGN=align, num_warps=num_warps)
     if compile_only:
         plan_exec_kernel.warmup(*args, grid=grid, **meta)
     else:
         plan_exec_kernel[grid](*args, **meta)
-
-
-def check_error(err: torch.Tensor, group_name: str) -> None:
-    """Raise if a wait of the kernel timed out (reads ``err``: a host synchronization when on the GPU)."""
-    code, rank, peer, index, epoch, kind = (int(x) for x in err[:6].tolist())
-    if not code:
-        return
-    what = WAIT_KINDS.get(kind, f"wait kind {kind}")
-    if kind == 13:
-        raise RuntimeError(
-            f"fluxcompile.schedules: rank {rank} of group {group_name} timed out in a {what} (done flag {index}, "
-            f"call epoch {epoch}): not every program of the launch became resident"
-        )
-    signal = f"message {index}" if kind == 11 else "call ack"
-    raise RuntimeError(
-        f"fluxcompile.schedules: rank {rank} of group {group_name} timed out waiting for rank {peer}'s {what} "
-        f"(signal {signal} never reached epoch {epoch}): is every rank running the same collectives in the same "
-        "order?"
-    )
