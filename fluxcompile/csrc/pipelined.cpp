@@ -192,6 +192,7 @@ class Replays {
     std::unique_ptr<Graph> graph = capture(device, issue, why);
     if (!graph) {
       refused_.emplace(std::move(key), true);
+      last_failure_ = why;
       if (++stats_.failed == 1 || stats_.failed == kMaxFailures) {
         TORCH_WARN("fluxcompile: a pipelined sequence could not be captured as a CUDA graph (", why,
                    "); it runs directly", stats_.failed == kMaxFailures ? ", and so will every new one from now" : "");
@@ -206,11 +207,14 @@ class Replays {
   std::vector<int64_t> stats() const {
     return {stats_.replays, stats_.captures, stats_.direct, stats_.failed, static_cast<int64_t>(graphs_.size())};
   }
+  // Why the last capture that failed since clear() failed (empty: none failed).
+  const std::string& last_failure() const { return last_failure_; }
   void clear() {
     graphs_.clear();
     seen_.clear();
     refused_.clear();
     stats_ = {};
+    last_failure_.clear();
   }
 
  private:
@@ -236,6 +240,8 @@ class Replays {
       C10_CUDA_CHECK(cudaStreamBeginCapture(cs.stream(), cudaStreamCaptureModeThreadLocal));
       try {
         issue();
+      } catch (const c10::Error& e) {
+        why = e.what_without_backtrace();  // what() appends a C++ stack trace
       } catch (const std::exception& e) {
         why = e.what();
       }
@@ -318,6 +324,7 @@ class Replays {
   std::unordered_map<std::vector<int64_t>, std::unique_ptr<Graph>, KeyHash> graphs_;
   std::unordered_map<std::vector<int64_t>, bool, KeyHash> seen_, refused_;
   ReplayStats stats_;
+  std::string last_failure_;
 };
 
 // Which sequence a key belongs to (its first word).
@@ -808,4 +815,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("replay_stats", [] { return replays().stats(); },
         "[replays, captures, direct calls, failed captures, graphs held] since the last clear");
   m.def("clear_replays", [] { replays().clear(); }, "drop every captured sequence (tests; stale workspaces)");
+  m.def("capture_failure", [] { return replays().last_failure(); },
+        "why the last failed capture since the last clear failed (empty: none failed)");
 }

@@ -103,14 +103,19 @@ def _call_or_skip(op: str, variant: str, rows: int = 256) -> Call:
     return call
 
 
-def _steps(op: str, variant: str, limit: int, n: int) -> dict[str, int]:
-    """``n`` checked calls with config.sequence_graphs = ``limit``; the replay counters over them."""
+def _stats() -> dict[str, int | str | None]:
+    """The replay counters and, under "why", the last capture failure's reason (None: none failed)."""
+    return {**sequencer.replay_stats(), "why": sequencer.capture_failure()}
+
+
+def _steps(op: str, variant: str, limit: int, n: int) -> dict[str, int | str | None]:
+    """``n`` checked calls with config.sequence_graphs = ``limit``; the replay counters over them (``_stats``)."""
     with fluxcompile.config.patch(sequence_graphs=limit):
         call = _call_or_skip(op, variant)
         sequencer.clear_replays()
         for i in range(n):
             call.step(f"{op} {variant} call {i}")
-        return sequencer.replay_stats()
+        return _stats()
 
 
 @pytest.mark.parametrize(("op", "variant"), CASES)
@@ -134,7 +139,7 @@ def test_replay_limit(op):
         sequencer.clear_replays()
         for i in range(12):
             calls[i % 2].step(f"{op} call {i}")
-        stats = sequencer.replay_stats()
+        stats = _stats()
     assert stats["graphs"] == 1 and stats["replays"] >= 1 and stats["direct"] >= 6, stats
 
 
@@ -146,11 +151,11 @@ def test_inside_a_users_graph_capture(op, variant):
         call = _call_or_skip(op, variant)
         call.run()  # a second sight: captured and replayed
         torch.cuda.synchronize()
-        before = sequencer.replay_stats()
+        before = _stats()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = call.run()
-        during = sequencer.replay_stats()
+        during = _stats()
         assert during["captures"] == before["captures"] and during["direct"] == before["direct"] + 1, (before, during)
         for i in range(4):
             call.refresh()
