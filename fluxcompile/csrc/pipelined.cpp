@@ -228,8 +228,8 @@ class Replays {
   template <class F>
   std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue, std::string& why) {
     const auto cs = capture_stream(device);  // first: making it allocates (its warm-up)
-    int64_t before = 0;
-    if (!allocations(device, before)) {
+    Handed before;
+    if (!handed_out(device, before)) {
       why = "the caching allocator keeps no statistics here";
       return nullptr;
     }
@@ -246,16 +246,27 @@ class Replays {
         why = e.what();
       }
       cudaError_t rc = cudaStreamEndCapture(cs.stream(), &g);  // also when issue() threw: leave capture mode
-      if (rc != cudaSuccess && why.empty()) why = cudaGetErrorString(rc);
+      if (rc != cudaSuccess && why.empty()) why = "cudaStreamEndCapture: " + error_text(rc);
       (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
     }
-    int64_t after = 0;
-    if (why.empty() && (!allocations(device, after) || after != before)) why = "memory was allocated during capture";
+    Handed after;
+    if (!handed_out(device, after)) {
+      if (why.empty()) why = "the caching allocator's statistics became unreadable";
+    } else if (after.blocks != before.blocks) {
+      // The count is the device's, so another thread's allocation in the window counts too. The sizes tell
+      // what it was: a cuBLAS workspace has CUBLAS_WORKSPACE_CONFIG's size (by default 32 MiB on Hopper), a
+      // cuBLASLt workspace of its own CUBLASLT_WORKSPACE_SIZE's (by default 1 MiB).
+      const std::string what = std::to_string(after.blocks - before.blocks) + " block(s) of " +
+                               std::to_string(after.bytes - before.bytes) +
+                               " bytes in all, counted on the device (any thread's)";
+      why = why.empty() ? "memory was allocated during capture: " + what
+                        : why + " (memory was allocated during capture too: " + what + ")";
+    }
     cudaGraphExec_t exec = nullptr;
     if (why.empty()) {
       cudaError_t rc = cudaGraphInstantiateWithFlags(&exec, g, 0);
       if (rc != cudaSuccess) {
-        why = cudaGetErrorString(rc);
+        why = "cudaGraphInstantiate: " + error_text(rc);
         (void)cudaGetLastError();
       }
     }
@@ -273,16 +284,23 @@ class Replays {
            static_cast<int64_t>(ctx.allowBF16ReductionCuBLAS()) << 4;
   }
 
-  // How many blocks the caching allocator has handed out on `device`, ever (false if it cannot say).
-  static bool allocations(c10::DeviceIndex device, int64_t& count) {
+  // How many blocks, and bytes, the caching allocator has handed out on `device`, ever.
+  struct Handed {
+    int64_t blocks = 0, bytes = 0;
+  };
+  static bool handed_out(c10::DeviceIndex device, Handed& h) {  // false if it cannot say
     try {
-      count = c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocation[0].allocated;  // 0: aggregate
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+      h = {stats.allocation[0].allocated, stats.allocated_bytes[0].allocated};  // [0]: all pools
       return true;
     } catch (const std::exception&) {
       return false;
     }
   }
 
+  static std::string error_text(cudaError_t rc) {
+    return std::string(cudaGetErrorName(rc)) + " (" + cudaGetErrorString(rc) + ")";
+  }
   template <class F>
   void direct(F&& issue) {
     ++stats_.direct;
