@@ -172,9 +172,11 @@ class Graph {
 class Replays {
  public:
   // issue() enqueues the sequence on the current stream; it runs directly, or into a new graph (then
-  // replayed), or not at all where its graph is replayed.
+  // replayed), or not at all where its graph is replayed. gemm_streams: the streams other than the current
+  // one that issue() runs GEMMs on.
   template <class F>
-  void run(std::vector<int64_t> key, int64_t limit, c10::DeviceIndex device, F&& issue) {
+  void run(std::vector<int64_t> key, int64_t limit, c10::DeviceIndex device, F&& issue,
+           const std::vector<c10::cuda::CUDAStream>& gemm_streams = {}) {
     const auto current = c10::cuda::getCurrentCUDAStream(device);
     if (limit <= 0 || capturing(current)) return direct(issue);
     key.push_back(device);
@@ -189,7 +191,7 @@ class Replays {
         first_sight(key))
       return direct(issue);
     std::string why;
-    std::unique_ptr<Graph> graph = capture(device, issue, why);
+    std::unique_ptr<Graph> graph = capture(device, issue, gemm_streams, why);
     if (!graph) {
       refused_.emplace(std::move(key), true);
       last_failure_ = why;
@@ -226,8 +228,11 @@ class Replays {
   // block would return to the general pool while the graph still used it); the sequences allocate
   // nothing, their outputs come before.
   template <class F>
-  std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue, std::string& why) {
-    const auto cs = capture_stream(device);  // first: making it allocates (its warm-up)
+  std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue,
+                                 const std::vector<c10::cuda::CUDAStream>& gemm_streams, std::string& why) {
+    const auto cs = capture_stream(device);
+    warm_blas(cs);  // before the count: they may allocate
+    for (const auto& s : gemm_streams) warm_blas(s);
     Handed before;
     if (!handed_out(device, before)) {
       why = "the caching allocator keeps no statistics here";
@@ -317,8 +322,7 @@ class Replays {
   }
   // A stream of our own per device (never the legacy default stream, which cannot capture). One from
   // torch's pool may be the side or a compute stream of these very sequences (torch.cuda.Stream() draws
-  // from that pool), which would fold their branches into one. Its cuBLAS workspaces are made here, eagerly:
-  // made during a capture they would count as an allocation.
+  // from that pool), which would fold their branches into one.
   static c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
     static std::unordered_map<c10::DeviceIndex, cudaStream_t> streams;
     auto it = streams.find(device);
@@ -326,17 +330,25 @@ class Replays {
       cudaStream_t raw = nullptr;
       C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));  // the current device's (guarded)
       it = streams.emplace(device, raw).first;
-      const auto s = c10::cuda::getStreamFromExternal(raw, device);
-      c10::cuda::CUDAStreamGuard on_s(s);
-      for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
-        at::Tensor a = at::ones({16, 16}, at::TensorOptions().dtype(dtype).device(at::kCUDA, device));
-        at::Tensor bias = at::ones({16}, a.options());
-        at::mm(a, a);
-        at::addmm(bias, a, a);  // the cuBLASLt path (bias epilogue)
-      }
-      C10_CUDA_CHECK(cudaStreamSynchronize(raw));
     }
     return c10::cuda::getStreamFromExternal(it->second, device);
+  }
+
+  // Makes the cuBLAS and cuBLASLt workspaces of this thread's GEMMs on `s`, where they are missing: made
+  // during a capture they would count as an allocation. torch keeps one per (cuBLAS handle, stream), with a
+  // handle per thread, and drops them all at torch._C._cuda_clearCublasWorkspaces(), which Inductor's CUDA
+  // graph trees call around each recording; so this runs before every capture (once per captured key), on the
+  // capturing thread. Real GEMMs, plain and with a bias, rather than torch's workspace functions: they make
+  // whatever workspaces this torch version's GEMM paths use.
+  // No synchronization: the workspaces are made on the host, and the scratch GEMMs may run whenever.
+  static void warm_blas(const c10::cuda::CUDAStream& s) {
+    c10::cuda::CUDAStreamGuard on_s(s);
+    for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+      at::Tensor a = at::ones({16, 16}, at::TensorOptions().dtype(dtype).device(s.device()));
+      at::Tensor bias = at::ones({16}, a.options());
+      at::mm(a, a);
+      at::addmm(bias, a, a);  // the cuBLASLt path (bias epilogue)
+    }
   }
 
   std::unordered_map<std::vector<int64_t>, std::unique_ptr<Graph>, KeyHash> graphs_;
@@ -508,6 +520,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   c10::cuda::CUDAGuard guard(a_local.device());
   const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1);
+  std::vector<c10::cuda::CUDAStream> gemm_streams;  // concurrent: one per peer
+  for (int64_t h : compute_handles) gemm_streams.push_back(external(h, device));
 
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
@@ -519,7 +533,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
 
     std::vector<c10::cuda::CUDAStream> compute;
     compute.reserve(peers);
-    for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? external(compute_handles[j], device) : main);
+    for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? gemm_streams[j] : main);
     if (concurrent) {
       for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
     }
@@ -541,7 +555,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
                        ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
                        outs),
-                graphs, device, issue);
+                graphs, device, issue, gemm_streams);
   return {gathered, outs};
 }
 
