@@ -41,7 +41,7 @@ def replay_stats() -> dict[str, int]:
 
 def capture_failure() -> str | None:
     """Why the last capture that failed since :func:`clear_replays` failed (``replay_stats()["failed"]`` counts
-    them), or None. The sequencer also warns with it, on the first failure only."""
+    them), or None. The sequencer's warning gives the first failure's reason only."""
     return sequencer().capture_failure() or None
 
 
