@@ -172,9 +172,11 @@ class Graph {
 class Replays {
  public:
   // issue() enqueues the sequence on the current stream; it runs directly, or into a new graph (then
-  // replayed), or not at all where its graph is replayed.
+  // replayed), or not at all where its graph is replayed. gemm_streams: the streams other than the current
+  // one that issue() runs GEMMs on.
   template <class F>
-  void run(std::vector<int64_t> key, int64_t limit, c10::DeviceIndex device, F&& issue) {
+  void run(std::vector<int64_t> key, int64_t limit, c10::DeviceIndex device, F&& issue,
+           const std::vector<c10::cuda::CUDAStream>& gemm_streams = {}) {
     const auto current = c10::cuda::getCurrentCUDAStream(device);
     if (limit <= 0 || capturing(current)) return direct(issue);
     key.push_back(device);
@@ -189,9 +191,10 @@ class Replays {
         first_sight(key))
       return direct(issue);
     std::string why;
-    std::unique_ptr<Graph> graph = capture(device, issue, why);
+    std::unique_ptr<Graph> graph = capture(device, issue, gemm_streams, why);
     if (!graph) {
       refused_.emplace(std::move(key), true);
+      last_failure_ = why;
       if (++stats_.failed == 1 || stats_.failed == kMaxFailures) {
         TORCH_WARN("fluxcompile: a pipelined sequence could not be captured as a CUDA graph (", why,
                    "); it runs directly", stats_.failed == kMaxFailures ? ", and so will every new one from now" : "");
@@ -206,11 +209,14 @@ class Replays {
   std::vector<int64_t> stats() const {
     return {stats_.replays, stats_.captures, stats_.direct, stats_.failed, static_cast<int64_t>(graphs_.size())};
   }
+  // Why the last capture that failed since clear() failed (empty: none failed).
+  const std::string& last_failure() const { return last_failure_; }
   void clear() {
     graphs_.clear();
     seen_.clear();
     refused_.clear();
     stats_ = {};
+    last_failure_.clear();
   }
 
  private:
@@ -222,10 +228,13 @@ class Replays {
   // block would return to the general pool while the graph still used it); the sequences allocate
   // nothing, their outputs come before.
   template <class F>
-  std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue, std::string& why) {
-    const auto cs = capture_stream(device);  // first: making it allocates (its warm-up)
-    int64_t before = 0;
-    if (!allocations(device, before)) {
+  std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue,
+                                 const std::vector<c10::cuda::CUDAStream>& gemm_streams, std::string& why) {
+    const auto cs = capture_stream(device);
+    warm_blas(cs);  // before the count: they may allocate
+    for (const auto& s : gemm_streams) warm_blas(s);
+    Handed before;
+    if (!handed_out(device, before)) {
       why = "the caching allocator keeps no statistics here";
       return nullptr;
     }
@@ -236,20 +245,33 @@ class Replays {
       C10_CUDA_CHECK(cudaStreamBeginCapture(cs.stream(), cudaStreamCaptureModeThreadLocal));
       try {
         issue();
+      } catch (const c10::Error& e) {
+        why = e.what_without_backtrace();  // what() appends a C++ stack trace
       } catch (const std::exception& e) {
         why = e.what();
       }
       cudaError_t rc = cudaStreamEndCapture(cs.stream(), &g);  // also when issue() threw: leave capture mode
-      if (rc != cudaSuccess && why.empty()) why = cudaGetErrorString(rc);
+      if (rc != cudaSuccess && why.empty()) why = "cudaStreamEndCapture: " + error_text(rc);
       (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
     }
-    int64_t after = 0;
-    if (why.empty() && (!allocations(device, after) || after != before)) why = "memory was allocated during capture";
+    Handed after;
+    if (!handed_out(device, after)) {
+      if (why.empty()) why = "the caching allocator's statistics became unreadable";
+    } else if (after.blocks != before.blocks) {
+      // The count is the device's, so another thread's allocation in the window counts too. The sizes tell
+      // what it was: a cuBLAS workspace has CUBLAS_WORKSPACE_CONFIG's size (by default 32 MiB on Hopper), a
+      // cuBLASLt workspace of its own CUBLASLT_WORKSPACE_SIZE's (by default 1 MiB).
+      const std::string what = std::to_string(after.blocks - before.blocks) + " block(s) of " +
+                               std::to_string(after.bytes - before.bytes) +
+                               " bytes in all, counted on the device (any thread's)";
+      why = why.empty() ? "memory was allocated during capture: " + what
+                        : why + " (memory was allocated during capture too: " + what + ")";
+    }
     cudaGraphExec_t exec = nullptr;
     if (why.empty()) {
       cudaError_t rc = cudaGraphInstantiateWithFlags(&exec, g, 0);
       if (rc != cudaSuccess) {
-        why = cudaGetErrorString(rc);
+        why = "cudaGraphInstantiate: " + error_text(rc);
         (void)cudaGetLastError();
       }
     }
@@ -267,16 +289,23 @@ class Replays {
            static_cast<int64_t>(ctx.allowBF16ReductionCuBLAS()) << 4;
   }
 
-  // How many blocks the caching allocator has handed out on `device`, ever (false if it cannot say).
-  static bool allocations(c10::DeviceIndex device, int64_t& count) {
+  // How many blocks, and bytes, the caching allocator has handed out on `device`, ever.
+  struct Handed {
+    int64_t blocks = 0, bytes = 0;
+  };
+  static bool handed_out(c10::DeviceIndex device, Handed& h) {  // false if it cannot say
     try {
-      count = c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocation[0].allocated;  // 0: aggregate
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+      h = {stats.allocation[0].allocated, stats.allocated_bytes[0].allocated};  // [0]: all pools
       return true;
     } catch (const std::exception&) {
       return false;
     }
   }
 
+  static std::string error_text(cudaError_t rc) {
+    return std::string(cudaGetErrorName(rc)) + " (" + cudaGetErrorString(rc) + ")";
+  }
   template <class F>
   void direct(F&& issue) {
     ++stats_.direct;
@@ -293,8 +322,7 @@ class Replays {
   }
   // A stream of our own per device (never the legacy default stream, which cannot capture). One from
   // torch's pool may be the side or a compute stream of these very sequences (torch.cuda.Stream() draws
-  // from that pool), which would fold their branches into one. Its cuBLAS workspaces are made here, eagerly:
-  // made during a capture they would count as an allocation.
+  // from that pool), which would fold their branches into one.
   static c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
     static std::unordered_map<c10::DeviceIndex, cudaStream_t> streams;
     auto it = streams.find(device);
@@ -302,22 +330,31 @@ class Replays {
       cudaStream_t raw = nullptr;
       C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));  // the current device's (guarded)
       it = streams.emplace(device, raw).first;
-      const auto s = c10::cuda::getStreamFromExternal(raw, device);
-      c10::cuda::CUDAStreamGuard on_s(s);
-      for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
-        at::Tensor a = at::ones({16, 16}, at::TensorOptions().dtype(dtype).device(at::kCUDA, device));
-        at::Tensor bias = at::ones({16}, a.options());
-        at::mm(a, a);
-        at::addmm(bias, a, a);  // the cuBLASLt path (bias epilogue)
-      }
-      C10_CUDA_CHECK(cudaStreamSynchronize(raw));
     }
     return c10::cuda::getStreamFromExternal(it->second, device);
+  }
+
+  // Makes the cuBLAS and cuBLASLt workspaces of this thread's GEMMs on `s`, where they are missing: made
+  // during a capture they would count as an allocation. torch keeps one per (cuBLAS handle, stream), with a
+  // handle per thread, and drops them all at torch._C._cuda_clearCublasWorkspaces(), which Inductor's CUDA
+  // graph trees call around each recording; so this runs before every capture (once per captured key), on the
+  // capturing thread. Real GEMMs, plain and with a bias, rather than torch's workspace functions: they make
+  // whatever workspaces this torch version's GEMM paths use.
+  // No synchronization: the workspaces are made on the host, and the scratch GEMMs may run whenever.
+  static void warm_blas(const c10::cuda::CUDAStream& s) {
+    c10::cuda::CUDAStreamGuard on_s(s);
+    for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+      at::Tensor a = at::ones({16, 16}, at::TensorOptions().dtype(dtype).device(s.device()));
+      at::Tensor bias = at::ones({16}, a.options());
+      at::mm(a, a);
+      at::addmm(bias, a, a);  // the cuBLASLt path (bias epilogue)
+    }
   }
 
   std::unordered_map<std::vector<int64_t>, std::unique_ptr<Graph>, KeyHash> graphs_;
   std::unordered_map<std::vector<int64_t>, bool, KeyHash> seen_, refused_;
   ReplayStats stats_;
+  std::string last_failure_;
 };
 
 // Which sequence a key belongs to (its first word).
@@ -483,6 +520,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   c10::cuda::CUDAGuard guard(a_local.device());
   const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1);
+  std::vector<c10::cuda::CUDAStream> gemm_streams;  // concurrent: one per peer
+  for (int64_t h : compute_handles) gemm_streams.push_back(external(h, device));
 
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
@@ -494,7 +533,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
 
     std::vector<c10::cuda::CUDAStream> compute;
     compute.reserve(peers);
-    for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? external(compute_handles[j], device) : main);
+    for (size_t j = 0; j < peers; ++j) compute.push_back(concurrent ? gemm_streams[j] : main);
     if (concurrent) {
       for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
     }
@@ -516,7 +555,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
                        ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
                        outs),
-                graphs, device, issue);
+                graphs, device, issue, gemm_streams);
   return {gathered, outs};
 }
 
@@ -808,4 +847,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("replay_stats", [] { return replays().stats(); },
         "[replays, captures, direct calls, failed captures, graphs held] since the last clear");
   m.def("clear_replays", [] { replays().clear(); }, "drop every captured sequence (tests; stale workspaces)");
+  m.def("capture_failure", [] { return replays().last_failure(); },
+        "why the last failed capture since the last clear failed (empty: none failed)");
 }

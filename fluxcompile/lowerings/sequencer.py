@@ -39,6 +39,12 @@ def replay_stats() -> dict[str, int]:
     return dict(zip(("replays", "captures", "direct", "failed", "graphs"), sequencer().replay_stats()))
 
 
+def capture_failure() -> str | None:
+    """Why the last capture that failed since :func:`clear_replays` failed (``replay_stats()["failed"]`` counts
+    them), or None. The sequencer's warning gives the first failure's reason only."""
+    return sequencer().capture_failure() or None
+
+
 def clear_replays() -> None:
-    """Drop every captured sequence and reset the counters."""
+    """Drop every captured sequence, reset the counters and forget the last capture failure."""
     sequencer().clear_replays()

@@ -8,6 +8,9 @@ checks the capture, the keys and the replays; at two or more they also cross NVL
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,14 +106,19 @@ def _call_or_skip(op: str, variant: str, rows: int = 256) -> Call:
     return call
 
 
-def _steps(op: str, variant: str, limit: int, n: int) -> dict[str, int]:
-    """``n`` checked calls with config.sequence_graphs = ``limit``; the replay counters over them."""
+def _stats() -> dict[str, int | str | None]:
+    """The replay counters and, under "why", the last capture failure's reason (None: none failed)."""
+    return {**sequencer.replay_stats(), "why": sequencer.capture_failure()}
+
+
+def _steps(op: str, variant: str, limit: int, n: int) -> dict[str, int | str | None]:
+    """``n`` checked calls with config.sequence_graphs = ``limit``; the replay counters over them (``_stats``)."""
     with fluxcompile.config.patch(sequence_graphs=limit):
         call = _call_or_skip(op, variant)
         sequencer.clear_replays()
         for i in range(n):
             call.step(f"{op} {variant} call {i}")
-        return sequencer.replay_stats()
+        return _stats()
 
 
 @pytest.mark.parametrize(("op", "variant"), CASES)
@@ -134,8 +142,63 @@ def test_replay_limit(op):
         sequencer.clear_replays()
         for i in range(12):
             calls[i % 2].step(f"{op} call {i}")
-        stats = sequencer.replay_stats()
+        stats = _stats()
     assert stats["graphs"] == 1 and stats["replays"] >= 1 and stats["direct"] >= 6, stats
+
+
+def _on_a_thread(fn: Callable[[], None]) -> None:
+    """``fn()`` on a new thread (on this thread's device); its exception is raised here."""
+    device, errors = torch.cuda.current_device(), []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="sequence-replays")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _second_key(variant: str, before: Callable[[], None], thread: bool) -> dict[str, int | str | None]:
+    """The rs ``variant``'s calls on one signature (captured at its second call, so the capture stream exists),
+    then ``before()``, then calls on a second signature (on a thread of their own if ``thread``); the counters."""
+    with fluxcompile.config.patch(sequence_graphs=64):
+        first, second = (_call_or_skip("rs", variant, rows) for rows in (256, 192))
+        sequencer.clear_replays()
+        for i in range(3):
+            first.step(f"rs {variant} call {i}")
+        before()
+
+        def steps() -> None:
+            for i in range(3):
+                second.step(f"rs {variant}, second signature, call {i}")
+
+        if thread:
+            _on_a_thread(steps)
+        else:
+            steps()
+        return _stats()
+
+
+@pytest.mark.parametrize("variant", ["split", "push"])
+def test_capture_after_cublas_workspaces_were_dropped(variant):
+    """torch drops every cuBLAS workspace at torch._C._cuda_clearCublasWorkspaces() (Inductor's CUDA graph trees
+    call it around each recording), the capture stream's too: a later capture must not make them."""
+    stats = _second_key(variant, torch._C._cuda_clearCublasWorkspaces, thread=False)
+    assert stats["captures"] >= 2 and stats["failed"] == 0, stats
+
+
+@pytest.mark.parametrize("variant", ["split", "push"])
+def test_capture_on_another_thread(variant):
+    """torch keeps a cuBLAS workspace per (handle, stream) and a handle per thread: a capture on a thread other
+    than the one that made the capture stream must not make its workspaces either."""
+    stats = _second_key(variant, lambda: None, thread=True)
+    assert stats["captures"] >= 2 and stats["failed"] == 0, stats
 
 
 @pytest.mark.parametrize(("op", "variant"), [("rs", "split"), ("rs", "push"), ("ag", "split"), ("ag", "lead2")])
@@ -146,11 +209,11 @@ def test_inside_a_users_graph_capture(op, variant):
         call = _call_or_skip(op, variant)
         call.run()  # a second sight: captured and replayed
         torch.cuda.synchronize()
-        before = sequencer.replay_stats()
+        before = _stats()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = call.run()
-        during = sequencer.replay_stats()
+        during = _stats()
         assert during["captures"] == before["captures"] and during["direct"] == before["direct"] + 1, (before, during)
         for i in range(4):
             call.refresh()
