@@ -180,8 +180,10 @@ def _dlrm(mp, mode) -> list[torch.Tensor]:
     mp.setattr(m, "_states", {})
     mp.setattr(m, "_tables", collections.OrderedDict())
     mp.setattr(m, "_captured", set())
+    mp.setattr(m, "eb", SimpleNamespace(fill=lambda t, values: None))  # a Triton kernel on the GPU
+    mp.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=7))
     state, scratch = m._state(SimpleNamespace(flags=_workspace()))
-    return [state, scratch, m.device_table((3, 1, 4), torch.device("cpu"))]
+    return [state, scratch, m.device_table((3, 1, 4), torch.device("cuda", 0))]
 
 
 def _cutlass_scratch(mp, mode) -> list[torch.Tensor]:

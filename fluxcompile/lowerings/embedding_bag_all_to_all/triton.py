@@ -204,7 +204,7 @@ def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dty
     t = _tables.get(key)
     if t is None:
         if device.type != "cuda":
-            t = persistent(lambda: torch.tensor(values, dtype=dtype, device=device), "a device table")
+            t = torch.tensor(values, dtype=dtype, device=device)
         else:
             # Made during a capture, a table lives in the graph's pool; made eagerly, outside any pool this thread
             # is routed to (the CUDA graph trees' warm-up).
