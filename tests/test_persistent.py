@@ -130,7 +130,9 @@ def _schedules(mp, mode) -> list[torch.Tensor]:
     mp.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
     mp.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
     ch = m._channel("g")
-    launch = m._build(compile_program(library.two_shot_all_reduce(2)), ch, torch.zeros(4096, dtype=torch.bfloat16), None)
+    launch = m._build(
+        compile_program(library.two_shot_all_reduce(2)), ch, torch.zeros(4096, dtype=torch.bfloat16), None
+    )
     kept = [ch.peer_flags, ch.state, ch.done, ch.err, ch.err_host, ch.peer_mbox, launch.code, launch.tbs, launch.deps]
     return kept + [t for t in (launch.scratch, launch.input_copy) if t is not None]
 
