@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..config import config
+from ..symm_mem import persistent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +174,9 @@ def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
             raise RuntimeError("fluxcompile: run the CUTLASS GEMM once eagerly before CUDA graph capture")
         if buf is not None:
             _retired.append(buf)
-        buf = _workspaces[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
+        buf = _workspaces[key] = persistent(
+            lambda: torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device), "the CUTLASS GEMM's scratch"
+        )
     return buf.data_ptr()
 
 

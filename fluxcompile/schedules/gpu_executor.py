@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import config
-from ..symm_mem import FlagArray, Workspace, init_flags, workspace
+from ..symm_mem import FlagArray, Workspace, init_flags, persistent, workspace
 from .encoding import EncodedPlan, encode
 from .plan import Plan
 from .wait_errors import ERR_WORDS, check_error
@@ -112,20 +112,28 @@ def _channel(group_name: str) -> _Channel:
     init_flags(FlagArray(fws, 0, ACK_WORDS + MSG_FLAGS), 0)  # host barrier: zeroed on every rank first
     sms = torch.tensor([torch.cuda.get_device_properties().multi_processor_count], device="cuda")
     dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
-    ch = _Channel(
-        group_name=group_name,
-        rank=rank,
-        world=world,
-        flags=fws,
-        peer_flags=torch.tensor([int(p) for p in fws.handle.buffer_ptrs], dtype=torch.int64, device="cuda"),
-        state=torch.zeros(4, dtype=torch.int32, device="cuda"),
-        done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
-        err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
-        err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
-        max_programs=int(sms.item()),
+    max_programs = int(sms.item())
+    ch = _channels[key] = persistent(
+        lambda: _Channel(
+            group_name=group_name,
+            rank=rank,
+            world=world,
+            flags=fws,
+            peer_flags=_addresses(fws),
+            state=torch.zeros(4, dtype=torch.int32, device="cuda"),
+            done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
+            err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
+            err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+            max_programs=max_programs,
+        ),
+        f"fluxcompile.schedules' channel of group {group_name}",
     )
-    _channels[key] = ch
     return ch
+
+
+def _addresses(ws: Workspace) -> Tensor:
+    """Every rank's buffer of ``ws`` as mapped here, int64 ``[world]`` on the current device."""
+    return torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
 
 
 def _mailbox(ch: _Channel, nbytes: int) -> None:
@@ -133,7 +141,7 @@ def _mailbox(ch: _Channel, nbytes: int) -> None:
     ws = workspace(ch.group_name, max(nbytes, 16), tag="schedules.mailbox")
     if ws is not ch.mbox:
         ch.mbox = ws
-        ch.peer_mbox = torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
+        ch.peer_mbox = persistent(lambda: _addresses(ws), f"fluxcompile.schedules' mailbox table of {ch.group_name}")
         _kept.extend((ws, ch.peer_mbox))
 
 
@@ -180,19 +188,22 @@ def _build(plan: Plan, ch: _Channel, x: Tensor, slices: int | None) -> _Launch:
         raise ValueError(f"fluxcompile.schedules: {enc.name}: a buffer of {biggest} elements exceeds 32-bit offsets")
     scratch = enc.scratch_chunks[ch.rank] * chunk
     _mailbox(ch, max(enc.mailbox_chunks, default=0) * chunk * esize)  # it only grows: later calls fit too
-    return _Launch(
-        enc=enc,
-        code=dev(rc.code),
-        tbs=dev(rc.tbs),
-        deps=dev(rc.deps),
-        n_tb=rc.n_tb,
-        slices=S,
-        chunk_elems=chunk,
-        slice_elems=slice_elems,
-        vec=vec,
-        out_numel=enc.out_chunks * chunk,
-        scratch=torch.empty(scratch, dtype=x.dtype, device=x.device) if scratch else None,
-        input_copy=torch.empty_like(x) if enc.writes_input else None,
+    return persistent(
+        lambda: _Launch(
+            enc=enc,
+            code=dev(rc.code),
+            tbs=dev(rc.tbs),
+            deps=dev(rc.deps),
+            n_tb=rc.n_tb,
+            slices=S,
+            chunk_elems=chunk,
+            slice_elems=slice_elems,
+            vec=vec,
+            out_numel=enc.out_chunks * chunk,
+            scratch=torch.empty(scratch, dtype=x.dtype, device=x.device) if scratch else None,
+            input_copy=torch.empty_like(x) if enc.writes_input else None,
+        ),
+        f"the launch tables of {enc.name}",
     )
 
 

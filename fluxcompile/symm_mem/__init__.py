@@ -1,5 +1,7 @@
-"""Symmetric-memory workspaces: buffers every rank of a group can read and write, plus their signals."""
+"""Symmetric-memory workspaces: buffers every rank of a group can read and write, plus their signals; and the
+fused ops' other persistent buffers, made outside any CUDA graph memory pool."""
 
+from .persistent import persistent
 from .signals import FlagArray, init_flags, ready_done_flags, stream_consume, stream_wait, stream_write
 from .workspace import Workspace, side_stream, workspace
 
@@ -7,6 +9,7 @@ __all__ = [
     "FlagArray",
     "Workspace",
     "init_flags",
+    "persistent",
     "ready_done_flags",
     "side_stream",
     "stream_consume",

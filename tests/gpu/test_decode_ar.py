@@ -5,13 +5,14 @@ the autotuned op, and the bounded waits' error when a peer never comes."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_helpers import poison_allocator, shared_seed
+from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import config, ops
 from fluxcompile.lowerings import choices_for
@@ -221,6 +222,60 @@ def test_second_group_has_its_own_state():
                 _check(op, choice.fn(*args), _reference(op, args), f"{name} on group {g.group_name}")
     states = {key[1] for key in fused_kernels._states}
     assert {world.group_name, other.group_name} <= states
+
+
+def test_first_call_keeps_nothing_in_the_callers_graph_pool():
+    """As in the CUDA graph trees' warm-up (``mode="reduce-overhead"``): a choice's first call on a group runs while
+    every allocation of this thread goes to a graph pool. After it the pool holds the call's output and nothing the
+    choice keeps (state, error words, address tables): the trees' check, where any other live allocation is an
+    error. A tensor made directly in the pool (the probe) shows the check sees what is there."""
+    op = "matmul_all_reduce"
+    device = torch.cuda.current_device()
+    errors = []
+    for name, m in (("cuda:gemv-oneshot", 4), ("triton:twoshot-16x64x128", 16), ("schedules:one_shot", 16)):
+        group = dist.new_group(list(range(dist.get_world_size())))  # no choice has state on it yet
+        choice = {c.name: c for c in choices_for(op)}[name]
+        A, B, b, _ = _inputs(m, 512, True, None, shared_seed())
+        args = _args(op, A, B, b, None, m, 512, group.group_name)
+        assert choice.declines(*args) is None
+        pool = torch.cuda.graph_pool_handle()
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+        try:
+            out = choice.fn(*args)
+            probe = torch.zeros(1, device="cuda")
+        finally:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        try:
+            try:
+                _check(op, out, _reference(op, args), f"{name}: first call inside a graph pool")
+            except AssertionError as e:
+                errors.append(str(e))
+            gc.collect()
+            torch.cuda.synchronize()
+            tracked = {out.untyped_storage().data_ptr()}
+            if torch._C._cuda_checkPoolLiveAllocations(device, pool, tracked):
+                errors.append(f"{name}: the probe made in the pool is not seen there")
+            tracked.add(probe.untyped_storage().data_ptr())
+            if not torch._C._cuda_checkPoolLiveAllocations(device, pool, tracked):
+                errors.append(f"{name}: its first call left {_untracked(pool, tracked)} in the caller's graph pool")
+        finally:
+            del out, probe
+            torch._C._cuda_releasePool(device, pool)
+    assert_on_every_rank("\n".join(errors) or None)
+
+
+def _untracked(pool: tuple[int, int], tracked: set[int]) -> str:
+    """The pool's live blocks outside ``tracked``, as (address, bytes)."""
+    blocks = []
+    for segment in torch.cuda.memory_snapshot():
+        if segment["segment_pool_id"] != pool:
+            continue
+        addr = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and addr not in tracked:
+                blocks.append((hex(addr), block["size"]))
+            addr += block["size"]
+    return f"live blocks {blocks}"
 
 
 @pytest.mark.parametrize("op", ["matmul_all_reduce", "all_reduce_rmsnorm"])

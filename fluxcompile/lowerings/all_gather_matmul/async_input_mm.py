@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ...symm_mem import FlagArray, init_flags, ready_done_flags, side_stream, stream_consume, stream_write, workspace
 from ...symm_mem.exchange import ring_order
+from ...symm_mem.persistent import persistent
 from ...symm_mem.signals import MAX_HANDSHAKE_RANKS
 from ...symm_mem.watchdog import Watch, flag_report, watch
 from ...symm_mem.workspace import enable_group
@@ -276,5 +277,7 @@ def _signal_buffer(group_name: str, world: int) -> Tensor:
     if key not in _signals:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fluxcompile: run async_input_mm once eagerly before graph capture")
-        _signals[key] = torch.zeros(world, dtype=torch.uint32, device="cuda")
+        _signals[key] = persistent(
+            lambda: torch.zeros(world, dtype=torch.uint32, device="cuda"), "async_input_mm's signal words"
+        )
     return _signals[key]

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...config import config
 from ...kernels import cutlass_gemm
-from ...symm_mem import FlagArray, Workspace, side_stream, stream_write, workspace
+from ...symm_mem import FlagArray, Workspace, persistent, side_stream, stream_write, workspace
 from ...symm_mem import init_flags as symm_init_flags
 from ...symm_mem.exchange import gather_send_order, send
 from ...symm_mem.watchdog import Watch, watch
@@ -71,8 +71,11 @@ class Errors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fluxcompile: run the CUTLASS choices once eagerly before CUDA graph capture")
         words = cutlass_gemm.ERR_WORDS
-        return cls(
-            torch.zeros(words, dtype=torch.int32, device=device), torch.zeros(words, dtype=torch.int32).pin_memory()
+        return persistent(
+            lambda: cls(
+                torch.zeros(words, dtype=torch.int32, device=device), torch.zeros(words, dtype=torch.int32).pin_memory()
+            ),
+            "the CUTLASS choices' error words",
         )
 
     def check_previous(self, what: str, check: Callable[[Tensor, str], None] | None = None) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, init_flags, side_stream, stream_write, workspace
+from ...symm_mem import FlagArray, init_flags, persistent, side_stream, stream_write, workspace
 from ...symm_mem.exchange import gather_send_order, send
 from .cublas_pipelined import layout_supports, shard_layout
 
@@ -144,10 +144,13 @@ def _error_buffers(rank: int, group_name: str) -> tuple[Tensor, Tensor]:
     if device not in _errors:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fluxcompile: run the Triton all_gather_matmul once eagerly before graph capture")
-        _errors[device] = (
-            torch.zeros(4, dtype=torch.int32, device="cuda"),
-            torch.zeros(4, dtype=torch.int32).pin_memory(),
-            None,
+        _errors[device] = persistent(
+            lambda: (
+                torch.zeros(4, dtype=torch.int32, device="cuda"),
+                torch.zeros(4, dtype=torch.int32).pin_memory(),
+                None,
+            ),
+            "the Triton all_gather_matmul's error words",
         )
     err, host, event = _errors[device]
     # The previous call's error, if its copy to the host has landed (no synchronization). Event queries

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, Workspace, workspace
+from ...symm_mem import FlagArray, Workspace, persistent, workspace
 from ...symm_mem import init_flags as symm_init_flags
 
 try:
@@ -121,9 +121,13 @@ class Errors:
         device = torch.device(device)
         if _capturing(device):
             raise RuntimeError("fluxcompile: run the MoE Triton choices once eagerly before CUDA graph capture")
-        host = torch.zeros(gg.ERR_WORDS, dtype=torch.int32)
-        err = torch.zeros(gg.ERR_WORDS, dtype=torch.int32, device=device)
-        return cls(err, host.pin_memory() if device.type == "cuda" else host)
+
+        def make() -> Errors:
+            host = torch.zeros(gg.ERR_WORDS, dtype=torch.int32)
+            err = torch.zeros(gg.ERR_WORDS, dtype=torch.int32, device=device)
+            return cls(err, host.pin_memory() if device.type == "cuda" else host)
+
+        return persistent(make, "the MoE Triton choices' error words")
 
     def check_previous(self, group: str, what: str) -> None:
         """Raise if an earlier call's wait timed out and its copy has landed (no synchronization). Event queries
@@ -186,7 +190,9 @@ class Comm:
             if _capturing(device):
                 raise RuntimeError("fluxcompile: a MoE workspace changed during CUDA graph capture")
             ptrs = [int(ws.handle.buffer_ptrs[p]) for p in range(ws.world_size)]
-            table = self._tables[key] = torch.tensor(ptrs, dtype=torch.int64, device=device)
+            table = self._tables[key] = persistent(
+                lambda: torch.tensor(ptrs, dtype=torch.int64, device=device), "a MoE address table"
+            )
         return table
 
     def signals(self) -> gg.Signals:
@@ -237,7 +243,7 @@ def _local_workspace(group_name: str, nbytes: int, tag: str) -> Workspace:
         if ws is not None:
             _retired.append(ws.buffer)
         size = max(nbytes, 2 * ws.nbytes if ws is not None else 0, 1 << 20)
-        buf = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        buf = persistent(lambda: torch.zeros(size, dtype=torch.uint8, device="cuda"), f"the MoE workspace '{tag}'")
         ws = _local[key] = Workspace(group_name, buf, _LocalHandle(buf), 0, 1)
     return ws
 

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, side_stream, workspace
+from ...symm_mem import FlagArray, persistent, side_stream, workspace
 from ..all_gather_matmul.cutlass import Comm, Errors
 
 try:
@@ -206,7 +206,12 @@ def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dty
         if device.type != "cuda":
             t = torch.tensor(values, dtype=dtype, device=device)
         else:
-            t = torch.empty(len(values), dtype=dtype, device=device)
+            # Made during a capture, a table lives in the graph's pool; made eagerly, outside any pool this thread
+            # is routed to (the CUDA graph trees' warm-up).
+            if capturing:
+                t = torch.empty(len(values), dtype=dtype, device=device)
+            else:
+                t = persistent(lambda: torch.empty(len(values), dtype=dtype, device=device), "a device table")
             eb.fill(t, values)
         _tables[key] = t
         if len(_tables) > _MAX_TABLES:
@@ -396,10 +401,13 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
     if entry is None or entry[0] is not buf:
         if _capturing(buf.device):
             raise RuntimeError(f"fluxcompile: run {OP} ({NAME}) once eagerly before CUDA graph capture")
-        entry = _states[buf.data_ptr()] = (
-            buf,
-            torch.zeros(1 + MAX_WORLD, dtype=torch.int64, device=buf.device),
-            torch.zeros(MAX_WORLD, dtype=torch.int64, device=buf.device),
+        entry = _states[buf.data_ptr()] = persistent(
+            lambda: (
+                buf,
+                torch.zeros(1 + MAX_WORLD, dtype=torch.int64, device=buf.device),
+                torch.zeros(MAX_WORLD, dtype=torch.int64, device=buf.device),
+            ),
+            f"the state of {OP} ({NAME})",
         )
     return entry[1], entry[2]
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, Workspace, init_flags, workspace
+from ...symm_mem import FlagArray, Workspace, init_flags, persistent, workspace
 from .. import extensions
 
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
@@ -103,15 +103,22 @@ def _get_state(family: str, group_name: str) -> _State:
         world = group(group_name).size()
         fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"matmul_all_reduce.{family}.flags")
         init_flags(FlagArray(fws, 0, (world + 1) * MAX_TILES), 0)  # host barrier: zeroed everywhere first
-        st = _State(
-            flags=fws,
-            state=torch.zeros(4, dtype=torch.int32, device="cuda"),
-            err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
-            err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+        st = _states[key] = persistent(
+            lambda: _State(
+                flags=fws,
+                state=torch.zeros(4, dtype=torch.int32, device="cuda"),
+                err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
+                err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+                peer_flags=_addresses(fws),
+            ),
+            f"the {family} decode kernel's state",
         )
-        st.peer_flags = torch.tensor([int(p) for p in fws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
-        _states[key] = st
     return st
+
+
+def _addresses(ws: Workspace) -> Tensor:
+    """Every rank's buffer of ``ws`` as mapped here, int64 ``[world]`` on the current device."""
+    return torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
 
 
 def _slots(family: str, world: int) -> int:
@@ -132,7 +139,7 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
             torch.cuda.synchronize()
             dist.barrier(group=group(group_name))
         st.data = ws
-        st.peer_data = torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
+        st.peer_data = persistent(lambda: _addresses(ws), f"the {family} decode kernel's address table")
         _kept.extend((ws, st.peer_data))
     return ws, (ws.nbytes // slots) // _SLOT_ALIGN * _SLOT_ALIGN
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, init_flags, workspace
+from ...symm_mem import FlagArray, init_flags, persistent, workspace
 from ...symm_mem.exchange import slot_bytes
 from .cublas_pipelined import layout_supports, row_layout
 
@@ -130,10 +130,13 @@ def _state_for(fws) -> _State:
     if st is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fluxcompile: run the Triton matmul_reduce_scatter once eagerly before graph capture")
-        st = _states[key] = _State(
-            state=torch.zeros(2, dtype=torch.int32, device="cuda"),
-            err=torch.zeros(8, dtype=torch.int32, device="cuda"),
-            err_host=torch.zeros(8, dtype=torch.int32).pin_memory(),
+        st = _states[key] = persistent(
+            lambda: _State(
+                state=torch.zeros(2, dtype=torch.int32, device="cuda"),
+                err=torch.zeros(8, dtype=torch.int32, device="cuda"),
+                err_host=torch.zeros(8, dtype=torch.int32).pin_memory(),
+            ),
+            "the Triton matmul_reduce_scatter's state",
         )
     return st
 
@@ -148,9 +151,12 @@ def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
         world = ws.world_size
         data = [int(ws.handle.buffer_ptrs[p]) for p in range(world)]
         flags = [int(fws.handle.buffer_ptrs[p]) for p in range(world)]
-        st.peers[key] = (
-            torch.tensor(data, dtype=torch.int64, device="cuda"),
-            torch.tensor(flags, dtype=torch.int64, device="cuda"),
+        st.peers[key] = persistent(
+            lambda: (
+                torch.tensor(data, dtype=torch.int64, device="cuda"),
+                torch.tensor(flags, dtype=torch.int64, device="cuda"),
+            ),
+            "the Triton matmul_reduce_scatter's address tables",
         )
     return st.peers[key]
 

@@ -1,0 +1,222 @@
+"""symm_mem.persistent: the fused ops' persistent buffers are made on a thread of their own, outside the CUDA graph
+memory pool the calling thread may be routed to (CUDA graph trees' warm-up). The facility itself on CPU: another
+thread, its result, its exception, the refusal during capture; and every state creator of the fused ops makes the
+tensors it keeps through it."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fluxcompile.symm_mem import Workspace, persistent
+
+
+def test_runs_on_another_thread_and_returns_its_result():
+    caller = threading.get_ident()
+    ident, t = persistent(lambda: (threading.get_ident(), torch.arange(4)))
+    assert ident != caller
+    assert t.tolist() == [0, 1, 2, 3]
+
+
+class _Custom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [ValueError("bad size 7"), _Custom("no peer 3"), KeyError("group")])
+def test_raises_the_functions_exception(error):
+    def make():
+        raise error
+
+    with pytest.raises(type(error)) as info:
+        persistent(make)
+    assert info.value is error  # the same object: type, message and the worker's traceback
+    assert str(info.value) == str(error)
+
+
+def test_refuses_during_cuda_graph_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    made = []
+    with pytest.raises(RuntimeError, match="the error words cannot be made during CUDA graph capture"):
+        persistent(lambda: made.append(1), "the error words")
+    assert made == []
+
+
+# --- the state creators --------------------------------------------------------------------------------------------
+# Each creator below runs on CPU with its CUDA factory calls made on CPU (_OnCpu) and its collectives and symmetric
+# workspaces faked; every tensor its state keeps must have been made inside the facility (here a same-thread stand-in
+# that marks what is made inside it). A creator that makes a kept tensor directly fails its case.
+
+
+class _OnCpu(TorchFunctionMode):
+    """Factory calls on ``cuda`` made on CPU (no GPU here; pinning is skipped); ``made``: every tensor made while
+    ``inside`` the facility's stand-in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = 0
+        self.made: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.pin_memory:
+            out = args[0]
+        else:
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.to:
+                args = tuple("cpu" if _is_cuda(a) else a for a in args)
+            out = func(*args, **kwargs)
+        if self.inside and isinstance(out, torch.Tensor):
+            self.made.append(out)
+        return out
+
+    def persistent(self, make, what: str = ""):
+        self.inside += 1
+        try:
+            return make()
+        finally:
+            self.inside -= 1
+
+    def not_made_inside(self, kept: list[torch.Tensor]) -> list[int]:
+        """Indices of the ``kept`` tensors whose storage was not made inside the facility."""
+        inside = {t.untyped_storage().data_ptr() for t in self.made}
+        return [i for i, t in enumerate(kept) if t.untyped_storage().data_ptr() not in inside]
+
+
+def _is_cuda(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+def _workspace(world: int = 2, nbytes: int = 1 << 16) -> Workspace:
+    """A stand-in for a symmetric workspace: a CPU buffer and made-up peer addresses."""
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    return Workspace("g", buf, SimpleNamespace(buffer_ptrs=[buf.data_ptr() + 64 * p for p in range(world)]), 0, world)
+
+
+def _group(world: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(size=lambda: world, rank=lambda: 0)
+
+
+def _decode_kernels(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.matmul_all_reduce import fused_kernels as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_states", {})
+    mp.setattr(m, "_kept", [])
+    mp.setattr(m, "group", lambda name: _group())
+    mp.setattr(m, "workspace", lambda *a, **k: _workspace())
+    mp.setattr(m, "init_flags", lambda *a: None)
+    st = m._get_state("triton", "g")
+    m._data(st, "triton", "g", 2, 4096)
+    return [st.state, st.err, st.err_host, st.peer_flags, st.peer_data]
+
+
+def _schedules(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.schedules import compile_program, library
+    from fluxcompile.schedules import gpu_executor as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_channels", {})
+    mp.setattr(m, "_kept", [])
+    mp.setattr(m, "_group", lambda name: _group())
+    mp.setattr(m, "workspace", lambda *a, **k: _workspace())
+    mp.setattr(m, "init_flags", lambda *a: None)
+    mp.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
+    mp.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    ch = m._channel("g")
+    launch = m._build(
+        compile_program(library.two_shot_all_reduce(2)), ch, torch.zeros(4096, dtype=torch.bfloat16), None
+    )
+    kept = [ch.peer_flags, ch.state, ch.done, ch.err, ch.err_host, ch.peer_mbox, launch.code, launch.tbs, launch.deps]
+    return kept + [t for t in (launch.scratch, launch.input_copy) if t is not None]
+
+
+def _rs_triton(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.matmul_reduce_scatter import triton as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_states", {})
+    fws = _workspace()
+    st = m._state_for(fws)
+    return [st.state, st.err, st.err_host, *m._peers(st, _workspace(), fws)]
+
+
+def _ag_triton(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.all_gather_matmul import triton as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_errors", {})
+    return list(m._error_buffers(0, "g"))
+
+
+def _ag_cutlass(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.all_gather_matmul import cutlass as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    errors = m.Errors.make(torch.device("cuda", 0))
+    return [errors.err, errors.host]
+
+
+def _moe(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.all_to_all import triton as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_local", {})
+    mp.setattr(m, "_retired", [])
+    errors = m.Errors.make(torch.device("cuda", 0))
+    ws = m._local_workspace("g", 4096, "t")
+    table = m.Comm(ws, ws, errors)._addresses(_workspace())
+    return [errors.err, errors.host, ws.buffer, table]
+
+
+def _dlrm(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.embedding_bag_all_to_all import triton as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_states", {})
+    mp.setattr(m, "_tables", collections.OrderedDict())
+    mp.setattr(m, "_captured", set())
+    mp.setattr(m, "eb", SimpleNamespace(fill=lambda t, values: None))  # a Triton kernel on the GPU
+    mp.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=7))
+    state, scratch = m._state(SimpleNamespace(flags=_workspace()))
+    return [state, scratch, m.device_table((3, 1, 4), torch.device("cuda", 0))]
+
+
+def _cutlass_scratch(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.kernels import cutlass_gemm as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_workspaces", {})
+    mp.setattr(m, "_retired", [])
+    m._workspace(torch.device("cuda", 0), 0, 4096)
+    return list(m._workspaces.values())
+
+
+def _async_input_mm(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings.all_gather_matmul import async_input_mm as m
+
+    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(m, "_signals", {})
+    return [m._signal_buffer("g", 2)]
+
+
+CREATORS = [
+    _decode_kernels, _schedules, _rs_triton, _ag_triton, _ag_cutlass, _moe, _dlrm, _cutlass_scratch, _async_input_mm,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("creator", CREATORS, ids=lambda f: f.__name__.strip("_"))
+def test_state_creators_make_their_kept_buffers_through_persistent(creator, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with _OnCpu() as mode:
+        kept = creator(monkeypatch, mode)
+    assert kept and mode.made
+    direct = mode.not_made_inside(kept)
+    assert not direct, f"{creator.__name__}: kept tensors {direct} were made outside symm_mem.persistent"
