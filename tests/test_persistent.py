@@ -23,6 +23,15 @@ def test_runs_on_another_thread_and_returns_its_result():
     assert t.tolist() == [0, 1, 2, 3]
 
 
+def test_one_worker_serves_every_call_and_a_nested_call_runs_in_place():
+    """Calls hand off to one worker thread (no thread start per call); a ``make`` that itself makes a persistent
+    buffer runs it in place on the worker instead of waiting on itself."""
+    first = persistent(threading.get_ident)
+    assert persistent(threading.get_ident) == first
+    outer, inner = persistent(lambda: (threading.get_ident(), persistent(threading.get_ident)))
+    assert outer == inner == first
+
+
 class _Custom(Exception):
     pass
 

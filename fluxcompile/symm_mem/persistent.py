@@ -6,7 +6,9 @@ which the caching allocator hands every allocation of the calling thread to the 
 (``torch._C._cuda_beginAllocateCurrentThreadToPool``, as ``torch.cuda.use_mem_pool`` does). A buffer kept there is
 a live allocation of the pool that the trees do not track, and they stop ("tensor(s) in the cudagraph pool not
 tracked as outputs"). The routing belongs to the thread, so :func:`persistent` runs the function that makes the
-buffers on a short-lived thread of its own, on the caller's device and current stream: the caching allocator ties
+buffers on a worker thread of its own (one per process, started at the first use: a hand-off costs far less than
+starting a thread, which matters to callers that make buffers per call, like the DLRM op's pointer tables), on the
+caller's device and current stream: the caching allocator ties
 a block to the stream it was allocated on, and the buffers' first contents (zeros, an uploaded table) are ordered
 before the caller's next work, both as if the caller had made them.
 
@@ -16,17 +18,32 @@ itself, outside the caching allocator and its pools.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
 T = TypeVar("T")
 
+_lock = threading.Lock()
+_worker: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that started it, the worker)
+_local = threading.local()  # .on_worker: this thread is the worker (a nested call runs in place)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _worker
+    with _lock:
+        # A forked child inherits the executor but not its thread: it starts its own.
+        if _worker is None or _worker[0] != os.getpid():
+            _worker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="fluxcompile-persistent"))
+        return _worker[1]
+
 
 def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
-    """``make()``, run on a thread of its own (same CUDA device and current stream, none of the caller's memory
+    """``make()``, run on the worker thread (same CUDA device and current stream, none of the caller's memory
     pool routing): its result, or its exception raised here. ``make`` only allocates and fills; it runs no
     collective. ``what`` names the buffers in the error raised during CUDA graph capture, where none can be made."""
     stream = None
@@ -37,21 +54,14 @@ def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
                 "capturing"
             )
         stream = torch.cuda.current_stream()
-    result: list[T] = []
-    error: list[BaseException] = []
+    if getattr(_local, "on_worker", False):
+        return make()
 
-    def run() -> None:
-        try:
-            if stream is not None:
-                torch.cuda.set_device(stream.device)
-                torch.cuda.set_stream(stream)
-            result.append(make())
-        except BaseException as e:  # raised again in the caller's thread
-            error.append(e)
+    def run() -> T:
+        _local.on_worker = True
+        if stream is not None:
+            torch.cuda.set_device(stream.device)
+            torch.cuda.set_stream(stream)
+        return make()
 
-    worker = threading.Thread(target=run, name="fluxcompile-persistent", daemon=True)
-    worker.start()
-    worker.join()
-    if error:
-        raise error[0]
-    return result[0]
+    return _executor().submit(run).result()  # raises make's exception, the same object
