@@ -119,7 +119,7 @@ def _channel(group_name: str) -> _Channel:
             rank=rank,
             world=world,
             flags=fws,
-            peer_flags=_addresses(fws),
+            peer_flags=fws.addresses(),
             state=torch.zeros(4, dtype=torch.int32, device="cuda"),
             done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
             err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
@@ -131,17 +131,13 @@ def _channel(group_name: str) -> _Channel:
     return ch
 
 
-def _addresses(ws: Workspace) -> Tensor:
-    """Every rank's buffer of ``ws`` as mapped here, int64 ``[world]`` on the current device."""
-    return torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
-
 
 def _mailbox(ch: _Channel, nbytes: int) -> None:
     """Make the group's mailbox hold ``nbytes`` (a collective when it grows: same sizes on every rank)."""
     ws = workspace(ch.group_name, max(nbytes, 16), tag="schedules.mailbox")
     if ws is not ch.mbox:
         ch.mbox = ws
-        ch.peer_mbox = persistent(lambda: _addresses(ws), f"fluxcompile.schedules' mailbox table of {ch.group_name}")
+        ch.peer_mbox = persistent(ws.addresses, f"fluxcompile.schedules' mailbox table of {ch.group_name}")
         _kept.extend((ws, ch.peer_mbox))
 
 

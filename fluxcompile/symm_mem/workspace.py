@@ -36,6 +36,12 @@ class Workspace:
             raise ValueError(f"offset {offset_bytes} is not a multiple of {dtype}'s size")
         return self.handle.get_buffer(rank, list(shape), dtype, offset_bytes // itemsize)
 
+    def addresses(self) -> torch.Tensor:
+        """Every rank's buffer as mapped here: int64 ``[world_size]`` on this buffer's device (the kernels' peer
+        address table; a host-to-device copy, so made eagerly, never during capture)."""
+        ptrs = [int(self.handle.buffer_ptrs[p]) for p in range(self.world_size)]
+        return torch.tensor(ptrs, dtype=torch.int64, device=self.buffer.device)
+
     def barrier(self, channel: int, timeout_ms: int = 30_000) -> None:
         """Device-side barrier of the group on the current stream (bounded: a missing peer is an error
         after ``timeout_ms``, not a hang)."""

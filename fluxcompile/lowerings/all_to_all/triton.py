@@ -186,13 +186,9 @@ class Comm:
         key = (id(ws.handle), ws.buffer.data_ptr())
         table = self._tables.get(key)
         if table is None:
-            device = ws.buffer.device
-            if _capturing(device):
+            if _capturing(ws.buffer.device):
                 raise RuntimeError("fluxcompile: a MoE workspace changed during CUDA graph capture")
-            ptrs = [int(ws.handle.buffer_ptrs[p]) for p in range(ws.world_size)]
-            table = self._tables[key] = persistent(
-                lambda: torch.tensor(ptrs, dtype=torch.int64, device=device), "a MoE address table"
-            )
+            table = self._tables[key] = persistent(ws.addresses, "a MoE address table")
         return table
 
     def signals(self) -> gg.Signals:

@@ -109,16 +109,12 @@ def _get_state(family: str, group_name: str) -> _State:
                 state=torch.zeros(4, dtype=torch.int32, device="cuda"),
                 err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
                 err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
-                peer_flags=_addresses(fws),
+                peer_flags=fws.addresses(),
             ),
             f"the {family} decode kernel's state",
         )
     return st
 
-
-def _addresses(ws: Workspace) -> Tensor:
-    """Every rank's buffer of ``ws`` as mapped here, int64 ``[world]`` on the current device."""
-    return torch.tensor([int(p) for p in ws.handle.buffer_ptrs], dtype=torch.int64, device="cuda")
 
 
 def _slots(family: str, world: int) -> int:
@@ -139,7 +135,7 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
             torch.cuda.synchronize()
             dist.barrier(group=group(group_name))
         st.data = ws
-        st.peer_data = persistent(lambda: _addresses(ws), f"the {family} decode kernel's address table")
+        st.peer_data = persistent(ws.addresses, f"the {family} decode kernel's address table")
         _kept.extend((ws, st.peer_data))
     return ws, (ws.nbytes // slots) // _SLOT_ALIGN * _SLOT_ALIGN
 

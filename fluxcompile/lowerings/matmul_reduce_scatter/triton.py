@@ -148,15 +148,8 @@ def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
     if key not in st.peers:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fluxcompile: the Triton matmul_reduce_scatter's workspace changed during capture")
-        world = ws.world_size
-        data = [int(ws.handle.buffer_ptrs[p]) for p in range(world)]
-        flags = [int(fws.handle.buffer_ptrs[p]) for p in range(world)]
         st.peers[key] = persistent(
-            lambda: (
-                torch.tensor(data, dtype=torch.int64, device="cuda"),
-                torch.tensor(flags, dtype=torch.int64, device="cuda"),
-            ),
-            "the Triton matmul_reduce_scatter's address tables",
+            lambda: (ws.addresses(), fws.addresses()), "the Triton matmul_reduce_scatter's address tables"
         )
     return st.peers[key]
 
