@@ -11,7 +11,9 @@ it from the host, as NCCL's watchdog does for collectives:
   and reports, naming this rank, the op and every signal that is not in its expected state (which peer,
   which flag), and ends the process: a stream blocked in the driver cannot be cancelled.
 
-Calls captured in CUDA graphs are not watched (a replay does not come back to the host).
+Calls captured in CUDA graphs are not watched (a replay does not come back to the host). The thread's own CUDA
+calls (event queries) run in the relaxed stream-capture mode: in the default global mode, a query made while
+another thread captures a graph (``torch.cuda.graph``, vLLM's decode graphs) would invalidate that capture.
 ``config.signal_timeout_s`` (``FLUXCOMPILE_SIGNAL_TIMEOUT_S``, default 600 like NCCL's) sets the bound, read
 when a watch is made and at each look; 0 turns the watchdog off.
 """
@@ -29,6 +31,21 @@ from ..config import config
 
 log = logging.getLogger("fluxcompile.watchdog")
 
+_CAPTURE_MODE_RELAXED = 2  # CUstreamCaptureMode
+
+
+def relax_capture_mode() -> bool:
+    """Put this thread's CUDA calls in the relaxed stream-capture mode (``cuThreadExchangeStreamCaptureMode``,
+    through the driver library torch has loaded), so that they never invalidate another thread's capture; False
+    where the driver cannot be reached."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+        return cuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _abort(message: str) -> None:
@@ -116,6 +133,8 @@ class Watchdog:
         return None
 
     def _run(self) -> None:
+        if not relax_capture_mode():
+            log.info("fluxcompile watchdog: the CUDA driver cannot set its capture mode; it may break captures")
         while True:
             time.sleep(self.poll_s if self.timeout_s > 0 else 1.0)
             if self.timeout_s <= 0:

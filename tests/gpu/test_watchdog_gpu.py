@@ -41,3 +41,33 @@ def test_late_peer_is_reported_then_both_finish(monkeypatch, unsplit):
         assert f"rank {rank}" in reports[0] and "matmul_reduce_scatter" in reports[0]
         assert f"from rank {world - 1}: ready=0" in reports[0] or "ready=0" in reports[0], reports[0]
     dist.barrier(group)
+
+
+def test_watchdog_queries_do_not_break_a_global_capture(monkeypatch):
+    """The watchdog's thread queries events every millisecond here while this thread captures a CUDA graph in
+    torch's default (global) capture mode, as vLLM's decode graphs do: the capture completes and replays right."""
+    dog = watchdog.Watchdog(600.0, 0.001)
+    monkeypatch.setattr(watchdog, "_dog", dog)
+    w = watchdog.watch("a probe", dist.get_rank(), lambda: "")
+    w.note()  # a pending watch: every look queries its event
+    try:
+        x = torch.zeros(256, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x.add_(1)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        t0 = time.monotonic()
+        with torch.cuda.graph(graph):  # capture_error_mode="global"
+            while time.monotonic() - t0 < 0.3:  # long enough for hundreds of the watchdog's looks
+                x.add_(1)
+        x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert dog._thread is not None and dog._thread.is_alive(), "the watchdog stopped (a CUDA call failed)"
+        assert x.min().item() == x.max().item() > 0
+    finally:
+        dog.watches.clear()
+        dog._timeout_s = 0.0  # the thread idles from now on
