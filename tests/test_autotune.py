@@ -102,6 +102,28 @@ def max_reduced_winner(cache: str) -> tuple[str, dict, dict]:
         return choice.name, dict(CALLS), json.loads(file.read_text())
 
 
+def tuned_on_the_persistent_worker(cache: str) -> tuple[bool, bool]:
+    """Whether every timed call ran on symm_mem.persistent's worker, and whether the chosen fn, called after,
+    ran on the caller's thread."""
+    import threading
+
+    from fluxcompile.symm_mem import persistent
+
+    threads: list[int] = []
+
+    def fn(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+        threads.append(threading.get_ident())
+        return x
+
+    _register("test_op_worker", Choice("fake:a", fn), Choice("reference", fn))
+    with _tuning(cache):
+        choice = pick("test_op_worker", _args(), dist.group.WORLD.group_name)
+        tuned, threads[:] = list(threads), []
+        choice.fn(*_args())
+    worker = persistent(threading.get_ident)
+    return bool(tuned) and set(tuned) == {worker}, threads == [threading.get_ident()]
+
+
 def failures_and_declines(cache: str) -> tuple[str, dict, dict, str]:
     _register(
         "test_op_fail",
@@ -273,6 +295,11 @@ def test_winner_is_argmin_of_max_over_ranks(ranks, tmp_path):
         times = cached["max_ms"]
         assert times["fake:b"] < min(times["fake:a"], times["fake:c"], times["reference"]), times
         assert times["fake:a"] >= 60 and times["fake:c"] >= 60, times  # the slow rank's time
+
+
+def test_tuning_runs_on_the_persistent_worker(ranks, tmp_path):
+    """What tuning leaves behind (choices' state, NCCL's kept tensors) stays out of the caller's CUDA graph pool."""
+    assert ranks(2).run(tuned_on_the_persistent_worker, str(tmp_path)) == [(True, True)] * 2
 
 
 def test_failing_and_declined_choices_are_dropped_everywhere(ranks, tmp_path):

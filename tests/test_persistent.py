@@ -6,6 +6,7 @@ tensors it keeps through it."""
 from __future__ import annotations
 
 import collections
+import importlib
 import threading
 from types import SimpleNamespace
 
@@ -54,6 +55,42 @@ def test_refuses_during_cuda_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="the error words cannot be made during CUDA graph capture"):
         persistent(lambda: made.append(1), "the error words")
     assert made == []
+
+
+def test_host_barrier_runs_on_the_worker(monkeypatch):
+    """NCCL keeps a barrier's tensor past the call: the barrier is made where no graph pool routes it."""
+    from fluxcompile.symm_mem import host_barrier
+
+    seen = []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: seen.append((threading.get_ident(), group)))
+    host_barrier("g")
+    assert seen == [(persistent(threading.get_ident), "g")]
+
+
+def test_workspace_rendezvous_runs_on_the_worker(monkeypatch):
+    """The rendezvous keeps device tables of peer pointers from the caching allocator: made on the worker."""
+    from torch.distributed import _symmetric_memory as symm
+
+    ws_module = importlib.import_module("fluxcompile.symm_mem.workspace")  # the package's name is the function
+    calls = []
+    handle = SimpleNamespace(buffer_ptrs=[1, 2])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ws_module, "enable_group", lambda name: None)
+    monkeypatch.setattr(ws_module, "_workspaces", {})
+    monkeypatch.setattr(
+        symm,
+        "empty",
+        lambda n, dtype, device: calls.append(("empty", threading.get_ident())) or torch.zeros(n, dtype=dtype),
+    )
+    monkeypatch.setattr(
+        symm, "rendezvous", lambda buf, name: calls.append(("rendezvous", threading.get_ident())) or handle
+    )
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_resolve_process_group", lambda name: _group())
+    ws = ws_module.workspace("g", 1024, tag="t")
+    worker = persistent(threading.get_ident)
+    assert calls == [("empty", worker), ("rendezvous", worker)]
+    assert ws.handle is handle and ws.world_size == 2
 
 
 # --- the state creators --------------------------------------------------------------------------------------------

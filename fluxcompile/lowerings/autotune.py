@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..config import config
+from ..symm_mem.persistent import persistent
 from ..version import __version__
 from . import compiled as _compiled
 from .choices import REFERENCE, Choice, choices_for
@@ -186,7 +187,9 @@ def pick(
     group = _resolve_process_group(group_name)
     device = _collective_device(group, args)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        choice = _select(op_name, args, candidates, key, group, device)
+        # On persistent's worker: whatever tuning leaves behind (the choices' state and workspaces, the tensors
+        # NCCL keeps of its collectives) stays out of the caller's CUDA graph pool (reduce-overhead's warm-up).
+        choice = persistent(lambda: _select(op_name, args, candidates, key, group, device), f"tuning {op_name}")
     _memo[memo_key] = choice
     _fast[fast] = choice
     return choice

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import config
-from ..symm_mem import FlagArray, Workspace, init_flags, persistent, workspace
+from ..symm_mem import FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
 from .encoding import EncodedPlan, encode
 from .plan import Plan
 from .wait_errors import ERR_WORDS, check_error
@@ -110,9 +110,13 @@ def _channel(group_name: str) -> _Channel:
         raise ValueError(f"fluxcompile.schedules: at most {ACK_WORDS} ranks, not {world}")
     fws = workspace(group_name, (ACK_WORDS + MSG_FLAGS) * 4, tag="schedules.flags")
     init_flags(FlagArray(fws, 0, ACK_WORDS + MSG_FLAGS), 0)  # host barrier: zeroed on every rank first
-    sms = torch.tensor([torch.cuda.get_device_properties().multi_processor_count], device="cuda")
-    dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
-    max_programs = int(sms.item())
+
+    def fewest_sms() -> int:  # a collective whose tensor NCCL keeps past the call: on persistent's worker
+        sms = torch.tensor([torch.cuda.get_device_properties().multi_processor_count], device="cuda")
+        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+        return int(sms.item())
+
+    max_programs = persistent(fewest_sms, f"fluxcompile.schedules' SM count of group {group_name}")
     ch = _channels[key] = persistent(
         lambda: _Channel(
             group_name=group_name,
@@ -129,7 +133,6 @@ def _channel(group_name: str) -> _Channel:
         f"fluxcompile.schedules' channel of group {group_name}",
     )
     return ch
-
 
 
 def _mailbox(ch: _Channel, nbytes: int) -> None:
@@ -300,7 +303,7 @@ def run_plan(
             raise RuntimeError(f"fluxcompile.schedules: warm up {plan.name} eagerly before CUDA graph capture")
         plan_exec(*args, compile_only=True, **kw)  # compile first, then start together
         torch.cuda.synchronize()
-        dist.barrier(group=_group(group_name))
+        host_barrier(_group(group_name))
         _ready.add(ready_key)
     plan_exec(*args, **kw)
     if not capturing:

@@ -12,8 +12,10 @@ caller's device and current stream: the caching allocator ties
 a block to the stream it was allocated on, and the buffers' first contents (zeros, an uploaded table) are ordered
 before the caller's next work, both as if the caller had made them.
 
-Symmetric workspaces (workspace.py) need none of this: torch's symmetric-memory allocator maps their memory
-itself, outside the caching allocator and its pools.
+The same holds for what a first call's setup leaves behind inside torch: a symmetric workspace's rendezvous
+keeps device tables of peer pointers from the caching allocator, and NCCL keeps a collective's tensors (a host
+barrier's included) past the call until its watchdog retires them. So workspaces are made, and the setup's
+host barriers (:func:`host_barrier`) and the autotuner's runs are made, on the worker too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -44,8 +47,9 @@ def _executor() -> ThreadPoolExecutor:
 
 def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
     """``make()``, run on the worker thread (same CUDA device and current stream, none of the caller's memory
-    pool routing): its result, or its exception raised here. ``make`` only allocates and fills; it runs no
-    collective. ``what`` names the buffers in the error raised during CUDA graph capture, where none can be made."""
+    pool routing): its result, or its exception raised here. ``make`` allocates and fills, and may run the
+    collectives that takes: the caller waits, so each rank still issues its collectives in its own order. ``what``
+    names the buffers in the error raised during CUDA graph capture, where none can be made."""
     stream = None
     if torch.cuda.is_initialized():
         if torch.cuda.is_current_stream_capturing():
@@ -65,3 +69,9 @@ def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
         return make()
 
     return _executor().submit(run).result()  # raises make's exception, the same object
+
+
+def host_barrier(group: dist.ProcessGroup) -> None:
+    """``dist.barrier(group)`` on the worker: NCCL keeps the barrier's tensor past the call, which must not be in
+    the caller's graph pool."""
+    persistent(lambda: dist.barrier(group=group), "a host barrier")

@@ -20,6 +20,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from .persistent import host_barrier
 from .workspace import Workspace, workspace
 
 
@@ -95,7 +96,7 @@ def init_flags(flags: FlagArray, value: int) -> None:
         raise RuntimeError("fluxcompile: signal flags must be initialized by an eager call before graph capture")
     flags.local().fill_(value)
     torch.cuda.synchronize()
-    dist.barrier(group=dist.distributed_c10d._resolve_process_group(flags.ws.group_name))
+    host_barrier(dist.distributed_c10d._resolve_process_group(flags.ws.group_name))
     _initialized.add(key)
 
 

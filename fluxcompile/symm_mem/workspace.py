@@ -14,6 +14,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .persistent import persistent
+
 _MIN_BYTES = 1 << 20
 
 
@@ -91,8 +93,13 @@ def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | N
         )
     enable_group(group_name)
     size = max(nbytes, 2 * ws.nbytes if ws is not None else 0, _MIN_BYTES)
-    buf = symm.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
-    handle = symm.rendezvous(buf, group_name)
+
+    def make() -> tuple[torch.Tensor, object]:
+        buf = symm.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
+        return buf, symm.rendezvous(buf, group_name)
+
+    # The rendezvous keeps device tables from the caching allocator: made outside the caller's graph pool.
+    buf, handle = persistent(make, f"symmetric workspace '{tag}' of group {group_name}")
     if ws is not None:
         _retired.append(ws.buffer)
     group = dist.distributed_c10d._resolve_process_group(group_name)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import threading
 from collections import Counter
 from typing import Any
 
@@ -38,6 +37,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fluxcompile
 from fluxcompile import lowerings
+from fluxcompile.fx_passes import decide
 from fluxcompile.lowerings import autotune
 from fluxcompile.models.llama import Block, BlockArgs
 from fluxcompile.testing import fresh_compiles
@@ -51,7 +51,7 @@ STEPS = 1000  # reduce-overhead replays
 FULL_EVERY = 50  # ... every this many compared element by element
 FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_rmsnorm")
 COMPILE_TIME = "autotuned at compile time"  # how decide.py's reasons for a kept site begin
-CHOOSING_THREAD = "fluxcompile-choose"  # the thread decide.py tunes on while Inductor compiles
+COMPILE_TIME = "compile time"  # a tuning run that decide.py asked for while Inductor compiled
 
 c10d = torch.ops._c10d_functional
 
@@ -178,16 +178,16 @@ def block_input(seed: int, group: dist.ProcessGroup, case: str, device: str = "c
 # What the compile did.
 
 
-
-
 class Tuning:
     """Records, while installed, every compile-time decision (``pick`` as decide.py calls it: op, winner)
-    and every tuning run of the autotuner (``autotune._select``: op, the thread it ran on)."""
+    and every tuning run of the autotuner (``autotune._select``: op, and ``COMPILE_TIME`` where decide.py's
+    choosing thread asked for it, else "run time"; every run itself is on symm_mem.persistent's worker)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.picks: list[tuple[str, str]] = []
         self.selects: list[tuple[str, str]] = []
-        pick, select = lowerings.pick, autotune._select
+        pick, select, choose = lowerings.pick, autotune._select, decide._on_fresh_thread
+        self._choosing = 0
 
         def recording_pick(op_name: str, *args: Any, **kwargs: Any):
             choice = pick(op_name, *args, **kwargs)
@@ -195,16 +195,24 @@ class Tuning:
             return choice
 
         def recording_select(op_name: str, *args: Any, **kwargs: Any):
-            self.selects.append((op_name, threading.current_thread().name))
+            self.selects.append((op_name, COMPILE_TIME if self._choosing else "run time"))
             return select(op_name, *args, **kwargs)
+
+        def recording_choose(fn: Any, device: torch.device) -> Any:
+            self._choosing += 1
+            try:
+                return choose(fn, device)
+            finally:
+                self._choosing -= 1
 
         # decide.py imports pick from fluxcompile.lowerings at every decision; the ops' own CUDA
         # implementations bound autotune.pick at import (not recorded here) and reach _select through it.
         monkeypatch.setattr(lowerings, "pick", recording_pick)
         monkeypatch.setattr(autotune, "_select", recording_select)
+        monkeypatch.setattr(decide, "_on_fresh_thread", recording_choose)
 
     def at_run_time(self) -> list[tuple[str, str]]:
-        return [s for s in self.selects if s[1] != CHOOSING_THREAD]
+        return [s for s in self.selects if s[1] != COMPILE_TIME]
 
 
 _CALL = re.compile(r"extern_kernels\.fluxcompile_(\w+)\(|torch\.ops\.fluxcompile\.(\w+)\.default\(")

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, Workspace, init_flags, persistent, workspace
+from ...symm_mem import FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
 from .. import extensions
 
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
@@ -116,7 +116,6 @@ def _get_state(family: str, group_name: str) -> _State:
     return st
 
 
-
 def _slots(family: str, world: int) -> int:
     return 6 * world + 2 if family == "cuda" else 2 * world + 2  # csrc/gemv_ar.h; kernels/gemm_ar.py
 
@@ -133,7 +132,7 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
             # for one. Zeroed on every rank before any rank's kernel writes into it.
             ws.buffer.zero_()
             torch.cuda.synchronize()
-            dist.barrier(group=group(group_name))
+            host_barrier(group(group_name))
         st.data = ws
         st.peer_data = persistent(ws.addresses, f"the {family} decode kernel's address table")
         _kept.extend((ws, st.peer_data))
@@ -181,7 +180,7 @@ def _sync_ranks_once(key: tuple, group_name: str) -> None:
     if _capturing():
         raise RuntimeError("fluxcompile: the decode kernel's first call for a shape must be eager (warm up first)")
     torch.cuda.synchronize()
-    dist.barrier(group=group(group_name))
+    host_barrier(group(group_name))
     _ready.add(key)
 
 
