@@ -202,7 +202,9 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
     shape_of, scatter_dim, reduce_op, bias = RS_CASES[layout]
     case = RsCase(world, shape_of(world), scatter_dim, reduce_op, bias)
     axis = rs.scatter_axis(case.out_shape, scatter_dim)
-    ranks = OneGpuRanks(world, rs.data_bytes(case.m, case.n, world, axis, BF16), rs.FLAG_BYTES, tag=f"rs{world}")
+    ranks = OneGpuRanks(
+        world, rs.data_bytes(case.m, case.n, world, axis, BF16), rs.FLAG_BYTES, tag=f"rs{world}", launches=rs.LAUNCHES
+    )
     tag = f"{variant} {layout} world {world}"
 
     def fn(r, comm):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -333,3 +334,9 @@ def reduce_slots(slots: Tensor, own: Tensor, out: Tensor, rank: int, scale: floa
         slots, own, out, rows, cols, own.stride(0), rows * cols, rank, world, scale,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
+
+
+# The protocol's launches that may load a kernel's module, in the order every rank makes them (the one-GPU harness
+# orders the simulated ranks' launches by them, so that no rank loads a module, which waits for the device, while a
+# peer's queued GEMM waits for this rank).
+LAUNCHES = ((sys.modules[__name__], "_load_reduction"), (cutlass_gemm, "gemm"))
