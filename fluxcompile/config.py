@@ -116,9 +116,10 @@ class Config:
     # autotuner's choices on Hopper (the first use builds them: csrc_cache).
     experimental_cutlass: bool = _field(True, tuning=True)
     # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py) and of
-    # embedding_bag_all_to_all (kernels/embedding_bag.py): opt-in (README, "Mixture-of-experts and DLRM").
+    # embedding_bag_all_to_all (kernels/embedding_bag.py): the MoE kernels opt-in, the DLRM kernel on (README,
+    # "Mixture-of-experts and DLRM").
     experimental_moe: bool = _field(False, tuning=True)
-    experimental_dlrm: bool = _field(False, tuning=True)
+    experimental_dlrm: bool = _field(True, tuning=True)
     # Bounds (seconds) on the DLRM and MoE kernels' waits for their peers.
     dlrm_timeout_s: float = 60.0
     moe_timeout_s: float = 60.0

@@ -199,7 +199,7 @@ def test_declines_while_off(monkeypatch):
     with config.patch(experimental_dlrm=False):
         for name in eb.VARIANTS:
             assert _REGISTRY[OP][f"triton:{name}"].declines(*_args()) == lo.EXPERIMENTAL
-    assert lo.EXPERIMENTAL == "experimental: FLUXCOMPILE_EXPERIMENTAL_DLRM=1 enables it"
+    assert lo.EXPERIMENTAL == "switched off (FLUXCOMPILE_EXPERIMENTAL_DLRM=0)"
 
 
 def test_operand_checks():

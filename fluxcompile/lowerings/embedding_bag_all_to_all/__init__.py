@@ -2,7 +2,7 @@
 autotuner for one choice per call signature (identically on every rank) and runs it.
 
 Choices, in registration order:
-* ``triton:<variant>`` (triton.py, experimental: ``FLUXCOMPILE_EXPERIMENTAL_DLRM=1``): the Triton pooling kernel of
+* ``triton:<variant>`` (triton.py; ``FLUXCOMPILE_EXPERIMENTAL_DLRM=0`` turns it off): the Triton pooling kernel of
   kernels/embedding_bag.py, which stores every pooled row straight into its owner's output (one launch for all
   tables), counters per (source, destination) pair, a bounded wait and a copy out of the receive buffer;
 * ``reference`` (``embedding_bag`` per table + ``cat`` + NCCL ``all_to_all_single``, registered by

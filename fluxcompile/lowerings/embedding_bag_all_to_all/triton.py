@@ -33,7 +33,7 @@ and every rank must run the same calls of this choice in the same order (as for 
 choice builds the group's; the one-GPU harness (fluxcompile/testing/one_gpu_ranks.py) gives each simulated rank
 its own.
 
-Experimental: it declines every call unless ``config.experimental_dlrm`` (FLUXCOMPILE_EXPERIMENTAL_DLRM=1).
+It declines every call while ``config.experimental_dlrm`` is off (FLUXCOMPILE_EXPERIMENTAL_DLRM=0).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ except ImportError:  # no Triton: the choices are not registered (__init__.py)
 
 NAME = "triton"
 OP = "embedding_bag_all_to_all"
-EXPERIMENTAL = "experimental: FLUXCOMPILE_EXPERIMENTAL_DLRM=1 enables it"
+EXPERIMENTAL = "switched off (FLUXCOMPILE_EXPERIMENTAL_DLRM=0)"
 TAG = "embedding_bag_all_to_all.triton"
 MAX_WORLD = 64
 # The flag workspace of a rank, all int64 (a counter grows by a call's segments: int32 would wrap within a training
