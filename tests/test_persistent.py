@@ -33,6 +33,14 @@ def test_one_worker_serves_every_call_and_a_nested_call_runs_in_place():
     assert outer == inner == first
 
 
+def test_runs_without_autograd():
+    """Tuning runs here: a choice's ``out=`` GEMM on a weight that requires grad must behave as in the compiled graph,
+    where autograd is off."""
+    w = torch.ones(2, 2, requires_grad=True)
+    enabled, out = persistent(lambda: (torch.is_grad_enabled(), torch.mm(w, w, out=torch.empty(2, 2))))
+    assert enabled is False and out.tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
 class _Custom(Exception):
     pass
 

@@ -48,8 +48,9 @@ def _executor() -> ThreadPoolExecutor:
 def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
     """``make()``, run on the worker thread (same CUDA device and current stream, none of the caller's memory
     pool routing): its result, or its exception raised here. ``make`` allocates and fills, and may run the
-    collectives that takes: the caller waits, so each rank still issues its collectives in its own order. ``what``
-    names the buffers in the error raised during CUDA graph capture, where none can be made."""
+    collectives that takes: the caller waits, so each rank still issues its collectives in its own order. It runs
+    without autograd (the worker's grad mode would otherwise be on, whatever the caller's). ``what`` names the
+    buffers in the error raised during CUDA graph capture, where none can be made."""
     stream = None
     if torch.cuda.is_initialized():
         if torch.cuda.is_current_stream_capturing():
@@ -66,7 +67,8 @@ def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
         if stream is not None:
             torch.cuda.set_device(stream.device)
             torch.cuda.set_stream(stream)
-        return make()
+        with torch.no_grad():  # as in a compiled graph: a tuned choice's out= GEMM on a weight must not refuse
+            return make()
 
     return _executor().submit(run).result()  # raises make's exception, the same object
 
