@@ -68,9 +68,15 @@ def dependency_wait(flag, e, err, dep_err, max_spin, rank, tile, kind):
 
 
 @triton.jit
-def now_ns():
-    """The GPU's global timer, in nanoseconds."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+def uniform_now_ns():
+    """The global timer, one value for every thread of the program (the earliest of their readings, reduced across
+    warps): a loop that ends on it ends in every thread at the same iteration. Threads leaving a loop at different
+    iterations would meet the loop's broadcasts and barriers, or a later warpgroup MMA, apart (a hang or an illegal
+    instruction)."""
+    t = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [tl.zeros([1024], dtype=tl.int32)], dtype=tl.int64, is_pure=False, pack=1
+    )
+    return tl.min(t, axis=0)
 
 
 @triton.jit
@@ -79,7 +85,7 @@ def timed_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS: tl.constexp
     kernels), or that many polls (Triton's interpreter, which has no timer): a poll's duration depends on what
     the memory system is doing, so a bound in polls is no bound in time."""
     if TIMED:
-        start = now_ns()
+        start = uniform_now_ns()
         budget_ns = budget_us.to(tl.int64) * 1000
         if SYS:
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
@@ -93,7 +99,7 @@ def timed_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS: tl.constexp
             else:
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
             bail = tl.load(err, volatile=True)
-            late = (now_ns() - start) > budget_ns
+            late = (uniform_now_ns() - start) > budget_ns
         ok = (seen - e) >= 0
         if (seen - e) < 0:
             if bail == 0:
