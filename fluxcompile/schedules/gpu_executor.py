@@ -111,14 +111,10 @@ def _channel(group_name: str) -> _Channel:
     fws = workspace(group_name, (ACK_WORDS + MSG_FLAGS) * 4, tag="schedules.flags")
     init_flags(FlagArray(fws, 0, ACK_WORDS + MSG_FLAGS), 0)  # host barrier: zeroed on every rank first
 
-    def fewest_sms() -> int:  # a collective whose tensor NCCL keeps past the call: on persistent's worker
+    def make() -> _Channel:  # the SM-count all-reduce too: NCCL keeps its tensor past the call
         sms = torch.tensor([torch.cuda.get_device_properties().multi_processor_count], device="cuda")
         dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
-        return int(sms.item())
-
-    max_programs = persistent(fewest_sms, f"fluxcompile.schedules' SM count of group {group_name}")
-    ch = _channels[key] = persistent(
-        lambda: _Channel(
+        return _Channel(
             group_name=group_name,
             rank=rank,
             world=world,
@@ -128,10 +124,10 @@ def _channel(group_name: str) -> _Channel:
             done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
             err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
             err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
-            max_programs=max_programs,
-        ),
-        f"fluxcompile.schedules' channel of group {group_name}",
-    )
+            max_programs=int(sms.item()),
+        )
+
+    ch = _channels[key] = persistent(make, f"fluxcompile.schedules' channel of group {group_name}")
     return ch
 
 
