@@ -241,12 +241,16 @@ class EpLayer:
         self.flops_c = 2.0 * n * d * ffn
 
 
-def ep_layers(layers: list[str], rank: int, world: int):
-    """This rank's ``EpLayer`` of every layer, balanced then skewed, in the order (b) runs them."""
+def ep_layers(layers: list[str], rank: int, world: int, routings: tuple[str, ...] = ("balanced", "skewed")):
+    """This rank's ``EpLayer`` of every layer, balanced then skewed, in the order (b) runs them. Routings not asked
+    for are drawn too, so a layer's routing is the same whichever routings a run times."""
     g = torch.Generator().manual_seed(1234)  # the same routing on every rank
     for layer in layers:
         for kind in ("balanced", "skewed"):
-            yield EpLayer(g, layer, kind, rank, world)
+            L = EpLayer(g, layer, kind, rank, world)
+            if kind in routings:
+                yield L
+            del L
 
 
 def split_mismatch(sends: list[list[int]], recvs: list[list[int]]) -> str | None:
@@ -354,7 +358,7 @@ def peers(args) -> list[dict]:
         vdev_ok = hasattr(torch.ops.symm_mem, "all_to_all_vdev") or "no torch.ops.symm_mem.all_to_all_vdev"
     variants = args.peer_variants.split(",")
     rows = []
-    for L in ep_layers(args.layers.split(","), rank, world):
+    for L in ep_layers(args.layers.split(","), rank, world, tuple(args.routings.split(","))):
         layer, kind = L.layer, L.kind
         lists = [None] * world
         dist.all_gather_object(lists, (L.send, L.recv))  # every rank sees every list: one verdict
@@ -422,6 +426,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="mixtral,fine")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--routings", default="balanced,skewed", help="(b): which routings to time")
     ap.add_argument("--variants", default="", help="(a): comma-separated subset of VARIANTS (default: all)")
     ap.add_argument("--tables", default="gather,kn", help="(a): secondary tables beside 'x' ('' for none)")
     ap.add_argument("--peers", action="store_true", help="(b): under torchrun, the fused ops against NCCL")

@@ -52,3 +52,16 @@ def test_split_mismatch_names_the_pairs():
     assert m.split_mismatch([[3, 5], [2, 7]], [[3, 2], [5, 7]]) is None
     why = m.split_mismatch([[3, 5], [2, 7]], [[3, 2], [6, 7]])
     assert why == "rank 0 sends rank 1 5 rows, rank 1 expects 6"
+
+
+def test_a_routing_run_alone_draws_the_same_layer(monkeypatch):
+    m = _load()
+    monkeypatch.setattr(m, "DEVICE", "cpu")
+    monkeypatch.setattr(m, "DTYPE", torch.float16)
+    layers = list(m.SMOKE_LAYERS)
+    every = [L for L in m.ep_layers(layers, 1, 2) if L.kind == "skewed"]
+    alone = list(m.ep_layers(layers, 1, 2, ("skewed",)))
+    assert [(L.layer, L.kind) for L in alone] == [(L.layer, L.kind) for L in every]
+    for a, b in zip(alone, every):
+        assert (a.send, a.recv) == (b.send, b.recv)
+        assert torch.equal(a.A, b.A) and torch.equal(a.row_index, b.row_index)
