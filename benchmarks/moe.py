@@ -253,6 +253,13 @@ def ep_layers(layers: list[str], rank: int, world: int, routings: tuple[str, ...
             del L
 
 
+def layer_iters(L: EpLayer, recvs: list[list[int]]) -> tuple[int, int]:
+    """Timed iterations of the dispatch and the combine, from the rank that receives the most rows: the same on
+    every rank (each iteration is a collective call; ranks timing different counts would wait for each other)."""
+    scale = max(map(sum, recvs)) / max(sum(L.recv), 1)
+    return iters_for(L.flops_d * scale), iters_for(L.flops_c * scale)
+
+
 def split_mismatch(sends: list[list[int]], recvs: list[list[int]]) -> str | None:
     """Where the ranks' split lists do not describe one exchange (rank s sends rank r ``sends[s][r]`` rows, rank r
     expects ``recvs[r][s]`` from s), or None."""
@@ -394,7 +401,7 @@ def peers(args) -> list[dict]:
             errs[name] = e if exact else float("inf")
         sync()
         times = {(name, op): [] for name in cands for op in ("dispatch", "combine")}
-        it_d, it_c = iters_for(L.flops_d), iters_for(L.flops_c)
+        it_d, it_c = layer_iters(L, [r for _, r in lists])
         for _ in range(args.rounds):
             for name, (fd, fc) in cands.items():
                 for op, fn, it in (("dispatch", fd, it_d), ("combine", fc, it_c)):

@@ -65,3 +65,17 @@ def test_a_routing_run_alone_draws_the_same_layer(monkeypatch):
     for a, b in zip(alone, every):
         assert (a.send, a.recv) == (b.send, b.recv)
         assert torch.equal(a.A, b.A) and torch.equal(a.row_index, b.row_index)
+
+
+def test_every_rank_times_as_many_iterations(monkeypatch):
+    """Each timed iteration is a collective call: ranks that receive different row counts (skewed routing) must
+    still time the same number, or the ones with more wait for peers that have stopped."""
+    from types import SimpleNamespace
+
+    m = _load()
+    monkeypatch.setattr(m, "DEVICE", "cuda")  # iters_for counts only for the GPU
+    d, ffn = m.LAYERS["fine"][:2]
+    recvs = [[40585, 40678], [8567, 8481]]  # the fine layer's skewed routing at two ranks
+    ranks = [SimpleNamespace(recv=r, flops_d=4.0 * sum(r) * d * ffn, flops_c=2.0 * sum(r) * d * ffn) for r in recvs]
+    assert m.iters_for(ranks[0].flops_d) != m.iters_for(ranks[1].flops_d)  # each rank's own count differs
+    assert m.layer_iters(ranks[0], recvs) == m.layer_iters(ranks[1], recvs)
