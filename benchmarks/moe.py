@@ -23,7 +23,9 @@ the layer's tokens; the dispatch (all_to_all_matmul with w1, w3, ``row_index`` a
 rewrites torchtitan's layer) and the combine (matmul_all_to_all with w2) through the registered ``triton:<variant>``
 choices against their references (NCCL ``all_to_all_single`` + index + ``torch._grouped_mm``: the reference choice)
 and, with ``--vdev``, against ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM backend) + index + grouped_mm where
-the torch has it. Every rank draws the routing of every rank from one seed and checks that the ranks' split lists
+the torch has it; beside them "compute only (no exchange)": the references' gathers, GEMMs and scatters alone, the
+floor of any overlap built on torch's GEMMs (so (NCCL - compute only) / NCCL is the most that hiding the exchange
+can save). Every rank draws the routing of every rank from one seed and checks that the ranks' split lists
 describe one exchange (an error names the pairs that differ). Interleaved rounds behind a barrier, each rank's
 median, the slowest rank reported; outputs checked against the references.
 
@@ -286,6 +288,27 @@ def _combine_args(L: EpLayer, group_name: str) -> tuple:
             False)  # fmt: skip
 
 
+COMPUTE = "compute only (no exchange)"
+
+
+def compute_only(L: EpLayer, a_ex: torch.Tensor):
+    """(dispatch, combine) of the references' local work alone: the dispatch's row gather and expert GEMMs on the
+    rows NCCL delivered (``a_ex``), the combine's expert GEMM and row scatter before its exchange. Their time is the
+    floor of any overlap built on torch's GEMMs."""
+    k = a_ex.shape[-1]
+    y = sum(L.recv)
+
+    def dispatch():
+        x = ops.gather_rows(a_ex.reshape(-1, k), L.row_index)
+        return a_ex, [ops.expert_matmul(x, w, None, L.offs) for w in L.w]
+
+    def combine():
+        p = ops.expert_matmul(L.h, L.w2, None, L.offs)
+        return ops.scatter_rows(p, L.row_index, y, False).view(y, L.d)
+
+    return dispatch, combine
+
+
 class Vdev:
     """NCCL's role played by ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM): symmetric input, output and split
     buffers sized for the worst case, the rows copied in and viewed out."""
@@ -399,6 +422,13 @@ def peers(args) -> list[dict]:
             exact = torch.equal(a_ex, ref_d[0])
             e = max([rel_err(o, r) for o, r in zip(outs, ref_d[1])] + [rel_err(out, ref_c)])
             errs[name] = e if exact else float("inf")
+        # The bound: the reference's local work alone (no exchange), what no overlap can beat with torch's GEMMs.
+        cd, cc = compute_only(L, ref_d[0])
+        errs[COMPUTE] = max(rel_err(o, r) for o, r in zip(cd()[1], ref_d[1]))
+        cands[COMPUTE] = (cd, cc)
+        exchanged = torch.empty_like(ref_c)
+        dist.all_to_all_single(exchanged, cc(), L.send, L.recv)
+        errs[COMPUTE] = max(errs[COMPUTE], rel_err(exchanged, ref_c))
         sync()
         times = {(name, op): [] for name in cands for op in ("dispatch", "combine")}
         it_d, it_c = layer_iters(L, [r for _, r in lists])

@@ -79,3 +79,30 @@ def test_every_rank_times_as_many_iterations(monkeypatch):
     ranks = [SimpleNamespace(recv=r, flops_d=4.0 * sum(r) * d * ffn, flops_c=2.0 * sum(r) * d * ffn) for r in recvs]
     assert m.iters_for(ranks[0].flops_d) != m.iters_for(ranks[1].flops_d)  # each rank's own count differs
     assert m.layer_iters(ranks[0], recvs) == m.layer_iters(ranks[1], recvs)
+
+
+def compute_only_on_rank(world: int) -> list[tuple[str, str, bool, bool]]:
+    """On one gloo rank: the compute-only bound's outputs, with NCCL's exchange added back, are the references'."""
+    import torch.distributed as dist
+
+    from fluxcompile import ops
+
+    m = _load()
+    m.DEVICE, m.DTYPE = "cpu", torch.float16
+    group = dist.group.WORLD.group_name
+    rank = dist.get_rank()
+    out = []
+    for L in m.ep_layers(list(m.SMOKE_LAYERS), rank, world):
+        ref_d = ops.REFERENCES["all_to_all_matmul"](*m._dispatch_args(L, group))
+        ref_c = ops.REFERENCES["matmul_all_to_all"](*m._combine_args(L, group))
+        dispatch, combine = m.compute_only(L, ref_d[0])
+        same_d = all(torch.equal(a, b) for a, b in zip(dispatch()[1], ref_d[1]))
+        exchanged = torch.empty_like(ref_c)
+        dist.all_to_all_single(exchanged, combine(), L.send, L.recv)
+        out.append((L.layer, L.kind, same_d, torch.equal(exchanged, ref_c)))
+    return out
+
+
+def test_compute_only_is_the_reference_without_its_exchange(ranks):
+    for rank, rows in enumerate(ranks(2).run(compute_only_on_rank, 2)):
+        assert rows and all(d and c for *_, d, c in rows), f"rank {rank}: {rows}"
