@@ -164,6 +164,22 @@ def test_protocols_launch_through_their_listed_functions():
         assert f"gg.{name}(" in moe_src or f"{name}(" in inspect.getsource(gg.grouped_gemm), name
 
 
+def test_cutlass_protocols_launch_through_their_listed_functions():
+    """The CUTLASS choices' GEMMs (one kernel per layout and dtype, loaded at its first launch) and the
+    reduce-scatter's reduction go through the functions their ``LAUNCHES`` name."""
+    import inspect
+
+    from fluxcompile.kernels import cutlass_gemm
+    from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
+    from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
+
+    ag_src = inspect.getsource(ag.all_gather_matmul_on)
+    assert ag.LAUNCHES == ((cutlass_gemm, "gemm"),) and "cutlass_gemm.gemm(" in ag_src
+    rs_src = inspect.getsource(rs)
+    assert [(owner, name) for owner, name in rs.LAUNCHES] == [(rs, "_load_reduction"), (cutlass_gemm, "gemm")]
+    assert "cutlass_gemm.gemm(" in rs_src and "_load_reduction(" in rs_src
+
+
 def test_simulated_ranks_keep_protocol_states_of_their_own():
     """DLRM's per-rank state (epoch and counter targets) is keyed by the rank's flag buffer: the simulated ranks'
     buffers are slices of one allocation at distinct addresses, so each rank has its own state."""

@@ -111,7 +111,9 @@ class AgCase:
 def test_all_gather_matmul_between_simulated_ranks(world, variant):
     _queues(world)
     case = AgCase(world)
-    ranks = OneGpuRanks(world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}")
+    ranks = OneGpuRanks(
+        world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}", launches=ag.LAUNCHES
+    )
 
     def fn(r, comm):
         return ag.all_gather_matmul_on(comm, case.A[r], case.Bs[r], case.biases[r], 0, variant=variant)
@@ -145,7 +147,9 @@ def test_all_gather_matmul_sequence_parallel_shard():
     world, variant = 2, DATA_PARALLEL[0]
     A = [torch.randn(1, 77, K, device="cuda", dtype=torch.float16) for _ in range(world)]
     B = torch.randn(K, N, device="cuda", dtype=torch.float16) / K**0.5
-    ranks = OneGpuRanks(world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp")
+    ranks = OneGpuRanks(
+        world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp", launches=ag.LAUNCHES
+    )
     results = _run(ranks, lambda r, comm: ag.all_gather_matmul_on(comm, A[r], [B], [None], 1, variant=variant))
     gathered = torch.cat(A, dim=1)
     for A_gathered, (out,) in results:
