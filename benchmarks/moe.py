@@ -361,7 +361,7 @@ def _choices(name: str, world: int):
     if not _smoke_comms:
         for tag in ("d", "c"):
             r = OneGpuRanks(1, 1 << 20, gg.FLAG_BYTES, tag=tag, device="cpu")
-            _smoke_comms[tag] = moe.Comm(r.data.ranks[0], r.flags.ranks[0], moe.Errors.make(torch.device("cpu")),
+            _smoke_comms[tag] = moe.Comm(r.data.ranks[0], r.flags.ranks[0], moe.make_errors(torch.device("cpu")),
                                          "smoke", 1, r.init_flags, 10_000)  # fmt: skip
 
     def run_d(A, Bs, biases, out_splits, in_splits, group, *rest):

@@ -27,7 +27,7 @@ from fluxcompile.kernels import cutlass_gemm
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
-from fluxcompile.symm_mem import FlagArray
+from fluxcompile.symm_mem import ErrorWords, FlagArray
 from fluxcompile.testing.numerics import assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -475,7 +475,7 @@ def _simulate(world: int, data_bytes: int, flag_bytes: int, calls: list, init) -
             data=ranks.data.ranks[r],
             flags=ranks.flags.ranks[r],
             side=_Stream(),
-            errors=ag.Errors(torch.zeros(words, dtype=torch.int32), torch.zeros(words, dtype=torch.int32)),
+            errors=ErrorWords(torch.zeros(words, dtype=torch.int32), torch.zeros(words, dtype=torch.int32)),
             init_flags=ranks.init_flags,
         )
         for r in range(world)

@@ -15,6 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fluxcompile.symm_mem import Workspace, persistent
+from fluxcompile.symm_mem import errors as errors_module
 
 
 def test_runs_on_another_thread_and_returns_its_result():
@@ -212,8 +213,8 @@ def _ag_triton(mp, mode) -> list[torch.Tensor]:
 def _ag_cutlass(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.all_gather_matmul import cutlass as m
 
-    mp.setattr(m, "persistent", mode.persistent)
-    errors = m.Errors.make(torch.device("cuda", 0))
+    mp.setattr(errors_module, "persistent", mode.persistent)
+    errors = m.make_errors(torch.device("cuda", 0))
     return [errors.err, errors.host]
 
 
@@ -221,9 +222,10 @@ def _moe(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.all_to_all import triton as m
 
     mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(errors_module, "persistent", mode.persistent)
     mp.setattr(m, "_local", {})
     mp.setattr(m, "_retired", [])
-    errors = m.Errors.make(torch.device("cuda", 0))
+    errors = m.make_errors(torch.device("cuda", 0))
     ws = m._local_workspace("g", 4096, "t")
     table = m.Comm(ws, ws, errors)._addresses(_workspace())
     return [errors.err, errors.host, ws.buffer, table]

@@ -1,11 +1,14 @@
 """Symmetric-memory workspaces: buffers every rank of a group can read and write, plus their signals; and the
-fused ops' other persistent buffers, made outside any CUDA graph memory pool."""
+fused ops' other persistent buffers, made outside any CUDA graph memory pool, and the error words of their kernels'
+bounded waits."""
 
+from .errors import ErrorWords
 from .persistent import host_barrier, persistent
 from .signals import FlagArray, init_flags, ready_done_flags, stream_consume, stream_wait, stream_write
 from .workspace import Workspace, side_stream, workspace
 
 __all__ = [
+    "ErrorWords",
     "FlagArray",
     "Workspace",
     "host_barrier",

@@ -274,14 +274,14 @@ class OneGpuRanks:
 
     def comm(self, rank: int):
         """The CUTLASS choices' ``Comm`` of ``rank`` (made on first use, eagerly: its error buffer is pinned)."""
-        from ..lowerings.all_gather_matmul.cutlass import Comm, Errors
+        from ..lowerings.all_gather_matmul.cutlass import Comm, make_errors
 
         if rank not in self._comms:
             self._comms[rank] = Comm(
                 data=self.data.ranks[rank],
                 flags=self.flags.ranks[rank],
                 side=self.streams(rank)[1],
-                errors=Errors.make(self.device),
+                errors=make_errors(self.device),
                 sm_count=self.sm_count,
                 init_flags=self.init_flags,
             )

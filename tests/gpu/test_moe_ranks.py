@@ -224,7 +224,7 @@ def _harness(world: int, rows: int, tag: str) -> tuple[list[moe.Comm], list[moe.
     def comms(ranks: OneGpuRanks) -> list[moe.Comm]:
         out = [
             moe.Comm(
-                ranks.data.ranks[r], ranks.flags.ranks[r], moe.Errors.make(dev), f"sim{world}", ranks.sm_count,
+                ranks.data.ranks[r], ranks.flags.ranks[r], moe.make_errors(dev), f"sim{world}", ranks.sm_count,
                 ranks.init_flags, SPIN,
             )
             for r in range(world)

@@ -41,7 +41,7 @@ def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin
         for tag in ("dispatch", "combine"):
             ranks = OneGpuRanks(world, data_bytes, gg.FLAG_BYTES, tag=tag, device="cpu")
             comms.append([
-                moe.Comm(ranks.data.ranks[r], ranks.flags.ranks[r], moe.Errors.make(torch.device("cpu")), "test",
+                moe.Comm(ranks.data.ranks[r], ranks.flags.ranks[r], moe.make_errors(torch.device("cpu")), "test",
                          progs[tag], ranks.init_flags, max_spin)
                 for r in range(world)
             ])  # fmt: skip
@@ -201,7 +201,7 @@ def scenario(world: int, seed: int, dispatch_variants: tuple[str, ...]) -> tuple
 def peer_missing() -> str:
     """World 2, only rank 0 calls: its wait for rank 1's ready flag times out into the error words."""
     ranks = OneGpuRanks(2, 1 << 12, gg.FLAG_BYTES, tag="missing", device="cpu")
-    comm = moe.Comm(ranks.data.ranks[0], ranks.flags.ranks[0], moe.Errors.make(torch.device("cpu")), "test", 1,
+    comm = moe.Comm(ranks.data.ranks[0], ranks.flags.ranks[0], moe.make_errors(torch.device("cpu")), "test", 1,
                     ranks.init_flags, 50)  # fmt: skip
     A = torch.randn(6, 16).to(DT)
     w = [torch.randn(2, 16, 16).to(DT)]

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...config import config
 from ...kernels import cutlass_gemm
-from ...symm_mem import FlagArray, Workspace, persistent, side_stream, stream_write, workspace
+from ...symm_mem import ErrorWords, FlagArray, Workspace, side_stream, stream_write, workspace
 from ...symm_mem import init_flags as symm_init_flags
 from ...symm_mem.exchange import gather_send_order, send
 from ...symm_mem.watchdog import Watch, watch
@@ -57,52 +57,6 @@ TAG = "all_gather_matmul.cutlass"
 
 
 @dataclasses.dataclass
-class Errors:
-    """A rank's error buffer of the kernel's bounded waits, its pinned host copy and the event after which the
-    copy has landed."""
-
-    err: Tensor  # int32 [ERR_WORDS] on the device
-    host: Tensor  # int32 [ERR_WORDS], pinned
-    event: torch.cuda.Event | None = None
-    reported: str = ""  # the call whose copy the host holds
-
-    @classmethod
-    def make(cls, device: torch.device) -> Errors:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fluxcompile: run the CUTLASS choices once eagerly before CUDA graph capture")
-        words = cutlass_gemm.ERR_WORDS
-        return persistent(
-            lambda: cls(
-                torch.zeros(words, dtype=torch.int32, device=device), torch.zeros(words, dtype=torch.int32).pin_memory()
-            ),
-            "the CUTLASS choices' error words",
-        )
-
-    def check_previous(self, what: str, check: Callable[[Tensor, str], None] | None = None) -> None:
-        """Raise if an earlier call's wait timed out and its copy has landed (no synchronization), through
-        ``check`` (the kernel family's message; default the CUTLASS GEMM's). Event queries are not allowed while
-        capturing; a captured graph's replays are checked by the next eager call. Not on CPU (the interpreter)."""
-        if not self.err.is_cuda or torch.cuda.is_current_stream_capturing():
-            return
-        if self.event is not None and self.event.query() and int(self.host[0]):
-            # The words were recorded by an earlier call (the one that copied them or one before it).
-            (check or cutlass_gemm.check_error)(self.host, f"{self.reported} or an earlier call (found at {what})")
-
-    def report(self, what: str, check: Callable[[Tensor, str], None] | None = None) -> None:
-        """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
-        ``config.check_signals``, which synchronizes)."""
-        if not self.err.is_cuda or torch.cuda.is_current_stream_capturing():
-            return
-        self.host.copy_(self.err, non_blocking=True)
-        self.reported = what
-        self.event = torch.cuda.Event()
-        self.event.record()
-        if config.check_signals:
-            self.event.synchronize()
-            (check or cutlass_gemm.check_error)(self.host, what)
-
-
-@dataclasses.dataclass
 class Comm:
     """What the protocol of one rank takes from its group. ``data`` and ``flags`` are symmetric workspaces (a
     rank's own buffer and its peers', through ``view``/``handle.buffer_ptrs``); ``init_flags(flags, value)``
@@ -112,7 +66,7 @@ class Comm:
     data: Workspace
     flags: Workspace
     side: torch.cuda.Stream
-    errors: Errors
+    errors: ErrorWords
     sm_count: int = 0
     init_flags: Callable[[FlagArray, int], None] = symm_init_flags
     watch: Watch | None = None
@@ -131,7 +85,14 @@ class Comm:
             self.watch.note(stream)
 
 
-_errors: dict[tuple[int, str], Errors] = {}
+_errors: dict[tuple[int, str], ErrorWords] = {}
+
+
+def make_errors(device: torch.device) -> ErrorWords:
+    """A rank's error words of the CUTLASS GEMM's waits (``cutlass_gemm.check_error`` reads them)."""
+    return ErrorWords.make(device, cutlass_gemm.ERR_WORDS, "the CUTLASS choices")
+
+
 _watches: dict[tuple[str, int, str], Watch | None] = {}
 
 
@@ -146,7 +107,7 @@ def comm_for(
     device = torch.cuda.current_device()
     errors = _errors.get((device, tag))
     if errors is None:
-        errors = _errors[(device, tag)] = Errors.make(torch.device("cuda", device))
+        errors = _errors[(device, tag)] = make_errors(torch.device("cuda", device))
     comm = Comm(data=data, flags=flags, side=side_stream(), errors=errors)
     key = (group_name, device, tag)
     if key not in _watches:
@@ -299,7 +260,7 @@ def all_gather_matmul_on(
     if comm.data.nbytes < data_bytes(rows, k, world, dtype):
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     arrived_all, done = flag_arrays(comm)
-    comm.errors.check_previous(what)
+    comm.errors.check_previous(what, cutlass_gemm.check_error)
 
     main, side = current_stream(), comm.side
     a_local = A.view(rows, k)
@@ -334,6 +295,6 @@ def all_gather_matmul_on(
     main.wait_stream(side)
     for p in send_to:
         stream_write(main, done.addr(p, rank), 1)
-    comm.errors.report(what)
+    comm.errors.report(what, cutlass_gemm.check_error)
     comm.note(main)
     return A_gathered, outs

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, Workspace, persistent, workspace
+from ...symm_mem import ErrorWords, FlagArray, Workspace, persistent, workspace
 from ...symm_mem import init_flags as symm_init_flags
 
 try:
@@ -106,53 +106,9 @@ def _capturing(device: torch.device) -> bool:
 # --- the communication context -------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Errors:
-    """A rank's error words of the kernels' bounded waits, their pinned host copy and the event after which the
-    copy has landed (on CPU, under the interpreter: checked at once)."""
-
-    err: Tensor  # int32 [ERR_WORDS] on the device
-    host: Tensor  # int32 [ERR_WORDS], pinned
-    event: torch.cuda.Event | None = None
-    reported: str = ""  # the call whose copy the host holds
-
-    @classmethod
-    def make(cls, device: torch.device) -> Errors:
-        device = torch.device(device)
-        if _capturing(device):
-            raise RuntimeError("fluxcompile: run the MoE Triton choices once eagerly before CUDA graph capture")
-
-        def make() -> Errors:
-            host = torch.zeros(gg.ERR_WORDS, dtype=torch.int32)
-            err = torch.zeros(gg.ERR_WORDS, dtype=torch.int32, device=device)
-            return cls(err, host.pin_memory() if device.type == "cuda" else host)
-
-        return persistent(make, "the MoE Triton choices' error words")
-
-    def check_previous(self, group: str, what: str) -> None:
-        """Raise if an earlier call's wait timed out and its copy has landed (no synchronization). Event queries
-        are not allowed while capturing; a captured graph's replays are checked by the next eager call."""
-        if self.err.device.type != "cuda" or _capturing(self.err.device):
-            return
-        if self.event is not None and self.event.query() and int(self.host[0]):
-            # The words were recorded by an earlier call (the one that copied them or one before it).
-            gg.check_error(self.host, group, f"{self.reported} or an earlier call (found at {what})")
-
-    def report(self, group: str, what: str) -> None:
-        """At the end of an eager call: copy the error words to the host (checked by the next call, or now with
-        ``config.check_signals``, which synchronizes; on CPU, now)."""
-        if self.err.device.type != "cuda":
-            gg.check_error(self.err, group, what)
-            return
-        if _capturing(self.err.device):
-            return
-        self.host.copy_(self.err, non_blocking=True)
-        self.reported = what
-        self.event = torch.cuda.Event()
-        self.event.record()
-        if config.check_signals:
-            self.event.synchronize()
-            gg.check_error(self.host, group, what)
+def make_errors(device: torch.device) -> ErrorWords:
+    """A rank's error words of the grouped GEMM's waits (``grouped_gemm.check_error`` reads them)."""
+    return ErrorWords.make(device, gg.ERR_WORDS, "the MoE Triton choices")
 
 
 @dataclasses.dataclass
@@ -165,7 +121,7 @@ class Comm:
 
     data: Workspace | None
     flags: Workspace
-    errors: Errors
+    errors: ErrorWords
     group: str = ""
     sm_count: int = 0
     init_flags: Callable[[FlagArray, int], None] = symm_init_flags
@@ -179,6 +135,10 @@ class Comm:
     @property
     def world(self) -> int:
         return self.flags.world_size
+
+    def check(self, words: Tensor, what: str) -> None:
+        """Raise if ``words`` hold a timed-out wait (``grouped_gemm.check_error``, naming this group)."""
+        gg.check_error(words, self.group, what)
 
     def _addresses(self, ws: Workspace) -> Tensor:
         """Every rank's buffer of ``ws`` as int64 addresses seen from here (made once per buffer, eagerly: a
@@ -225,7 +185,7 @@ class _LocalHandle:
 
 _local: dict[tuple[str, int, str], Workspace] = {}
 _retired: list[Tensor] = []  # outgrown local buffers, kept alive for graphs captured over them
-_errors: dict[tuple[int, str], Errors] = {}
+_errors: dict[tuple[int, str], ErrorWords] = {}
 _comms: dict[tuple[str, int, str], Comm] = {}
 
 
@@ -270,7 +230,7 @@ def comm_for(group_name: str, world: int, data_bytes: int, tag: str) -> Comm:
     if comm is None:
         errors = _errors.get((device, tag))
         if errors is None:
-            errors = _errors[(device, tag)] = Errors.make(torch.device("cuda", device))
+            errors = _errors[(device, tag)] = make_errors(torch.device("cuda", device))
         init = _init_local if world == 1 else symm_init_flags
         comm = _comms[key] = Comm(data, flags, errors, group_name, 0, init)
     elif data is not None:
@@ -478,7 +438,7 @@ def all_to_all_matmul_on(
     received = sum(recv)
     exchanged_shape = [received // unit, *A.shape[1:]] if unit else [0, *A.shape[1:]]
     sig = comm.signals()
-    comm.errors.check_previous(comm.group, what)
+    comm.errors.check_previous(what, comm.check)
 
     if world > 1:
         nbytes = a_local.numel() * a_local.element_size()
@@ -501,7 +461,7 @@ def all_to_all_matmul_on(
         outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, pull=pull, sig=sig, **kw)
     if offs is None:  # bmm: [E, rows / E, N]
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
-    comm.errors.report(comm.group, what)
+    comm.errors.report(what, comm.check)
     return A_exchanged, outs
 
 
@@ -560,7 +520,7 @@ def matmul_all_to_all_on(
     if comm.data is None or comm.data.nbytes < nbytes:
         raise ValueError(f"fluxcompile: {what}: the receive buffer has too few bytes for {nbytes}")
     sig = comm.signals()
-    comm.errors.check_previous(comm.group, what)
+    comm.errors.check_previous(what, comm.check)
 
     received = comm.data.view(rank, (mine, n), buf_dtype)
     if row_index is not None:
@@ -575,5 +535,5 @@ def matmul_all_to_all_on(
     gg.wait_done(sig, 5, skip_self=False)  # every source's rows have landed
     out = torch.empty([mine // unit if unit else 0, *out_shape[1:]], dtype=a.dtype, device=a.device)
     out.view(mine, n).copy_(received)
-    comm.errors.report(comm.group, what)
+    comm.errors.report(what, comm.check)
     return out

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, persistent, side_stream, workspace
-from ..all_gather_matmul.cutlass import Comm, Errors
+from ...symm_mem import ErrorWords, FlagArray, persistent, side_stream, workspace
+from ..all_gather_matmul.cutlass import Comm
 
 try:
     from ...kernels import embedding_bag as eb
@@ -341,7 +341,7 @@ def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]
 
 # --- the protocol -------------------------------------------------------------------------------------------------
 
-_errors: dict[int, Errors] = {}
+_errors: dict[int, ErrorWords] = {}
 _states: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
 
@@ -353,7 +353,7 @@ def comm_for(group_name: str, world: int, data_bytes: int) -> Comm:
     device = torch.cuda.current_device()
     errors = _errors.get(device)
     if errors is None:
-        errors = _errors[device] = Errors.make(torch.device("cuda", device))
+        errors = _errors[device] = ErrorWords.make(torch.device("cuda", device), eb.ERR_WORDS, "the DLRM kernel")
     return Comm(data=data, flags=flags, side=side_stream(), errors=errors)
 
 

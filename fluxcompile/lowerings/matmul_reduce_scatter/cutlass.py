@@ -27,7 +27,7 @@ The reduction: one small Triton kernel (``_reduce_kernel``): per output tile, ou
 (strided for columns) plus the w-1 slots, summed in fp32 in ring order, scaled by 1/w for ``avg``, rounded once
 into the output. One launch, no temporary; torch ops would need an fp32 temporary and 3+ launches.
 
-Errors, the communication context (``Comm``) and the watchdog are the all-gather choice's
+The error words, the communication context (``Comm``) and the watchdog are the all-gather choice's
 (lowerings/all_gather_matmul/cutlass.py). Stream-K variants cannot count tiles: they decline.
 
 On by default; it declines every call while ``config.experimental_cutlass`` is off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0).
@@ -219,7 +219,7 @@ def matmul_reduce_scatter_on(
     if comm.data.nbytes < data_bytes(m, n, world, axis, dtype):
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     counters, ready, done = flag_arrays(comm)
-    comm.errors.check_previous(what)
+    comm.errors.check_previous(what, cutlass_gemm.check_error)
     tiles = _tiles(variant, m, n, chunk, axis)
 
     main, side = current_stream(), comm.side
@@ -257,7 +257,7 @@ def matmul_reduce_scatter_on(
     for p in owners:
         stream_write(main, done.addr(p, rank), 1)  # p's slot in our buffer is free again
     main.wait_stream(side)
-    comm.errors.report(what)
+    comm.errors.report(what, cutlass_gemm.check_error)
     comm.note(main)
     return out
 
