@@ -3,7 +3,7 @@ fused ops' other persistent buffers, made outside any CUDA graph memory pool, an
 bounded waits."""
 
 from .errors import ErrorWords
-from .persistent import host_barrier, persistent
+from .persistent import capturing, host_barrier, persistent
 from .signals import FlagArray, init_flags, ready_done_flags, stream_consume, stream_wait, stream_write
 from .workspace import Workspace, side_stream, workspace
 
@@ -11,6 +11,7 @@ __all__ = [
     "ErrorWords",
     "FlagArray",
     "Workspace",
+    "capturing",
     "host_barrier",
     "init_flags",
     "persistent",

@@ -17,13 +17,9 @@ import torch
 from torch import Tensor
 
 from ..config import config
-from .persistent import persistent
+from .persistent import capturing, persistent
 
 Check = Callable[[Tensor, str], None]
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclasses.dataclass
@@ -41,7 +37,7 @@ class ErrorWords:
         """Zeroed words on ``device``, made on ``symm_mem.persistent``'s worker (kept across calls, so never from
         a caller's CUDA graph pool); ``owner`` names the kernels in the errors."""
         device = torch.device(device)
-        if _capturing(device):
+        if capturing(device):
             raise RuntimeError(f"fluxcompile: run {owner} once eagerly before CUDA graph capture")
 
         def make() -> ErrorWords:
@@ -54,7 +50,7 @@ class ErrorWords:
     def check_previous(self, what: str, check: Check) -> None:
         """Raise, through ``check``, if an earlier call's wait timed out and its copy has landed (no
         synchronization)."""
-        if self.err.device.type != "cuda" or _capturing(self.err.device):
+        if self.err.device.type != "cuda" or capturing(self.err.device):
             return
         if self.event is not None and self.event.query() and int(self.host[0]):
             # The words were recorded by an earlier call (the one that copied them or one before it).
@@ -66,7 +62,7 @@ class ErrorWords:
         if self.err.device.type != "cuda":
             check(self.err, what)
             return
-        if _capturing(self.err.device):
+        if capturing(self.err.device):
             return
         self.host.copy_(self.err, non_blocking=True)
         self.reported = what

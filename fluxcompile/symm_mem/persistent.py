@@ -45,6 +45,11 @@ def _executor() -> ThreadPoolExecutor:
         return _worker[1]
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (never on CPU, Triton's interpreter)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def persistent(make: Callable[[], T], what: str = "a persistent buffer") -> T:
     """``make()``, run on the worker thread (same CUDA device and current stream, none of the caller's memory
     pool routing): its result, or its exception raised here. ``make`` allocates and fills, and may run the

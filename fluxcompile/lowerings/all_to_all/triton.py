@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import ErrorWords, FlagArray, Workspace, persistent, workspace
+from ...symm_mem import ErrorWords, FlagArray, Workspace, capturing, persistent, workspace
 from ...symm_mem import init_flags as symm_init_flags
 
 try:
@@ -97,10 +97,6 @@ COMBINE_VARIANTS = list(_ONE_PER_SM)
 def timeout_s() -> float:
     """The bound on the kernels' waits: ``config.moe_timeout_s``."""
     return float(config.moe_timeout_s)
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # --- the communication context -------------------------------------------------------------------------
@@ -146,7 +142,7 @@ class Comm:
         key = (id(ws.handle), ws.buffer.data_ptr())
         table = self._tables.get(key)
         if table is None:
-            if _capturing(ws.buffer.device):
+            if capturing(ws.buffer.device):
                 raise RuntimeError("fluxcompile: a MoE workspace changed during CUDA graph capture")
             table = self._tables[key] = persistent(ws.addresses, "a MoE address table")
         return table

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import ErrorWords, FlagArray, persistent, side_stream, workspace
+from ...symm_mem import ErrorWords, FlagArray, capturing, persistent, side_stream, workspace
 from ..all_gather_matmul.cutlass import Comm
 
 try:
@@ -200,7 +200,7 @@ def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dty
     # ordered after the write (ranks simulated on one GPU share a device and their tables' values).
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream, dtype, values)
-    capturing = _capturing(device)
+    in_capture = capturing(device)
     t = _tables.get(key)
     if t is None:
         if device.type != "cuda":
@@ -208,7 +208,7 @@ def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dty
         else:
             # Made during a capture, a table lives in the graph's pool; made eagerly, outside any pool this thread
             # is routed to (the CUDA graph trees' warm-up).
-            if capturing:
+            if in_capture:
                 t = torch.empty(len(values), dtype=dtype, device=device)
             else:
                 t = persistent(lambda: torch.empty(len(values), dtype=dtype, device=device), "a device table")
@@ -222,7 +222,7 @@ def device_table(values: tuple[int, ...], device: torch.device, dtype: torch.dty
                     del _tables[old]
     else:
         _tables.move_to_end(key)
-    if capturing:
+    if in_capture:
         _captured.add(key)
     return t
 
@@ -399,7 +399,7 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
     buf = comm.flags.buffer
     entry = _states.get(buf.data_ptr())
     if entry is None or entry[0] is not buf:
-        if _capturing(buf.device):
+        if capturing(buf.device):
             raise RuntimeError(f"fluxcompile: run {OP} ({NAME}) once eagerly before CUDA graph capture")
         entry = _states[buf.data_ptr()] = persistent(
             lambda: (
@@ -424,8 +424,6 @@ def _peer_tables(comm: Comm, device: torch.device) -> tuple[Tensor, Tensor, Tens
     )
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def embedding_bag_all_to_all_on(
