@@ -3,7 +3,6 @@ epilogue and own-slot stores, no peers) against cuBLAS and a plain streaming rea
 CUDA graph replays, for kernel variants built side by side (in parallel):
 
     python lab/gemv_lab.py [--variants cur,NAME=FILE@-DFLAG=1,...] [--shapes 8192x14336,8192x4096] [--ms 1,16,64]
-                           [--waves 1,2,4]
 
 A variant is ``cur`` (the product's gemv_ar.cu as it is) or ``NAME=FILE``, each optionally followed by
 ``@``-separated nvcc flags (``cur@-DFOO=2``: the kernel's lab knobs are macros). FILE is a patch of the
@@ -166,7 +165,7 @@ class Solo:
         self.err = torch.zeros(8, dtype=torch.int32, device="cuda")
 
 
-def run(ext, solo: Solo, a, w, out, waves: int = 1):
+def run(ext, solo: Solo, a, w, out):
     m, k = a.shape
     n = w.shape[0]
     tiles = -(-n // 32)
@@ -174,7 +173,7 @@ def run(ext, solo: Solo, a, w, out, waves: int = 1):
         a.data_ptr(), w.data_ptr(), 0, out.data_ptr(), 0, 0, 0, 0.0, False,
         int(solo.peer_data.data_ptr()), int(solo.peer_flags.data_ptr()), solo.slot_bytes,
         solo.state.data_ptr(), 0, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, False, tiles,
-        int(5e9), 0, tiles, waves, torch.cuda.current_stream().cuda_stream,
+        int(5e9), 0, tiles, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
 
 
@@ -236,7 +235,6 @@ def main() -> None:
     p.add_argument("--variants", default="cur")
     p.add_argument("--shapes", default="8192x14336,8192x4096")
     p.add_argument("--ms", default="1,16,64")
-    p.add_argument("--waves", default="1", help="the launcher's waves to time each variant with (e.g. 1,2,4)")
     p.add_argument("--once", action="store_true", help="each method once, eagerly, untimed (to run under ncu)")
     p.add_argument("--time-wrong", action="store_true", help="time variants whose output is wrong (diagnostics)")
     args = p.parse_args()
@@ -265,12 +263,11 @@ def main() -> None:
                 # with the 256B hint too (7).
                 for pat in range(8):
                     res[f"tile{pat}"] = graph_time(lambda w=w, pat=pat: read_ext.tile_read_all(w, sink, pat))
-            for (v, ext), waves in ((item, wv) for item in exts.items() for wv in map(int, args.waves.split(","))):
-                v = v if waves == 1 else f"{v}/w{waves}"
+            for v, ext in exts.items():
                 solo = Solo(m, n)
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 try:
-                    run(ext, solo, a, w, out, waves)
+                    run(ext, solo, a, w, out)
                     torch.cuda.synchronize()
                 except RuntimeError as e:
                     print(f"!! {v} n={n} k={k} m={m}: {e}", flush=True)
@@ -281,7 +278,7 @@ def main() -> None:
                     print(f"!! {v} n={n} k={k} m={m}: rel err {err:.2e}, err words {bad}", flush=True)
                     if not args.time_wrong:
                         continue
-                res[v] = graph_time(lambda e=ext, s=solo, a=a, w=w, o=out, wv=waves: run(e, s, a, w, o, wv))
+                res[v] = graph_time(lambda e=ext, s=solo, a=a, w=w, o=out: run(e, s, a, w, o))
             gb = w.numel() * 2
             line = f"n={n:6d} k={k:6d} m={m:3d} " + " ".join(
                 f"{name} {t:6.1f}us {gb / t / 1e3:5.0f}GB/s" for name, t in res.items()

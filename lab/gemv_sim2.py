@@ -22,8 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_lab import build_variants, graph_time
 
-from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import CUDA_MODES
-
 TILE, MAX_TILES, WORLD = 32, 8192, 2
 TIMEOUT_NS = int(2e8)  # 0.2 s: a launch that never meets its peer ends in an error, not a hang
 
@@ -54,12 +52,12 @@ def launch(ext, r: Rank, rank: int, peer_data, peer_flags, mode: str, grid: int)
     n = r.w.shape[0]
     tiles = -(-n // TILE)
     p = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    v = CUDA_MODES[mode]
     ext.launch(
         r.a.data_ptr(), r.w.data_ptr(), 0, r.out.data_ptr(), p(r.normed), p(r.residual), p(r.norm_w), 1e-5, False,
         int(peer_data.data_ptr()), int(peer_flags.data_ptr()), r.slot_bytes, r.state.data_ptr(), p(r.ss),
-        r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, v.two_shot, v.ll, tiles, TIMEOUT_NS, 0,
-        min(grid, tiles), v.waves, r.stream.cuda_stream,
+        r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, mode == "twoshot", mode == "oneshot-ll",
+        tiles, TIMEOUT_NS, 0,
+        min(grid, tiles), r.stream.cuda_stream,
     )  # fmt: skip
 
 
@@ -135,7 +133,7 @@ def main() -> int:
     p.add_argument("--variants", default="cur")
     p.add_argument("--shapes", default="8192x14336,8200x4104,200x1032")
     p.add_argument("--ms", default="1,2,3,16,24,64")
-    p.add_argument("--modes", default="oneshot,twoshot,oneshot-ll,oneshot-ll-w2", help="names of CUDA_MODES")
+    p.add_argument("--modes", default="oneshot,twoshot,oneshot-ll")
     p.add_argument("--eager", type=int, default=20)
     p.add_argument("--replays", type=int, default=300)
     args = p.parse_args()

@@ -96,15 +96,6 @@ def test_ll_variant_needs_a_peer(monkeypatch):
     assert "one rank" in (decode_ar.cuda_supports("oneshot-ll", *args) or "")
 
 
-def test_waves_need_a_peer(monkeypatch):
-    """Waves overlap the exchange with the GEMV: at world size 1 they would be the one-wave choice again."""
-    args = _cuda_args(monkeypatch, 1)
-    for mode, v in decode_ar.CUDA_MODES.items():
-        why = decode_ar.cuda_supports(mode, *args) or ""
-        assert ("one-wave" in why) == (v.waves > 1 and not v.ll), mode
-    assert "one-wave" not in (decode_ar.cuda_supports("oneshot-w2", *_cuda_args(monkeypatch, 2)) or "")
-
-
 def _resolved_size() -> int:
     import torch.distributed as dist
 

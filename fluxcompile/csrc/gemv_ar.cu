@@ -14,9 +14,7 @@
 //
 // A tile is kGemvTileN output columns for all m rows; a CTA computes kTpc adjacent tiles at once (a unit).
 // Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
-// tile is reduced by the CTA that computed it here. With one unit per CTA (one wave) the units finish
-// together and the exchange follows the weight stream; the launcher's `waves` gives each CTA several units
-// in sequence, so the partials of the earlier ones travel while the later ones stream the weight:
+// tile is reduced by the CTA that computed it here:
 //   1. compute each tile's partial (+ bias, rounded to T like addmm's output) and store it straight into
 //      the destination ranks' symmetric slots (zero-copy, over NVLink; the CTA's last unit keeps its own
 //      partial in shared memory for phase 2), then release a flag per tile:
@@ -980,9 +978,9 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
 }
 
 // Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
-// CTA running), and no more than a wave's share of the units.
+// CTA running), and no more than there are units.
 template <typename T, int MT, int kRowM = 0>
-cudaError_t launch_mt(const GemvArParams& p_in, int grid, int waves, cudaStream_t stream) {
+cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
   using C = Cfg<MT, kRowM>;
   GemvArParams p = p_in;
   int device = 0, sms = 0, per_sm = 0;
@@ -1002,43 +1000,42 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int waves, cudaStream_
   if (rc != cudaSuccess) return rc;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
-  const int per_wave = (units + waves - 1) / waves;
-  grid = grid < per_wave ? grid : per_wave;
+  grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
   gemv_ar_kernel<T, MT, kRowM><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_typed(const GemvArParams& p, int grid, int waves, cudaStream_t stream) {
+cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
   switch ((p.m + 15) / 16) {
     case 1:
-      if (p.m == 1) return launch_mt<T, 1, 1>(p, grid, waves, stream);
-      if (p.m == 2) return launch_mt<T, 1, 2>(p, grid, waves, stream);
+      if (p.m == 1) return launch_mt<T, 1, 1>(p, grid, stream);
+      if (p.m == 2) return launch_mt<T, 1, 2>(p, grid, stream);
       if constexpr (GEMV_ROW_MAX_M >= 3) {
-        if (p.m == 3) return launch_mt<T, 1, 3>(p, grid, waves, stream);
+        if (p.m == 3) return launch_mt<T, 1, 3>(p, grid, stream);
       }
       if constexpr (GEMV_ROW_MAX_M >= 4) {
-        if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, waves, stream);
+        if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, stream);
       }
-      return launch_mt<T, 1>(p, grid, waves, stream);
-    case 2: return launch_mt<T, 2>(p, grid, waves, stream);
-    case 3: return launch_mt<T, 3>(p, grid, waves, stream);
-    default: return launch_mt<T, 4>(p, grid, waves, stream);
+      return launch_mt<T, 1>(p, grid, stream);
+    case 2: return launch_mt<T, 2>(p, grid, stream);
+    case 3: return launch_mt<T, 3>(p, grid, stream);
+    default: return launch_mt<T, 4>(p, grid, stream);
   }
 }
 
 }  // namespace
 
-cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, int waves, cudaStream_t stream) {
+cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStream_t stream) {
   const long long w_elems = static_cast<long long>(p.n) * p.ldw, a_elems = static_cast<long long>(p.m) * p.lda;
   if (w_elems >= (1ll << 31) || a_elems >= (1ll << 31)) return cudaErrorInvalidValue;  // 32-bit row offsets
   if (p.m < 1 || p.m > kGemvMaxM || p.n_tiles > kGemvMaxTiles || p.k % 8 || p.n % 8 || grid < 1 ||
-      grid > p.n_tiles || waves < 1 || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world) ||
+      grid > p.n_tiles || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world) ||
       (p.ll && p.two_shot)) {
     return cudaErrorInvalidValue;
   }
-  return dtype == 0 ? launch_typed<__nv_bfloat16>(p, grid, waves, stream) : launch_typed<__half>(p, grid, waves, stream);
+  return dtype == 0 ? launch_typed<__nv_bfloat16>(p, grid, stream) : launch_typed<__half>(p, grid, stream);
 }
 
 }  // namespace fluxcompile

@@ -50,10 +50,7 @@ struct GemvArParams {
   GemvTmaMap tmap_w, tmap_a;
 };
 
-// dtype: 0 = bfloat16, 1 = float16. grid: at most this many CTAs. waves (>= 1): each CTA computes about this
-// many units one after another (at most ceil(units / waves) CTAs), so the partials of a CTA's earlier units
-// cross to the peers while its later ones stream the weight; with one wave every unit finishes at about the
-// same time and the whole exchange follows the GEMV. Returns the launch's CUDA error (cudaSuccess when queued).
-cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, int waves, cudaStream_t stream);
+// dtype: 0 = bfloat16, 1 = float16. Returns the launch's CUDA error (cudaSuccess when queued).
+cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStream_t stream);
 
 }  // namespace fluxcompile

@@ -19,7 +19,7 @@ void launch(int64_t a, int64_t w, int64_t bias, int64_t out, int64_t normed, int
             double eps, bool weight_after_cast, int64_t peer_data, int64_t peer_flags, int64_t slot_bytes,
             int64_t state, int64_t ss_part, int64_t err, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldw,
             int64_t rank, int64_t world, bool two_shot, bool ll, int64_t n_tiles, int64_t timeout_ns, int64_t dtype,
-            int64_t grid, int64_t waves, int64_t stream) {
+            int64_t grid, int64_t stream) {
   fluxcompile::GemvArParams p{};
   p.a = ptr<const void*>(a);
   p.w = ptr<const void*>(w);
@@ -48,7 +48,7 @@ void launch(int64_t a, int64_t w, int64_t bias, int64_t out, int64_t normed, int
   p.n_tiles = static_cast<int>(n_tiles);
   p.timeout_ns = timeout_ns;
   cudaError_t rc = fluxcompile::gemv_ar_launch(p, static_cast<int>(dtype), static_cast<int>(grid),
-                                               static_cast<int>(waves), ptr<cudaStream_t>(stream));
+                                               ptr<cudaStream_t>(stream));
   if (rc != cudaSuccess) {
     throw std::runtime_error(std::string("fluxcompile gemv_ar launch failed: ") + cudaGetErrorString(rc));
   }

@@ -84,9 +84,8 @@ def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
         return True
     world = dist.get_world_size()  # a two-shot kernel needs a tile for every rank to own
     if name.startswith("cuda:"):
-        mode = fused_kernels.CUDA_MODES[name.split("gemv-", 1)[1]]
-        if (mode.ll or mode.waves > 1) and world < 2:
-            return False  # LL words travel between ranks; waves overlap an exchange
+        if name.endswith("-ll") and world < 2:
+            return False  # LL words travel between ranks
         return m <= 64 and n % 8 == 0 and layout == "nk" and ("twoshot" not in name or -(-n // 32) >= world)
     if name.startswith("triton:"):
         v = fused_kernels.TRITON_VARIANTS[name.split(":", 1)[1]]
@@ -150,8 +149,6 @@ GRAPH_CHOICES = [
     ("cuda:gemv-twoshot", 24, "after"),
     ("cuda:gemv-oneshot-ll", 1, "before"),
     ("cuda:gemv-oneshot-ll", 40, None),
-    ("cuda:gemv-oneshot-ll-w2", 64, "after"),  # two units per CTA: the first's words cross during the second
-    ("cuda:gemv-oneshot-w2", 16, None),
     ("triton:oneshot-16x64x128", 16, None),
     ("triton:twoshot-64x64x64", 77, "after"),
     ("torch_symm_mem:one_shot", 16, "before"),

@@ -220,27 +220,9 @@ def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tai
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class CudaMode:
-    """A variant of the CUDA kernel: its all-reduce (one-shot, two-shot, or one-shot whose partials travel as LL
-    words: data and epoch together, no fence and no flag per tile on the writer's side), and its waves (each
-    CTA computes about this many units in sequence, so the earlier units' partials cross NVLink while the later
-    ones stream the weight; one wave: the exchange follows the whole GEMV)."""
-
-    two_shot: bool = False
-    ll: bool = False
-    waves: int = 1
-
-
-# The CUDA kernel's variants, choice "cuda:gemv-<mode>".
-CUDA_MODES: dict[str, CudaMode] = {
-    "oneshot": CudaMode(),
-    "twoshot": CudaMode(two_shot=True),
-    "oneshot-ll": CudaMode(ll=True),
-    "oneshot-w2": CudaMode(waves=2),
-    "oneshot-ll-w2": CudaMode(ll=True, waves=2),
-    "oneshot-ll-w4": CudaMode(ll=True, waves=4),
-}
+# The CUDA kernel's variants (choice "cuda:gemv-<mode>"): one-shot, two-shot, and one-shot whose partials
+# travel as LL words (data and epoch together: no fence and no flag per tile on the writer's side).
+CUDA_MODES = ("oneshot", "twoshot", "oneshot-ll")
 
 
 def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
@@ -249,7 +231,7 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
         return why
     if mode not in CUDA_MODES:
         return f"unknown mode {mode!r}"
-    two_shot, ll = CUDA_MODES[mode].two_shot, CUDA_MODES[mode].ll
+    two_shot = mode == "twoshot"
     a, b = As[0], Bs[0]
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if a.dtype not in (torch.bfloat16, torch.float16):
@@ -263,10 +245,8 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
     world = group(group_name).size()
-    if ll and world < 2:
+    if mode == "oneshot-ll" and world < 2:
         return "LL words travel between ranks: with one rank this is the one-shot choice"
-    if CUDA_MODES[mode].waves > 1 and world < 2:
-        return "waves overlap the exchange: with one rank this is the one-wave choice"
     if world > 1 and not config.experimental_gemv_peers:
         return "csrc/gemv_ar.cu between GPUs is switched off (FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 turns it on)"
     tiles = -(-n // CUDA_TILE_N)
@@ -318,7 +298,7 @@ def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, T
 
 
 def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None) -> Tensor | tuple[Tensor, Tensor]:
-    variant = CUDA_MODES[mode]
+    two_shot, ll = mode == "twoshot", mode == "oneshot-ll"
     ext = extensions.load("gemv_ar")
     a, b = As[0], Bs[0]
     if a.data_ptr() % 16:
@@ -349,9 +329,8 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
         int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
         st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.err.data_ptr(),
-        m, n, k, a.stride(0), b.stride(1), rank, world, variant.two_shot, variant.ll, n_tiles,
-        int(config.decode_timeout_s * 1e9), 0 if a.dtype == torch.bfloat16 else 1, grid, variant.waves,
-        torch.cuda.current_stream().cuda_stream,
+        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(config.decode_timeout_s * 1e9),
+        0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
     _after_launch(st, group_name)
     return out if tail is None else (out, normed)
