@@ -36,10 +36,13 @@ the table after ``== moe table``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
+import signal
 import statistics
+import sys
 
 import timing
 import torch
@@ -379,6 +382,14 @@ def _choices(name: str, world: int):
     return run_d, run_c
 
 
+def progress(what: str) -> None:
+    """Rank 0's step, on stderr (where a hang stopped; the table goes to stdout)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"   .. {what}", file=sys.stderr, flush=True)
+
+
 def peers(args) -> list[dict]:
     import torch.distributed as dist
 
@@ -418,6 +429,7 @@ def peers(args) -> list[dict]:
             cands[f"triton:{name}"] = (lambda r=run_d, da=dargs: r(*da), lambda r=run_c, ca=cargs: r(*ca))
         errs = {}
         for name, (fd, fc) in cands.items():
+            progress(f"{layer} {kind}: checking {name}")
             a_ex, outs = fd()
             out = fc()
             exact = torch.equal(a_ex, ref_d[0])
@@ -433,9 +445,10 @@ def peers(args) -> list[dict]:
         sync()
         times = {(name, op): [] for name in cands for op in ("dispatch", "combine")}
         it_d, it_c = layer_iters(L, [r for _, r in lists])
-        for _ in range(args.rounds):
+        for rd in range(args.rounds):
             for name, (fd, fc) in cands.items():
                 for op, fn, it in (("dispatch", fd, it_d), ("combine", fc, it_c)):
+                    progress(f"{layer} {kind}: round {rd}, {op} {name} x{it}")
                     dist.barrier()
                     times[(name, op)].append(time_us(fn, it))
         med = torch.tensor([statistics.median(times[key]) for key in times], dtype=torch.float64, device=DEVICE)
@@ -484,6 +497,9 @@ def main() -> None:
     lines = []
     if args.peers:
         import torch.distributed as dist
+
+        # torchrun ends a hung step with SIGTERM: every worker prints where it waits first.
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
         if DEVICE == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
