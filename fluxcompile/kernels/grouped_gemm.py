@@ -707,22 +707,6 @@ def grouped_gemm(
     return outs
 
 
-def pull_rows(
-    pull: Pull, sig: Signals, *, variant: Variant | str = DEFAULT, num_programs: int | None = None
-) -> None:
-    """The dispatch's copy phase alone, for rows of any width (no weights): ``pull.a_out`` receives every source's
-    rows, and the last program tells every source ``done``. For exchanges whose matmuls run elsewhere."""
-    v = VARIANTS[variant] if isinstance(variant, str) else variant
-    a = pull.a_out
-    if a.dim() != 2 or not a.is_contiguous():
-        raise ValueError("pull_rows: the pull's output must be contiguous [rows, K]")
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    # The launch reads no weight: a view of the output stands in for its pointer and strides.
-    _launch(a, [a.unsqueeze(0)], [], offs=None, row_index=None, gather=False, R=a.shape[0], pull=pull, gemm=False,
-            scatter=None, sig=sig, v=v, num_programs=num_programs, tma=False)  # fmt: skip
-
-
 def launch_block(v: Variant, dual: bool) -> tuple[int, int, int]:
     """A launch's (BLOCK_M, BLOCK_N per weight, BLOCK_K): two weights get half the variant's columns each (two
     accumulators: the variant's registers and shared memory); a weight's block is at most 128 columns (256

@@ -173,9 +173,8 @@ class Layer:
         )
         h = (F.silu(outs[0].float()) * outs[1].float()).to(self.dtype)
         y_rows = sum(self.recv[r])
-        out = moe.matmul_all_to_all_on(  # -torch: the pull protocol, over the dispatch's workspaces
-            dcomm if combine_variant.endswith(moe.TORCH) else ccomm, h, self.w2[r], [y_rows, D], self.counts[r],
-            self.recv[r], self.offs[r], self.row_index[r],
+        out = moe.matmul_all_to_all_on(
+            ccomm, h, self.w2[r], [y_rows, D], self.counts[r], self.recv[r], self.offs[r], self.row_index[r],
             self.accumulate, variant=combine_variant,
         )  # fmt: skip
         return A_ex, outs, h, out
@@ -243,24 +242,23 @@ def _no_errors(*comm_lists) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("how", ("", moe.SPLIT, moe.TORCH), ids=("fused", "split", "torch"))
-def test_layer_between_simulated_ranks(world, how):
+@pytest.mark.parametrize("split", (False, True), ids=("fused", "split"))
+def test_layer_between_simulated_ranks(world, split):
     _queues(world)
-    g = torch.Generator().manual_seed(world * 10 + len(how))
-    dvar = gg.DEFAULT + how
-    cvar = gg.DEFAULT + (how if how == moe.TORCH else "")
-    dcomms, ccomms, ranks = _harness(world, world * 160 + 64, f"moe{world}{how or '-fused'}")
+    g = torch.Generator().manual_seed(world * 10 + split)
+    dvar = gg.DEFAULT + (moe.SPLIT if split else "")
+    dcomms, ccomms, ranks = _harness(world, world * 160 + 64, f"moe{world}{'s' if split else 'f'}")
     for call in range(EAGER_CALLS):
         layer = Layer(world, _counts(world, g), g)
         poison_allocator(1 << 28)
         delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
-        results = _run(ranks, lambda r, _c, layer=layer: layer.call(r, dcomms[r], ccomms[r], dvar, cvar), **delay)
+        results = _run(ranks, lambda r, _c, layer=layer: layer.call(r, dcomms[r], ccomms[r], dvar, gg.DEFAULT), **delay)
         _no_errors(dcomms, ccomms)
         layer.check(results, f"{dvar} world {world} eager call {call}")
 
     # One CUDA graph of every rank's layer: the splits are the capture's, tokens and routing change per replay.
     layer = Layer(world, _counts(world, g), g)
-    fn = lambda r, _c: layer.call(r, dcomms[r], ccomms[r], dvar, cvar)  # noqa: E731
+    fn = lambda r, _c: layer.call(r, dcomms[r], ccomms[r], dvar, gg.DEFAULT)  # noqa: E731
     layer.check(_run(ranks, fn), f"{dvar} world {world} before capture")  # compiles every kernel it captures
     graph, results = ranks.capture(fn)
     for replay in range(REPLAYS):
@@ -385,6 +383,6 @@ def test_registered_choices_between_gpus(monkeypatch):
     g = torch.Generator().manual_seed(shared_seed())
     for call in range(4):
         counts = _equal_counts(world, g, 300 * world if call else 40 * world)  # the workspaces grow after call 0
-        variant = gg.DEFAULT + ("", moe.SPLIT, moe.TORCH)[call % 3]
+        variant = gg.DEFAULT + (moe.SPLIT if call % 2 else "")
         problems = _choice_call(dist.group.WORLD, world, rank, g, counts, variant=variant)
         assert_on_every_rank("; ".join(f"call {call} ({variant}): {p}" for p in problems) or None)

@@ -95,12 +95,9 @@ def ragged_offs(g, R: int, E: int) -> torch.Tensor:
     return torch.cat([cuts, torch.tensor([R])]).to(torch.int32)
 
 
-def scenario(
-    world: int, seed: int, dispatch_variants: tuple[str, ...], combine_variants: tuple[str, ...] = (TILE,)
-) -> tuple[float, list[str]]:
+def scenario(world: int, seed: int, dispatch_variants: tuple[str, ...]) -> tuple[float, list[str]]:
     """Round i's dispatch runs ``dispatch_variants[i % len]`` (the fused one on one program: every program resident
-    means one at a time under the interpreter), its combine ``combine_variants[i % len]`` (``-torch`` over the
-    dispatch's workspaces, as the registered choice takes them)."""
+    means one at a time under the interpreter)."""
     g = torch.Generator().manual_seed(seed)
     K, F, E = 32, 48, 3
     plans = []  # per round: routing counts[s][d], weights, inputs per rank
@@ -142,7 +139,7 @@ def scenario(
         counts, pr = p["counts"], p["ranks"][r]
         if phase == "dispatch":
             variant = dispatch_variants[i % len(dispatch_variants)]
-            dcomm.sm_count = 3 if variant.endswith((moe.SPLIT, moe.TORCH)) else 1
+            dcomm.sm_count = 3 if variant.endswith(moe.SPLIT) else 1
             A = p["As"][r]
             send, recv = counts[r], pr["recv"]
             if p["kind"] == "bmm":  # equal splits given as empty lists, A as [W, rows, K] 3-D
@@ -161,10 +158,8 @@ def scenario(
             row_index = row_index.clone()
             row_index[-1] = row_index[0]  # a row added twice
         out_shape = [y_rows, K]
-        variant = combine_variants[i % len(combine_variants)]
-        comm = dcomm if variant.endswith(moe.TORCH) else ccomm
         return h, row_index, moe.matmul_all_to_all_on(
-            comm, h, p["w2"][r], out_shape, counts[r], pr["recv"], pr["offs"], row_index, acc, variant=variant
+            ccomm, h, p["w2"][r], out_shape, counts[r], pr["recv"], pr["offs"], row_index, acc, variant=TILE
         )  # fmt: skip
 
     calls = []
@@ -226,11 +221,6 @@ if __name__ == "__main__":
         ("world 1", 1, (TILE,)),
     ):
         worst, failures = scenario(world, seed, variants)
-        out[name] = worst if not failures else "; ".join(failures)
-    # torch's matmuls with the exchange alone, in turn with the fused kernels over the same workspaces
-    for name, world in (("world 3, torch and fused in turn", 3), ("world 1, torch", 1)):
-        t = f"{TILE}{moe.TORCH}"
-        worst, failures = scenario(world, seed, (t, TILE, f"{TILE}{moe.SPLIT}"), (t, TILE))
         out[name] = worst if not failures else "; ".join(failures)
     out["peer missing"] = peer_missing()
     print(json.dumps(out))

@@ -7,9 +7,8 @@ Choices, in registration order:
   ``FLUXCOMPILE_EXPERIMENTAL_MOE=1``): the persistent Triton grouped GEMM of kernels/grouped_gemm.py with the
   all-to-all built in; the dispatch pulls its rows from the peers' symmetric send buffers in the GEMM's launch
   (``-split``: in a launch of its own), the combine's epilogue stores every row at its final place in its
-  destination's receive buffer. ``triton:<tile>-torch`` (both ops): the exchange by the pull's launch alone and
-  the reference's matmuls (torch's grouped GEMM), for layers whose GEMMs torch runs faster. Expert weights
-  (``[E, K, N]``, grouped by ``offs`` or equal groups) only: dense weights are declined;
+  destination's receive buffer. Expert weights (``[E, K, N]``, grouped by ``offs`` or equal groups) only: dense
+  weights are declined;
 * ``reference`` (NCCL ``all_to_all_single`` + matmuls, registered by lowerings/choices.py).
 
 Their CUDA implementations ask the rank-synchronized autotuner for one choice per call signature and run it. The

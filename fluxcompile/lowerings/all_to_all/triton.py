@@ -15,8 +15,7 @@ Dispatch, on rank r of w (``A`` its rows in ``[destination][...]`` order, ``inpu
      further copy) and count them per source; its GEMM tiles wait until the sources their rows come from are all
      in, and multiply the rows picked by ``row_index`` with the expert weights (w1 and w3 share each A tile); the
      last program tells every source ``done[r] = e``. Variant ``-split``: the copy tiles are a launch of their
-     own and the GEMM a second one (A through TMA where no row_index gathers it). Variant ``-torch``: the copy
-     tiles' launch, then the reference's row gather and matmuls (torch's grouped GEMM).
+     own and the GEMM a second one (A through TMA where no row_index gathers it).
 Combine, on rank r (``As[0]`` its product rows in the experts' order, ``Y[row_index[j]] = P[j]``, Y's rows
 ``[destination][...]``, ``input_split_sizes[d]`` of them for d):
   1. where ``row_index`` is given: zero r's receive buffer (rows nobody writes are zeros; ``accumulate`` adds into
@@ -28,8 +27,6 @@ Combine, on rank r (``As[0]`` its product rows in the experts' order, ``Y[row_in
      last program writes ``done[r] = e`` into every destination's flags;
   4. ``wait_done``: waits (bounded) until every source's ``done[s] >= e``, then copies the receive buffer into a
      fresh output (copy engine).
-  Variant ``-torch``: the reference's matmul and row scatter (torch) make Y, whose rows then travel by the
-  dispatch's protocol (steps 1-3, the copy tiles' launch; the dispatch's workspaces) into a fresh output.
 
 What stays on the GPU: the epoch (a counter in the rank's flag words that ``publish`` advances), every offset and
 count a rank needs from its peers (published into its flag words), ``offs`` and ``row_index`` (read by the
@@ -68,7 +65,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ... import ops
 from ...config import config
 from ...symm_mem import ErrorWords, FlagArray, Workspace, capturing, persistent, workspace
 from ...symm_mem import init_flags as symm_init_flags
@@ -86,7 +82,6 @@ _DTYPES = (torch.bfloat16, torch.float16)
 DISPATCH_TAG = "all_to_all_matmul.triton"
 COMBINE_TAG = "matmul_all_to_all.triton"
 SPLIT = "-split"  # the dispatch's variant with the pull and the GEMM in two launches
-TORCH = "-torch"  # the exchange by the pull launch alone, the matmuls torch's (those of the reference)
 DEFAULT = "128x128x64-w8s4"
 # The protocols' launches, in the order every rank makes them (the one-GPU harness orders the simulated ranks'
 # launches by them; no launch needs a peer's launch of the same or a later position).
@@ -95,8 +90,8 @@ LAUNCHES = tuple((gg, name) for name in ("publish", "wait_done", "_launch")) if 
 # The choices' variants: the tile configurations of one program per SM (launches that wait run one per SM), and
 # for the dispatch every configuration split (its GEMM launch waits for nothing).
 _ONE_PER_SM = [name for name, v in gg.VARIANTS.items() if v.per_sm == 1] if gg is not None else []
-DISPATCH_VARIANTS = [*_ONE_PER_SM, *(f"{name}{SPLIT}" for name in gg.VARIANTS), f"{DEFAULT}{TORCH}"] if gg else []
-COMBINE_VARIANTS = [*_ONE_PER_SM, f"{DEFAULT}{TORCH}"] if gg is not None else []
+DISPATCH_VARIANTS = [*_ONE_PER_SM, *(f"{name}{SPLIT}" for name in gg.VARIANTS)] if gg is not None else []
+COMBINE_VARIANTS = list(_ONE_PER_SM)
 
 
 def timeout_s() -> float:
@@ -343,12 +338,9 @@ def _tma_ok(variant: gg.Variant, device: torch.device) -> bool:
     return variant.tma and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _variant(name: str) -> tuple[gg.Variant, str]:
-    """The tile configuration of a choice's name and how it runs: "fused", "split" or "torch"."""
-    for suffix, how in ((SPLIT, "split"), (TORCH, "torch")):
-        if name.endswith(suffix):
-            return gg.VARIANTS[name.removesuffix(suffix)], how
-    return gg.VARIANTS[name], "fused"
+def _variant(name: str) -> tuple[gg.Variant, bool]:
+    split = name.endswith(SPLIT)
+    return gg.VARIANTS[name.removesuffix(SPLIT)], split
 
 
 def make_dispatch(name: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
@@ -427,8 +419,8 @@ def all_to_all_matmul_on(
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """The dispatch's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol
     of the module's docstring, on the current stream."""
-    world = comm.world
-    v, how = _variant(variant)
+    rank, world = comm.rank, comm.world
+    v, split = _variant(variant)
     what = f"all_to_all_matmul ({NAME}:{variant})"
     k = A.shape[-1]
     unit = math.prod(A.shape[1:-1])
@@ -444,20 +436,21 @@ def all_to_all_matmul_on(
     sig = comm.signals()
     comm.errors.check_previous(what, comm.check)
 
-    _publish_rows(comm, sig, a_local, send, what)
+    if world > 1:
+        nbytes = a_local.numel() * a_local.element_size()
+        if comm.data is None or comm.data.nbytes < nbytes:
+            raise ValueError(f"fluxcompile: {what}: the send buffer has too few bytes for {nbytes}")
+        gg.wait_done(sig, 3, skip_self=True)  # every peer has read our previous rows
+        comm.data.view(rank, tuple(a_local.shape), a_local.dtype).copy_(a_local)
+    gg.publish(sig, send)
+
     A_exchanged = torch.empty(exchanged_shape, dtype=A.dtype, device=A.device)
     a_ex = A_exchanged.view(received, k)
     pull = gg.Pull(a_local, comm.data_bases(), a_ex, received)
-    if how == "torch":
-        gg.pull_rows(pull, sig, variant=v, num_programs=_num_programs(comm, A.device))
-        x = ops.gather_rows(a_ex, row_index)
-        outs = [ops.expert_matmul(x, b, None, offs) for b in Bs]
-        comm.errors.report(what, comm.check)
-        return A_exchanged, outs
     offs_ = offs.contiguous() if offs is not None else None
     rows_ = row_index.contiguous() if row_index is not None else None
     kw = dict(variant=v, num_programs=_num_programs(comm, A.device), tma=_tma_ok(v, A.device))
-    if how == "split":
+    if split:
         gg.grouped_gemm(a_ex, Bs, pull=pull, gemm=False, sig=sig, **kw)
         outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, **kw)
     else:
@@ -466,18 +459,6 @@ def all_to_all_matmul_on(
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
     comm.errors.report(what, comm.check)
     return A_exchanged, outs
-
-
-def _publish_rows(comm: Comm, sig: gg.Signals, rows: Tensor, send: list[int], what: str) -> None:
-    """The pull protocol's steps 1-3 on this rank: once every peer has read its previous rows, ``rows`` (this
-    rank's, ``[destination][...]``, contiguous) into its send buffer, then where each destination's start."""
-    if comm.world > 1:
-        nbytes = rows.numel() * rows.element_size()
-        if comm.data is None or comm.data.nbytes < nbytes:
-            raise ValueError(f"fluxcompile: {what}: the send buffer has too few bytes for {nbytes}")
-        gg.wait_done(sig, 3, skip_self=True)  # every peer has read our previous rows
-        comm.data.view(comm.rank, tuple(rows.shape), rows.dtype).copy_(rows)
-    gg.publish(sig, send)
 
 
 def combine_bytes(out_shape: Sequence[int], output_split_sizes, N: int, dtype: torch.dtype, accumulate: bool) -> int:
@@ -494,13 +475,9 @@ def matmul_all_to_all(
     world = _group_size(group_name)
     if isinstance(world, str):
         raise ValueError(f"fluxcompile: {world}")
-    if _variant(variant)[1] == "torch":  # the pull protocol: the dispatch's send buffer and signals
-        y_rows = math.prod(out_shape[:-1])
-        comm = comm_for(group_name, world, y_rows * b.shape[2] * a.element_size() if world > 1 else 0, DISPATCH_TAG)
-    else:
-        acc32 = accumulate and row_index is not None
-        nbytes = combine_bytes(out_shape, output_split_sizes, b.shape[2], a.dtype, acc32)
-        comm = comm_for(group_name, world, nbytes, COMBINE_TAG)
+    acc32 = accumulate and row_index is not None
+    nbytes = combine_bytes(out_shape, output_split_sizes, b.shape[2], a.dtype, acc32)
+    comm = comm_for(group_name, world, nbytes, COMBINE_TAG)
     return matmul_all_to_all_on(
         comm, a, b, out_shape, output_split_sizes, input_split_sizes, offs, row_index, accumulate, variant=variant
     )
@@ -512,10 +489,9 @@ def matmul_all_to_all_on(
     variant: str = DEFAULT,
 ) -> Tensor:  # fmt: skip
     """The combine's result on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
-    the module's docstring, on the current stream (variant ``-torch``: ``comm`` is the dispatch's, whose pull
-    protocol it runs)."""
+    the module's docstring, on the current stream."""
     rank, world = comm.rank, comm.world
-    v, how = _variant(variant)
+    v, _ = _variant(variant)
     what = f"matmul_all_to_all ({NAME}:{variant})"
     n = b.shape[2]
     h = a.reshape(-1, a.shape[-1])
@@ -534,8 +510,6 @@ def matmul_all_to_all_on(
     if offs is None and h.shape[0] % b.shape[0]:
         raise ValueError(f"fluxcompile: {what}: {h.shape[0]} rows do not split into {b.shape[0]} equal groups")
     mine = sum(recv)
-    if how == "torch":
-        return _combine_by_pull(comm, h, b, out_shape, send, mine, offs, row_index, accumulate, v, what)
     acc32 = accumulate and row_index is not None  # without row_index no row is written twice
     buf_dtype = torch.float32 if acc32 else a.dtype
     nbytes = mine * n * buf_dtype.itemsize
@@ -557,25 +531,5 @@ def matmul_all_to_all_on(
     gg.wait_done(sig, 5, skip_self=False)  # every source's rows have landed
     out = torch.empty([mine // unit if unit else 0, *out_shape[1:]], dtype=a.dtype, device=a.device)
     out.view(mine, n).copy_(received)
-    comm.errors.report(what, comm.check)
-    return out
-
-
-def _combine_by_pull(
-    comm: Comm, h: Tensor, b: Tensor, out_shape: Sequence[int], send: list[int], mine: int, offs: Tensor | None,
-    row_index: Tensor | None, accumulate: bool, v: gg.Variant, what: str,
-) -> Tensor:  # fmt: skip
-    """The ``-torch`` combine: the reference's matmul and row scatter (torch), then Y's rows exchanged by the pull
-    protocol (``comm`` the dispatch's) straight into a fresh output."""
-    n = b.shape[2]
-    sig = comm.signals()
-    comm.errors.check_previous(what, comm.check)
-    p = ops.expert_matmul(h, b, None, offs)
-    y = ops.scatter_rows(p.reshape(-1, n), row_index, math.prod(out_shape[:-1]), accumulate).contiguous()
-    _publish_rows(comm, sig, y, send, what)
-    unit = math.prod(out_shape[1:-1])
-    out = torch.empty([mine // unit if unit else 0, *out_shape[1:]], dtype=h.dtype, device=h.device)
-    gg.pull_rows(gg.Pull(y, comm.data_bases(), out.view(mine, n), mine), sig, variant=v,
-                 num_programs=_num_programs(comm, h.device))  # fmt: skip
     comm.errors.report(what, comm.check)
     return out
