@@ -1,0 +1,119 @@
+"""MoE pull lab (several GPUs, under torchrun): how fast the dispatch's copy tiles (kernels/grouped_gemm.py's pull)
+move an expert-parallel layer's rows between the GPUs, against NCCL's all_to_all_single, for copy-tile shapes set
+through the module's COPY_M / COPY_K (its lab knobs: read at every launch).
+
+Per layer of benchmarks/moe.py (balanced routing) and copy shape, the slowest rank's median of:
+  nccl a2a      all_to_all_single of the rows alone;
+  send copy     the rows into this rank's symmetric send buffer (the protocol's step 2, copy engine);
+  pull          the protocol's steps 1-4 without a GEMM (wait_done, send copy, publish, the copy tiles' launch);
+  fused         the registered dispatch choice (pull and grouped GEMM in one launch), and NCCL's dispatch.
+Every pulled result is first checked equal to NCCL's.
+
+    torchrun --nproc-per-node 2 lab/moe_pull_lab.py [--layers fine] [--copies 32x256,64x256,32x512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import moe as bench
+from timing import time_us
+
+from fluxcompile import config, ops
+from fluxcompile.kernels import grouped_gemm as gg
+from fluxcompile.lowerings.all_to_all import triton as moe
+
+FUSED = "128x256x64-w8s3"
+
+
+def slowest_median(samples: list[float]) -> float:
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def run_layer(L, args, rank: int, world: int, group: str) -> list[str]:
+    """The table's lines of one layer."""
+    A, send, recv = L.A, L.send, L.recv
+    rows, k = sum(recv), A.shape[-1]
+    dargs = bench._dispatch_args(L, group)
+    ref = ops.REFERENCES["all_to_all_matmul"](*dargs)
+    comm = moe.comm_for(group, world, moe.dispatch_bytes(A, world), "lab.pull")
+    sig = comm.signals()
+    out = torch.empty(rows, k, dtype=A.dtype, device="cuda")
+    a2a = torch.empty_like(out)
+
+    def pull():
+        gg.wait_done(sig, 3, skip_self=True)
+        comm.data.view(rank, tuple(A.shape), A.dtype).copy_(A)
+        gg.publish(sig, send)
+        gg.grouped_gemm(out, L.w, pull=gg.Pull(A, comm.data_bases(), out, rows), gemm=False, sig=sig)
+
+    fused, _ = moe.make_dispatch(FUSED)
+    methods = {
+        "nccl a2a": lambda: dist.all_to_all_single(a2a, A, recv, send),
+        "send copy": lambda: comm.data.view(rank, tuple(A.shape), A.dtype).copy_(A),
+        "nccl dispatch": lambda: ops.REFERENCES["all_to_all_matmul"](*dargs),
+    }
+    mb = A.numel() * A.element_size() / 1e6
+    lines = []
+    copies = args.copies.split(",")
+    for copy in copies:
+        gg.COPY_M, gg.COPY_K = map(int, copy.split("x"))
+        found = {**methods, f"pull {copy}": pull, f"fused {copy}": lambda: fused(*dargs)}
+        pull()
+        bad = [] if torch.equal(out, ref[0]) else ["pull"]
+        if not torch.equal(fused(*dargs)[0], ref[0]):
+            bad.append("fused")
+        comm.errors.check_previous("lab pull", comm.check)
+        if bad:
+            raise RuntimeError(f"rank {rank}: {bad} differ from NCCL's exchange")
+        times = {name: [] for name in found}
+        for _ in range(args.rounds):
+            for name, fn in found.items():
+                dist.barrier()
+                times[name].append(time_us(fn, args.iters))
+        for name in found:
+            if name in methods and copy != copies[0]:
+                continue  # the copy shape does not change these
+            us = slowest_median(times[name])
+            line = f"{L.layer:8s} {name:22s} {us:9.1f} us  ({mb:.0f} MB of rows per rank, {mb / us * 1e3:.0f} GB/s)"
+            lines.append(line)
+            if rank == 0:
+                print(line, flush=True)
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", default="fine")
+    p.add_argument("--copies", default="32x256,64x256,32x512")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD.group_name
+    lines = []
+    with config.patch(experimental_moe=True):
+        for L in bench.ep_layers(args.layers.split(","), rank, world, ("balanced",)):
+            lines += run_layer(L, args, rank, world, group)
+    if rank == 0:
+        print("== pull table")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
