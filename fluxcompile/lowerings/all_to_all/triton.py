@@ -7,7 +7,8 @@ peers: every column block re-reads its A rows, and a peer's memory is not cached
 Dispatch, on rank r of w (``A`` its rows in ``[destination][...]`` order, ``input_split_sizes[p]`` of them for p):
   1. (w > 1) ``wait_done``: a one-program kernel waits (bounded) until every peer has finished reading r's send
      buffer in the previous call (``done[p] >= epoch``);
-  2. (w > 1) copy ``A`` into r's symmetric send buffer (copy engine);
+  2. (w > 1) copy ``A``'s rows for the peers into r's symmetric send buffer (copy engine; its own rows stay in
+     ``A``);
   3. ``publish``: a one-program kernel advances r's epoch e and writes into every rank p's flag words
      ``info[r] = (where p's rows start in r's send buffer, how many)``, then ``ready[r] = e`` (release);
   4. the grouped GEMM: its copy tiles wait for every source's ``ready``, copy the rows ``[source][...]`` from the
@@ -441,7 +442,13 @@ def all_to_all_matmul_on(
         if comm.data is None or comm.data.nbytes < nbytes:
             raise ValueError(f"fluxcompile: {what}: the send buffer has too few bytes for {nbytes}")
         gg.wait_done(sig, 3, skip_self=True)  # every peer has read our previous rows
-        comm.data.view(rank, tuple(a_local.shape), a_local.dtype).copy_(a_local)
+        # Only the peers' rows: this rank's own come from A itself (no peer reads them from the buffer).
+        staged = comm.data.view(rank, tuple(a_local.shape), a_local.dtype)
+        lo = sum(send[:rank])
+        hi = lo + send[rank]
+        for first, end in ((0, lo), (hi, a_local.shape[0])):
+            if end > first:
+                staged[first:end].copy_(a_local[first:end])
     gg.publish(sig, send)
 
     A_exchanged = torch.empty(exchanged_shape, dtype=A.dtype, device=A.device)
