@@ -1,14 +1,17 @@
 """The Flux-style CUTLASS GEMM (csrc/flux_gemm.cuh) compiled for Hopper on this machine, no GPU needed: one
 variant's translation unit (both dtypes, both weight layouts) through nvcc for sm_90a without register spills and
-with Hopper's warpgroup MMA fed by TMA, and the generated registry and the binding through the host compiler."""
+with Hopper's warpgroup MMA fed by TMA, and the generated registry and the binding through the host compiler. The
+compilers run in the background from the session's start (tests/prebuild.py); the tests check their results."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
+import prebuild
 import pytest
 from toolchain import find_cuobjdump, find_nvcc
 
@@ -38,46 +41,72 @@ def test_variants_and_generated_sources():
     assert "flux_gemm" in extensions.SOURCES
 
 
-def test_flux_gemm_compiles_for_sm90a_without_spills(tmp_path):
+def _flux_gemm_job(workdir: Path) -> list[str] | str:
     nvcc = find_nvcc()
     include = cutlass_gemm.cutlass_include()
     if nvcc is None or include is None:
-        pytest.skip("no nvcc or no CUTLASS headers (nvidia-cutlass, in the test extra)")
-    src = _write_sources(tmp_path) / f"flux_gemm_{VARIANT}.cu"
-    out = subprocess.run(
-        [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), *extensions.EXTRA_NVCC["flux_gemm"],
-         f"-I{extensions.CSRC}", *(f"-I{d}" for d in include), "-Xptxas", "-v", "-c", str(src),
-         "-o", str(tmp_path / "v.o")],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        return "no nvcc or no CUTLASS headers (nvidia-cutlass, in the test extra)"
+    src = _write_sources(workdir) / f"flux_gemm_{VARIANT}.cu"
+    return [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), *extensions.EXTRA_NVCC["flux_gemm"],
+            f"-I{extensions.CSRC}", *(f"-I{d}" for d in include), "-Xptxas", "-v", "-c", str(src),
+            "-o", str(workdir / "v.o")]  # fmt: skip
+
+
+def _host_job(source: str) -> Callable[[Path], list[str] | str]:
+    """g++ -fsyntax-only of ``source`` (the generated registry, written into the job's directory, or a file of csrc)
+    against this torch's headers; the CPU wheel lacks one generated CUDA header of c10's, a stub stands in for it."""
+
+    def make(workdir: Path) -> list[str] | str:
+        gxx = shutil.which("g++")
+        cuda_inc = Path("/usr/local/cuda/include")
+        if gxx is None or not (cuda_inc / "cuda_runtime.h").exists():
+            return "no g++ or CUDA headers"
+        from torch.utils.cpp_extension import include_paths
+
+        _write_sources(workdir)
+        stub = workdir / "stub" / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True)
+        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+        src = workdir / source if (workdir / source).exists() else extensions.CSRC / source
+        return [gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
+                f"-I{workdir / 'stub'}", f"-I{cuda_inc}", f"-I{extensions.CSRC}", *(f"-I{p}" for p in include_paths()),
+                f"-I{sysconfig.get_paths()['include']}", str(src)]  # fmt: skip
+
+    return make
+
+
+HOST_SOURCES = ("flux_gemm_registry.cpp", "flux_gemm_binding.cpp")
+prebuild.register("flux_gemm_sm90a", _flux_gemm_job)
+for _source in HOST_SOURCES:
+    prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
+
+
+def _finished(name: str) -> prebuild.Result:
+    got = prebuild.result(name)
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
+
+
+@pytest.mark.prebuild("flux_gemm_sm90a")
+def test_flux_gemm_compiles_for_sm90a_without_spills():
+    got = _finished("flux_gemm_sm90a")
+    out = got.out
     assert out.returncode == 0, out.stderr[-4000:]
     reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
     assert len(reports) >= 4, out.stderr[-3000:]  # 2 dtypes x 2 weight layouts
     assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
-    cuobjdump = find_cuobjdump(nvcc)
+    cuobjdump = find_cuobjdump(out.args[0])
     if cuobjdump is None:
         pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
-    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "v.o")], capture_output=True, text=True)
+    sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
 
 
-def test_registry_and_binding_compile(tmp_path):
-    gxx = shutil.which("g++")
-    cuda_inc = Path("/usr/local/cuda/include")
-    if gxx is None or not (cuda_inc / "cuda_runtime.h").exists():
-        pytest.skip("no g++ or CUDA headers")
-    from torch.utils.cpp_extension import include_paths
-
-    _write_sources(tmp_path)
-    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    for src in (tmp_path / "flux_gemm_registry.cpp", extensions.CSRC / "flux_gemm_binding.cpp"):
-        out = subprocess.run(
-            [gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
-             f"-I{tmp_path / 'stub'}", f"-I{cuda_inc}", f"-I{extensions.CSRC}", *(f"-I{p}" for p in include_paths()),
-             f"-I{sysconfig.get_paths()['include']}", str(src)],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert out.returncode == 0, f"{src.name}:\n{out.stderr[-4000:]}"
+@pytest.mark.prebuild("host:flux_gemm_registry.cpp")
+@pytest.mark.prebuild("host:flux_gemm_binding.cpp")
+@pytest.mark.parametrize("source", HOST_SOURCES)
+def test_registry_and_binding_compile(source):
+    out = _finished(f"host:{source}").out
+    assert out.returncode == 0, f"{source}:\n{out.stderr[-4000:]}"

@@ -12,6 +12,7 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
 
+import prebuild  # noqa: E402
 from test_kernels_compile import compile_sm90  # noqa: E402
 from toolchain import find_cuobjdump, find_nvcc  # noqa: E402
 
@@ -64,16 +65,48 @@ def test_load_declines_without_gpu():
         extensions.load("gemv_ar")
 
 
-def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
+def _gemv_ar_job(workdir: Path) -> list[str] | str:
     nvcc = find_nvcc()
     if nvcc is None:
-        pytest.skip("no nvcc")
-    src = extensions.CSRC / "gemv_ar.cu"
-    out = subprocess.run(
-        [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), "-Xptxas", "-v", "-c", str(src),
-         "-o", str(tmp_path / "gemv_ar.o")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        return "no nvcc"
+    return [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), "-Xptxas", "-v", "-c",
+            str(extensions.CSRC / "gemv_ar.cu"), "-o", str(workdir / "gemv_ar.o")]  # fmt: skip
+
+
+def _pipelined_job(workdir: Path) -> list[str] | str:
+    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers;
+    the CPU wheel lacks one generated CUDA header of c10's, a stub stands in for it."""
+    gxx = shutil.which("g++")
+    cuda_inc = Path("/usr/local/cuda/include")
+    if gxx is None or not (cuda_inc / "cuda.h").exists():
+        return "no g++ or CUDA headers"
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    stub = workdir / "stub" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    return [gxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
+            f"-I{workdir / 'stub'}", f"-I{cuda_inc}", *(f"-I{p}" for p in include_paths()),
+            f"-I{sysconfig.get_paths()['include']}", str(extensions.CSRC / "pipelined.cpp")]  # fmt: skip
+
+
+prebuild.register("gemv_ar_sm90a", _gemv_ar_job, timeout_s=300)
+prebuild.register("pipelined_cpp", _pipelined_job, timeout_s=300)
+
+
+def _finished(name: str) -> prebuild.Result:
+    got = prebuild.result(name)
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
+
+
+@pytest.mark.prebuild("gemv_ar_sm90a")
+def test_gemv_ar_cu_compiles_for_sm90a():
+    got = _finished("gemv_ar_sm90a")
+    out = got.out
     assert out.returncode == 0, out.stderr[-4000:]
     assert "spill stores" in out.stderr
     assert " 0 bytes spill stores" in out.stderr and "bytes spill stores" not in out.stderr.replace(
@@ -81,32 +114,15 @@ def test_gemv_ar_cu_compiles_for_sm90a(tmp_path):
     ), f"register spills:\n{out.stderr[-3000:]}"
     # The m > 16 loader's math must be Hopper's warpgroup MMA fed by bulk tensor copies (mma.sync fed from
     # shared memory ran 18% slower at m = 64).
-    cuobjdump = find_cuobjdump(nvcc)
+    cuobjdump = find_cuobjdump(out.args[0])
     if cuobjdump is None:
         pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
-    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "gemv_ar.o")], capture_output=True, text=True)
+    sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "gemv_ar.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout
 
 
-def test_pipelined_cpp_compiles(tmp_path):
-    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's
-    headers. The CPU wheel lacks one generated CUDA header of c10's; a stub stands in for it."""
-    gxx = shutil.which("g++")
-    cuda_inc = Path("/usr/local/cuda/include")
-    if gxx is None or not (cuda_inc / "cuda.h").exists():
-        pytest.skip("no g++ or CUDA headers")
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-
-    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    out = subprocess.run(
-        [gxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
-         f"-I{tmp_path / 'stub'}", f"-I{cuda_inc}", *(f"-I{p}" for p in include_paths()),
-         f"-I{sysconfig.get_paths()['include']}", str(extensions.CSRC / "pipelined.cpp")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+@pytest.mark.prebuild("pipelined_cpp")
+def test_pipelined_cpp_compiles():
+    out = _finished("pipelined_cpp").out
     assert out.returncode == 0, out.stderr[-4000:]
