@@ -381,6 +381,26 @@ def _choices(name: str, world: int):
     return run_d, run_c
 
 
+BEST = "best per op (autotuned)"
+
+
+def layer_sums(rows: list[dict]) -> list[dict]:
+    """Per layer and routing: each candidate's dispatch + combine, and ``BEST``, the faster fused choice or NCCL for
+    each op (what a compiled layer runs), never the compute-only bound; ratios against NCCL's sum."""
+    out = []
+    for layer, routing in dict.fromkeys((r["layer"], r["routing"]) for r in rows):
+        us = {}
+        for r in rows:
+            if (r["layer"], r["routing"]) == (layer, routing):
+                us.setdefault(r["candidate"], {})[r["op"]] = r["us"]
+        whole = {c: t["dispatch"] + t["combine"] for c, t in us.items() if {"dispatch", "combine"} <= set(t)}
+        runnable = [c for c in us if c != COMPUTE]
+        whole[BEST] = sum(min(us[c][op] for c in runnable if op in us[c]) for op in ("dispatch", "combine"))
+        for c, t in whole.items():
+            out.append(dict(layer=layer, routing=routing, candidate=c, us=t, ratio=t / whole["nccl"]))
+    return out
+
+
 def progress(what: str) -> None:
     """Rank 0's step, on stderr (where a hang stopped; the table goes to stdout)."""
     import torch.distributed as dist
@@ -521,6 +541,9 @@ def main() -> None:
             for r in rows:
                 lines.append(f"{r['layer']:8s} {r['routing']:9s} {r['op']:8s} {r['candidate']:32s} {r['us']:10.1f} "
                              f"x{r['ratio']:.3f}  rel {r['rel_err']:.1e}")  # fmt: skip
+            lines.append("== moe layers (dispatch + combine, ratio vs NCCL)")
+            lines += [f"{s['layer']:8s} {s['routing']:9s} {s['candidate']:32s} {s['us']:10.1f} x{s['ratio']:.3f}"
+                      for s in layer_sums(rows)]  # fmt: skip
         dist.destroy_process_group()
         if rows and int(os.environ.get("RANK", "0")) == 0:
             _write(args.out, name, rows, lines)

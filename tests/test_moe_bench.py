@@ -106,3 +106,19 @@ def compute_only_on_rank(world: int) -> list[tuple[str, str, bool, bool]]:
 def test_compute_only_is_the_reference_without_its_exchange(ranks):
     for rank, rows in enumerate(ranks(2).run(compute_only_on_rank, 2)):
         assert rows and all(d and c for *_, d, c in rows), f"rank {rank}: {rows}"
+
+
+def test_layer_sums_take_the_faster_choice_per_op():
+    m = _load()
+    rows = [
+        dict(layer="fine", routing="balanced", op=op, candidate=c, us=us)
+        for c, op, us in (
+            ("nccl", "dispatch", 10.0), ("nccl", "combine", 10.0), ("triton:v", "dispatch", 12.0),
+            ("triton:v", "combine", 5.0), (m.COMPUTE, "dispatch", 1.0), (m.COMPUTE, "combine", 1.0),
+        )
+    ]  # fmt: skip
+    sums = {s["candidate"]: (s["us"], s["ratio"]) for s in m.layer_sums(rows)}
+    assert sums["nccl"] == (20.0, 1.0)
+    assert sums["triton:v"] == (17.0, 0.85)
+    assert sums[m.COMPUTE] == (2.0, 0.1)
+    assert sums[m.BEST] == (15.0, 0.75)  # NCCL's dispatch, the fused combine; never the compute-only bound
