@@ -23,7 +23,6 @@ import textwrap
 import venv
 from pathlib import Path
 
-import prebuild
 import pytest
 import torch
 
@@ -123,17 +122,9 @@ CHECK = textwrap.dedent(
 )
 
 
-class Stop(Exception):
-    """A step ended the build: ``skip`` (no index provides torch here) or a failure, with its message."""
-
-    def __init__(self, message: str, skip: bool = False):
-        super().__init__(message)
-        self.skip = skip
-
-
 def run(cmd: list[str], timeout: float, env: dict[str, str], cwd: Path | None = None, torch_step=False) -> str:
-    """Run ``cmd`` in its own process group (killed whole on timeout); its output, or ``Stop``: a failure, or for
-    the ``torch_step`` (installing torch, no code of ours) a skip where no index offers torch or it hangs."""
+    """Run ``cmd`` in its own process group (killed whole on timeout); its output, or the test fails. The
+    ``torch_step`` (installing torch, no code of ours) skips instead where no index offers torch or it hangs."""
     p = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -143,13 +134,13 @@ def run(cmd: list[str], timeout: float, env: dict[str, str], cwd: Path | None = 
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         if torch_step:
-            raise Stop(f"installing torch did not finish in {timeout:.0f} s ({' '.join(cmd[7:])}): {out[-300:]}", True) from None
-        raise Stop(f"{' '.join(cmd)} did not finish in {timeout:.0f} s:\n{out[-3000:]}") from None
+            pytest.skip(f"installing torch did not finish in {timeout:.0f} s ({' '.join(cmd[7:])}): {out[-300:]}")
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f} s:\n{out[-3000:]}")
     if p.returncode != 0:
         if torch_step and any(s in out for s in NOT_FOUND):
             errors = " ".join(line for line in out.splitlines() if line.startswith("ERROR"))
-            raise Stop(f"no index provides {' '.join(cmd[7:])}: {errors}", True)
-        raise Stop(f"{' '.join(cmd)} failed ({p.returncode}):\n{out[-3000:]}")
+            pytest.skip(f"no index provides {' '.join(cmd[7:])}: {errors}")
+        pytest.fail(f"{' '.join(cmd)} failed ({p.returncode}):\n{out[-3000:]}")
     return out
 
 
@@ -170,57 +161,35 @@ def torch_requirement() -> tuple[list[str], list[str]]:
     return [f"torch=={base}+cpu"], ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
 
 
-def build_and_check(tmp: Path) -> dict:
-    """Every step in ``tmp``: what the installed package saw, the check script's output, or why it stopped."""
-    try:
-        env = clean_env(tmp)
-        # A venv holding torch alone. First: it decides whether the test can run here at all (where an index
-        # provides torch, what pip fetches later, setuptools and numpy, missing is a failure, not a skip).
-        venv_dir = tmp / "venv"
-        venv.EnvBuilder(with_pip=True, system_site_packages=False).create(venv_dir)
-        py = str(venv_dir / "bin" / "python")
-        requirement, options = torch_requirement()
-        run([py, *PIP, "install", "-q", *options, *requirement], timeout=400, env=env, torch_step=True)
+def test_wheel_installs_and_compiles_in_a_fresh_venv(tmp_path):
+    env = clean_env(tmp_path)
+    # A venv holding torch alone. First: it decides whether the test can run here at all (where an index
+    # provides torch, what pip fetches later, setuptools and numpy, missing is a failure, not a skip).
+    venv_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True, system_site_packages=False).create(venv_dir)
+    py = str(venv_dir / "bin" / "python")
+    requirement, options = torch_requirement()
+    run([py, *PIP, "install", "-q", *options, *requirement], timeout=400, env=env, torch_step=True)
 
-        # The wheel, from a copy of the sources: the top-level files (pyproject.toml, README.md, ...) and the package.
-        src = tmp / "src"
-        src.mkdir()
-        for f in ROOT.iterdir():
-            if f.is_file():
-                shutil.copy2(f, src / f.name)
-        shutil.copytree(ROOT / "fluxcompile", src / "fluxcompile", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        run(
-            [sys.executable, *PIP, "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(src)], timeout=300, env=env
-        )
-        (wheel,) = (tmp / "dist").glob("fluxcompile-*.whl")
-        run([py, *PIP, "install", "-q", str(wheel)], timeout=300, env=env)
+    # The wheel, from a copy of the sources: the top-level files (pyproject.toml, README.md, ...) and the package.
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ROOT.iterdir():
+        if f.is_file():
+            shutil.copy2(f, src / f.name)
+    shutil.copytree(ROOT / "fluxcompile", src / "fluxcompile", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    run(
+        [sys.executable, *PIP, "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)], timeout=300, env=env
+    )
+    (wheel,) = (tmp_path / "dist").glob("fluxcompile-*.whl")
+    run([py, *PIP, "install", "-q", str(wheel)], timeout=300, env=env)
 
-        script = tmp / "check" / "check_install.py"
-        script.parent.mkdir()
-        script.write_text(CHECK)
-        result_file = script.parent / "result.json"
-        out = run([py, str(script), str(result_file)], timeout=400, env=env, cwd=script.parent)
-    except Stop as e:
-        return {"skip" if e.skip else "fail": str(e)}
-    return {"result": json.loads(result_file.read_text()), "out": out}
-
-
-# The build runs in the background from the session's start (tests/prebuild.py): this file, run as a script.
-prebuild.register("wheel", lambda workdir: [sys.executable, __file__, str(workdir)], timeout_s=1500)
-
-
-@pytest.mark.prebuild("wheel")
-def test_wheel_installs_and_compiles_in_a_fresh_venv():
-    got = prebuild.result("wheel")
-    if isinstance(got, str):
-        pytest.skip(got)
-    outcome_file = got.workdir / "outcome.json"
-    assert got.out.returncode == 0 and outcome_file.exists(), got.out.stderr[-3000:]
-    outcome = json.loads(outcome_file.read_text())
-    if "skip" in outcome:
-        pytest.skip(outcome["skip"])
-    assert "fail" not in outcome, outcome.get("fail")
-    r, out = outcome["result"], outcome["out"]
+    script = tmp_path / "check" / "check_install.py"
+    script.parent.mkdir()
+    script.write_text(CHECK)
+    result_file = script.parent / "result.json"
+    out = run([py, str(script), str(result_file)], timeout=400, env=env, cwd=script.parent)
+    r = json.loads(result_file.read_text())
     where = f"\n(script output:\n{out[-3000:]})"
 
     assert r["in_venv"], r
@@ -234,8 +203,3 @@ def test_wheel_installs_and_compiles_in_a_fresh_venv():
         assert rr["counts"] == {"all_gather_matmul": 1, "matmul_reduce_scatter": 1, "matmul_all_reduce": 0}, (
             f"rank {rank}: {rr['counts']}\n{rr['report']}"
         )
-
-
-if __name__ == "__main__":
-    work = Path(sys.argv[1])
-    (work / "outcome.json").write_text(json.dumps(build_and_check(work)))
