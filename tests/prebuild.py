@@ -3,8 +3,9 @@ csrc (nvcc, g++) run one after another on a background thread, on the second cor
 their tests, moved to the end of the session (conftest.py), then only read the results.
 
 A test module registers a job (``register(name, make)``: ``make(workdir)`` returns the command, or a reason to
-skip) and marks its test ``@pytest.mark.prebuild(name)``; the test calls ``result(name)``, which runs the job
-itself when nothing started it (a test run alone)."""
+skip) and marks its test ``@pytest.mark.prebuild(name)``; the test calls ``finished(name)``, which runs the job
+itself when nothing started it (a test run alone), skips where there is nothing to run, and fails where the job
+could not run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import pytest
 
 
 @dataclasses.dataclass
@@ -32,6 +35,7 @@ class _Job:
     state: str = "new"  # new, queued, running, done
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: Result | str | None = None  # str: why the test skips (nothing to run on this machine)
+    error: str = ""  # why the job could not run (the test fails)
 
 
 _jobs: dict[str, _Job] = {}
@@ -70,8 +74,8 @@ def _run(name: str) -> None:
             stdout, stderr = proc.communicate()
             stderr += f"\nprebuild: {name} ran past {job.timeout_s} s"
         job.result = Result(subprocess.CompletedProcess(list(cmd), proc.returncode, stdout, stderr), workdir)
-    except Exception as e:  # the test reports it
-        job.result = f"prebuild: {name} could not run: {type(e).__name__}: {e}"
+    except Exception as e:  # the test fails with it
+        job.error = f"prebuild: {name} could not run: {type(e).__name__}: {e}"
     finally:
         job.state = "done"
         job.done.set()
@@ -101,9 +105,10 @@ def start(names: Sequence[str]) -> None:
             _worker.start()
 
 
-def result(name: str) -> Result | str:
-    """The job's result, or why there is nothing to check here: waits while the background thread runs it, runs it
-    here when nothing has taken it yet (a test run alone, or one reached before its turn)."""
+def finished(name: str) -> Result:
+    """The job's result: waits while the background thread runs it, runs it here when nothing has taken it yet (a
+    test run alone, or one reached before its turn); skips the test where there is nothing to run here, fails it
+    where the job could not run."""
     job = _jobs[name]
     with _lock:
         mine = job.state in ("new", "queued")
@@ -114,6 +119,10 @@ def result(name: str) -> Result | str:
     if mine:
         _run(name)
     job.done.wait()
+    if job.error:
+        pytest.fail(job.error)
+    if isinstance(job.result, str):
+        pytest.skip(job.result)
     assert job.result is not None
     return job.result
 

@@ -5,15 +5,13 @@ compilers run in the background from the session's start (tests/prebuild.py); th
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
 import prebuild
 import pytest
-from toolchain import find_cuobjdump, find_nvcc
+from toolchain import find_cuobjdump, find_nvcc, torch_syntax_check
 
 from fluxcompile.kernels import cutlass_gemm
 from fluxcompile.lowerings import extensions
@@ -54,23 +52,12 @@ def _flux_gemm_job(workdir: Path) -> list[str] | str:
 
 def _host_job(source: str) -> Callable[[Path], list[str] | str]:
     """g++ -fsyntax-only of ``source`` (the generated registry, written into the job's directory, or a file of csrc)
-    against this torch's headers; the CPU wheel lacks one generated CUDA header of c10's, a stub stands in for it."""
+    against this torch's headers."""
 
     def make(workdir: Path) -> list[str] | str:
-        gxx = shutil.which("g++")
-        cuda_inc = Path("/usr/local/cuda/include")
-        if gxx is None or not (cuda_inc / "cuda_runtime.h").exists():
-            return "no g++ or CUDA headers"
-        from torch.utils.cpp_extension import include_paths
-
         _write_sources(workdir)
-        stub = workdir / "stub" / "c10" / "cuda" / "impl"
-        stub.mkdir(parents=True)
-        (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
         src = workdir / source if (workdir / source).exists() else extensions.CSRC / source
-        return [gxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
-                f"-I{workdir / 'stub'}", f"-I{cuda_inc}", f"-I{extensions.CSRC}", *(f"-I{p}" for p in include_paths()),
-                f"-I{sysconfig.get_paths()['include']}", str(src)]  # fmt: skip
+        return torch_syntax_check(workdir, src, "c++17", "cuda_runtime.h", [extensions.CSRC])
 
     return make
 
@@ -81,16 +68,9 @@ for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
 
 
-def _finished(name: str) -> prebuild.Result:
-    got = prebuild.result(name)
-    if isinstance(got, str):
-        pytest.skip(got)
-    return got
-
-
 @pytest.mark.prebuild("flux_gemm_sm90a")
 def test_flux_gemm_compiles_for_sm90a_without_spills():
-    got = _finished("flux_gemm_sm90a")
+    got = prebuild.finished("flux_gemm_sm90a")
     out = got.out
     assert out.returncode == 0, out.stderr[-4000:]
     reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
@@ -108,5 +88,5 @@ def test_flux_gemm_compiles_for_sm90a_without_spills():
 @pytest.mark.prebuild("host:flux_gemm_binding.cpp")
 @pytest.mark.parametrize("source", HOST_SOURCES)
 def test_registry_and_binding_compile(source):
-    out = _finished(f"host:{source}").out
+    out = prebuild.finished(f"host:{source}").out
     assert out.returncode == 0, f"{source}:\n{out.stderr[-4000:]}"

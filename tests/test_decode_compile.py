@@ -4,7 +4,6 @@ csrc/gemv_ar.cu through nvcc when nvcc is installed. Plus the csrc builder's pur
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,7 +13,7 @@ triton = pytest.importorskip("triton", reason="Triton is needed for the kernel c
 
 import prebuild  # noqa: E402
 from test_kernels_compile import compile_sm90  # noqa: E402
-from toolchain import find_cuobjdump, find_nvcc  # noqa: E402
+from toolchain import find_cuobjdump, find_nvcc, torch_syntax_check  # noqa: E402
 
 from fluxcompile.lowerings import extensions  # noqa: E402
 from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import TRITON_VARIANTS  # noqa: E402
@@ -74,38 +73,17 @@ def _gemv_ar_job(workdir: Path) -> list[str] | str:
 
 
 def _pipelined_job(workdir: Path) -> list[str] | str:
-    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers;
-    the CPU wheel lacks one generated CUDA header of c10's, a stub stands in for it."""
-    gxx = shutil.which("g++")
-    cuda_inc = Path("/usr/local/cuda/include")
-    if gxx is None or not (cuda_inc / "cuda.h").exists():
-        return "no g++ or CUDA headers"
-    import sysconfig
-
-    from torch.utils.cpp_extension import include_paths
-
-    stub = workdir / "stub" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    return [gxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror=return-type", "-DTORCH_EXTENSION_NAME=x",
-            f"-I{workdir / 'stub'}", f"-I{cuda_inc}", *(f"-I{p}" for p in include_paths()),
-            f"-I{sysconfig.get_paths()['include']}", str(extensions.CSRC / "pipelined.cpp")]  # fmt: skip
+    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers."""
+    return torch_syntax_check(workdir, extensions.CSRC / "pipelined.cpp", "c++20", "cuda.h")
 
 
 prebuild.register("gemv_ar_sm90a", _gemv_ar_job, timeout_s=300)
 prebuild.register("pipelined_cpp", _pipelined_job, timeout_s=300)
 
 
-def _finished(name: str) -> prebuild.Result:
-    got = prebuild.result(name)
-    if isinstance(got, str):
-        pytest.skip(got)
-    return got
-
-
 @pytest.mark.prebuild("gemv_ar_sm90a")
 def test_gemv_ar_cu_compiles_for_sm90a():
-    got = _finished("gemv_ar_sm90a")
+    got = prebuild.finished("gemv_ar_sm90a")
     out = got.out
     assert out.returncode == 0, out.stderr[-4000:]
     assert "spill stores" in out.stderr
@@ -124,5 +102,5 @@ def test_gemv_ar_cu_compiles_for_sm90a():
 
 @pytest.mark.prebuild("pipelined_cpp")
 def test_pipelined_cpp_compiles():
-    out = _finished("pipelined_cpp").out
+    out = prebuild.finished("pipelined_cpp").out
     assert out.returncode == 0, out.stderr[-4000:]
