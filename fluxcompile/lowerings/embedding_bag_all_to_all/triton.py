@@ -424,8 +424,6 @@ def _peer_tables(comm: Comm, device: torch.device) -> tuple[Tensor, Tensor, Tens
     )
 
 
-
-
 def embedding_bag_all_to_all_on(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
