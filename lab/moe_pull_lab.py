@@ -4,8 +4,9 @@ through the module's COPY_M / COPY_K (its lab knobs: read at every launch).
 
 Per layer of benchmarks/moe.py (balanced routing) and copy shape, the slowest rank's median of:
   nccl a2a      all_to_all_single of the rows alone;
-  send copy     the rows into this rank's symmetric send buffer (the protocol's step 2, copy engine);
-  pull          the protocol's steps 1-4 without a GEMM (wait_done, send copy, publish, the copy tiles' launch);
+  send copy     all the rows into this rank's symmetric send buffer (a copy-engine yardstick);
+  pull          the dispatch's protocol without a GEMM: ``stage_rows`` (steps 1-3: the peers' rows into the send
+                buffer) and the copy tiles' launch;
   fused         the registered dispatch choice (pull and grouped GEMM in one launch), and NCCL's dispatch.
 Every pulled result is first checked equal to NCCL's.
 
@@ -52,9 +53,7 @@ def run_layer(L, args, rank: int, world: int, group: str) -> list[str]:
     a2a = torch.empty_like(out)
 
     def pull():
-        gg.wait_done(sig, 3, skip_self=True)
-        comm.data.view(rank, tuple(A.shape), A.dtype).copy_(A)
-        gg.publish(sig, send)
+        moe.stage_rows(comm, sig, A, send, "lab pull")
         gg.grouped_gemm(out, L.w, pull=gg.Pull(A, comm.data_bases(), out, rows), gemm=False, sig=sig)
 
     fused, _ = moe.make_dispatch(FUSED)

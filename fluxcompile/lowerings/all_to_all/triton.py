@@ -420,7 +420,7 @@ def all_to_all_matmul_on(
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """The dispatch's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol
     of the module's docstring, on the current stream."""
-    rank, world = comm.rank, comm.world
+    world = comm.world
     v, split = _variant(variant)
     what = f"all_to_all_matmul ({NAME}:{variant})"
     k = A.shape[-1]
@@ -437,19 +437,7 @@ def all_to_all_matmul_on(
     sig = comm.signals()
     comm.errors.check_previous(what, comm.check)
 
-    if world > 1:
-        nbytes = a_local.numel() * a_local.element_size()
-        if comm.data is None or comm.data.nbytes < nbytes:
-            raise ValueError(f"fluxcompile: {what}: the send buffer has too few bytes for {nbytes}")
-        gg.wait_done(sig, 3, skip_self=True)  # every peer has read our previous rows
-        # Only the peers' rows: this rank's own come from A itself (no peer reads them from the buffer).
-        staged = comm.data.view(rank, tuple(a_local.shape), a_local.dtype)
-        lo = sum(send[:rank])
-        hi = lo + send[rank]
-        for first, end in ((0, lo), (hi, a_local.shape[0])):
-            if end > first:
-                staged[first:end].copy_(a_local[first:end])
-    gg.publish(sig, send)
+    stage_rows(comm, sig, a_local, send, what)
 
     A_exchanged = torch.empty(exchanged_shape, dtype=A.dtype, device=A.device)
     a_ex = A_exchanged.view(received, k)
@@ -466,6 +454,25 @@ def all_to_all_matmul_on(
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
     comm.errors.report(what, comm.check)
     return A_exchanged, outs
+
+
+def stage_rows(comm: Comm, sig: gg.Signals, a_local: Tensor, send: Sequence[int], what: str) -> None:
+    """The dispatch's steps 1-3 on this rank: once every peer has read its previous rows, the rows of ``a_local``
+    (contiguous, ``[destination][...]``, ``send[p]`` for p) that the peers read into its send buffer (its own stay
+    in ``a_local``, read from there), then where each destination's rows start (``publish``)."""
+    rank = comm.rank
+    if comm.world > 1:
+        nbytes = a_local.numel() * a_local.element_size()
+        if comm.data is None or comm.data.nbytes < nbytes:
+            raise ValueError(f"fluxcompile: {what}: the send buffer has too few bytes for {nbytes}")
+        gg.wait_done(sig, 3, skip_self=True)  # every peer has read our previous rows
+        staged = comm.data.view(rank, tuple(a_local.shape), a_local.dtype)
+        lo = sum(send[:rank])
+        hi = lo + send[rank]
+        for first, end in ((0, lo), (hi, a_local.shape[0])):
+            if end > first:
+                staged[first:end].copy_(a_local[first:end])
+    gg.publish(sig, send)
 
 
 def combine_bytes(out_shape: Sequence[int], output_split_sizes, N: int, dtype: torch.dtype, accumulate: bool) -> int:
