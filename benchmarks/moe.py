@@ -385,8 +385,9 @@ BEST = "best per op (autotuned)"
 
 
 def layer_sums(rows: list[dict]) -> list[dict]:
-    """Per layer and routing: each candidate's dispatch + combine, and ``BEST``, the faster fused choice or NCCL for
-    each op (what a compiled layer runs), never the compute-only bound; ratios against NCCL's sum."""
+    """Per layer and routing: each candidate's dispatch + combine, and ``BEST``, the fastest of NCCL and the fused
+    (``triton:``) choices for each op (what a compiled layer runs; never the compute-only bound or all_to_all_vdev);
+    ratios against NCCL's sum."""
     out = []
     for layer, routing in dict.fromkeys((r["layer"], r["routing"]) for r in rows):
         us = {}
@@ -394,7 +395,7 @@ def layer_sums(rows: list[dict]) -> list[dict]:
             if (r["layer"], r["routing"]) == (layer, routing):
                 us.setdefault(r["candidate"], {})[r["op"]] = r["us"]
         whole = {c: t["dispatch"] + t["combine"] for c, t in us.items() if {"dispatch", "combine"} <= set(t)}
-        runnable = [c for c in us if c != COMPUTE]
+        runnable = [c for c in us if c == "nccl" or c.startswith("triton:")]
         whole[BEST] = sum(min(us[c][op] for c in runnable if op in us[c]) for op in ("dispatch", "combine"))
         for c, t in whole.items():
             out.append(dict(layer=layer, routing=routing, candidate=c, us=t, ratio=t / whole["nccl"]))

@@ -115,10 +115,13 @@ def test_layer_sums_take_the_faster_choice_per_op():
         for c, op, us in (
             ("nccl", "dispatch", 10.0), ("nccl", "combine", 10.0), ("triton:v", "dispatch", 12.0),
             ("triton:v", "combine", 5.0), (m.COMPUTE, "dispatch", 1.0), (m.COMPUTE, "combine", 1.0),
+            ("vdev", "dispatch", 2.0), ("vdev", "combine", 2.0),
         )
     ]  # fmt: skip
     sums = {s["candidate"]: (s["us"], s["ratio"]) for s in m.layer_sums(rows)}
     assert sums["nccl"] == (20.0, 1.0)
     assert sums["triton:v"] == (17.0, 0.85)
     assert sums[m.COMPUTE] == (2.0, 0.1)
-    assert sums[m.BEST] == (15.0, 0.75)  # NCCL's dispatch, the fused combine; never the compute-only bound
+    assert sums["vdev"] == (4.0, 0.2)
+    # NCCL's dispatch, the fused combine; never the compute-only bound or all_to_all_vdev (no choice of the op)
+    assert sums[m.BEST] == (15.0, 0.75)
