@@ -358,7 +358,7 @@ def _choices(name: str, world: int):
     """The registered choices' functions of ``triton:<name>`` (with --smoke: the protocols over a one-rank CPU
     stand-in of symmetric memory, the same code below the ``Comm``)."""
     if DEVICE == "cuda":
-        return moe.make_dispatch(name)[0], moe.make_combine(name.removesuffix(moe.SPLIT))[0]
+        return moe.make_dispatch(name)[0], moe.make_combine(moe.tile_variant(name))[0]
     from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
     if not _smoke_comms:
@@ -375,7 +375,7 @@ def _choices(name: str, world: int):
         offs, row_index, acc = rest[4], rest[5], rest[6]
         return moe.matmul_all_to_all_on(
             _smoke_comms["c"], As[0], Bs[0], out_shape, out_splits, in_splits, offs, row_index, acc,
-            variant=name.removesuffix(moe.SPLIT),
+            variant=moe.tile_variant(name),
         )  # fmt: skip
 
     return run_d, run_c

@@ -7,10 +7,14 @@ Per layer of benchmarks/moe.py (balanced routing) and copy shape, the slowest ra
   send copy     all the rows into this rank's symmetric send buffer (a copy-engine yardstick);
   pull          the dispatch's protocol without a GEMM: ``stage_rows`` (steps 1-3: the peers' rows into the send
                 buffer) and the copy tiles' launch;
-  fused         the registered dispatch choice (pull and grouped GEMM in one launch), and NCCL's dispatch.
+  fused         the registered dispatch choice (pull and grouped GEMM in one launch), and NCCL's dispatch;
+  pull on P     the pull with only P programs (``--programs``): what a few copying programs move;
+  ordered C     the ordered dispatch with C copying programs (``--copiers``; COPIER_K set to the shape's K);
+  gemm only     the grouped GEMM of the fused variant's tiles on the exchanged rows, no pull.
 Every pulled result is first checked equal to NCCL's.
 
     torchrun --nproc-per-node 2 lab/moe_pull_lab.py [--layers fine] [--copies 32x256,64x256,32x512]
+        [--programs 16,32] [--copiers 16,32]
 """
 
 from __future__ import annotations
@@ -52,11 +56,16 @@ def run_layer(L, args, rank: int, world: int, group: str) -> list[str]:
     out = torch.empty(rows, k, dtype=A.dtype, device="cuda")
     a2a = torch.empty_like(out)
 
-    def pull():
+    def pull(programs: int | None = None):
         moe.stage_rows(comm, sig, A, send, "lab pull")
-        gg.grouped_gemm(out, L.w, pull=gg.Pull(A, comm.data_bases(), out, rows), gemm=False, sig=sig)
+        pl = gg.Pull(A, comm.data_bases(), out, rows)
+        gg.grouped_gemm(out, L.w, pull=pl, gemm=False, sig=sig, num_programs=programs)
+
+    def gemm_only():
+        gg.grouped_gemm(out, L.w, offs=L.offs, row_index=L.row_index, variant=FUSED)
 
     fused, _ = moe.make_dispatch(FUSED)
+    ordered = {c: moe.make_dispatch(f"{FUSED}{moe.ORDERED}{c}")[0] for c in args.copiers}
     methods = {
         "nccl a2a": lambda: dist.all_to_all_single(a2a, A, recv, send),
         "send copy": lambda: comm.data.view(rank, tuple(A.shape), A.dtype).copy_(A),
@@ -67,11 +76,22 @@ def run_layer(L, args, rank: int, world: int, group: str) -> list[str]:
     copies = args.copies.split(",")
     for copy in copies:
         gg.COPY_M, gg.COPY_K = map(int, copy.split("x"))
+        gg.COPIER_K = gg.COPY_K
         found = {**methods, f"pull {copy}": pull, f"fused {copy}": lambda: fused(*dargs)}
+        if copy == copies[0]:
+            found["gemm only"] = gemm_only
+        for n in args.programs:
+            found[f"pull {copy} on {n}"] = lambda n=n: pull(n)
+        for c in args.copiers:
+            found[f"ordered {copy} {c}"] = lambda c=c: ordered[c](*dargs)
         pull()
         bad = [] if torch.equal(out, ref[0]) else ["pull"]
         if not torch.equal(fused(*dargs)[0], ref[0]):
             bad.append("fused")
+        for c, fn in ordered.items():
+            a_ex, outs = fn(*dargs)
+            if not torch.equal(a_ex, ref[0]) or any(not torch.equal(o, r) for o, r in zip(outs, ref[1])):
+                bad.append(f"ordered {c}")
         comm.errors.check_previous("lab pull", comm.check)
         if bad:
             raise RuntimeError(f"rank {rank}: {bad} differ from NCCL's exchange")
@@ -97,7 +117,11 @@ def main() -> int:
     p.add_argument("--copies", default="32x256,64x256,32x512")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--programs", default="16,32", help="pull-only launches on this many programs")
+    p.add_argument("--copiers", default="16,32", help="ordered dispatches with this many copying programs")
     args = p.parse_args()
+    args.programs = [int(x) for x in args.programs.split(",") if x]
+    args.copiers = [int(x) for x in args.copiers.split(",") if x]
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

@@ -56,7 +56,7 @@ def test_grouped_gemm_pull_and_scatter_in_interpreter():
     results, seed = _interpreted("moe_interpreted.py")
     for name, want in _TIMEOUTS.items():
         assert want in results.pop(name), f"{name}: {results.get(name)}"
-    assert len(results) == 18, sorted(results)
+    assert len(results) == 21, sorted(results)
     for name, err in results.items():
         tol = 1e-6 if "fp32" in name or "TMA" in name else 1e-3  # fp16 outputs: one rounding
         assert err <= tol, f"{name}: relative error {err:.2e} (seed {seed})"
@@ -66,7 +66,7 @@ def test_protocols_between_simulated_ranks():
     results, seed = _interpreted("moe_protocol_interpreted.py")
     missing = results.pop("peer missing")
     assert "all_to_all_matmul (triton:tiny): rank 0 of group test timed out waiting for rank 1's ready flag" in missing
-    assert set(results) == {"world 2, fused", "world 3, split and fused in turn", "world 1"}
+    assert set(results) == {"world 2, fused", "world 3, split and fused in turn", "world 2, ordered", "world 1"}
     for name, err in results.items():
         assert isinstance(err, float) and err <= 1e-3, f"{name}: {err} (seed {seed})"
 
@@ -133,17 +133,21 @@ _K, _N = 4096, 14336
 _VALUES = {
     **{p: "*bf16" for p in ("a", "b0", "b1", "c0", "c1", "a_out")},
     "row_index": "*i64", "offs": "*i32", "src_bases": "*i64", "dst_bases": "*i64", "my_flags": "*i32",
-    "peer_flags": "*i64", "err": "*i32", "local_addr": 1 << 40,
+    "peer_flags": "*i64", "err": "*i32", "local_addr": 1 << 40, "local_delta": -(1 << 30), "copiers": 16,
     "R": 8192, "n_a": 8192, "K": _K, "n0": _N, "n1": _N, "n_tiles": 224, "E": 8, "group_rows": 0,
     "stride_am": _K, "stride_ak": 1, "sbe0": _K * _N, "sbe1": _K * _N, "sbk0": _N, "sbk1": _N, "sbn0": 1, "sbn1": 1,
     "n_pull": 8192, "y_rows": 8192, "rank": 3, "world": 8, "max_spin": 60_000_000, "num_progs": 132,
 }  # fmt: skip
+_ORDERED = dict(ORDERED=True, COPY_K=gg.COPIER_K, E_BLOCK=8, W_BLOCK=16)  # as launched for _VALUES' E and world
 _MODES = {  # mode -> (constexprs beyond the defaults, B layout [E, N, K]?)
     "w1+w3": (dict(DUAL=True), False),
     "w1+w3, weights [E, N, K]": (dict(DUAL=True, B_T=True), True),
     "one weight, TMA A": (dict(), False),
     "gathered": (dict(GATHER=True, A_TMA=False, DUAL=True, B_T=True), True),
     "fused dispatch": (dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True, B_T=True), True),
+    "ordered dispatch": (
+        dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True, B_T=True, **_ORDERED), True
+    ),
     "pull only": (dict(PULL=True, GEMM=False, A_TMA=False), False),
     "combine scatter": (dict(SCATTER=True, Y_INDEX=True), False),
     "combine accumulate": (dict(SCATTER=True, Y_INDEX=True, ACCUMULATE=True, B_T=True), True),
@@ -155,7 +159,8 @@ def _constexprs(variant: gg.Variant, extra: dict) -> dict:
     bm, bn, bk = gg.launch_block(variant, extra.get("DUAL", False))
     base = dict(
         HAS_OFFS=True, GATHER=False, Y_INDEX=False, A_TMA=True, B_TMA=True, B_T=False,
-        DUAL=False, PULL=False, GEMM=True, SCATTER=False, ACCUMULATE=False, IEEE=False, ALIGN=16, TIMED=True,
+        DUAL=False, PULL=False, GEMM=True, SCATTER=False, ORDERED=False, ACCUMULATE=False, IEEE=False, ALIGN=16,
+        ROW_ALIGN=8, TIMED=True, E_BLOCK=1, W_BLOCK=1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=variant.group_m, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K,
     )  # fmt: skip
     base.update(extra)
@@ -196,7 +201,11 @@ def test_every_variant_fits_sm90(name, tmp_path, monkeypatch):
     (``per_sm``) must fit twice on an SM in those launches (the GEMM alone: one or two weights, gathered or not)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     v = gg.VARIANTS[name]
-    modes = [dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True), dict(SCATTER=True, Y_INDEX=True)]
+    modes = [
+        dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True),
+        dict(GATHER=True, A_TMA=False, DUAL=True, PULL=True, **_ORDERED),
+        dict(SCATTER=True, Y_INDEX=True),
+    ]
     plain = [dict(DUAL=True), dict(), dict(GATHER=True, A_TMA=False, DUAL=True)] if v.per_sm > 1 else []
     for extra in modes + plain:
         k = compile_like_launch(gg.grouped_gemm_kernel, _VALUES, _constexprs(v, extra), v.num_warps, v.num_stages)
@@ -275,8 +284,21 @@ def test_choices_registered_for_both_ops():
     assert OPS == ("all_to_all_matmul", "matmul_all_to_all")
     one = [name for name, v in gg.VARIANTS.items() if v.per_sm == 1]
     assert len(one) < len(gg.VARIANTS)
-    assert list(_triton(OPS[0])) == [f"triton:{v}" for v in one] + [f"triton:{v}-split" for v in gg.VARIANTS]
+    ordered = [f"triton:{v}-pull{n}" for v in one for n in moe.ORDERED_COPIERS]
+    assert list(_triton(OPS[0])) == [f"triton:{v}" for v in one] + [f"triton:{v}-split" for v in gg.VARIANTS] + ordered
     assert list(_triton(OPS[1])) == [f"triton:{v}" for v in one]
+
+
+def test_variant_names():
+    assert moe.tile_variant(f"{gg.DEFAULT}-split") == gg.DEFAULT
+    assert moe.tile_variant(f"{gg.DEFAULT}-pull24") == gg.DEFAULT
+    assert moe.tile_variant(gg.DEFAULT) == gg.DEFAULT
+    moe.make_dispatch(f"{gg.DEFAULT}-pull24")  # any number of copying programs
+    for bad in (f"{gg.DEFAULT}-pull0", "64x64x64-w1s1-pull16", f"{gg.DEFAULT}-pullx", "nothing"):
+        with pytest.raises(ValueError, match="MoE Triton variant"):
+            moe.make_dispatch(bad)
+    with pytest.raises(ValueError, match="MoE Triton variant"):
+        moe.make_combine(f"{gg.DEFAULT}-pull16")
 
 
 def _dispatch(A=None, Bs=None, biases=None, out_splits=(3, 5, 0, 2), in_splits=(4, 4, 1, 1), **kw):

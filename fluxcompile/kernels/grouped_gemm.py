@@ -39,6 +39,11 @@ GPU's L2. Two ways to run it:
   local counters (``arrived[s]``, release); a GEMM tile bounded-waits (acquire) until every source its rows come
   from has all its rows (``arrived[s] >= count``), so the GEMM starts while the last rows are still in flight.
   This needs every program resident (at most one per SM, nothing else filling the GPU).
+* ordered (``copiers`` > 0), Flux's tile order: a few programs copy, the peers' rows first (rank + 1's on) and
+  this rank's own last, while the others run the GEMM tiles in the order the rows arrive: every group's rows of
+  this rank (read from ``A`` itself: no wait), then every group's rows of rank + 1, ... (segments found by a binary
+  search over ``row_index``, written by the first GEMM program into the flag words; tiles never cross a segment). All
+  GEMM programs work on the same group at a time (its weights shared in L2), and the GEMM overlaps the pull.
 * split (``gemm=False``): a launch of copy tiles only; the GEMM is a second launch (A through TMA where no
   ``row_index`` gathers it).
 The last program to finish (a counter in the flag words) resets the counters and tells every source
@@ -65,7 +70,8 @@ the signal (``WAIT_KINDS``). Epochs: ``state[0]`` (this rank's flag words) count
 increments it, so flags only grow, are never reset across ranks, and CUDA graph replays advance them.
 
 Flag words (int32, one array per rank and per op, in symmetric memory): ``ready[64]``, ``info[64][2]``,
-``done[64]`` (written by peers), ``arrived[64]``, ``scratch[64]``, ``state[8]`` (this rank's own).
+``done[64]`` (written by peers), ``arrived[64]``, ``scratch[64]``, ``state[8]``, the segment table (this rank's
+own).
 
 Checked on CPU with Triton's interpreter (tests/test_moe_kernels.py: ragged and empty groups, gather with
 padding, several weights, both weight layouts, TMA, the pull and the scatter against ``ops`` references, waits
@@ -94,9 +100,11 @@ INFO = MAX_WORLD
 DONE = 3 * MAX_WORLD
 ARRIVED = 4 * MAX_WORLD
 SCRATCH = 5 * MAX_WORLD
-STATE = 6 * MAX_WORLD  # [0] epoch, [1] unused, [2] programs finished
-FLAG_WORDS = 6 * MAX_WORLD + 8
+STATE = 6 * MAX_WORLD  # [0] epoch, [1] the ordered dispatch's segment table is this epoch's, [2] programs finished
+TABLE = 6 * MAX_WORLD + 8  # the ordered dispatch's segment table (written before it is read)
 FLAG_BYTES = 4096
+FLAG_WORDS = FLAG_BYTES // 4
+TABLE_WORDS = FLAG_WORDS - TABLE
 
 _READY = tl.constexpr(READY)
 _INFO = tl.constexpr(INFO)
@@ -104,6 +112,7 @@ _DONE = tl.constexpr(DONE)
 _ARRIVED = tl.constexpr(ARRIVED)
 _SCRATCH = tl.constexpr(SCRATCH)
 _STATE = tl.constexpr(STATE)
+_TABLE = tl.constexpr(TABLE)
 
 WAIT_KINDS = {
     1: ("ready flag", "its rows in its send buffer (dispatch)"),
@@ -112,6 +121,7 @@ WAIT_KINDS = {
     4: ("ready flag", "its receive buffer (combine)"),
     5: ("done flag", "its rows delivered into this rank's receive buffer (combine)"),
     6: ("published splits", "the split sizes every rank published (they disagree with this rank's)"),
+    7: ("segment table", "its first GEMM program to write the ordered dispatch's segments (this rank's own)"),
 }
 
 
@@ -154,6 +164,7 @@ DEFAULT = "128x128x64-w8s4"
 
 COPY_M = 32  # rows of a copy tile (pull)
 COPY_K = 256  # columns per copy step
+COPIER_K = 512  # columns per copy step where a few programs copy (more bytes in flight per program)
 
 
 @dataclasses.dataclass
@@ -272,6 +283,54 @@ def _pull_tile(
 
 
 @triton.jit
+def _max(x, y):
+    return tl.maximum(x, y)
+
+
+@triton.jit
+def _segments(
+    table, row_index, offs, my_flags, n_a, R, E, group_rows, world, pull_ok,
+    HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, E_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The ordered dispatch's segments: ``table[g * (world + 1) + s]`` is where source s's rows start in group g
+    (its first row from s or a later source, by a binary search over the group's rows, which come in source order
+    as a [source][expert] -> [expert][source] permutation leaves them), and the group's end for s = world. Rows in
+    another order still fall into some segment (bounds never decrease): every order is computed right, rows in
+    source order overlap best. One lane per (group, source), all searched at once."""
+    lanes = tl.arange(0, E_BLOCK * W_BLOCK)
+    g = lanes // W_BLOCK
+    s = lanes % W_BLOCK
+    in_g = g < E
+    if HAS_OFFS:  # the kernel's clamping: lo = the previous groups' largest end, hi = max(end, lo), both <= R
+        end = tl.load(offs + g, mask=in_g, other=0).to(tl.int32)
+        prev = tl.load(offs + g - 1, mask=in_g & (g > 0), other=0).to(tl.int32)
+        hi = tl.minimum(tl.associative_scan(end, 0, _max), R)
+        lo = tl.minimum(tl.associative_scan(prev, 0, _max), R)
+    else:
+        lo = g * group_rows
+        hi = lo + group_rows
+    first = lo
+    last = hi
+    while tl.max(last - first, axis=0) > 0:
+        live = first < last
+        mid = (first + last) // 2
+        if GATHER:
+            idx = tl.load(row_index + mid, mask=live & in_g, other=n_a).to(tl.int64)
+            idx = tl.where(idx < 0, idx + n_a + 1, idx)
+            ok = (idx >= 0) & (idx < n_a)
+            rows = tl.where(ok, idx, 0).to(tl.int32)
+        else:
+            ok = mid < n_a
+            rows = mid
+        who, _ = _locate(rows, my_flags + _INFO, world)
+        who = tl.where(ok & (pull_ok != 0), who, world)  # rows of no source (padding) go last
+        last = tl.where(live & (who >= s), mid, last)
+        first = tl.where(live & (who < s), mid + 1, first)
+    first = tl.associative_scan(tl.where(s >= world, hi, first), 0, _max)
+    tl.store(table + g * (world + 1) + s, first, mask=in_g & (s <= world))
+
+
+@triton.jit
 def _b_tile(b_ptrs, b_desc, g, col0, k0, ks, K, width, sbk, offs_n,
             B_TMA: tl.constexpr, B_T: tl.constexpr):  # fmt: skip
     if B_TMA:
@@ -286,18 +345,18 @@ def _b_tile(b_ptrs, b_desc, g, col0, k0, ks, K, width, sbk, offs_n,
 
 @triton.jit
 def _mma(
-    a, a_desc, a_rows, a_ok, b0, d0, b1, d1, g, row0, col0, K, n0, n1, stride_am, stride_ak,
+    a, a_desc, a_off, a_ok, b0, d0, b1, d1, g, row0, col0, K, n0, n1, stride_ak,
     sbe0, sbk0, sbn0, sbe1, sbk1, sbn1,
     DUAL: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """The fp32 [BLOCK_M, BLOCK_N] products of the tile's A rows (``a_rows`` of ``a``, zero where not ``a_ok``;
+    """The fp32 [BLOCK_M, BLOCK_N] products of the tile's A rows (``a + a_off``, zero where not ``a_ok``;
     with A_TMA rows row0.. through ``a_desc``) and columns col0.. of expert ``g`` of the weight(s): one mainloop,
     with DUAL two accumulators sharing each A tile (w1 and w3). Returns (acc0, acc1); acc1 is acc0 unless DUAL."""
     offs_n = col0 + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     gl = tl.full((), 0, tl.int64) + g
-    a_ptrs = a + a_rows[:, None] * stride_am
+    a_ptrs = a + a_off[:, None]
     b0_ptrs = b0 + gl * sbe0 + offs_n[None, :] * sbn0
     b1_ptrs = b1 + gl * sbe1 + offs_n[None, :] * sbn1
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -337,20 +396,22 @@ def _b_desc(b, E, K, width, sbk, sbn, B_T: tl.constexpr, BLOCK_N: tl.constexpr, 
 @triton.jit(
     do_not_specialize=[
         "R", "n_a", "group_rows", "n_pull", "y_rows", "rank", "world", "max_spin", "num_progs", "local_addr",
+        "local_delta", "copiers",
     ]
 )  # fmt: skip
 def grouped_gemm_kernel(
     a, row_index, offs, b0, b1, c0, c1,
-    local_addr, src_bases, a_out, dst_bases, my_flags, peer_flags, err,
+    local_addr, local_delta, src_bases, a_out, dst_bases, my_flags, peer_flags, err,
     R, n_a, K, n0, n1, n_tiles, E, group_rows,
     stride_am, stride_ak, sbe0, sbe1, sbk0, sbk1, sbn0, sbn1,
-    n_pull, y_rows, rank, world, max_spin, num_progs,
+    n_pull, y_rows, rank, world, max_spin, num_progs, copiers,
     HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, Y_INDEX: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
-    DUAL: tl.constexpr, PULL: tl.constexpr, GEMM: tl.constexpr, SCATTER: tl.constexpr,
-    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr, TIMED: tl.constexpr,
+    DUAL: tl.constexpr, PULL: tl.constexpr, GEMM: tl.constexpr, SCATTER: tl.constexpr, ORDERED: tl.constexpr,
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    TIMED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    COPY_M: tl.constexpr, COPY_K: tl.constexpr,
+    COPY_M: tl.constexpr, COPY_K: tl.constexpr, E_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     e_call = tl.full((), 0, tl.int32)
@@ -359,28 +420,43 @@ def grouped_gemm_kernel(
 
     # --- the dispatch's copy tiles: every source's rows into A_exchanged
     n_copy = tl.full((), 0, tl.int32)
+    pull_ok = tl.full((), 1, tl.int32)
+    my_lo = tl.full((), 0, tl.int32)  # where this rank's own rows start in A_exchanged
+    my_off = tl.full((), 0, tl.int32)  # ... and in a_local
     if PULL:
         n_copy = tl.cdiv(n_pull, COPY_M)
         pull_ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False, TIMED)
         tl.debug_barrier()
         if pull_ok != 0:
             total = tl.full((), 0, tl.int32)
-            mine = tl.full((), 0, tl.int32)  # where this rank's own rows start
             for s in range(world):
                 count = tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
-                mine += tl.where(s < rank, count, 0)
+                my_lo += tl.where(s < rank, count, 0)
                 total += count
+            my_off = tl.load(my_flags + _INFO + 2 * rank, cache_modifier=".cg")
             if pid == 0:
                 if total != n_pull:
                     _record(err, rank, -1, total, n_pull, 6)
-            # Copy tiles from this rank's own rows on, then rank + 1's, ...: at any moment the ranks read from
-            # different sources, not all from rank 0.
-            shift = mine // COPY_M
-            for t in range(pid, n_copy, num_progs):
-                _pull_tile(
-                    (t + shift) % n_copy, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM, ALIGN,
-                    COPY_M, COPY_K,
-                )  # fmt: skip
+            if ORDERED:
+                # Programs 0..copiers-1 copy, the peers' rows first (rank + 1's on), this rank's own last (the GEMM
+                # reads them from a_local); the other programs start on the GEMM tiles meanwhile.
+                if pid < copiers:
+                    my_count = tl.load(my_flags + _INFO + 2 * rank + 1, cache_modifier=".cg")
+                    shift = (my_lo + my_count) // COPY_M
+                    for t in range(pid, n_copy, copiers):
+                        _pull_tile(
+                            (t + shift) % n_copy, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world,
+                            GEMM, ALIGN, COPY_M, COPY_K,
+                        )  # fmt: skip
+            else:
+                # Copy tiles from this rank's own rows on, then rank + 1's, ...: at any moment the ranks read from
+                # different sources, not all from rank 0.
+                shift = my_lo // COPY_M
+                for t in range(pid, n_copy, num_progs):
+                    _pull_tile(
+                        (t + shift) % n_copy, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM,
+                        ALIGN, COPY_M, COPY_K,
+                    )  # fmt: skip
 
     # --- the GEMM tiles
     if GEMM:
@@ -398,15 +474,41 @@ def grouped_gemm_kernel(
             d1 = b1
         scatter_ok = tl.full((), 1, tl.int32)
         waited = tl.full((), 0, tl.int32)
-        # The GEMM tiles continue the copy tiles' round robin over the programs.
-        t = (pid + num_progs - n_copy % num_progs) % num_progs
+        if ORDERED:
+            # Segments (source, group) in the order the rows arrive: this rank's own rows (read from a_local) in
+            # every group, then rank + 1's, ...; the first GEMM program writes the segments' bounds (``_segments``),
+            # the GEMM programs (all but the copying ones) take their tiles round robin.
+            table = my_flags + _TABLE
+            if pid == copiers:
+                _segments(
+                    table, row_index, offs, my_flags, n_a, R, E, group_rows, world, pull_ok,
+                    HAS_OFFS, GATHER, E_BLOCK, W_BLOCK,
+                )  # fmt: skip
+                tl.debug_barrier()
+                tl.atomic_xchg(my_flags + _STATE + 1, e_call, sem="release", scope="gpu")
+            step = num_progs - copiers
+            t = pid - copiers
+            n_segs = tl.where(t >= 0, world * E, 0)
+            if t >= 0:
+                timed_wait(my_flags + _STATE + 1, e_call, err, max_spin, rank, rank, -1, 7, False, TIMED)
+        else:
+            table = my_flags
+            # The GEMM tiles continue the copy tiles' round robin over the programs.
+            step = num_progs
+            t = (pid + num_progs - n_copy % num_progs) % num_progs
+            n_segs = E
         base = tl.full((), 0, tl.int32)
         prev_hi = tl.full((), 0, tl.int32)
         next_end = tl.full((), 0, tl.int32)
         if HAS_OFFS:
             next_end = tl.load(offs).to(tl.int32)
-        for g in range(E):
-            if HAS_OFFS:
+        for seg in range(n_segs):
+            g = seg % E
+            if ORDERED:
+                s = (rank + seg // E) % world
+                lo = tl.load(table + g * (world + 1) + s, volatile=True)
+                hi = tl.load(table + g * (world + 1) + s + 1, volatile=True)
+            elif HAS_OFFS:
                 # Group g's rows [lo, hi) (clamped into [0, R], never overlapping); the next group's end is loaded
                 # now, while this group's tiles run, not when the program reaches it.
                 end = next_end
@@ -438,12 +540,20 @@ def grouped_gemm_kernel(
                 else:
                     a_ok = j_ok
                     a_rows = j
+                a_off = a_rows.to(tl.int64) * stride_am
                 tile_ok = tl.full((), 1, tl.int32)
                 if PULL:
-                    # Fused dispatch: wait until every source of these rows has all its rows in A_exchanged.
+                    # Fused dispatch: wait until every source of these rows has all its rows in A_exchanged;
+                    # ordered: this rank's own rows are read from a_local, never waited for.
                     who, _ = _locate(a_rows, my_flags + _INFO, world)
+                    if ORDERED:
+                        a_ok = a_ok & (who < world) & (pull_ok != 0)
+                        local_off = local_delta + (my_off + a_rows - my_lo).to(tl.int64) * K
+                        a_off = tl.where(who == rank, local_off, a_off)
                     for s in range(world):
                         touched = tl.max(((who == s) & a_ok).to(tl.int32), axis=0)
+                        if ORDERED:
+                            touched = tl.where(s == rank, 0, touched)
                         if (touched > 0) & (tile_ok != 0):
                             need = tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
                             tile_ok = timed_wait(
@@ -452,8 +562,8 @@ def grouped_gemm_kernel(
                     tl.debug_barrier()
                 col0 = pid_n * BLOCK_N
                 acc, acc1 = _mma(
-                    a, a_desc, a_rows.to(tl.int64), a_ok, b0, d0, b1, d1, g, row0, col0, K, n0, n1,
-                    stride_am, stride_ak, sbe0, sbk0, sbn0, sbe1, sbk1, sbn1,
+                    a, a_desc, tl.multiple_of(a_off, ROW_ALIGN), a_ok, b0, d0, b1, d1, g, row0, col0, K, n0, n1,
+                    stride_ak, sbe0, sbk0, sbn0, sbe1, sbk1, sbn1,
                     DUAL, A_TMA, B_TMA, B_T, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
                 width = n0
@@ -491,7 +601,7 @@ def grouped_gemm_kernel(
                     tl.store(c0 + out_rows * n0 + cols[None, :], acc.to(dtype), mask=keep & col_ok[None, :])
                     if DUAL:
                         tl.store(c1 + out_rows * n1 + cols[None, :], acc1.to(dtype), mask=keep & (cols < n1)[None, :])
-                t += num_progs
+                t += step
             base += count
 
     # --- the last program to finish: reset the counters, tell the peers
@@ -651,6 +761,7 @@ def grouped_gemm(
     variant: Variant | str = DEFAULT,
     num_programs: int | None = None,
     tma: bool | None = None,
+    copiers: int = 0,
 ) -> list[torch.Tensor]:
     """``outs[w] = grouped(X, Bs[w])`` (see the module), with the dispatch's ``pull`` before it (``a`` is then
     ``pull.a_out``; ``gemm=False``: the pull only) or the combine's ``scatter`` as its epilogue (then nothing is
@@ -662,7 +773,8 @@ def grouped_gemm(
     ``scatter`` it places the output rows instead (one index per row of ``a``); outs: contiguous ``[R, N_w]`` (made
     when None). ``sig`` is required with ``pull`` or ``scatter``. ``num_programs``: the persistent programs
     (default: the device's SMs; with ``pull`` and ``gemm`` every one must be resident). ``tma``: the variant's
-    choice unless given.
+    choice unless given. ``copiers``: with ``pull`` and ``gemm``, that many programs copy while the others
+    multiply in the order the rows arrive (the module's ordered dispatch); 0: every program copies first.
     """
     v = VARIANTS[variant] if isinstance(variant, str) else variant
     if not 1 <= len(Bs) <= MAX_WEIGHTS:
@@ -699,9 +811,9 @@ def grouped_gemm(
         num_programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     kw = dict(offs=offs, row_index=row_index, gather=gather, R=R, sig=sig, v=v, num_programs=num_programs, tma=tma)
     if len(Bs) <= 2:
-        _launch(a, list(Bs), outs, pull=pull, gemm=gemm, scatter=scatter, **kw)
+        _launch(a, list(Bs), outs, pull=pull, gemm=gemm, scatter=scatter, copiers=copiers, **kw)
     else:  # the first two weights (after the pull), then the third from the rows now local
-        _launch(a, list(Bs[:2]), outs[:2], pull=pull, gemm=gemm, scatter=None, **kw)
+        _launch(a, list(Bs[:2]), outs[:2], pull=pull, gemm=gemm, scatter=None, copiers=copiers, **kw)
         if gemm:
             _launch(a, list(Bs[2:]), outs[2:], pull=None, gemm=True, scatter=None, **kw)
     return outs
@@ -715,7 +827,9 @@ def launch_block(v: Variant, dual: bool) -> tuple[int, int, int]:
     return bm, min(bn // 2 if dual else bn, 128), bk
 
 
-def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig, v, num_programs, tma) -> None:
+def _launch(
+    a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig, v, num_programs, tma, copiers=0
+) -> None:
     """One launch of ``grouped_gemm_kernel`` for one or two weights (see :func:`grouped_gemm`)."""
     n_a, k = a.shape
     E = Bs[0].shape[0]
@@ -746,6 +860,14 @@ def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig
     if work == 0 and sig is None:
         return  # nothing to compute, nobody to signal
     progs = max(1, min(num_programs * (v.per_sm if sig is None else 1), work))
+    copiers = min(copiers, progs - 1) if pull is not None and gemm and E * (sig.world + 1) <= TABLE_WORDS else 0
+    # Element offsets of A's rows: multiples of 16 bytes where the rows (and, ordered, a_local against a) are.
+    local_delta = 0
+    row_align = 16 // es if (a.stride(0) * es) % 16 == 0 and a.data_ptr() % 16 == 0 else 1
+    if copiers > 0:
+        local_delta = (pull.a_local.data_ptr() - a.data_ptr()) // es
+        if align != 16 or local_delta % (16 // es):
+            row_align = 1
     b1 = Bs[1] if dual else Bs[0]
     c0 = outs[0] if outs else a
     c1 = outs[1] if dual and outs else c0
@@ -753,7 +875,7 @@ def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig
     grouped_gemm_kernel[(progs,)](
         a, row_index if row_index is not None else a, offs if offs is not None else a,
         Bs[0], b1, c0, c1,
-        pull.a_local.data_ptr() if pull is not None else 0,
+        pull.a_local.data_ptr() if pull is not None else 0, local_delta,
         pull.src_bases if pull is not None else a,
         pull.a_out if pull is not None else a,
         scatter.dst_bases if scatter is not None else a,
@@ -765,12 +887,14 @@ def _launch(a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig
         Bs[0].stride(0), b1.stride(0), Bs[0].stride(1), b1.stride(1), Bs[0].stride(2), b1.stride(2),
         n_pull, scatter.y_rows if scatter is not None else 0,
         sig.rank if sig is not None else 0, sig.world if sig is not None else 1,
-        sig.max_spin if sig is not None else 0, progs,
+        sig.max_spin if sig is not None else 0, progs, copiers,
         HAS_OFFS=offs is not None, GATHER=gather, Y_INDEX=row_index is not None and scatter is not None,
         A_TMA=a_tma, B_TMA=b_t is not None, B_T=bool(b_t), DUAL=dual, PULL=pull is not None, GEMM=gemm,
-        SCATTER=scatter is not None, ACCUMULATE=scatter is not None and scatter.accumulate,
-        IEEE=a.dtype == torch.float32, ALIGN=align, TIMED=a.is_cuda,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=v.group_m, COPY_M=COPY_M, COPY_K=COPY_K,
+        SCATTER=scatter is not None, ORDERED=copiers > 0, ACCUMULATE=scatter is not None and scatter.accumulate,
+        IEEE=a.dtype == torch.float32, ALIGN=align, ROW_ALIGN=row_align, TIMED=a.is_cuda,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=v.group_m, COPY_M=COPY_M,
+        COPY_K=COPIER_K if copiers > 0 else COPY_K, E_BLOCK=triton.next_power_of_2(E) if copiers > 0 else 1,
+        W_BLOCK=triton.next_power_of_2(sig.world + 1) if copiers > 0 else 1,
         num_warps=v.num_warps, num_stages=v.num_stages,
     )  # fmt: skip
 

@@ -7,12 +7,12 @@
   MoE layer's dispatch (w1 and w3), SwiGLU, combine (w2) per rank, against the ops' reference math over an exchange
   computed by hand; eager calls whose routing changes (one with a rank's launch delayed), then one CUDA graph of
   every rank's layer replayed with new tokens, permutations and group sizes written into the captured inputs
-  (the splits, host ints, stay those of the capture), outputs NaN-filled before each replay; the split variant,
-  three weights, accumulate with repeated rows, bmm with equal splits; a rank whose peer never calls gets an
-  error naming the rank and the signal.
+  (the splits, host ints, stay those of the capture), outputs NaN-filled before each replay; the split and
+  ordered variants, three weights, accumulate with repeated rows, bmm with equal splits; a rank whose peer never
+  calls gets an error naming the rank and the signal.
 * The registered choices (``comm_for``, group resolution) on a group of one rank and, between the GPUs of
   scripts/gpu-check, against ``ops.REFERENCES`` (NCCL ``all_to_all_single`` + grouped_mm): calls whose splits
-  change from one to the next, the fused and the split dispatch in turn over the same workspaces.
+  change from one to the next, the fused, split and ordered dispatch in turn over the same workspaces.
 """
 
 from __future__ import annotations
@@ -241,13 +241,17 @@ def _no_errors(*comm_lists) -> None:
     assert all(not w[0] for w in words), f"wait errors: {words}"
 
 
+# The dispatch's ways: fused, split, ordered (four programs of a rank's share copy).
+_MODES = {"fused": "", "split": moe.SPLIT, "ordered": f"{moe.ORDERED}4"}
+
+
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("split", (False, True), ids=("fused", "split"))
-def test_layer_between_simulated_ranks(world, split):
+@pytest.mark.parametrize("mode", list(_MODES))
+def test_layer_between_simulated_ranks(world, mode):
     _queues(world)
-    g = torch.Generator().manual_seed(world * 10 + split)
-    dvar = gg.DEFAULT + (moe.SPLIT if split else "")
-    dcomms, ccomms, ranks = _harness(world, world * 160 + 64, f"moe{world}{'s' if split else 'f'}")
+    g = torch.Generator().manual_seed(world * 10 + list(_MODES).index(mode))
+    dvar = gg.DEFAULT + _MODES[mode]
+    dcomms, ccomms, ranks = _harness(world, world * 160 + 64, f"moe{world}{mode[0]}")
     for call in range(EAGER_CALLS):
         layer = Layer(world, _counts(world, g), g)
         poison_allocator(1 << 28)
@@ -332,7 +336,7 @@ def _choice_call(group, world: int, rank: int, g: torch.Generator, counts, dtype
     A, w, w2, offs, row_index = layer.A[rank], layer.w[rank], layer.w2[rank], layer.offs[rank], layer.row_index[rank]
     send, recv = counts[rank], layer.recv[rank]
     run_d, sup_d = moe.make_dispatch(variant)
-    run_c, sup_c = moe.make_combine(variant.removesuffix(moe.SPLIT))
+    run_c, sup_c = moe.make_combine(moe.tile_variant(variant))
     dargs = (A, w, [None] * len(w), recv, send, name, None, None, None, False, offs, row_index)
     with config.patch(experimental_moe=True):
         assert sup_d(*dargs) is None, sup_d(*dargs)
@@ -381,8 +385,8 @@ def test_registered_choices_between_gpus(monkeypatch):
     monkeypatch.setattr(moe, "timeout_s", lambda: 10.0)
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(shared_seed())
-    for call in range(4):
+    for call in range(6):
         counts = _equal_counts(world, g, 300 * world if call else 40 * world)  # the workspaces grow after call 0
-        variant = gg.DEFAULT + (moe.SPLIT if call % 2 else "")
+        variant = gg.DEFAULT + (("", moe.SPLIT, f"{moe.ORDERED}16")[call % 3])
         problems = _choice_call(dist.group.WORLD, world, rank, g, counts, variant=variant)
         assert_on_every_rank("; ".join(f"call {call} ({variant}): {p}" for p in problems) or None)

@@ -130,9 +130,14 @@ def prefix(xs: list[int]) -> list[int]:
     return out
 
 
-def pull_case(seed, counts, rank, K, E, widths, dtype, *, fused, gather, progs, calls=2, products=True) -> float:
-    """The dispatch at ``rank``: every rank publishes its input splits, the rank pulls and multiplies. Two
-    calls in a row (epochs advance, counters reset)."""
+def pull_case(
+    seed, counts, rank, K, E, widths, dtype, *, fused, gather, progs, calls=2, products=True, copiers=0,
+    by_source=False,
+) -> float:
+    """The dispatch at ``rank``: every rank publishes its input splits, the rank pulls and multiplies (fused on
+    one program, or ordered: ``copiers`` of ``progs`` programs copy). Two calls in a row (epochs advance,
+    counters reset). ``by_source``: each group's gathered rows in source order (as an [expert][source]
+    permutation leaves them), and the ordered dispatch's segment table is checked against them."""
     g = torch.Generator().manual_seed(seed)
     world = len(counts)
     worst = 0.0
@@ -160,10 +165,20 @@ def pull_case(seed, counts, rank, K, E, widths, dtype, *, fused, gather, progs, 
             x = torch.cat([exchanged, exchanged.new_zeros(1, K)])[row_index]
             R = n + 2
         offs = ragged_offs(g, R, E)
+        if by_source:  # each group's rows sorted by source (padding last)
+            src = torch.repeat_interleave(torch.arange(world), torch.tensor(recv))
+            src = torch.cat([src, torch.tensor([world])])
+            lo = 0
+            for end in offs.tolist():
+                part = row_index[lo:end]
+                row_index[lo:end] = part[torch.sort(src[part.clamp(max=n)], stable=True).indices]
+                lo = end
+            x = torch.cat([exchanged, exchanged.new_zeros(1, K)])[row_index]
         if fused:
             outs = gg.grouped_gemm(
-                a_out, Bs, offs=offs, row_index=row_index, pull=pull, sig=w.sig(rank), variant=BLOCK, num_programs=1
-            )
+                a_out, Bs, offs=offs, row_index=row_index, pull=pull, sig=w.sig(rank), variant=BLOCK,
+                num_programs=progs if copiers else 1, copiers=copiers,
+            )  # fmt: skip
         else:
             gg.grouped_gemm(a_out, Bs, pull=pull, gemm=False, sig=w.sig(rank), variant=BLOCK, num_programs=progs)
             outs = []
@@ -178,6 +193,16 @@ def pull_case(seed, counts, rank, K, E, widths, dtype, *, fused, gather, progs, 
             done = int(w.flags[p][gg.DONE + rank])
             if p != rank and done != e:
                 worst = float("inf")  # the peer was not told its send buffer is free
+        if by_source:  # segment g, s starts at the group's first row from source s or later
+            src = torch.cat([torch.repeat_interleave(torch.arange(world), torch.tensor(recv)), torch.tensor([world])])
+            lo = 0
+            for grp, end in enumerate(offs.tolist()):
+                keys = src[row_index[lo:end].clamp(max=n)]
+                want = [lo + int((keys < s).sum()) for s in range(world)] + [end]
+                got = w.flags[rank][gg.TABLE + grp * (world + 1) : gg.TABLE + (grp + 1) * (world + 1)].tolist()
+                if got != want:
+                    worst = float("inf")
+                lo = end
         mine = w.flags[rank]
         if int(mine[gg.STATE]) != e or int(mine[gg.STATE + 2]) != 0 or mine[gg.ARRIVED : gg.ARRIVED + world].any():
             worst = float("inf")  # epoch, finish counter, arrival counters
@@ -321,6 +346,17 @@ if __name__ == "__main__":
         ),
         "pull moves bf16 rows exactly": pull_case(
             seed + 12, [[2, 33], [35, 1]], 1, 16, 1, (16,), bf16, fused=False, gather=False, progs=2, products=False
+        ),
+        "pull ordered, gather, world 3, rank 1": pull_case(
+            seed + 17, [[3, 0, 6], [1, 20, 9], [40, 4, 5]], 1, 16, 3, (16, 24), f16, fused=True, gather=True, progs=3,
+            copiers=1,
+        ),
+        "pull ordered, [expert][source] rows, world 3, rank 2": pull_case(
+            seed + 19, [[3, 0, 26], [1, 20, 9], [40, 4, 25]], 2, 16, 3, (16,), f16, fused=True, gather=True, progs=3,
+            copiers=1, by_source=True,
+        ),
+        "pull ordered, world 2, rank 0, own rows only in some tiles": pull_case(
+            seed + 18, [[30, 5], [4, 0]], 0, 32, 2, (16,), f16, fused=True, gather=False, progs=2, copiers=1
         ),
         "world 1": pull_case(seed + 13, [[9]], 0, 16, 2, (16,), f16, fused=True, gather=True, progs=1),
         "scatter, world 2": scatter_case(

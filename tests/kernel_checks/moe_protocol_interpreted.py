@@ -139,7 +139,7 @@ def scenario(world: int, seed: int, dispatch_variants: tuple[str, ...]) -> tuple
         counts, pr = p["counts"], p["ranks"][r]
         if phase == "dispatch":
             variant = dispatch_variants[i % len(dispatch_variants)]
-            dcomm.sm_count = 3 if variant.endswith(moe.SPLIT) else 1
+            dcomm.sm_count = 1 if variant == TILE else 3  # ordered: one program copies, two multiply
             A = p["As"][r]
             send, recv = counts[r], pr["recv"]
             if p["kind"] == "bmm":  # equal splits given as empty lists, A as [W, rows, K] 3-D
@@ -218,6 +218,7 @@ if __name__ == "__main__":
     for name, world, variants in (
         ("world 2, fused", 2, (TILE,)),
         ("world 3, split and fused in turn", 3, (f"{TILE}{moe.SPLIT}", TILE)),
+        ("world 2, ordered", 2, (f"{TILE}{moe.ORDERED}1",)),
         ("world 1", 1, (TILE,)),
     ):
         worst, failures = scenario(world, seed, variants)

@@ -83,15 +83,25 @@ _DTYPES = (torch.bfloat16, torch.float16)
 DISPATCH_TAG = "all_to_all_matmul.triton"
 COMBINE_TAG = "matmul_all_to_all.triton"
 SPLIT = "-split"  # the dispatch's variant with the pull and the GEMM in two launches
+ORDERED = "-pull"  # "<tile>-pull<N>": the dispatch's variant where N programs copy while the others multiply
+ORDERED_COPIERS = (16, 32)
 DEFAULT = "128x128x64-w8s4"
 # The protocols' launches, in the order every rank makes them (the one-GPU harness orders the simulated ranks'
 # launches by them; no launch needs a peer's launch of the same or a later position).
 LAUNCHES = tuple((gg, name) for name in ("publish", "wait_done", "_launch")) if gg is not None else ()
 
-# The choices' variants: the tile configurations of one program per SM (launches that wait run one per SM), and
-# for the dispatch every configuration split (its GEMM launch waits for nothing).
+# The choices' variants: the tile configurations of one program per SM (launches that wait run one per SM), for
+# the dispatch every configuration split (its GEMM launch waits for nothing) and the one-per-SM ones ordered.
 _ONE_PER_SM = [name for name, v in gg.VARIANTS.items() if v.per_sm == 1] if gg is not None else []
-DISPATCH_VARIANTS = [*_ONE_PER_SM, *(f"{name}{SPLIT}" for name in gg.VARIANTS)] if gg is not None else []
+DISPATCH_VARIANTS = (
+    [
+        *_ONE_PER_SM,
+        *(f"{name}{SPLIT}" for name in gg.VARIANTS),
+        *(f"{name}{ORDERED}{n}" for name in _ONE_PER_SM for n in ORDERED_COPIERS),
+    ]
+    if gg is not None
+    else []
+)
 COMBINE_VARIANTS = list(_ONE_PER_SM)
 
 
@@ -339,15 +349,29 @@ def _tma_ok(variant: gg.Variant, device: torch.device) -> bool:
     return variant.tma and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _variant(name: str) -> tuple[gg.Variant, bool]:
-    split = name.endswith(SPLIT)
-    return gg.VARIANTS[name.removesuffix(SPLIT)], split
+def tile_variant(name: str) -> str:
+    """The tile configuration of a dispatch variant (``<tile>``, ``<tile>-split``, ``<tile>-pull<N>``): the
+    combine's variant of the same tiles."""
+    if name.endswith(SPLIT):
+        return name.removesuffix(SPLIT)
+    head, sep, n = name.rpartition(ORDERED)
+    return head if sep and n.isdigit() else name
+
+
+def _variant(name: str) -> tuple[gg.Variant, bool, int]:
+    """(tile configuration, split, copying programs) of a variant name; ValueError for an unknown one."""
+    tile = tile_variant(name)
+    if tile not in gg.VARIANTS:
+        raise ValueError(f"fluxcompile: no MoE Triton variant {name!r}")
+    copiers = int(name.rpartition(ORDERED)[2]) if tile != name and not name.endswith(SPLIT) else 0
+    if tile != name and not name.endswith(SPLIT) and copiers < 1:
+        raise ValueError(f"fluxcompile: MoE Triton variant {name!r} needs at least one copying program")
+    return gg.VARIANTS[tile], name.endswith(SPLIT), copiers
 
 
 def make_dispatch(name: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
     """(fn, supports) of all_to_all_matmul's choice ``triton:<name>``."""
-    if name not in DISPATCH_VARIANTS:
-        raise ValueError(f"fluxcompile: no MoE Triton variant {name!r}")
+    _variant(name)  # raises for an unknown name; any number of copying programs is accepted
 
     def run(
         A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
@@ -421,7 +445,7 @@ def all_to_all_matmul_on(
     """The dispatch's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol
     of the module's docstring, on the current stream."""
     world = comm.world
-    v, split = _variant(variant)
+    v, split, copiers = _variant(variant)
     what = f"all_to_all_matmul ({NAME}:{variant})"
     k = A.shape[-1]
     unit = math.prod(A.shape[1:-1])
@@ -449,7 +473,7 @@ def all_to_all_matmul_on(
         gg.grouped_gemm(a_ex, Bs, pull=pull, gemm=False, sig=sig, **kw)
         outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, **kw)
     else:
-        outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, pull=pull, sig=sig, **kw)
+        outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, pull=pull, sig=sig, copiers=copiers, **kw)
     if offs is None:  # bmm: [E, rows / E, N]
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
     comm.errors.report(what, comm.check)
@@ -505,7 +529,7 @@ def matmul_all_to_all_on(
     """The combine's result on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
     the module's docstring, on the current stream."""
     rank, world = comm.rank, comm.world
-    v, _ = _variant(variant)
+    v, _, _ = _variant(variant)
     what = f"matmul_all_to_all ({NAME}:{variant})"
     n = b.shape[2]
     h = a.reshape(-1, a.shape[-1])
