@@ -42,8 +42,9 @@ GPU's L2. Two ways to run it:
 * ordered (``copiers`` > 0), Flux's tile order: a few programs copy, the peers' rows first (rank + 1's on) and
   this rank's own last, while the others run the GEMM tiles in the order the rows arrive: every group's rows of
   this rank (read from ``A`` itself: no wait), then every group's rows of rank + 1, ... (segments found by a binary
-  search over ``row_index``, written by the first GEMM program into the flag words; tiles never cross a segment). All
-  GEMM programs work on the same group at a time (its weights shared in L2), and the GEMM overlaps the pull.
+  search over ``row_index``, written by program 0 into the flag words; tiles never cross a segment), every program
+  taking the next tile from a counter, the copying ones too once they have copied. All programs work on the same
+  group at a time (its weights shared in L2), and the GEMM overlaps the pull.
 * split (``gemm=False``): a launch of copy tiles only; the GEMM is a second launch (A through TMA where no
   ``row_index`` gathers it).
 The last program to finish (a counter in the flag words) resets the counters and tells every source
@@ -100,7 +101,7 @@ INFO = MAX_WORLD
 DONE = 3 * MAX_WORLD
 ARRIVED = 4 * MAX_WORLD
 SCRATCH = 5 * MAX_WORLD
-STATE = 6 * MAX_WORLD  # [0] epoch, [1] the ordered dispatch's segment table is this epoch's, [2] programs finished
+STATE = 6 * MAX_WORLD  # [0] epoch, [1] segment table of this epoch, [2] programs finished, [3] next tile (ordered)
 TABLE = 6 * MAX_WORLD + 8  # the ordered dispatch's segment table (written before it is read)
 FLAG_BYTES = 4096
 FLAG_WORDS = FLAG_BYTES // 4
@@ -121,7 +122,7 @@ WAIT_KINDS = {
     4: ("ready flag", "its receive buffer (combine)"),
     5: ("done flag", "its rows delivered into this rank's receive buffer (combine)"),
     6: ("published splits", "the split sizes every rank published (they disagree with this rank's)"),
-    7: ("segment table", "its first GEMM program to write the ordered dispatch's segments (this rank's own)"),
+    7: ("segment table", "its program 0 to write the ordered dispatch's segments (this rank's own)"),
 }
 
 
@@ -437,9 +438,16 @@ def grouped_gemm_kernel(
             if pid == 0:
                 if total != n_pull:
                     _record(err, rank, -1, total, n_pull, 6)
+                if ORDERED:  # the segments' bounds, before this program copies
+                    _segments(
+                        my_flags + _TABLE, row_index, offs, my_flags, n_a, R, E, group_rows, world, pull_ok,
+                        HAS_OFFS, GATHER, E_BLOCK, W_BLOCK,
+                    )  # fmt: skip
+                    tl.debug_barrier()
+                    tl.atomic_xchg(my_flags + _STATE + 1, e_call, sem="release", scope="gpu")
             if ORDERED:
                 # Programs 0..copiers-1 copy, the peers' rows first (rank + 1's on), this rank's own last (the GEMM
-                # reads them from a_local); the other programs start on the GEMM tiles meanwhile.
+                # reads them from a_local), then join the GEMM; the other programs start on the GEMM tiles.
                 if pid < copiers:
                     my_count = tl.load(my_flags + _INFO + 2 * rank + 1, cache_modifier=".cg")
                     shift = (my_lo + my_count) // COPY_M
@@ -476,21 +484,13 @@ def grouped_gemm_kernel(
         waited = tl.full((), 0, tl.int32)
         if ORDERED:
             # Segments (source, group) in the order the rows arrive: this rank's own rows (read from a_local) in
-            # every group, then rank + 1's, ...; the first GEMM program writes the segments' bounds (``_segments``),
-            # the GEMM programs (all but the copying ones) take their tiles round robin.
+            # every group, then rank + 1's, ... (program 0 wrote their bounds); every program takes the next tile
+            # from a counter (the copying ones once they have copied), so all work on the same group at a time.
             table = my_flags + _TABLE
-            if pid == copiers:
-                _segments(
-                    table, row_index, offs, my_flags, n_a, R, E, group_rows, world, pull_ok,
-                    HAS_OFFS, GATHER, E_BLOCK, W_BLOCK,
-                )  # fmt: skip
-                tl.debug_barrier()
-                tl.atomic_xchg(my_flags + _STATE + 1, e_call, sem="release", scope="gpu")
-            step = num_progs - copiers
-            t = pid - copiers
-            n_segs = tl.where(t >= 0, world * E, 0)
-            if t >= 0:
-                timed_wait(my_flags + _STATE + 1, e_call, err, max_spin, rank, rank, -1, 7, False, TIMED)
+            step = 0
+            have = timed_wait(my_flags + _STATE + 1, e_call, err, max_spin, rank, rank, -1, 7, False, TIMED)
+            n_segs = tl.where(have, world * E, 0)  # no table (a wait timed out): no tile
+            t = tl.atomic_add(my_flags + _STATE + 3, 1, sem="relaxed", scope="gpu")
         else:
             table = my_flags
             # The GEMM tiles continue the copy tiles' round robin over the programs.
@@ -500,14 +500,21 @@ def grouped_gemm_kernel(
         base = tl.full((), 0, tl.int32)
         prev_hi = tl.full((), 0, tl.int32)
         next_end = tl.full((), 0, tl.int32)
-        if HAS_OFFS:
+        next_lo = tl.full((), 0, tl.int32)
+        if ORDERED:  # segment 0's bounds (group 0, this rank), then each segment's loaded while the one before runs
+            next_lo = tl.load(table + rank, cache_modifier=".cg")
+            next_end = tl.load(table + rank + 1, cache_modifier=".cg")
+        elif HAS_OFFS:
             next_end = tl.load(offs).to(tl.int32)
         for seg in range(n_segs):
             g = seg % E
             if ORDERED:
-                s = (rank + seg // E) % world
-                lo = tl.load(table + g * (world + 1) + s, volatile=True)
-                hi = tl.load(table + g * (world + 1) + s + 1, volatile=True)
+                lo = next_lo
+                hi = next_end
+                ahead = seg + 1 < n_segs
+                at = table + ((seg + 1) % E) * (world + 1) + (rank + (seg + 1) // E) % world
+                next_lo = tl.load(at, mask=ahead, other=0, cache_modifier=".cg")
+                next_end = tl.load(at + 1, mask=ahead, other=0, cache_modifier=".cg")
             elif HAS_OFFS:
                 # Group g's rows [lo, hi) (clamped into [0, R], never overlapping); the next group's end is loaded
                 # now, while this group's tiles run, not when the program reaches it.
@@ -601,7 +608,10 @@ def grouped_gemm_kernel(
                     tl.store(c0 + out_rows * n0 + cols[None, :], acc.to(dtype), mask=keep & col_ok[None, :])
                     if DUAL:
                         tl.store(c1 + out_rows * n1 + cols[None, :], acc1.to(dtype), mask=keep & (cols < n1)[None, :])
-                t += step
+                if ORDERED:
+                    t = tl.atomic_add(my_flags + _STATE + 3, 1, sem="relaxed", scope="gpu")
+                else:
+                    t += step
             base += count
 
     # --- the last program to finish: reset the counters, tell the peers
@@ -610,6 +620,8 @@ def grouped_gemm_kernel(
         finished = tl.atomic_add(my_flags + _STATE + 2, 1, sem="acq_rel", scope="sys")
         if finished == num_progs - 1:
             tl.atomic_xchg(my_flags + _STATE + 2, 0, sem="relaxed", scope="gpu")
+            if ORDERED:
+                tl.atomic_xchg(my_flags + _STATE + 3, 0, sem="relaxed", scope="gpu")
             if PULL:
                 if GEMM:
                     for s in range(world):
