@@ -487,12 +487,10 @@ def grouped_gemm_kernel(
             # every group, then rank + 1's, ... (program 0 wrote their bounds); every program takes the next tile
             # from a counter (the copying ones once they have copied), so all work on the same group at a time.
             table = my_flags + _TABLE
-            step = 0
             have = timed_wait(my_flags + _STATE + 1, e_call, err, max_spin, rank, rank, -1, 7, False, TIMED)
             n_segs = tl.where(have, world * E, 0)  # no table (a wait timed out): no tile
             t = tl.atomic_add(my_flags + _STATE + 3, 1, sem="relaxed", scope="gpu")
         else:
-            table = my_flags
             # The GEMM tiles continue the copy tiles' round robin over the programs.
             step = num_progs
             t = (pid + num_progs - n_copy % num_progs) % num_progs

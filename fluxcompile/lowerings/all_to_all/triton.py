@@ -16,7 +16,9 @@ Dispatch, on rank r of w (``A`` its rows in ``[destination][...]`` order, ``inpu
      further copy) and count them per source; its GEMM tiles wait until the sources their rows come from are all
      in, and multiply the rows picked by ``row_index`` with the expert weights (w1 and w3 share each A tile); the
      last program tells every source ``done[r] = e``. Variant ``-split``: the copy tiles are a launch of their
-     own and the GEMM a second one (A through TMA where no row_index gathers it).
+     own and the GEMM a second one (A through TMA where no row_index gathers it). Variant ``-pull<N>`` (ordered):
+     N programs copy (then multiply too) while the others multiply r's own rows (read from ``A``), then each
+     peer's as they arrive.
 Combine, on rank r (``As[0]`` its product rows in the experts' order, ``Y[row_index[j]] = P[j]``, Y's rows
 ``[destination][...]``, ``input_split_sizes[d]`` of them for d):
   1. where ``row_index`` is given: zero r's receive buffer (rows nobody writes are zeros; ``accumulate`` adds into
@@ -363,10 +365,11 @@ def _variant(name: str) -> tuple[gg.Variant, bool, int]:
     tile = tile_variant(name)
     if tile not in gg.VARIANTS:
         raise ValueError(f"fluxcompile: no MoE Triton variant {name!r}")
-    copiers = int(name.rpartition(ORDERED)[2]) if tile != name and not name.endswith(SPLIT) else 0
-    if tile != name and not name.endswith(SPLIT) and copiers < 1:
+    split = name.endswith(SPLIT)
+    copiers = int(name.rpartition(ORDERED)[2]) if tile != name and not split else 0
+    if tile != name and not split and copiers < 1:
         raise ValueError(f"fluxcompile: MoE Triton variant {name!r} needs at least one copying program")
-    return gg.VARIANTS[tile], name.endswith(SPLIT), copiers
+    return gg.VARIANTS[tile], split, copiers
 
 
 def make_dispatch(name: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
