@@ -1,8 +1,10 @@
 """The decode choices of matmul_all_reduce / all_reduce_rmsnorm as registered, and how they decline where
-they cannot run (CPU tensors, experimental kernels switched off) — rank-independent reasons only."""
+they cannot run (CPU tensors, experimental kernels switched off) — rank-independent reasons only; the check of
+their error words."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fluxcompile import config
@@ -105,3 +107,13 @@ def _resolved_size() -> int:
 def test_group_resolves_a_real_process_group(ranks):
     """The support checks and launches find the group by name (the other tests stub it)."""
     assert ranks(2).run(_resolved_size) == [2, 2]
+
+
+def test_error_words_name_the_rank_the_peer_and_the_signal():
+    """The decode kernels' error words (``symm_mem.ErrorWords``) are read by kernels/gemm_ar.py's check, naming the
+    group; zero words pass."""
+    check = decode_ar._checker("tp")
+    check(torch.zeros(decode_ar.ERR_WORDS, dtype=torch.int32), "a call")
+    words = torch.tensor([1, 0, 1, 5, 3, 1, 0, 0], dtype=torch.int32)  # rank 0 waited for rank 1's tile 5
+    with pytest.raises(RuntimeError, match=r"rank 0 of group tp timed out waiting for rank 1's partial tile 5"):
+        check(words, "a call")

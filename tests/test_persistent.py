@@ -162,14 +162,16 @@ def _decode_kernels(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.matmul_all_reduce import fused_kernels as m
 
     mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(errors_module, "persistent", mode.persistent)
     mp.setattr(m, "_states", {})
     mp.setattr(m, "_kept", [])
     mp.setattr(m, "group", lambda name: _group())
     mp.setattr(m, "workspace", lambda *a, **k: _workspace())
     mp.setattr(m, "init_flags", lambda *a: None)
+    mp.setattr(torch.cuda, "current_device", lambda: 0)
     st = m._get_state("triton", "g")
     m._data(st, "triton", "g", 2, 4096)
-    return [st.state, st.err, st.err_host, st.peer_flags, st.peer_data]
+    return [st.state, st.errors.err, st.errors.host, st.peer_flags, st.peer_data]
 
 
 def _schedules(mp, mode) -> list[torch.Tensor]:

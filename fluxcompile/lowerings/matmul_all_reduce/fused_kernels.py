@@ -9,8 +9,8 @@ one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's
   (zeroed once, with a barrier, when created);
 * a per-rank ``state`` (epoch, done count, grid-barrier count and epoch) that the kernel itself advances,
   so CUDA graph replays need nothing from the host;
-* an error buffer the kernel fills when a bounded wait times out; it is copied to pinned host memory after
-  each eager call and checked at the start of the next one, after every call with
+* error words the kernel fills when a bounded wait times out (``symm_mem.ErrorWords``): copied to pinned
+  host memory after each eager call and checked at the start of the next one, after every call with
   ``config.check_signals``, or by :func:`check_errors` (which synchronizes; tests call it after graph
   replays).
 
@@ -25,15 +25,16 @@ and the CUDA kernel runs between GPUs only while ``config.experimental_gemv_peer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
+from ...symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
 from .. import extensions
 
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
@@ -70,9 +71,7 @@ class _State:
 
     flags: Workspace
     state: Tensor  # int32 [4]
-    err: Tensor  # int32 [ERR_WORDS]
-    err_host: Tensor  # pinned copy of err
-    event: torch.cuda.Event | None = None
+    errors: ErrorWords  # ERR_WORDS, kernels/gemm_ar.py's layout (csrc/gemv_ar.cu writes the same)
     data: Workspace | None = None
     peer_data: Tensor | None = None  # int64 [world]: data buffers as mapped here (Triton)
     peer_flags: Tensor | None = None  # int64 [world]: flag buffers as mapped here (Triton)
@@ -103,12 +102,12 @@ def _get_state(family: str, group_name: str) -> _State:
         world = group(group_name).size()
         fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"matmul_all_reduce.{family}.flags")
         init_flags(FlagArray(fws, 0, (world + 1) * MAX_TILES), 0)  # host barrier: zeroed everywhere first
+        errors = ErrorWords.make(torch.device("cuda", key[2]), ERR_WORDS, f"the {family} decode kernel")
         st = _states[key] = persistent(
             lambda: _State(
                 flags=fws,
                 state=torch.zeros(4, dtype=torch.int32, device="cuda"),
-                err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
-                err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+                errors=errors,
                 peer_flags=fws.addresses(),
             ),
             f"the {family} decode kernel's state",
@@ -139,38 +138,20 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
     return ws, (ws.nbytes // slots) // _SLOT_ALIGN * _SLOT_ALIGN
 
 
-def _check_previous(st: _State, group_name: str) -> None:
-    """Raise if an earlier call's kernel reported a timeout (no synchronization: only once its copy landed)."""
-    if _capturing():
-        return
-    if st.event is not None and st.event.query() and int(st.err_host[0]):
-        _raise(st.err_host, group_name)
-
-
-def _after_launch(st: _State, group_name: str) -> None:
-    if _capturing():
-        return  # replays are checked by the next eager call or check_errors()
-    st.err_host.copy_(st.err, non_blocking=True)
-    st.event = torch.cuda.Event()
-    st.event.record()
-    if config.check_signals:
-        st.event.synchronize()
-        if int(st.err_host[0]):
-            _raise(st.err_host, group_name)
-
-
-def _raise(err: Tensor, group_name: str) -> None:
+@functools.cache
+def _checker(group_name: str) -> Callable[[Tensor, str], None]:
+    """The error words' check: kernels/gemm_ar.py's ``check_error``, naming the group (the same words for both
+    kernel families)."""
     from ...kernels.gemm_ar import check_error
 
-    check_error(err, group_name)
+    return lambda words, what: check_error(words, group_name)
 
 
 def check_errors() -> None:
     """Synchronize and raise if any decode kernel's wait timed out on this rank (tests, after graph replays)."""
     torch.cuda.synchronize()
     for (_, group_name, _), st in _states.items():
-        if int(st.err[0]):
-            _raise(st.err.cpu(), group_name)
+        _checker(group_name)(st.errors.err.cpu(), "a decode kernel")
 
 
 def _sync_ranks_once(key: tuple, group_name: str) -> None:
@@ -286,7 +267,7 @@ def _begin(family: str, a: Tensor, b: Tensor, group_name: str) -> tuple[int, int
     pg = group(group_name)
     rank, world = pg.rank(), pg.size()
     st = _get_state(family, group_name)
-    _check_previous(st, group_name)
+    st.errors.check_previous(f"the {family} decode kernel", _checker(group_name))
     ws, slot_bytes = _data(st, family, group_name, world, a.shape[0] * b.shape[1] * a.element_size())
     return rank, world, st, ws, slot_bytes
 
@@ -328,11 +309,11 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
     ext.launch(
         a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
         int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
-        st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.err.data_ptr(),
+        st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.errors.err.data_ptr(),
         m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(config.decode_timeout_s * 1e9),
         0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
-    _after_launch(st, group_name)
+    st.errors.report(f"the cuda decode kernel ({mode})", _checker(group_name))
     return out if tail is None else (out, normed)
 
 
@@ -360,8 +341,8 @@ def run_triton(
     call = (a, b, bias, out.view(m, n), st.peer_data, st.peer_flags, slot_bytes // a.element_size(), st.state)
     key = ("triton", variant, a.dtype, m, n, k, tuple(b.stride()), bias is not None, tail is not None, group_name)
     if key not in _ready:
-        gemm_ar(*call, st.err, rank, world, compile_only=True, **kwargs)
+        gemm_ar(*call, st.errors.err, rank, world, compile_only=True, **kwargs)
         _sync_ranks_once(key, group_name)
-    gemm_ar(*call, st.err, rank, world, **kwargs)
-    _after_launch(st, group_name)
+    gemm_ar(*call, st.errors.err, rank, world, **kwargs)
+    st.errors.report(f"the triton decode kernel ({variant})", _checker(group_name))
     return out if tail is None else (out, normed)
