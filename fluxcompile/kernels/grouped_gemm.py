@@ -289,8 +289,18 @@ def _max(x, y):
 
 
 @triton.jit
+def _gathered(row_index, j, mask, n_a):
+    """(ok, rows): the rows of ``a`` that ``row_index[j]`` picks (int32, 0 where not ok); an index outside
+    ``[0, n_a)`` (torchtitan's padding index ``n_a`` and torch's -1 included) or a masked ``j`` picks none."""
+    idx = tl.load(row_index + j, mask=mask, other=n_a).to(tl.int64)
+    idx = tl.where(idx < 0, idx + n_a + 1, idx)  # torch's negative indices (-1: the padding row)
+    ok = (idx >= 0) & (idx < n_a)
+    return ok, tl.where(ok, idx, 0).to(tl.int32)
+
+
+@triton.jit
 def _segments(
-    table, row_index, offs, my_flags, n_a, R, E, group_rows, world, pull_ok,
+    table, row_index, offs, my_flags, n_a, R, E, group_rows, world,
     HAS_OFFS: tl.constexpr, GATHER: tl.constexpr, E_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The ordered dispatch's segments: ``table[g * (world + 1) + s]`` is where source s's rows start in group g
@@ -316,15 +326,12 @@ def _segments(
         live = first < last
         mid = (first + last) // 2
         if GATHER:
-            idx = tl.load(row_index + mid, mask=live & in_g, other=n_a).to(tl.int64)
-            idx = tl.where(idx < 0, idx + n_a + 1, idx)
-            ok = (idx >= 0) & (idx < n_a)
-            rows = tl.where(ok, idx, 0).to(tl.int32)
+            ok, rows = _gathered(row_index, mid, live & in_g, n_a)
         else:
             ok = mid < n_a
             rows = mid
         who, _ = _locate(rows, my_flags + _INFO, world)
-        who = tl.where(ok & (pull_ok != 0), who, world)  # rows of no source (padding) go last
+        who = tl.where(ok, who, world)  # rows of no source (padding) go last
         last = tl.where(live & (who >= s), mid, last)
         first = tl.where(live & (who < s), mid + 1, first)
     first = tl.associative_scan(tl.where(s >= world, hi, first), 0, _max)
@@ -440,7 +447,7 @@ def grouped_gemm_kernel(
                     _record(err, rank, -1, total, n_pull, 6)
                 if ORDERED:  # the segments' bounds, before this program copies
                     _segments(
-                        my_flags + _TABLE, row_index, offs, my_flags, n_a, R, E, group_rows, world, pull_ok,
+                        my_flags + _TABLE, row_index, offs, my_flags, n_a, R, E, group_rows, world,
                         HAS_OFFS, GATHER, E_BLOCK, W_BLOCK,
                     )  # fmt: skip
                     tl.debug_barrier()
@@ -448,19 +455,15 @@ def grouped_gemm_kernel(
             if ORDERED:
                 # Programs 0..copiers-1 copy, the peers' rows first (rank + 1's on), this rank's own last (the GEMM
                 # reads them from a_local), then join the GEMM; the other programs start on the GEMM tiles.
-                if pid < copiers:
-                    my_count = tl.load(my_flags + _INFO + 2 * rank + 1, cache_modifier=".cg")
-                    shift = (my_lo + my_count) // COPY_M
-                    for t in range(pid, n_copy, copiers):
-                        _pull_tile(
-                            (t + shift) % n_copy, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world,
-                            GEMM, ALIGN, COPY_M, COPY_K,
-                        )  # fmt: skip
+                copying = copiers
+                shift = (my_lo + tl.load(my_flags + _INFO + 2 * rank + 1, cache_modifier=".cg")) // COPY_M
             else:
-                # Copy tiles from this rank's own rows on, then rank + 1's, ...: at any moment the ranks read from
-                # different sources, not all from rank 0.
+                # Every program copies, from this rank's own rows on, then rank + 1's, ...: at any moment the ranks
+                # read from different sources, not all from rank 0.
+                copying = num_progs
                 shift = my_lo // COPY_M
-                for t in range(pid, n_copy, num_progs):
+            if pid < copying:
+                for t in range(pid, n_copy, copying):
                     _pull_tile(
                         (t + shift) % n_copy, local_addr, src_bases, a_out, my_flags, n_pull, K, rank, world, GEMM,
                         ALIGN, COPY_M, COPY_K,
@@ -492,7 +495,6 @@ def grouped_gemm_kernel(
             t = tl.atomic_add(my_flags + _STATE + 3, 1, sem="relaxed", scope="gpu")
         else:
             # The GEMM tiles continue the copy tiles' round robin over the programs.
-            step = num_progs
             t = (pid + num_progs - n_copy % num_progs) % num_progs
             n_segs = E
         base = tl.full((), 0, tl.int32)
@@ -538,10 +540,7 @@ def grouped_gemm_kernel(
                 j_ok = j < hi
                 # The rows of `a` this tile reads.
                 if GATHER:
-                    idx = tl.load(row_index + j, mask=j_ok, other=n_a).to(tl.int64)
-                    idx = tl.where(idx < 0, idx + n_a + 1, idx)  # torch's negative indices (-1: the padding row)
-                    a_ok = j_ok & (idx >= 0) & (idx < n_a)
-                    a_rows = tl.where(a_ok, idx, 0).to(tl.int32)
+                    a_ok, a_rows = _gathered(row_index, j, j_ok, n_a)
                 else:
                     a_ok = j_ok
                     a_rows = j
@@ -609,7 +608,7 @@ def grouped_gemm_kernel(
                 if ORDERED:
                     t = tl.atomic_add(my_flags + _STATE + 3, 1, sem="relaxed", scope="gpu")
                 else:
-                    t += step
+                    t += num_progs
             base += count
 
     # --- the last program to finish: reset the counters, tell the peers

@@ -165,9 +165,9 @@ def pull_case(
             x = torch.cat([exchanged, exchanged.new_zeros(1, K)])[row_index]
             R = n + 2
         offs = ragged_offs(g, R, E)
+        # The source of each exchanged row (the padding row n: after every source).
+        src = torch.cat([torch.repeat_interleave(torch.arange(world), torch.tensor(recv)), torch.tensor([world])])
         if by_source:  # each group's rows sorted by source (padding last)
-            src = torch.repeat_interleave(torch.arange(world), torch.tensor(recv))
-            src = torch.cat([src, torch.tensor([world])])
             lo = 0
             for end in offs.tolist():
                 part = row_index[lo:end]
@@ -194,7 +194,6 @@ def pull_case(
             if p != rank and done != e:
                 worst = float("inf")  # the peer was not told its send buffer is free
         if by_source:  # segment g, s starts at the group's first row from source s or later
-            src = torch.cat([torch.repeat_interleave(torch.arange(world), torch.tensor(recv)), torch.tensor([world])])
             lo = 0
             for grp, end in enumerate(offs.tolist()):
                 keys = src[row_index[lo:end].clamp(max=n)]

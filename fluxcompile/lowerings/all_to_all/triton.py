@@ -366,8 +366,9 @@ def _variant(name: str) -> tuple[gg.Variant, bool, int]:
     if tile not in gg.VARIANTS:
         raise ValueError(f"fluxcompile: no MoE Triton variant {name!r}")
     split = name.endswith(SPLIT)
-    copiers = int(name.rpartition(ORDERED)[2]) if tile != name and not split else 0
-    if tile != name and not split and copiers < 1:
+    ordered = tile != name and not split
+    copiers = int(name.rpartition(ORDERED)[2]) if ordered else 0
+    if ordered and copiers < 1:
         raise ValueError(f"fluxcompile: MoE Triton variant {name!r} needs at least one copying program")
     return gg.VARIANTS[tile], split, copiers
 
