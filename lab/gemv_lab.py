@@ -165,14 +165,17 @@ class Solo:
         self.err = torch.zeros(8, dtype=torch.int32, device="cuda")
 
 
-def run(ext, solo: Solo, a, w, out):
+def run(ext, solo: Solo, a, w, out, tail=None):
+    """One launch; ``tail = (normed, residual, norm_weight, ss_part)``: out = residual + A @ w.t(), normed =
+    RMSNorm(out) * norm_weight (eps 1e-5)."""
     m, k = a.shape
     n = w.shape[0]
     tiles = -(-n // 32)
+    normed, residual, norm_w, ss = (t.data_ptr() for t in tail) if tail is not None else (0, 0, 0, 0)
     ext.launch(
-        a.data_ptr(), w.data_ptr(), 0, out.data_ptr(), 0, 0, 0, 0.0, False,
+        a.data_ptr(), w.data_ptr(), 0, out.data_ptr(), normed, residual, norm_w, 1e-5, False,
         int(solo.peer_data.data_ptr()), int(solo.peer_flags.data_ptr()), solo.slot_bytes,
-        solo.state.data_ptr(), 0, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, False, tiles,
+        solo.state.data_ptr(), ss, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, False, tiles,
         int(5e9), 0, tiles, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
 
@@ -230,6 +233,49 @@ def graph_time(fn, reps: int = 30) -> float:
     return times[len(times) // 2]
 
 
+NORM_W: dict = {}
+
+
+def _tail_inputs(m: int, n: int):
+    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    norm_w = NORM_W.setdefault(n, torch.randn(n, device="cuda", dtype=torch.bfloat16))
+    return residual, norm_w
+
+
+def _tail_ref(a, w, residual, norm_w):
+    h = (residual.float() + (a @ w.t()).float()).to(torch.bfloat16)
+    return h, torch.nn.functional.rms_norm(h.float(), (h.shape[1],), norm_w.float(), 1e-5)
+
+
+def _cublas_tail_time(a, w) -> float:
+    residual, norm_w = _tail_inputs(a.shape[0], w.shape[0])
+
+    def fn():
+        h = torch.addmm(residual, a, w.t())
+        return torch.nn.functional.rms_norm(h, (h.shape[1],), norm_w, 1e-5)
+
+    return graph_time(fn)
+
+
+def _time_tail(res: dict, v: str, ext, a, w, time_wrong: bool) -> None:
+    m, n = a.shape[0], w.shape[0]
+    residual, norm_w = _tail_inputs(m, n)
+    solo = Solo(m, n)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    normed = torch.full_like(out, float("nan"))
+    ss = torch.zeros(m * (-(-n // 32) + 1), device="cuda", dtype=torch.float32)
+    tail = (normed, residual, norm_w, ss)
+    run(ext, solo, a, w, out, tail)
+    torch.cuda.synchronize()
+    h, ref = _tail_ref(a, w, residual, norm_w)
+    err = max(((x.float() - r.float()).norm() / r.float().norm()).item() for x, r in ((out, h), (normed, ref)))
+    if not err < 1e-2 or solo.err.tolist()[0]:
+        print(f"!! {v}+tail n={n} m={m}: rel err {err:.2e}, err words {solo.err.tolist()}", flush=True)
+        if not time_wrong:
+            return
+    res[v + "+tail"] = graph_time(lambda: run(ext, solo, a, w, out, tail))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="cur")
@@ -237,6 +283,12 @@ def main() -> None:
     p.add_argument("--ms", default="1,16,64")
     p.add_argument("--once", action="store_true", help="each method once, eagerly, untimed (to run under ncu)")
     p.add_argument("--time-wrong", action="store_true", help="time variants whose output is wrong (diagnostics)")
+    p.add_argument(
+        "--tail",
+        action="store_true",
+        help="also each variant with the residual + RMSNorm tail (`NAME+tail`), "
+        "beside cuBLAS followed by torch's add and rms_norm (`cublas+tail`)",
+    )
     args = p.parse_args()
     global ONCE
     ONCE = args.once
@@ -256,6 +308,8 @@ def main() -> None:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = a.float() @ w.float().t()
             res = {"cublas": graph_time(lambda a=a, w=w: a @ w.t())}
+            if args.tail:
+                res["cublas+tail"] = _cublas_tail_time(a, w)
             if m == 1 and read_ext is not None:
                 res["read"] = graph_time(lambda w=w: read_ext.read_all(w, sink))
                 # The same bytes in the GEMV's tile shape: 8/4/2/1 rows per instruction; 8 rows with the
@@ -279,6 +333,8 @@ def main() -> None:
                     if not args.time_wrong:
                         continue
                 res[v] = graph_time(lambda e=ext, s=solo, a=a, w=w, o=out: run(e, s, a, w, o))
+                if args.tail:
+                    _time_tail(res, v, ext, a, w, args.time_wrong)
             gb = w.numel() * 2
             line = f"n={n:6d} k={k:6d} m={m:3d} " + " ".join(
                 f"{name} {t:6.1f}us {gb / t / 1e3:5.0f}GB/s" for name, t in res.items()

@@ -25,7 +25,7 @@
 //      flags, sum the partials in rank order (fp32), round to T; two-shot: store the reduced tile into
 //      every peer's result slot and release its flag there. Write the output (or h = residual + r).
 //   3. two-shot: wait for the tiles other ranks own and copy them out.
-//   tail: a grid barrier, then RMSNorm of the CTA's tiles from the per-tile sums of squares of h.
+//   tail: a grid barrier, then RMSNorm of h row by row, a row a CTA (its sum of squares in one CTA).
 //
 // LL (p.ll, one-shot only): the partials to peers travel as LL words (data and epoch in every 8 bytes, see
 // st_ll) into LL regions after the regular slots, and each reader thread waits for its own words: no
@@ -676,36 +676,96 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
   }
 }
 
-// Writes the reduced vector r (8 columns of row i) to the output: r itself, or with the tail
-// h = T(residual + r) and the sum of squares of h's 8 values (returned; 0 without the tail).
+// The residual's 8 values at the output's offset off (tail), loaded before the waits so that their latency
+// hides behind them.
 template <typename T>
-__device__ __forceinline__ float write_output(const GemvArParams& p, int i, int col, const uint4& r, bool tail) {
-  const long long off = static_cast<long long>(i) * p.n + col;
-  T* out = static_cast<T*>(p.out) + off;
-  if (!tail) {
-    *reinterpret_cast<uint4*>(out) = r;
-    return 0.f;
-  }
-  float rf[8], res[8], h[8];
-  unpack8<T>(r, rf);
-  unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + off), res);
-#pragma unroll
-  for (int q = 0; q < 8; ++q) h[q] = res[q] + rf[q];
-  uint4 hv = pack8<T>(h);
-  *reinterpret_cast<uint4*>(out) = hv;
-  unpack8<T>(hv, h);  // the rounded h, as the reference normalizes it
-  float ss = 0.f;
-#pragma unroll
-  for (int q = 0; q < 8; ++q) ss = fmaf(h[q], h[q], ss);
-  return ss;
+__device__ __forceinline__ uint4 load_residual(const GemvArParams& p, long long off, bool tail) {
+  return tail ? *reinterpret_cast<const uint4*>(static_cast<const T*>(p.residual) + off) : uint4{0, 0, 0, 0};
 }
 
-// Sum of the ss values of the kVecPerRow consecutive threads that hold one tile row; row sums land in
-// ss_part[i, t]. Called by all threads (inactive ones pass 0).
-__device__ __forceinline__ void store_row_ss(const GemvArParams& p, float ss, int v, int t) {
+// Writes the reduced vector r (8 columns of row i) to the output: r itself, or with the tail
+// h = T(residual + r) (res: load_residual's).
+template <typename T>
+__device__ __forceinline__ void write_output(const GemvArParams& p, int i, int col, const uint4& r, bool tail,
+                                             const uint4& res) {
+  T* out = static_cast<T*>(p.out) + static_cast<long long>(i) * p.n + col;
+  if (!tail) {
+    *reinterpret_cast<uint4*>(out) = r;
+    return;
+  }
+  float rf[8], h[8];
+  unpack8<T>(r, rf);
+  unpack8<T>(res, h);
 #pragma unroll
-  for (int off = 1; off < kVecPerRow; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if (v < p.m * kVecPerRow && v % kVecPerRow == 0) p.ss_part[(v / kVecPerRow) * p.n_tiles + t] = ss;
+  for (int q = 0; q < 8; ++q) h[q] += rf[q];
+  *reinterpret_cast<uint4*>(out) = pack8<T>(h);
+}
+
+// The tail's RMSNorm of row i of h (the output, every tile written): a CTA's work. A row of up to kSpan columns
+// is read once, each thread's kVecs 16-byte vectors (and their norm weights) in one round of loads; a longer row
+// is read twice. The sum of squares runs in a fixed order (thread, warp, CTA), the same on every rank.
+// red: kWarps floats of shared memory.
+template <typename T>
+__device__ __forceinline__ void normalize_row(const GemvArParams& p, int i, float* red) {
+  constexpr int kVecs = 4;
+  constexpr int kSpan = kThreads * 8 * kVecs;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const T* h_row = static_cast<const T*>(p.out) + static_cast<long long>(i) * p.n;
+  const T* w = static_cast<const T*>(p.norm_weight);
+  T* o_row = static_cast<T*>(p.normed) + static_cast<long long>(i) * p.n;
+  auto sum_sq = [&](float ss, const uint4& v) {
+    float f[8];
+    unpack8<T>(v, f);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) ss = fmaf(f[q], f[q], ss);
+    return ss;
+  };
+  auto inv_rms = [&](float ss) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) total += red[ww];
+    __syncthreads();  // red is free for the next row
+    return rsqrtf(total / static_cast<float>(p.n) + p.eps);
+  };
+  auto store = [&](int col, const uint4& hv, const uint4& wv, float inv) {
+    float h[8], wt[8], o[8];
+    unpack8<T>(hv, h);
+    unpack8<T>(wv, wt);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float x = h[q] * inv;
+      o[q] = p.weight_after_cast ? Num<T>::to_f(Num<T>::from_f(x)) * wt[q] : x * wt[q];
+    }
+    *reinterpret_cast<uint4*>(o_row + col) = pack8<T>(o);
+  };
+  if (p.n <= kSpan) {
+    uint4 hv[kVecs], wv[kVecs];
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int col = (u * kThreads + tid) * 8;
+      hv[u] = col < p.n ? ld_cg(h_row + col) : uint4{0, 0, 0, 0};
+      wv[u] = col < p.n ? *reinterpret_cast<const uint4*>(w + col) : uint4{0, 0, 0, 0};
+    }
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) ss = sum_sq(ss, hv[u]);
+    const float inv = inv_rms(ss);
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int col = (u * kThreads + tid) * 8;
+      if (col < p.n) store(col, hv[u], wv[u], inv);
+    }
+  } else {
+    float ss = 0.f;
+    for (int col = tid * 8; col < p.n; col += kThreads * 8) ss = sum_sq(ss, ld_cg(h_row + col));
+    const float inv = inv_rms(ss);
+    for (int col = tid * 8; col < p.n; col += kThreads * 8)
+      store(col, ld_cg(h_row + col), *reinterpret_cast<const uint4*>(w + col), inv);
+  }
 }
 
 // kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders), an
@@ -720,7 +780,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   __shared__ float tile_s[MM][C::kCols];
   __shared__ unsigned s_epoch;
   __shared__ int s_ok;
-  __shared__ float s_inv[MM];
 
   const int tid = threadIdx.x;
   const bool tail = p.normed != nullptr;
@@ -839,6 +898,9 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   for_tiles([&](int t, int sub, bool last_unit) {
     const int col0 = t * kGemvTileN;
     if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
+    const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+    const bool mine = has_vec && col0 + vc < p.n;
+    const uint4 res = load_residual<T>(p, off, tail && mine);
     if (tid == 0) {
       bool ok = true;
       for (int step = 1; step < p.world && ok && !p.ll; ++step) {  // LL: each thread waits for its words
@@ -848,9 +910,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
       s_ok = ok;
     }
     __syncthreads();
-    float ss = 0.f;
-    if (s_ok && has_vec && col0 + vc < p.n) {
-      const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+    if (s_ok && mine) {
       float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       bool ok = true;
       for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
@@ -873,10 +933,9 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
           for (int step = 1; step < p.world; ++step)
             st_cg(slot<T>(p, (p.rank + step) % p.world, result_slot) + off, r);
         }
-        ss = write_output<T>(p, vi, col0 + vc, r, tail);
+        write_output<T>(p, vi, col0 + vc, r, tail, res);
       }
     }
-    if (tail) store_row_ss(p, ss, v, t);
     __syncthreads();
     if (p.two_shot && tid == 0 && s_ok) {
       for (int step = 1; step < p.world; ++step)
@@ -890,21 +949,19 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
       const int col0 = t * kGemvTileN;
       const int owner = owner_of(t, p.n_tiles, p.world);
       if (owner == p.rank) return;
+      const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+      const bool mine = has_vec && col0 + vc < p.n;
+      const uint4 res = load_residual<T>(p, off, tail && mine);
       if (tid == 0) s_ok = wait_epoch<true>(my_flags + p.world * kGemvMaxTiles + t, e, p, owner, t, kWaitReduced);
       __syncthreads();
-      float ss = 0.f;
-      if (s_ok && has_vec && col0 + vc < p.n) {
-        const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
-        ss = write_output<T>(p, vi, col0 + vc, ld_cg(slot<T>(p, p.rank, result_slot) + off), tail);
-      }
-      if (tail) store_row_ss(p, ss, v, t);
+      if (s_ok && mine) write_output<T>(p, vi, col0 + vc, ld_cg(slot<T>(p, p.rank, result_slot) + off), tail, res);
       __syncthreads();
     });
   }
 
   if (tail) {
-    // Grid barrier: every tile's h and sum of squares is written. The last CTA to arrive resets the
-    // count and releases the others with this call's epoch (no reset needed between calls).
+    // Grid barrier: every tile's h is written. The last CTA to arrive resets the count and releases the others
+    // with this call's epoch (no reset needed between calls). Then RMSNorm row by row, a row a CTA.
     __syncthreads();
     if (tid == 0) {
       __threadfence();
@@ -920,31 +977,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
     }
     __syncthreads();
     if (s_ok) {
-      // 1 / rms per row from the per-tile sums (the same order on every CTA).
-      const int lane = tid & 31, warp = tid >> 5;
-      for (int i = warp; i < p.m; i += kWarps) {
-        float s = 0.f;
-        for (int tt = lane; tt < p.n_tiles; tt += 32) s += __ldcg(p.ss_part + i * p.n_tiles + tt);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (lane == 0) s_inv[i] = rsqrtf(s / static_cast<float>(p.n) + p.eps);
-      }
-      __syncthreads();
-      for_tiles([&](int t, int, bool) {
-        const int col0 = t * kGemvTileN;
-        if (has_vec && col0 + vc < p.n) {
-          const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
-          float h[8], wt[8], o[8];
-          unpack8<T>(ld_cg(static_cast<const T*>(p.out) + off), h);
-          unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.norm_weight) + col0 + vc), wt);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            const float x = h[q] * s_inv[vi];
-            o[q] = p.weight_after_cast ? Num<T>::to_f(Num<T>::from_f(x)) * wt[q] : x * wt[q];
-          }
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.normed) + off) = pack8<T>(o);
-        }
-      });
+      for (int i = blockIdx.x; i < p.m; i += gridDim.x) normalize_row<T>(p, i, &tile_s[0][0]);  // tile_s is free
     }
   }
 }

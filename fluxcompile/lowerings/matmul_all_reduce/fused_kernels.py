@@ -300,7 +300,7 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
             t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
             for t in (residual, weight)
         )
-        ss_part = torch.empty(m * n_tiles, dtype=torch.float32, device=a.device)
+        ss_part = torch.empty(m * (n_tiles + 1), dtype=torch.float32, device=a.device)  # csrc/gemv_ar.h
         tail_ptrs = (normed.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, weight_after_cast)
     else:
         ss_part = None
