@@ -166,16 +166,16 @@ class Solo:
 
 
 def run(ext, solo: Solo, a, w, out, tail=None):
-    """One launch; ``tail = (normed, residual, norm_weight, ss_part)``: out = residual + A @ w.t(), normed =
+    """One launch; ``tail = (normed, residual, norm_weight)``: out = residual + A @ w.t(), normed =
     RMSNorm(out) * norm_weight (eps 1e-5)."""
     m, k = a.shape
     n = w.shape[0]
     tiles = -(-n // 32)
-    normed, residual, norm_w, ss = (t.data_ptr() for t in tail) if tail is not None else (0, 0, 0, 0)
+    normed, residual, norm_w = (t.data_ptr() for t in tail) if tail is not None else (0, 0, 0)
     ext.launch(
         a.data_ptr(), w.data_ptr(), 0, out.data_ptr(), normed, residual, norm_w, 1e-5, False,
         int(solo.peer_data.data_ptr()), int(solo.peer_flags.data_ptr()), solo.slot_bytes,
-        solo.state.data_ptr(), ss, solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, False, tiles,
+        solo.state.data_ptr(), solo.err.data_ptr(), m, n, k, a.stride(0), w.stride(0), 0, 1, False, False, tiles,
         int(5e9), 0, tiles, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
 
@@ -263,8 +263,7 @@ def _time_tail(res: dict, v: str, ext, a, w, time_wrong: bool) -> None:
     solo = Solo(m, n)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     normed = torch.full_like(out, float("nan"))
-    ss = torch.zeros(m * (-(-n // 32) + 1), device="cuda", dtype=torch.float32)
-    tail = (normed, residual, norm_w, ss)
+    tail = (normed, residual, norm_w)
     run(ext, solo, a, w, out, tail)
     torch.cuda.synchronize()
     h, ref = _tail_ref(a, w, residual, norm_w)

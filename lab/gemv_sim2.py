@@ -43,7 +43,6 @@ class Rank:
         self.residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if tail else None
         self.norm_w = torch.randn(n, device="cuda", dtype=torch.bfloat16) if tail else None
         self.normed = torch.empty(m, n, device="cuda", dtype=torch.bfloat16) if tail else None
-        self.ss = torch.zeros(m * MAX_TILES, device="cuda", dtype=torch.float32) if tail else None
         self.stream = torch.cuda.Stream()
 
 
@@ -54,7 +53,7 @@ def launch(ext, r: Rank, rank: int, peer_data, peer_flags, mode: str, grid: int)
     p = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     ext.launch(
         r.a.data_ptr(), r.w.data_ptr(), 0, r.out.data_ptr(), p(r.normed), p(r.residual), p(r.norm_w), 1e-5, False,
-        int(peer_data.data_ptr()), int(peer_flags.data_ptr()), r.slot_bytes, r.state.data_ptr(), p(r.ss),
+        int(peer_data.data_ptr()), int(peer_flags.data_ptr()), r.slot_bytes, r.state.data_ptr(),
         r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, mode == "twoshot", mode == "oneshot-ll",
         tiles, TIMEOUT_NS, 0,
         min(grid, tiles), r.stream.cuda_stream,

@@ -38,7 +38,6 @@ struct GemvArParams {
   unsigned* const* peer_flags;  // device array [world]: every rank's flag workspace, mapped here
   long long slot_bytes;
   int* state;               // this rank: [0] epoch, [1] done count, [2] barrier count, [3] barrier epoch
-  float* ss_part;           // [m, n_tiles] per-tile sums of squares of h, then [m] 1 / rms per row (tail)
   int* err;                 // [kGemvErrWords]
   int m, n, k, lda, ldw;
   int rank, world, two_shot, n_tiles;

@@ -17,7 +17,7 @@ P ptr(int64_t v) {
 
 void launch(int64_t a, int64_t w, int64_t bias, int64_t out, int64_t normed, int64_t residual, int64_t norm_weight,
             double eps, bool weight_after_cast, int64_t peer_data, int64_t peer_flags, int64_t slot_bytes,
-            int64_t state, int64_t ss_part, int64_t err, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldw,
+            int64_t state, int64_t err, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldw,
             int64_t rank, int64_t world, bool two_shot, bool ll, int64_t n_tiles, int64_t timeout_ns, int64_t dtype,
             int64_t grid, int64_t stream) {
   fluxcompile::GemvArParams p{};
@@ -34,7 +34,6 @@ void launch(int64_t a, int64_t w, int64_t bias, int64_t out, int64_t normed, int
   p.peer_flags = ptr<unsigned* const*>(peer_flags);
   p.slot_bytes = slot_bytes;
   p.state = ptr<int*>(state);
-  p.ss_part = ptr<float*>(ss_part);
   p.err = ptr<int*>(err);
   p.m = static_cast<int>(m);
   p.n = static_cast<int>(n);

@@ -300,16 +300,14 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
             t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
             for t in (residual, weight)
         )
-        ss_part = torch.empty(m * (n_tiles + 1), dtype=torch.float32, device=a.device)  # csrc/gemv_ar.h
         tail_ptrs = (normed.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, weight_after_cast)
     else:
-        ss_part = None
         tail_ptrs = (0, 0, 0, 0.0, False)
     _sync_ranks_once(("cuda", mode, a.dtype, m, n, k, tail is not None, group_name), group_name)
     ext.launch(
         a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
         int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
-        st.state.data_ptr(), ss_part.data_ptr() if ss_part is not None else 0, st.errors.err.data_ptr(),
+        st.state.data_ptr(), st.errors.err.data_ptr(),
         m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(config.decode_timeout_s * 1e9),
         0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
