@@ -10,7 +10,9 @@ product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g. ``git diff -- fluxcompile/
 copy of it, or another whole gemv_ar.cu with the same header and binding (e.g. a past version, ``git show
 REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel sources of its own. Every output is checked against
 an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the bandwidth ceiling
-the GEMV could reach, the ``tile*`` columns the same bytes read in the kernel's tile shapes.
+the GEMV could reach, the ``tile*`` columns the same bytes read in the kernel's tile shapes. ``--tail`` adds the
+residual + RMSNorm tail; ``--cold`` times every call on a weight that is not in L2 (a small weight read again
+and again otherwise stays there, as no model layer's does).
 """
 
 from __future__ import annotations
@@ -236,6 +238,22 @@ def graph_time(fn, reps: int = 30) -> float:
 NORM_W: dict = {}
 
 
+class Weights:
+    """The weight for each timed call: ``w`` itself, or with ``cold`` the next of enough identical copies to
+    fill twice the L2 cache, so no call finds its weight in L2 (as in a model, whose many layers' weights
+    stream from HBM)."""
+
+    def __init__(self, w: torch.Tensor, cold: bool):
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        extra = -(-2 * l2 // (w.numel() * w.element_size())) if cold else 0
+        self.copies = [w] + [w.clone() for _ in range(extra)]
+        self.i = 0
+
+    def __call__(self) -> torch.Tensor:
+        self.i = (self.i + 1) % len(self.copies)
+        return self.copies[self.i]
+
+
 def _tail_inputs(m: int, n: int):
     residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     norm_w = NORM_W.setdefault(n, torch.randn(n, device="cuda", dtype=torch.bfloat16))
@@ -247,17 +265,18 @@ def _tail_ref(a, w, residual, norm_w):
     return h, torch.nn.functional.rms_norm(h.float(), (h.shape[1],), norm_w.float(), 1e-5)
 
 
-def _cublas_tail_time(a, w) -> float:
-    residual, norm_w = _tail_inputs(a.shape[0], w.shape[0])
+def _cublas_tail_time(a, ws: Weights) -> float:
+    residual, norm_w = _tail_inputs(a.shape[0], ws.copies[0].shape[0])
 
     def fn():
-        h = torch.addmm(residual, a, w.t())
+        h = torch.addmm(residual, a, ws().t())
         return torch.nn.functional.rms_norm(h, (h.shape[1],), norm_w, 1e-5)
 
     return graph_time(fn)
 
 
-def _time_tail(res: dict, v: str, ext, a, w, time_wrong: bool) -> None:
+def _time_tail(res: dict, v: str, ext, a, ws: Weights, time_wrong: bool) -> None:
+    w = ws.copies[0]
     m, n = a.shape[0], w.shape[0]
     residual, norm_w = _tail_inputs(m, n)
     solo = Solo(m, n)
@@ -272,7 +291,7 @@ def _time_tail(res: dict, v: str, ext, a, w, time_wrong: bool) -> None:
         print(f"!! {v}+tail n={n} m={m}: rel err {err:.2e}, err words {solo.err.tolist()}", flush=True)
         if not time_wrong:
             return
-    res[v + "+tail"] = graph_time(lambda: run(ext, solo, a, w, out, tail))
+    res[v + "+tail"] = graph_time(lambda: run(ext, solo, a, ws(), out, tail))
 
 
 def main() -> None:
@@ -288,6 +307,7 @@ def main() -> None:
         help="also each variant with the residual + RMSNorm tail (`NAME+tail`), "
         "beside cuBLAS followed by torch's add and rms_norm (`cublas+tail`)",
     )
+    p.add_argument("--cold", action="store_true", help="each timed call reads a weight that is not in L2 (copies)")
     args = p.parse_args()
     global ONCE
     ONCE = args.once
@@ -303,12 +323,13 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        ws = Weights(w, args.cold)
         for m in map(int, args.ms.split(",")):
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = a.float() @ w.float().t()
-            res = {"cublas": graph_time(lambda a=a, w=w: a @ w.t())}
+            res = {"cublas": graph_time(lambda a=a, ws=ws: a @ ws().t())}
             if args.tail:
-                res["cublas+tail"] = _cublas_tail_time(a, w)
+                res["cublas+tail"] = _cublas_tail_time(a, ws)
             if m == 1 and read_ext is not None:
                 res["read"] = graph_time(lambda w=w: read_ext.read_all(w, sink))
                 # The same bytes in the GEMV's tile shape: 8/4/2/1 rows per instruction; 8 rows with the
@@ -331,9 +352,9 @@ def main() -> None:
                     print(f"!! {v} n={n} k={k} m={m}: rel err {err:.2e}, err words {bad}", flush=True)
                     if not args.time_wrong:
                         continue
-                res[v] = graph_time(lambda e=ext, s=solo, a=a, w=w, o=out: run(e, s, a, w, o))
+                res[v] = graph_time(lambda e=ext, s=solo, a=a, o=out, ws=ws: run(e, s, a, ws(), o))
                 if args.tail:
-                    _time_tail(res, v, ext, a, w, args.time_wrong)
+                    _time_tail(res, v, ext, a, ws, args.time_wrong)
             gb = w.numel() * 2
             line = f"n={n:6d} k={k:6d} m={m:3d} " + " ".join(
                 f"{name} {t:6.1f}us {gb / t / 1e3:5.0f}GB/s" for name, t in res.items()
