@@ -4,9 +4,9 @@ CUDA graph replays, for kernel variants built side by side (in parallel):
 
     python lab/gemv_lab.py [--variants cur,NAME=FILE@-DFLAG=1,...] [--shapes 8192x14336,8192x4096] [--ms 1,16,64]
 
-A variant is ``cur`` (the product's gemv_ar.cu as it is) or ``NAME=FILE``, each optionally followed by
-``@``-separated nvcc flags (``cur@-DFOO=2``: the kernel's lab knobs are macros). FILE is a patch of the
-product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g. ``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a
+A variant is ``cur`` (the product's gemv_ar.cu as it is), ``NAME=cur`` (the same under another name) or
+``NAME=FILE``, each optionally followed by ``@``-separated nvcc flags (``nohint=cur@-DGEMV_WG_HINT=0``: the
+kernel's lab knobs are macros). FILE is a patch of the product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g. ``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a
 copy of it, or another whole gemv_ar.cu with the same header and binding (e.g. a past version, ``git show
 REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel sources of its own. Every output is checked against
 an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the bandwidth ceiling
@@ -191,7 +191,7 @@ def build_variants(spec: str, prefix: str = "") -> dict:
         v, *flags = item.split("@")
         name, _, path = v.partition("=")
         src = str(CSRC)
-        if path:
+        if path and path != "cur":  # NAME=cur: the product's kernel under another name (with other flags)
             d = Path(tempfile.mkdtemp())
             for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
                 shutil.copy(CSRC / f, d / f)
