@@ -8,7 +8,7 @@
 //     with the L2::256B prefetch size (faster than without it for these 64-byte pieces of 8 rows);
 //   m > 16 (compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of 128-byte-swizzled
 //     shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory, two tiles per
-//     CTA. Per-lane loads of A from L2 would move twice the weight's bytes at m = 64, and mma.sync fed from
+//     CTA (one with GEMV_WG_HALF where two would leave half the SMs idle). Per-lane loads of A from L2 would move twice the weight's bytes at m = 64, and mma.sync fed from
 //     the same stages by per-lane shared-memory loads is slower than wgmma reading them itself (BENCHMARKS.md,
 //     decode).
 //
@@ -67,6 +67,12 @@
 #ifndef GEMV_WG_STAGE_K
 #define GEMV_WG_STAGE_K 256
 #endif
+// GEMV_WG_HALF: at m > 16, units of 32 columns (wgmma's weight rows past them are zeros) where units of 64
+// would leave half the SMs idle (n <= 64 * SMs / 2, e.g. n = 4096 on an H100), so twice the CTAs stream the
+// weight. Off until measured.
+#ifndef GEMV_WG_HALF
+#define GEMV_WG_HALF 0
+#endif
 // The CUDA-core loader takes m <= GEMV_ROW_MAX_M; at m > 2 with GEMV_ROW_RW rows per warp and GEMV_ROW_CH
 // loads in flight (m = 3: 8 x 4 and 8 x 8 beat the fragment loader, 4 x 4 does not, 16 rows spill; m = 4:
 // the fragment loader is faster than either).
@@ -89,16 +95,19 @@ constexpr int kTmaK = GEMV_WG_STAGE_K;     // k per shared-memory stage of the w
 constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
 constexpr int kBoxK = 64;                  // k per TMA box: 128 bytes, the width of the 128-byte swizzle
 
-// Per m16 count MT (and kRowM, the CUDA-core loader's m, 0 for the others): the loader, tiles per CTA, CTAs
-// per SM and the wgmma loader's stage ring (as many stages as fit in 200 KB, at most GEMV_WG_MAX_STAGES).
-template <int MT, int kRowM = 0>
+// Per m16 count MT (and kRowM, the CUDA-core loader's m, 0 for the others; kHalf, the wgmma loader's 32-column
+// units): the loader, tiles per CTA, CTAs per SM and the wgmma loader's stage ring (as many stages as fit in
+// 200 KB, at most GEMV_WG_MAX_STAGES).
+template <int MT, int kRowM = 0, bool kHalf = false>
 struct Cfg {
   static constexpr bool kTma = kRowM == 0 && MT >= 2;  // (wgmma at m = 3-16: slower at m = 3-8)
-  static constexpr int kTpc = kTma ? 2 : 1;                // tiles per CTA: wgmma's M = 64, A's bytes from L2 halve
+  // Tiles per CTA: wgmma's M = 64, A's bytes from L2 halve (one with kHalf: twice the CTAs).
+  static constexpr int kTpc = kTma && !kHalf ? 2 : 1;
   static constexpr int kCols = kGemvTileN * kTpc;          // a unit's output columns
   static constexpr int kCtas = kTma ? 1 : 2;
   static constexpr int kARows = 16 * MT;                   // wgmma's N: A's rows in a stage (zeros past m)
-  static constexpr int kWBytes = kCols * kTmaRowBytes;
+  static constexpr int kWRows = kTma ? 64 : kCols;         // a stage's weight rows (wgmma's M; zeros past kCols)
+  static constexpr int kWBytes = kWRows * kTmaRowBytes;
   static constexpr int kABytes = kARows * kTmaRowBytes;
   static constexpr int kStageBytes = kWBytes + kABytes;
   static constexpr int kFit = 200 * 1024 / kStageBytes;
@@ -602,16 +611,17 @@ GEMV_WG_DEF(__half, "f16", 48, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R
 GEMV_WG_DEF(__half, "f16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
             GEMV_WG_R8(24))
 
-// The unit at col0 (64 columns) into tile_s. `uses` counts the stages consumed so far by this CTA: stage
-// u % kStages, its barrier's phase (u / kStages) & 1.
-template <typename T, int MT>
-__device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT>::kCols], char* smem,
-                                   unsigned long long* bars, unsigned& uses) {
-  using C = Cfg<MT>;
+// The unit at col0 (64 columns, or 32 with kHalf) into tile_s. `uses` counts the stages consumed so far by this
+// CTA: stage u % kStages, its barrier's phase (u / kStages) & 1.
+template <typename T, int MT, bool kHalf>
+__device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT, 0, kHalf>::kCols],
+                                   char* smem, unsigned long long* bars, unsigned& uses) {
+  using C = Cfg<MT, 0, kHalf>;
   constexpr int N = C::kARows;
-  constexpr int kBoxW = C::kCols * kBoxK * 2, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
+  constexpr int kBoxW = C::kWRows * kBoxK * 2, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
   constexpr int kBoxes = kTmaK / kBoxK, kMine = kBoxes / 2;            // boxes per stage, per warpgroup
-  static_assert(C::kCols == 64, "wgmma's M is the unit's 64 columns");
+  static_assert(C::kWRows == 64, "wgmma's M is 64 weight rows");
+  constexpr int kTxBytes = C::kCols * kTmaRowBytes + C::kABytes;  // what the bulk copies write into a stage
   static_assert(kBoxes % 2 == 0, "the two warpgroups split a stage's boxes");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t = lane & 3;
   const int nst = (p.k + kTmaK - 1) / kTmaK;
@@ -621,7 +631,7 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
   auto issue = [&](int it) {
     const unsigned s = (q0 + it) % C::kStages;
     char* st = smem + s * C::kStageBytes;
-    mbar_expect_tx(&bars[s], C::kStageBytes);  // boxes past the operands arrive as zeros and count
+    mbar_expect_tx(&bars[s], kTxBytes);  // boxes past the operands arrive as zeros and count
 #pragma unroll
     for (int b = 0; b < kBoxes; ++b) {
       tma_load_2d(st + b * kBoxW, &p.tmap_w, it * kTmaK + b * kBoxK, col0, &bars[s], policy);
@@ -655,7 +665,7 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
   // A rows 8 j + 2 t (+ 1) in d[4 j .. 4 j + 3].
   const int col = (warp & 3) * 16 + g;
   for (int half = 0; half < 2; ++half) {
-    if (wg == half) {
+    if (wg == half && (warp & 3) * 16 < C::kCols) {  // (kHalf: rows past the unit's 32 are zeros)
 #pragma unroll
       for (int j = 0; j < N / 8; ++j) {
         const int i = 8 * j + 2 * t;
@@ -770,9 +780,10 @@ __device__ __forceinline__ void normalize_row(const GemvArParams& p, int i, floa
 
 // kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders), an
 // instantiation of its own so each loader gets its registers.
-template <typename T, int MT, int kRowM>
-__global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
-  using C = Cfg<MT, kRowM>;
+template <typename T, int MT, int kRowM, bool kHalf = false>
+__global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
+    gemv_ar_kernel(const __grid_constant__ GemvArParams p) {
+  using C = Cfg<MT, kRowM, kHalf>;
   constexpr int MM = 16 * MT;
   constexpr int kTpc = C::kTpc;
   extern __shared__ __align__(1024) char stages[];  // the TMA loader's ring (empty for the direct loader)
@@ -787,6 +798,18 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   if (C::kTma && tid == 0) {
     for (int s = 0; s < C::kStages; ++s) mbar_init(&bars[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (C::kTma && C::kCols < C::kWRows) {
+    // The weight rows past the unit's columns in every box of every stage: zeros, written once here (the bulk
+    // copies fill only the first kCols rows) and made visible to the warpgroup MMAs' reads.
+    constexpr int kBoxW = C::kWRows * kBoxK * 2, kFill = kBoxW - C::kCols * kBoxK * 2;
+    constexpr int kChunks = C::kStages * (kTmaK / kBoxK) * kFill / 16;
+    for (int c = tid; c < kChunks; c += kThreads) {
+      const int box = c / (kFill / 16), at = c % (kFill / 16);
+      char* st = stages + (box / (kTmaK / kBoxK)) * C::kStageBytes + (box % (kTmaK / kBoxK)) * kBoxW;
+      *reinterpret_cast<uint4*>(st + C::kCols * kBoxK * 2 + at * 16) = uint4{0, 0, 0, 0};
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   // The epoch is first needed after the first unit's math: its load's latency hides behind the weight stream.
   unsigned prev_epoch = 0;
@@ -851,7 +874,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM>::kCtas) gemv_ar_kerne
   for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
-      compute_tile_wgmma<T, MT>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
+      compute_tile_wgmma<T, MT, kHalf>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
     } else if constexpr (kRowM > 0) {
       compute_tile_row<T, kRowM>(p, t0 * kGemvTileN, tile_s);
     } else {
@@ -1012,9 +1035,9 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
 
 // Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
 // CTA running), and no more than there are units.
-template <typename T, int MT, int kRowM = 0>
+template <typename T, int MT, int kRowM = 0, bool kHalf = false>
 cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
-  using C = Cfg<MT, kRowM>;
+  using C = Cfg<MT, kRowM, kHalf>;
   GemvArParams p = p_in;
   int device = 0, sms = 0, per_sm = 0;
   cudaError_t rc = cudaGetDevice(&device);
@@ -1024,19 +1047,35 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
     if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, C::kARows);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
-      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRowM>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+      rc = cudaFuncSetAttribute(gemv_ar_kernel<T, MT, kRowM, kHalf>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                C::kSmem);
       if (rc == cudaSuccess) raised |= 1ull << device;
     }
   }
   if (rc == cudaSuccess)
-    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT, kRowM>, kThreads, C::kSmem);
+    rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT, kRowM, kHalf>, kThreads,
+                                                       C::kSmem);
   if (rc != cudaSuccess) return rc;
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
   grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
-  gemv_ar_kernel<T, MT, kRowM><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
+  gemv_ar_kernel<T, MT, kRowM, kHalf><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The wgmma loader (m > 16): 32-column units where 64-column ones would fill at most half the SMs
+// (GEMV_WG_HALF).
+template <typename T, int MT>
+cudaError_t launch_wg(const GemvArParams& p, int grid, cudaStream_t stream) {
+  if constexpr (GEMV_WG_HALF) {
+    int device = 0, sms = 0;
+    cudaError_t rc = cudaGetDevice(&device);
+    if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (rc != cudaSuccess) return rc;
+    if (2 * ((p.n_tiles + 1) / 2) <= sms) return launch_mt<T, MT, 0, true>(p, grid, stream);
+  }
+  return launch_mt<T, MT>(p, grid, stream);
 }
 
 template <typename T>
@@ -1052,9 +1091,9 @@ cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
         if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, stream);
       }
       return launch_mt<T, 1>(p, grid, stream);
-    case 2: return launch_mt<T, 2>(p, grid, stream);
-    case 3: return launch_mt<T, 3>(p, grid, stream);
-    default: return launch_mt<T, 4>(p, grid, stream);
+    case 2: return launch_wg<T, 2>(p, grid, stream);
+    case 3: return launch_wg<T, 3>(p, grid, stream);
+    default: return launch_wg<T, 4>(p, grid, stream);
   }
 }
 
