@@ -29,17 +29,7 @@ def _register_backend() -> None:
 
 _register_backend()
 
-__all__ = [
-    "__version__",
-    "collect_reports",
-    "config",
-    "disable",
-    "enable",
-    "explain",
-    "fluxcompile_backend",
-    "ops",
-    "reports",
-]
+__all__ = ["__version__", "collect_reports", "config", "disable", "enable", "explain", "fluxcompile_backend", "ops", "reports"]
 
 
 def _log_to_stderr() -> None:

@@ -257,11 +257,7 @@ def _check(field: dataclasses.Field, value: Any, current: Any) -> Any:
             raise ConfigError("expected True or False")
         return value
     if isinstance(current, (int, float)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or (isinstance(current, int) and value != int(value))
-        ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(current, int) and value != int(value)):
             raise ConfigError(f"expected {'an integer' if isinstance(current, int) else 'a number'}")
         if value < 0:
             raise ConfigError("expected a value >= 0")
@@ -269,9 +265,7 @@ def _check(field: dataclasses.Field, value: Any, current: Any) -> Any:
     allowed = field.metadata.get("choices")
     if isinstance(current, tuple) and current and isinstance(current[0], int):
         value = (value,) if isinstance(value, int) else tuple(value)
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value) or list(value) != sorted(
-            set(value)
-        ):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value) or list(value) != sorted(set(value)):
             raise ConfigError("expected increasing integers >= 1")
         return value
     if isinstance(current, tuple):

@@ -448,10 +448,7 @@ def parser() -> argparse.ArgumentParser:
     )
     dlrm = p.add_argument_group("dlrm", "options of the DLRM (--model dlrm)")
     dlrm.add_argument(
-        "--tables",
-        type=int,
-        default=d.tables,
-        help="embedding tables, a multiple of the world size (default: %(default)s)",
+        "--tables", type=int, default=d.tables, help="embedding tables, a multiple of the world size (default: %(default)s)"
     )
     dlrm.add_argument("--rows", type=int, default=d.rows, help="rows of each table (default: %(default)s)")
     dlrm.add_argument(
@@ -591,9 +588,7 @@ def main(argv: list[str]) -> int:
             e = dict(r.reference_errors)
             out, inp = e.pop("output"), e.pop("input grad")
             worst = max(e.items(), key=lambda kv: kv[1])
-            dropped = (
-                f"  {r.dropped} token copies dropped" if a.capacity_factor is not None and a.model == "moe" else ""
-            )
+            dropped = f"  {r.dropped} token copies dropped" if a.capacity_factor is not None and a.model == "moe" else ""
             print(f"{rank:>4} {out:10.2e} {inp:10.2e} {worst[1]:10.2e} ({worst[0]}){dropped}")
     ok = all(r.ok for r in results)
     what = f"compiled output and gradients {'match' if ok else 'differ from'} eager"

@@ -378,7 +378,9 @@ def _exchange(A: Tensor, output_split_sizes, input_split_sizes, group_name: str)
     )
 
 
-def expert_matmul(a: Tensor, b: Tensor, bias: Tensor | None, offs: Tensor | None, *scaling: Any) -> Tensor:
+def expert_matmul(
+    a: Tensor, b: Tensor, bias: Tensor | None, offs: Tensor | None, *scaling: Any
+) -> Tensor:
     """One matmul of the all-to-all ops: dense (``b`` 2-D: ``_matmul``) or per expert (``b`` 3-D ``[E, K, N]``:
     ``torch._grouped_mm`` with ``offs``, ``torch.bmm`` over equal groups without)."""
     if b.dim() == 2:
@@ -417,9 +419,7 @@ def _check_experts(Bs: Sequence[Tensor], offs: Tensor | None, row_index: Tensor 
             f"{[list(b.shape) for b in Bs]}"
         )
     if row_index is not None and (row_index.dim() != 1 or row_index.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(
-            f"fluxcompile: row_index must be a 1-D int32/int64 tensor, got {row_index.dtype}{list(row_index.shape)}"
-        )
+        raise ValueError(f"fluxcompile: row_index must be a 1-D int32/int64 tensor, got {row_index.dtype}{list(row_index.shape)}")
 
 
 @torch.library.impl(_lib, "all_to_all_matmul", "CompositeExplicitAutograd")
@@ -463,11 +463,7 @@ def _matmul_all_to_all_ref(
 
 
 def pooled_rows(
-    weights: Sequence[Tensor],
-    indices: Sequence[Tensor],
-    offsets: Sequence[Tensor],
-    mode: int,
-    include_last_offset: bool,
+    weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int, include_last_offset: bool
 ) -> Tensor:
     """``cat([embedding_bag(indices[t], weights[t], offsets[t], mode)[0] for t], dim=-1)``: ``[B, T * D]``."""
     if not weights or not len(weights) == len(indices) == len(offsets):

@@ -79,9 +79,7 @@ def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> D
     from ..lowerings import REFERENCE, choices_for, compiled
 
     if all(c.name == REFERENCE for c in choices_for(op_name)):
-        return Decision(
-            f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are"
-        )
+        return Decision(f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are")
     symbols = _free_symbols(args)
     if not symbols:
         _meet(group_name, f"{op_name}{[tuple(t.shape) for t in fakes]}", cfg.choose_timeout_s)
@@ -97,11 +95,7 @@ def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> D
         return Decision(note=f"chosen at run time per call signature ({why})")
     (symbol,) = symbols
     points = _dispatch_points(op_name, args, symbol, cfg.dispatch_rows)
-    _meet(
-        group_name,
-        f"{op_name}{[tuple(map(str, t.shape)) for t in fakes]}@{[v for v, _ in points]}",
-        cfg.choose_timeout_s,
-    )
+    _meet(group_name, f"{op_name}{[tuple(map(str, t.shape)) for t in fakes]}@{[v for v, _ in points]}", cfg.choose_timeout_s)
     names = [_pick(op_name, args, group_name, device, {symbol: v}) for v, _ in points]
     rows = [r for _, r in points]
     tuned = ", ".join(f"{r}: {n}" for r, n in zip(rows, names))

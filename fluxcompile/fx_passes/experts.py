@@ -176,14 +176,8 @@ def _into_zero_rows(scatter: Node, node: Node) -> bool:
     dim, start = (scatter.args[2] if len(scatter.args) > 2 else 0), (scatter.args[3] if len(scatter.args) > 3 else 0)
     rows, base_rows = (shape(node) or (None,))[0], (shape(base) or (None,))[0]
     return (
-        src is node
-        and dim == 0
-        and start in (0, None)
-        and is_call(base, aten.full.default)
-        and base.args[1] == 0
-        and rows is not None
-        and base_rows is not None
-        and _same(base_rows, rows + 1)
+        src is node and dim == 0 and start in (0, None) and is_call(base, aten.full.default) and base.args[1] == 0
+        and rows is not None and base_rows is not None and _same(base_rows, rows + 1)
     )
 
 
@@ -204,13 +198,9 @@ def find_expert_consumers(result: Node) -> ExpertConsumers | str:
                 idx = user.args[1]
                 if len(idx) == 1 and isinstance(idx[0], Node) and len(shape(idx[0]) or ()) == 1:
                     visit(user, [], idx[0], [*nodes, user])
-            elif (
-                index is None
-                and not layout
-                and (
-                    (is_call(user, aten.cat.default) and _appends_zero_row(user, node, k))
-                    or (is_call(user, aten.slice_scatter.default) and _into_zero_rows(user, node))
-                )
+            elif index is None and not layout and (
+                (is_call(user, aten.cat.default) and _appends_zero_row(user, node, k))
+                or (is_call(user, aten.slice_scatter.default) and _into_zero_rows(user, node))
             ):
                 padded = [u for u in user.users if is_call(u, aten.index.Tensor) and u.args[0] is user]
                 for u in padded:  # the padding row reads zeros, as the fused op's index == rows does
@@ -412,7 +402,9 @@ def scatter_index(graph: Graph, terms_out: Node, permutation: Permutation) -> No
 def loop_operands(graph: Graph, loop: LoopTerms, device: torch.device) -> tuple[list[Node], Node]:
     """The fused consumer's stacked weights (transposed per expert where the mms were) and ``offs`` (the
     cumulative split sizes, int32), made in the graph."""
-    weights = [call(graph, aten.permute.default, (w, [0, 2, 1])) if transposed else w for w, transposed in loop.weights]
+    weights = [
+        call(graph, aten.permute.default, (w, [0, 2, 1])) if transposed else w for w, transposed in loop.weights
+    ]
     sizes = [call(graph, aten.full.default, ([1], s), {"dtype": torch.int64, "device": device}) for s in loop.sizes]
     ends = call(graph, aten.cumsum.default, (call(graph, aten.cat.default, (sizes,)), 0))
     return weights, call(graph, prims.convert_element_type.default, (ends, torch.int32))

@@ -75,7 +75,9 @@ def generated_sources() -> dict[str, str]:
             f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched})\n'
         )
         rows.append((name, v))
-    decls = "\n".join(f"cudaError_t flux_gemm_{n}(const FluxGemmProblem&, cudaStream_t, size_t*);" for n, _ in rows)
+    decls = "\n".join(
+        f"cudaError_t flux_gemm_{n}(const FluxGemmProblem&, cudaStream_t, size_t*);" for n, _ in rows
+    )
     table = ",\n".join(
         f'    {{"{n}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}, {v.cluster[0]}, {v.cluster[1]}, '
         f"{SCHEDULES[v.schedule]}, &flux_gemm_{n}}}"

@@ -354,9 +354,7 @@ def fill(t: torch.Tensor, values: tuple[int, ...]) -> None:
         fill_kernel[(1,)](t[lo:], len(chunk), *chunk, *([0] * (16 - len(chunk))), num_warps=1)
 
 
-def copy_out(
-    out: torch.Tensor, recv: torch.Tensor, state: torch.Tensor, hole: tuple[int, int], parity_elems: int
-) -> None:
+def copy_out(out: torch.Tensor, recv: torch.Tensor, state: torch.Tensor, hole: tuple[int, int], parity_elems: int) -> None:
     """Launch :func:`copy_kernel` over ``out``'s elements (``recv``: the receive buffer, both halves)."""
     total = out.numel()
     if total == 0 or (hole[0] <= 0 and hole[1] >= total):

@@ -702,7 +702,9 @@ def publish_kernel(
 
 
 @triton.jit(do_not_specialize=["rank", "world", "max_spin"])
-def wait_kernel(my_flags, err, rank, world, max_spin, KIND: tl.constexpr, SKIP_SELF: tl.constexpr, TIMED: tl.constexpr):
+def wait_kernel(
+    my_flags, err, rank, world, max_spin, KIND: tl.constexpr, SKIP_SELF: tl.constexpr, TIMED: tl.constexpr
+):
     """Bounded waits until every rank's ``done`` word reaches this rank's current epoch."""
     e = tl.load(my_flags + _STATE, volatile=True)
     _wait_all(my_flags, _DONE, e, err, max_spin, rank, world, KIND, SKIP_SELF, TIMED)
@@ -729,15 +731,8 @@ def publish(sig: Signals, counts: Sequence[int]) -> None:
 def wait_done(sig: Signals, kind: int, skip_self: bool) -> None:
     """A one-program kernel: bounded waits until every rank's ``done`` word reaches this rank's epoch."""
     wait_kernel[(1,)](
-        sig.my_flags,
-        sig.err,
-        sig.rank,
-        sig.world,
-        sig.max_spin,
-        KIND=kind,
-        SKIP_SELF=skip_self,
-        TIMED=sig.my_flags.is_cuda,
-        num_warps=1,
+        sig.my_flags, sig.err, sig.rank, sig.world, sig.max_spin, KIND=kind, SKIP_SELF=skip_self,
+        TIMED=sig.my_flags.is_cuda, num_warps=1,
     )
 
 

@@ -104,9 +104,7 @@ class ModelParallelDLRM(nn.Module):
     """The DLRM on one rank of ``group``: ``forward(dense [B_local, dense_in], sparse [T_local, B_global, bag])``
     -> logits ``[B_local, 1]``, where ``sparse`` holds the global batch's indices of this rank's tables."""
 
-    def __init__(
-        self, a: DLRMArgs, group: dist.ProcessGroup | None = None, params: dict[str, torch.Tensor] | None = None
-    ):
+    def __init__(self, a: DLRMArgs, group: dist.ProcessGroup | None = None, params: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.a = a
         self.group = group if group is not None else dist.group.WORLD
@@ -129,26 +127,19 @@ class ModelParallelDLRM(nn.Module):
         offsets = offsets_of(B, self.a.bag_size, sparse.device)
         pooled = torch.stack([table(sparse[t].reshape(-1), offsets) for t, table in enumerate(self.tables)], dim=1)
         # Batch chunk r of my tables' pooled features to rank r; from rank s, its tables for my batch chunk.
-        received = all_to_all_single_autograd(
-            pooled.reshape(B, TL * D), None, None, self.group
-        )  # [W * B_local, TL * D]
+        received = all_to_all_single_autograd(pooled.reshape(B, TL * D), None, None, self.group)  # [W * B_local, TL * D]
         b_local = B // W
         emb = received.view(W, b_local, TL, D).permute(1, 0, 2, 3).reshape(b_local, W * TL, D)
         return self.dense(dense, emb)
 
 
-def dlrm_reference(
-    params: dict[str, torch.Tensor], dense: torch.Tensor, sparse: torch.Tensor, a: DLRMArgs
-) -> torch.Tensor:
+def dlrm_reference(params: dict[str, torch.Tensor], dense: torch.Tensor, sparse: torch.Tensor, a: DLRMArgs) -> torch.Tensor:
     """Every table in one process, no collective: ``dense [B, dense_in]``, ``sparse [num_tables, B, bag]`` ->
     logits ``[B, 1]``."""
     B = sparse.shape[1]
     offsets = offsets_of(B, a.bag_size, sparse.device)
     pooled = torch.stack(
-        [
-            F.embedding_bag(sparse[t].reshape(-1), params["tables"][t], offsets, mode=a.mode)
-            for t in range(a.num_tables)
-        ],
+        [F.embedding_bag(sparse[t].reshape(-1), params["tables"][t], offsets, mode=a.mode) for t in range(a.num_tables)],
         dim=1,
     )
     with torch.device("meta"):

@@ -92,9 +92,7 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
 class ExpertParallelMoE(nn.Module):
     """The MoE layer on one rank of ``group``: ``forward(x [tokens, dim]) -> [tokens, dim]`` for this rank's tokens."""
 
-    def __init__(
-        self, a: MoEArgs, group: dist.ProcessGroup | None = None, params: dict[str, torch.Tensor] | None = None
-    ):
+    def __init__(self, a: MoEArgs, group: dist.ProcessGroup | None = None, params: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.a = a
         self.group = group if group is not None else dist.group.WORLD

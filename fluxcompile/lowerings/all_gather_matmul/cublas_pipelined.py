@@ -168,12 +168,7 @@ def plan(shard_rows: int, k: int, dtype: torch.dtype, group_size: int, group_nam
 
 
 def all_gather_matmul(
-    A: Tensor,
-    Bs: Sequence[Tensor],
-    biases: Sequence[Tensor | None],
-    gather_dim: int,
-    group_size: int,
-    group_name: str,
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,
     concurrent: bool = False,
     unsplit: bool = False,

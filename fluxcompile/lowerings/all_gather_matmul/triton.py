@@ -86,12 +86,7 @@ def make(name: str):
 
 
 def all_gather_matmul(
-    A: Tensor,
-    Bs: Sequence[Tensor],
-    biases: Sequence[Tensor | None],
-    gather_dim: int,
-    group_size: int,
-    group_name: str,
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,
     variant: Variant = VARIANTS["tma-256x128x64-c1"],
 ) -> tuple[Tensor, list[Tensor]]:

@@ -366,9 +366,7 @@ def embedding_bag_all_to_all(
     world = _group_size(group_name)
     comm = None
     if world > 1:
-        lay = _layout_of(
-            weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world
-        )
+        lay = _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world)
         comm = comm_for(group_name, world, lay.data_bytes(weights[0].element_size()))
     return embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
@@ -461,9 +459,7 @@ def protocol(
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     w0 = weights[0]
     device, dtype = w0.device, w0.dtype
-    lay = _layout_of(
-        weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, rank, world
-    )
+    lay = _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, rank, world)
     out = torch.empty(lay.out_shape, dtype=dtype, device=device)
     if lay.bags == 0:
         return out

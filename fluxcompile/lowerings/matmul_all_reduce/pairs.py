@@ -31,7 +31,9 @@ def fused_pair(run: Callable[..., Any], supports: Callable[..., str | None], var
     return (mar, mar_supports), (arn, arn_supports)
 
 
-def unfused_pair(all_reduce: Callable[..., Any], supports: Callable[..., str | None], param: Any) -> tuple[Pair, Pair]:
+def unfused_pair(
+    all_reduce: Callable[..., Any], supports: Callable[..., str | None], param: Any
+) -> tuple[Pair, Pair]:
     """Both ops' pairs for a choice that all-reduces ``x`` or the product, ``all_reduce(param, x, As, Bs, bias,
     out_shape, group)``, with the residual add and RMSNorm in PyTorch ops after it; ``supports(param, x, As, Bs,
     bias, out_shape, reduce_op, group)``."""

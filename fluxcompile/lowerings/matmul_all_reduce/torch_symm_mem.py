@@ -48,9 +48,7 @@ def all_reduce(two_shot: bool, x, As, Bs, bias, out_shape, group_name) -> Tensor
     shape = list(out_shape)
     numel = math.prod(shape)
     first = x if x is not None else As[0]
-    ws = workspace(
-        group_name, numel * torch.empty((), dtype=dtype).element_size(), tag="matmul_all_reduce.torch_symm_mem"
-    )
+    ws = workspace(group_name, numel * torch.empty((), dtype=dtype).element_size(), tag="matmul_all_reduce.torch_symm_mem")
     # A view of the rendezvoused allocation from its start: PyTorch's op finds it by the storage.
     buf = ws.buffer[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
     if x is not None:

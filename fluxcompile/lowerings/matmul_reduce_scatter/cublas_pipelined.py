@@ -212,14 +212,8 @@ def plan(
 
 
 def matmul_reduce_scatter(
-    As: Sequence[Tensor],
-    Bs: Sequence[Tensor],
-    bias: Tensor | None,
-    out_shape: Sequence[int],
-    scatter_dim: int,
-    reduce_op: str,
-    group_size: int,
-    group_name: str,
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
+    reduce_op: str, group_size: int, group_name: str,
     *,
     push: bool = False,
     unsplit: bool = False,

@@ -92,14 +92,8 @@ def make(name: str):
 
 
 def matmul_reduce_scatter(
-    As: Sequence[Tensor],
-    Bs: Sequence[Tensor],
-    bias: Tensor | None,
-    out_shape: Sequence[int],
-    scatter_dim: int,
-    reduce_op: str,
-    group_size: int,
-    group_name: str,
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
+    reduce_op: str, group_size: int, group_name: str,
     *,
     variant: Variant = VARIANTS["128x256x64"],
 ) -> Tensor:
