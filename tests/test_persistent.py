@@ -179,6 +179,7 @@ def _schedules(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.schedules import gpu_executor as m
 
     mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(errors_module, "persistent", mode.persistent)
     mp.setattr(m, "_channels", {})
     mp.setattr(m, "_kept", [])
     mp.setattr(m, "_group", lambda name: _group())
@@ -190,7 +191,8 @@ def _schedules(mp, mode) -> list[torch.Tensor]:
     launch = m._build(
         compile_program(library.two_shot_all_reduce(2)), ch, torch.zeros(4096, dtype=torch.bfloat16), None
     )
-    kept = [ch.peer_flags, ch.state, ch.done, ch.err, ch.err_host, ch.peer_mbox, launch.code, launch.tbs, launch.deps]
+    kept = [ch.peer_flags, ch.state, ch.done, ch.errors.err, ch.errors.host, ch.peer_mbox]
+    kept += [launch.code, launch.tbs, launch.deps]
     return kept + [t for t in (launch.scratch, launch.input_copy) if t is not None]
 
 
@@ -198,18 +200,20 @@ def _rs_triton(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.matmul_reduce_scatter import triton as m
 
     mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(errors_module, "persistent", mode.persistent)
     mp.setattr(m, "_states", {})
     fws = _workspace()
     st = m._state_for(fws)
-    return [st.state, st.err, st.err_host, *m._peers(st, _workspace(), fws)]
+    return [st.state, st.errors.err, st.errors.host, *m._peers(st, _workspace(), fws)]
 
 
 def _ag_triton(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.all_gather_matmul import triton as m
 
-    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(errors_module, "persistent", mode.persistent)
     mp.setattr(m, "_errors", {})
-    return list(m._error_buffers(0, "g"))
+    errors = m._error_words()
+    return [errors.err, errors.host]
 
 
 def _ag_cutlass(mp, mode) -> list[torch.Tensor]:

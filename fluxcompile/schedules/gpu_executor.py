@@ -17,7 +17,9 @@ each eager call and raised by the next one, or by :func:`check_errors` (which sy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import config
-from ..symm_mem import FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
+from ..symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
 from .encoding import EncodedPlan, encode
 from .plan import Plan
 from .wait_errors import ERR_WORDS, check_error
@@ -47,12 +49,10 @@ class _Channel:
     peer_flags: Tensor  # int64 [world]
     state: Tensor  # int32 [4]: epoch, finished-program count
     done: Tensor  # int32 [DONE_FLAGS]
-    err: Tensor  # int32 [ERR_WORDS]: a peer wait's and a dependency's slot (wait_errors.py)
-    err_host: Tensor  # pinned copy of err
+    errors: ErrorWords  # ERR_WORDS: a peer wait's and a dependency's slot (wait_errors.py)
     max_programs: int  # the group's smallest SM count: every program of a launch is resident
     mbox: Workspace | None = None
     peer_mbox: Tensor | None = None  # int64 [world]
-    event: torch.cuda.Event | None = None
 
 
 @dataclasses.dataclass
@@ -122,8 +122,9 @@ def _channel(group_name: str) -> _Channel:
             peer_flags=fws.addresses(),
             state=torch.zeros(4, dtype=torch.int32, device="cuda"),
             done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
-            err=torch.zeros(ERR_WORDS, dtype=torch.int32, device="cuda"),
-            err_host=torch.zeros(ERR_WORDS, dtype=torch.int32).pin_memory(),
+            errors=ErrorWords.make(
+                torch.device("cuda", torch.cuda.current_device()), ERR_WORDS, "the schedule executor"
+            ),
             max_programs=int(sms.item()),
         )
 
@@ -202,16 +203,17 @@ def _build(plan: Plan, ch: _Channel, x: Tensor, slices: int | None) -> _Launch:
     )
 
 
-def _check_previous(ch: _Channel) -> None:
-    if ch.event is not None and ch.event.query():
-        check_error(ch.err_host, ch.group_name)
+@functools.cache
+def _checker(group_name: str) -> Callable[[Tensor, str], None]:
+    """The error words' check: wait_errors.py's ``check_error``, naming the group."""
+    return lambda words, what: check_error(words, group_name)
 
 
 def check_errors() -> None:
     """Synchronize and raise if a wait of the schedule kernel timed out on this rank (tests, after replays)."""
     torch.cuda.synchronize()
     for ch in _channels.values():
-        check_error(ch.err.cpu(), ch.group_name)
+        check_error(ch.errors.err.cpu(), ch.group_name)
 
 
 def output_shape(x: Tensor, out_numel: int) -> tuple[int, ...]:
@@ -281,12 +283,12 @@ def run_plan(
         launch.input_copy.copy_(x)
         inp = launch.input_copy
     capturing = _capturing()
-    if not capturing:
-        _check_previous(ch)
+    what = f"the schedule executor ({plan.name})"
+    ch.errors.check_previous(what, _checker(group_name))
     spin = max_spin if max_spin is not None else int(config.sched_timeout_s * 1e6)
     args = (
         launch.code, launch.tbs, launch.deps, inp, out,
-        launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state, ch.err,
+        launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state, ch.errors.err,
     )  # fmt: skip
     kw = dict(
         n_tb=launch.n_tb, slices=launch.slices, chunk_elems=launch.chunk_elems, slice_elems=launch.slice_elems,
@@ -302,9 +304,5 @@ def run_plan(
         host_barrier(_group(group_name))
         _ready.add(ready_key)
     plan_exec(*args, **kw)
-    if not capturing:
-        ch.err_host.copy_(ch.err, non_blocking=True)
-        if ch.event is None:
-            ch.event = torch.cuda.Event()
-        ch.event.record()
+    ch.errors.report(what, _checker(group_name))
     return out

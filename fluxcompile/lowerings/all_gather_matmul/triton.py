@@ -6,9 +6,9 @@ Per call, on rank r (peers p in the exchange's gather send order, symm_mem/excha
                 symmetric buffer (peer-to-peer, copy engine) -> set arrived[r, c] on p
   main stream:  one kernel launch (local tiles at once; remote tiles spin-wait, bounded, on arrived[p, c])
                 -> clear our arrived flags -> fill the gathered output -> set done_r on every p
-A wait that times out records (rank, chunk) in an error buffer that is copied to pinned host memory at
-the end of the call and checked at the start of the next one (no synchronization on the hot path), or
-after every call with ``config.check_signals``.
+A wait that times out records (rank, chunk) in error words (``symm_mem.ErrorWords``) copied to pinned host
+memory at the end of the call and checked at the start of the next one (no synchronization on the hot path),
+or after every call with ``config.check_signals``.
 
 Experimental: it declines every call unless ``config.experimental_triton_ag`` (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1).
 """
@@ -16,13 +16,14 @@ Experimental: it declines every call unless ``config.experimental_triton_ag`` (F
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, init_flags, persistent, side_stream, stream_write, workspace
+from ...symm_mem import ErrorWords, FlagArray, init_flags, side_stream, stream_write, workspace
 from ...symm_mem.exchange import gather_send_order, send
 from .cublas_pipelined import layout_supports, shard_layout
 
@@ -51,7 +52,7 @@ VARIANTS = {
     "tma-128x128x64-w4s4-c1": Variant((128, 128, 64), 1, num_warps=4, num_stages=4),
 }
 
-_errors: dict[int, tuple[Tensor, Tensor, torch.cuda.Event | None]] = {}
+_errors: dict[int, ErrorWords] = {}  # per device
 
 
 def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:
@@ -90,7 +91,7 @@ def all_gather_matmul(
     *,
     variant: Variant = VARIANTS["tma-256x128x64-c1"],
 ) -> tuple[Tensor, list[Tensor]]:
-    from ...kernels.ag_gemm import ag_gemm, check_error
+    from ...kernels.ag_gemm import ag_gemm
 
     block, chunks = variant.block, variant.chunks
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
@@ -104,7 +105,9 @@ def all_gather_matmul(
     arrived_all, done = FlagArray(fws, 0, _ARRIVED_FLAGS), FlagArray(fws, 4 * _ARRIVED_FLAGS, world)
     init_flags(arrived_all, 0)
     init_flags(done, 1)
-    err, err_host = _error_buffers(rank, group_name)
+    errors, check = _error_words(), _checker(rank, group_name)
+    what = f"the Triton all_gather_matmul ({variant.block})"
+    errors.check_previous(what, check)
 
     main, side = torch.cuda.current_stream(), side_stream()
     slots = ws.view(rank, (world, rows, k), A.dtype)  # slot s: rows pushed by rank s
@@ -127,7 +130,7 @@ def all_gather_matmul(
 
     # The kernel also writes the gathered rows into A_gathered (no copy kernel after it).
     ag_gemm(
-        a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, err,
+        a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, errors.err,
         block=block, outs=outs, a_out=A_gathered, tma=variant.tma, group_m=variant.group_m,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )  # fmt: skip
@@ -135,42 +138,20 @@ def all_gather_matmul(
     main.wait_stream(side)
     for p in send_to:
         stream_write(main, done.addr(p, rank), 1)
-    _report_errors(err, err_host, rank, group_name, check_error)
+    errors.report(what, check)
     return A_gathered, outs
 
 
-def _error_buffers(rank: int, group_name: str) -> tuple[Tensor, Tensor]:
+def _error_words() -> ErrorWords:
     device = torch.cuda.current_device()
     if device not in _errors:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fluxcompile: run the Triton all_gather_matmul once eagerly before graph capture")
-        _errors[device] = persistent(
-            lambda: (
-                torch.zeros(4, dtype=torch.int32, device="cuda"),
-                torch.zeros(4, dtype=torch.int32).pin_memory(),
-                None,
-            ),
-            "the Triton all_gather_matmul's error words",
-        )
-    err, host, event = _errors[device]
-    # The previous call's error, if its copy to the host has landed (no synchronization). Event queries
-    # are not allowed while capturing; a captured graph's replays are checked by the next eager call.
-    if torch.cuda.is_current_stream_capturing():
-        return err, host
-    if event is not None and event.query() and int(host[0]):
-        from ...kernels.ag_gemm import check_error
-
-        check_error(host, rank, group_name)
-    return err, host
+        _errors[device] = ErrorWords.make(torch.device("cuda", device), 4, "the Triton all_gather_matmul")
+    return _errors[device]
 
 
-def _report_errors(err: Tensor, host: Tensor, rank: int, group_name: str, check_error) -> None:
-    if torch.cuda.is_current_stream_capturing():
-        return
-    host.copy_(err, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    _errors[torch.cuda.current_device()] = (err, host, event)
-    if config.check_signals:
-        event.synchronize()
-        check_error(host, rank, group_name)
+@functools.cache
+def _checker(rank: int, group_name: str) -> Callable[[Tensor, str], None]:
+    """The error words' check: kernels/ag_gemm.py's ``check_error``, naming the rank and the group."""
+    from ...kernels.ag_gemm import check_error
+
+    return lambda words, what: check_error(words, rank, group_name)

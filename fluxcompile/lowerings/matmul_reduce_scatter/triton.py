@@ -4,9 +4,9 @@ stores every tile into the owner's symmetric slot and flags it, then the owner's
 Per call, on rank r: ``gemm_rs_kernel`` (tiles of owners r+1, r+2, ... first, own rows last; release flags
 with the call's epoch) -> ``rs_reduce_kernel`` (bounded acquire waits per tile, fp32 sum of the slots). The
 epoch counter lives on the device (graph replays advance it), data slots alternate by its parity, and
-nothing is reset between calls. A wait that times out records (rank, peer, tile, epoch) in an error buffer
-that is copied to pinned host memory at the end of the call and checked at the start of the next one (no
-synchronization on the hot path), or after every call with ``config.check_signals``.
+nothing is reset between calls. A wait that times out records (rank, peer, tile, epoch) in error words
+(``symm_mem.ErrorWords``) copied to pinned host memory at the end of the call and checked at the start of the
+next one (no synchronization on the hot path), or after every call with ``config.check_signals``.
 
 Experimental: it declines every call unless ``config.experimental_triton_rs`` (FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1).
 """
@@ -14,13 +14,14 @@ Experimental: it declines every call unless ``config.experimental_triton_rs`` (F
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import FlagArray, init_flags, persistent, workspace
+from ...symm_mem import ErrorWords, FlagArray, init_flags, persistent, workspace
 from ...symm_mem.exchange import slot_bytes
 from .cublas_pipelined import layout_supports, row_layout
 
@@ -44,12 +45,10 @@ VARIANTS = {
 
 @dataclasses.dataclass
 class _State:
-    """Per (device, flag buffer): the epoch counter, the error buffer and its pinned copy, peer addresses."""
+    """Per (device, flag buffer): the epoch counter, the error words, peer addresses."""
 
     state: Tensor
-    err: Tensor
-    err_host: Tensor
-    event: torch.cuda.Event | None = None
+    errors: ErrorWords  # kernels/gemm_rs.py's layout
     peers: dict[int, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)  # data buffer -> addresses
 
 
@@ -112,15 +111,16 @@ def matmul_reduce_scatter(
     init_flags(FlagArray(fws, 0, world * MAX_TILES), 0)
     st = _state_for(fws)
     peer_data, peer_flags = _peers(st, ws, fws)
-    _check_previous(st, rank, group_name)
+    what = f"the Triton matmul_reduce_scatter ({variant.block})"
+    st.errors.check_previous(what, _checker(group_name))
 
     out = torch.empty(shape, dtype=dtype, device=As[0].device)
     gemm_rs(
         list(As), list(Bs), bias.reshape(-1).contiguous() if bias is not None else None, out.view(rows, n),
-        peer_data, peer_flags, slot_elems, parity_elems, st.state, st.err, rank, world,
+        peer_data, peer_flags, slot_elems, parity_elems, st.state, st.errors.err, rank, world,
         block=variant.block, group_m=variant.group_m, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )  # fmt: skip
-    _report(st, rank, group_name)
+    st.errors.report(what, _checker(group_name))
     return out
 
 
@@ -130,12 +130,9 @@ def _state_for(fws) -> _State:
     if st is None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fluxcompile: run the Triton matmul_reduce_scatter once eagerly before graph capture")
+        errors = ErrorWords.make(torch.device("cuda", key[0]), 8, "the Triton matmul_reduce_scatter")
         st = _states[key] = persistent(
-            lambda: _State(
-                state=torch.zeros(2, dtype=torch.int32, device="cuda"),
-                err=torch.zeros(8, dtype=torch.int32, device="cuda"),
-                err_host=torch.zeros(8, dtype=torch.int32).pin_memory(),
-            ),
+            lambda: _State(state=torch.zeros(2, dtype=torch.int32, device="cuda"), errors=errors),
             "the Triton matmul_reduce_scatter's state",
         )
     return st
@@ -154,25 +151,9 @@ def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
     return st.peers[key]
 
 
-def _check_previous(st: _State, rank: int, group_name: str) -> None:
-    """The previous call's timeout, if its copy to the host has landed (no synchronization). Event queries are
-    not allowed while capturing; a captured graph's replays are checked by the next eager call."""
+@functools.cache
+def _checker(group_name: str) -> Callable[[Tensor, str], None]:
+    """The error words' check: kernels/gemm_rs.py's ``check_error``, naming the group."""
     from ...kernels.gemm_rs import check_error
 
-    if torch.cuda.is_current_stream_capturing():
-        return
-    if st.event is not None and st.event.query() and int(st.err_host[0]):
-        check_error(st.err_host, group_name)
-
-
-def _report(st: _State, rank: int, group_name: str) -> None:
-    from ...kernels.gemm_rs import check_error
-
-    if torch.cuda.is_current_stream_capturing():
-        return
-    st.err_host.copy_(st.err, non_blocking=True)
-    st.event = torch.cuda.Event()
-    st.event.record()
-    if config.check_signals:
-        st.event.synchronize()
-        check_error(st.err_host, group_name)
+    return lambda words, what: check_error(words, group_name)
