@@ -8,9 +8,9 @@
 //     with the L2::256B prefetch size (faster than without it for these 64-byte pieces of 8 rows);
 //   m > 16 (compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of 128-byte-swizzled
 //     shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory, two tiles per
-//     CTA (one with GEMV_WG_HALF where two would leave half the SMs idle). Per-lane loads of A from L2 would move twice the weight's bytes at m = 64, and mma.sync fed from
-//     the same stages by per-lane shared-memory loads is slower than wgmma reading them itself (BENCHMARKS.md,
-//     decode).
+//     CTA (one with GEMV_WG_HALF where two would leave half the SMs idle). Per-lane loads of A from L2 would
+//     move twice the weight's bytes at m = 64, and mma.sync fed from the same stages by per-lane shared-memory
+//     loads is slower than wgmma reading them itself (BENCHMARKS.md, decode).
 //
 // A tile is kGemvTileN output columns for all m rows; a CTA computes kTpc adjacent tiles at once (a unit).
 // Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
@@ -107,7 +107,9 @@ struct Cfg {
   static constexpr int kCtas = kTma ? 1 : 2;
   static constexpr int kARows = 16 * MT;                   // wgmma's N: A's rows in a stage (zeros past m)
   static constexpr int kWRows = kTma ? 64 : kCols;         // a stage's weight rows (wgmma's M; zeros past kCols)
-  static constexpr int kWBytes = kWRows * kTmaRowBytes;
+  static constexpr int kBoxes = kTmaK / kBoxK;             // TMA boxes of the weight (and of A) per stage
+  static constexpr int kBoxW = kWRows * kBoxK * 2;         // one box of the weight in shared memory
+  static constexpr int kWBytes = kBoxes * kBoxW;           // = kWRows * kTmaRowBytes
   static constexpr int kABytes = kARows * kTmaRowBytes;
   static constexpr int kStageBytes = kWBytes + kABytes;
   static constexpr int kFit = 200 * 1024 / kStageBytes;
@@ -618,8 +620,8 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
                                    char* smem, unsigned long long* bars, unsigned& uses) {
   using C = Cfg<MT, 0, kHalf>;
   constexpr int N = C::kARows;
-  constexpr int kBoxW = C::kWRows * kBoxK * 2, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
-  constexpr int kBoxes = kTmaK / kBoxK, kMine = kBoxes / 2;            // boxes per stage, per warpgroup
+  constexpr int kBoxW = C::kBoxW, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
+  constexpr int kBoxes = C::kBoxes, kMine = kBoxes / 2;   // boxes per stage, per warpgroup
   static_assert(C::kWRows == 64, "wgmma's M is 64 weight rows");
   constexpr int kTxBytes = C::kCols * kTmaRowBytes + C::kABytes;  // what the bulk copies write into a stage
   static_assert(kBoxes % 2 == 0, "the two warpgroups split a stage's boxes");
@@ -802,12 +804,12 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   if constexpr (C::kTma && C::kCols < C::kWRows) {
     // The weight rows past the unit's columns in every box of every stage: zeros, written once here (the bulk
     // copies fill only the first kCols rows) and made visible to the warpgroup MMAs' reads.
-    constexpr int kBoxW = C::kWRows * kBoxK * 2, kFill = kBoxW - C::kCols * kBoxK * 2;
-    constexpr int kChunks = C::kStages * (kTmaK / kBoxK) * kFill / 16;
+    constexpr int kFilled = C::kCols * kBoxK * 2, kFill = C::kBoxW - kFilled;  // bytes of a box
+    constexpr int kChunks = C::kStages * C::kBoxes * kFill / 16;
     for (int c = tid; c < kChunks; c += kThreads) {
       const int box = c / (kFill / 16), at = c % (kFill / 16);
-      char* st = stages + (box / (kTmaK / kBoxK)) * C::kStageBytes + (box % (kTmaK / kBoxK)) * kBoxW;
-      *reinterpret_cast<uint4*>(st + C::kCols * kBoxK * 2 + at * 16) = uint4{0, 0, 0, 0};
+      char* st = stages + (box / C::kBoxes) * C::kStageBytes + (box % C::kBoxes) * C::kBoxW;
+      *reinterpret_cast<uint4*>(st + kFilled + at * 16) = uint4{0, 0, 0, 0};
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }

@@ -288,7 +288,8 @@ def run_plan(
     spin = max_spin if max_spin is not None else int(config.sched_timeout_s * 1e6)
     args = (
         launch.code, launch.tbs, launch.deps, inp, out,
-        launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state, ch.errors.err,
+        launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state,
+        ch.errors.err,
     )  # fmt: skip
     kw = dict(
         n_tb=launch.n_tb, slices=launch.slices, chunk_elems=launch.chunk_elems, slice_elems=launch.slice_elems,
