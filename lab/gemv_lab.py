@@ -8,8 +8,8 @@ A variant is ``cur`` (the product's gemv_ar.cu as it is), ``NAME=cur`` (the same
 ``NAME=FILE``, each optionally followed by ``@``-separated nvcc flags (``nohint=cur@-DGEMV_WG_HINT=0``: the
 kernel's lab knobs are macros). FILE is a patch of the product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g.
 ``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a copy of it, or another whole gemv_ar.cu with the same
-header and binding (e.g. a past version, ``git show REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel sources of its own. Every output is checked against
-an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the bandwidth ceiling
+header and binding (e.g. a past version, ``git show REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel
+sources of its own. Every output is checked against an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the bandwidth ceiling
 the GEMV could reach, the ``tile*`` columns the same bytes read in the kernel's tile shapes. ``--tail`` adds the
 residual + RMSNorm tail; ``--cold`` times every call on a weight that is not in L2 (a small weight read again
 and again otherwise stays there, as no model layer's does).
@@ -254,6 +254,10 @@ class Weights:
         return self.copies[self.i]
 
 
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def _tail_inputs(m: int, n: int):
     residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     norm_w = NORM_W.setdefault(n, torch.randn(n, device="cuda", dtype=torch.bfloat16))
@@ -286,7 +290,7 @@ def _time_tail(res: dict, v: str, ext, a, ws: Weights, time_wrong: bool) -> None
     run(ext, solo, a, w, out, tail)
     torch.cuda.synchronize()
     h, ref = _tail_ref(a, w, residual, norm_w)
-    err = max(((x.float() - r.float()).norm() / r.float().norm()).item() for x, r in ((out, h), (normed, ref)))
+    err = max(_rel_err(out, h), _rel_err(normed, ref))
     if not err < 1e-2 or solo.err.tolist()[0]:
         print(f"!! {v}+tail n={n} m={m}: rel err {err:.2e}, err words {solo.err.tolist()}", flush=True)
         if not time_wrong:
@@ -346,7 +350,7 @@ def main() -> None:
                 except RuntimeError as e:
                     print(f"!! {v} n={n} k={k} m={m}: {e}", flush=True)
                     continue
-                err = ((out.float() - ref).norm() / ref.norm()).item()
+                err = _rel_err(out, ref)
                 bad = solo.err.tolist()
                 if not err < 1e-2 or bad[0]:
                     print(f"!! {v} n={n} k={k} m={m}: rel err {err:.2e}, err words {bad}", flush=True)
