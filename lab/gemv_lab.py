@@ -9,10 +9,10 @@ A variant is ``cur`` (the product's gemv_ar.cu as it is), ``NAME=cur`` (the same
 kernel's lab knobs are macros). FILE is a patch of the product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g.
 ``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a copy of it, or another whole gemv_ar.cu with the same
 header and binding (e.g. a past version, ``git show REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel
-sources of its own. Every output is checked against an fp32 reference first. Prints time and weight GB/s per method; the ``read`` column is the bandwidth ceiling
-the GEMV could reach, the ``tile*`` columns the same bytes read in the kernel's tile shapes. ``--tail`` adds the
-residual + RMSNorm tail; ``--cold`` times every call on a weight that is not in L2 (a small weight read again
-and again otherwise stays there, as no model layer's does).
+sources of its own. Every output is checked against an fp32 reference first. Prints time and weight GB/s per method;
+the ``read`` column is the bandwidth ceiling the GEMV could reach, the ``tile*`` columns the same bytes read in the
+kernel's tile shapes. ``--tail`` adds the residual + RMSNorm tail; ``--cold`` times every call on a weight that is
+not in L2 (a small weight read again and again otherwise stays there, as no model layer's does).
 """
 
 from __future__ import annotations
