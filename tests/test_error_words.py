@@ -23,3 +23,6 @@ def test_report_on_cpu_checks_at_once():
     errors.check_previous("call 2", _check)  # on CPU only a report checks
     with pytest.raises(RuntimeError, match="call 2: rank 3 timed out"):
         errors.report("call 2", _check)
+    errors.clear()
+    assert not errors.err.any() and not errors.host.any()
+    errors.report("call 3", _check)  # cleared: no error

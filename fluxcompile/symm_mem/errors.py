@@ -71,3 +71,10 @@ class ErrorWords:
         if config.check_signals:
             self.event.synchronize()
             check(self.host, what)
+
+    def clear(self) -> None:
+        """Zero the words and their host copy (a test that broke a group on purpose, so later checks stay
+        clean)."""
+        self.err.zero_()
+        self.host.zero_()
+        self.reported = ""

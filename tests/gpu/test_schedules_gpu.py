@@ -213,8 +213,7 @@ def _forget_channel(group: dist.ProcessGroup) -> None:
     """Drop this rank's channel of a broken group, its error words cleared, so later checks stay clean."""
     ch = gpu_executor._channels.pop((group.group_name, torch.cuda.current_device()), None)
     if ch is not None:
-        ch.err.zero_()
-        ch.err_host.zero_()
+        ch.errors.clear()
 
 
 @pytest.mark.peers  # a peer that never arrives
