@@ -69,9 +69,9 @@
 #endif
 // GEMV_WG_HALF: at m > 16, units of 32 columns (wgmma's weight rows past them are zeros) where units of 64
 // would leave half the SMs idle (n <= 64 * SMs / 2, e.g. n = 4096 on an H100), so twice the CTAs stream the
-// weight. Off until measured.
+// weight (on; 0 keeps 64-column units everywhere).
 #ifndef GEMV_WG_HALF
-#define GEMV_WG_HALF 0
+#define GEMV_WG_HALF 1
 #endif
 // The CUDA-core loader takes m <= GEMV_ROW_MAX_M; at m > 2 with GEMV_ROW_RW rows per warp and GEMV_ROW_CH
 // loads in flight (m = 3: 8 x 4 and 8 x 8 beat the fragment loader, 4 x 4 does not, 16 rows spill; m = 4:
@@ -1038,12 +1038,11 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
 // Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
 // CTA running), and no more than there are units.
 template <typename T, int MT, int kRowM = 0, bool kHalf = false>
-cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
+cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, cudaStream_t stream) {
   using C = Cfg<MT, kRowM, kHalf>;
   GemvArParams p = p_in;
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t rc = cudaGetDevice(&device);
-  if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int per_sm = 0;
+  cudaError_t rc = cudaSuccess;
   if (C::kTma) {
     if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols);
     if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, C::kARows);
@@ -1069,33 +1068,33 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, cudaStream_t stream) {
 // The wgmma loader (m > 16): 32-column units where 64-column ones would fill at most half the SMs
 // (GEMV_WG_HALF).
 template <typename T, int MT>
-cudaError_t launch_wg(const GemvArParams& p, int grid, cudaStream_t stream) {
+cudaError_t launch_wg(const GemvArParams& p, int grid, int device, int sms, cudaStream_t stream) {
   if constexpr (GEMV_WG_HALF) {
-    int device = 0, sms = 0;
-    cudaError_t rc = cudaGetDevice(&device);
-    if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (rc != cudaSuccess) return rc;
-    if (2 * ((p.n_tiles + 1) / 2) <= sms) return launch_mt<T, MT, 0, true>(p, grid, stream);
+    if (2 * ((p.n_tiles + 1) / 2) <= sms) return launch_mt<T, MT, 0, true>(p, grid, device, sms, stream);
   }
-  return launch_mt<T, MT>(p, grid, stream);
+  return launch_mt<T, MT>(p, grid, device, sms, stream);
 }
 
 template <typename T>
 cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  cudaError_t rc = cudaGetDevice(&device);
+  if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (rc != cudaSuccess) return rc;
   switch ((p.m + 15) / 16) {
     case 1:
-      if (p.m == 1) return launch_mt<T, 1, 1>(p, grid, stream);
-      if (p.m == 2) return launch_mt<T, 1, 2>(p, grid, stream);
+      if (p.m == 1) return launch_mt<T, 1, 1>(p, grid, device, sms, stream);
+      if (p.m == 2) return launch_mt<T, 1, 2>(p, grid, device, sms, stream);
       if constexpr (GEMV_ROW_MAX_M >= 3) {
-        if (p.m == 3) return launch_mt<T, 1, 3>(p, grid, stream);
+        if (p.m == 3) return launch_mt<T, 1, 3>(p, grid, device, sms, stream);
       }
       if constexpr (GEMV_ROW_MAX_M >= 4) {
-        if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, stream);
+        if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, device, sms, stream);
       }
-      return launch_mt<T, 1>(p, grid, stream);
-    case 2: return launch_wg<T, 2>(p, grid, stream);
-    case 3: return launch_wg<T, 3>(p, grid, stream);
-    default: return launch_wg<T, 4>(p, grid, stream);
+      return launch_mt<T, 1>(p, grid, device, sms, stream);
+    case 2: return launch_wg<T, 2>(p, grid, device, sms, stream);
+    case 3: return launch_wg<T, 3>(p, grid, device, sms, stream);
+    default: return launch_wg<T, 4>(p, grid, device, sms, stream);
   }
 }
 
