@@ -67,11 +67,9 @@
 #ifndef GEMV_WG_STAGE_K
 #define GEMV_WG_STAGE_K 256
 #endif
-// GEMV_WG_HALF: at m > 16, units of 32 columns (wgmma's weight rows past them are zeros) where 64-column units
-// would number at most GEMV_WG_HALF * SMs / 2. At 1 (on) that is where they would leave half the SMs idle (n <=
-// 64 * SMs / 2, e.g. n = 4096 on an H100): twice the CTAs stream the weight. At 2 a CTA's two half units also
-// run one after the other, so the first one's exchange overlaps the second one's weight stream. 0: 64-column
-// units everywhere.
+// GEMV_WG_HALF: at m > 16, units of 32 columns (wgmma's weight rows past them are zeros) where units of 64
+// would leave half the SMs idle (n <= 64 * SMs / 2, e.g. n = 4096 on an H100), so twice the CTAs stream the
+// weight (on; 0 keeps 64-column units everywhere).
 #ifndef GEMV_WG_HALF
 #define GEMV_WG_HALF 1
 #endif
@@ -1072,7 +1070,7 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, c
 template <typename T, int MT>
 cudaError_t launch_wg(const GemvArParams& p, int grid, int device, int sms, cudaStream_t stream) {
   if constexpr (GEMV_WG_HALF) {
-    if (2 * ((p.n_tiles + 1) / 2) <= GEMV_WG_HALF * sms) return launch_mt<T, MT, 0, true>(p, grid, device, sms, stream);
+    if (2 * ((p.n_tiles + 1) / 2) <= sms) return launch_mt<T, MT, 0, true>(p, grid, device, sms, stream);
   }
   return launch_mt<T, MT>(p, grid, device, sms, stream);
 }
