@@ -73,6 +73,10 @@
 #ifndef GEMV_WG_HALF
 #define GEMV_WG_HALF 1
 #endif
+// GEMV_WG_MIN_M: the wgmma loader also takes GEMV_WG_MIN_M <= m <= 16 (one m16 of A; 17: only m > 16).
+#ifndef GEMV_WG_MIN_M
+#define GEMV_WG_MIN_M 17
+#endif
 // The CUDA-core loader takes m <= GEMV_ROW_MAX_M; at m > 2 with GEMV_ROW_RW rows per warp and GEMV_ROW_CH
 // loads in flight (m = 3: 8 x 4 and 8 x 8 beat the fragment loader, 4 x 4 does not, 16 rows spill; m = 4:
 // the fragment loader is faster than either).
@@ -95,12 +99,12 @@ constexpr int kTmaK = GEMV_WG_STAGE_K;     // k per shared-memory stage of the w
 constexpr int kTmaRowBytes = kTmaK * 2;    // a stage row (T is 2 bytes)
 constexpr int kBoxK = 64;                  // k per TMA box: 128 bytes, the width of the 128-byte swizzle
 
-// Per m16 count MT (and kRowM, the CUDA-core loader's m, 0 for the others; kHalf, the wgmma loader's 32-column
-// units): the loader, tiles per CTA, CTAs per SM and the wgmma loader's stage ring (as many stages as fit in
-// 200 KB, at most GEMV_WG_MAX_STAGES).
+// Per m16 count MT (and kRowM: the CUDA-core loader's m; 0 for the MMA loaders, the fragment loader at MT = 1;
+// -1 for the wgmma loader at MT = 1; kHalf, the wgmma loader's 32-column units): the loader, tiles per CTA, CTAs
+// per SM and the wgmma loader's stage ring (as many stages as fit in 200 KB, at most GEMV_WG_MAX_STAGES).
 template <int MT, int kRowM = 0, bool kHalf = false>
 struct Cfg {
-  static constexpr bool kTma = kRowM == 0 && MT >= 2;  // (wgmma at m = 3-16: slower at m = 3-8)
+  static constexpr bool kTma = (kRowM == 0 && MT >= 2) || kRowM < 0;  // (wgmma at m = 3-8: slower)
   // Tiles per CTA: wgmma's M = 64, A's bytes from L2 halve (one with kHalf: twice the CTAs).
   static constexpr int kTpc = kTma && !kHalf ? 2 : 1;
   static constexpr int kCols = kGemvTileN * kTpc;          // a unit's output columns
@@ -601,13 +605,16 @@ struct WgPtx<__half> {
                  : __VA_ARGS__                                                                               \
                  : "l"(da), "l"(db));                                                                        \
   }
+#define GEMV_REGS8 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define GEMV_REGS16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define GEMV_REGS24 GEMV_REGS16 ", %16, %17, %18, %19, %20, %21, %22, %23"
 #define GEMV_REGS32 GEMV_REGS24 ", %24, %25, %26, %27, %28, %29, %30, %31"
+GEMV_WG_DEF(__nv_bfloat16, "bf16", 16, GEMV_REGS8, "%8, %9", GEMV_WG_R8(0))
 GEMV_WG_DEF(__nv_bfloat16, "bf16", 32, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
 GEMV_WG_DEF(__nv_bfloat16, "bf16", 48, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
 GEMV_WG_DEF(__nv_bfloat16, "bf16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
             GEMV_WG_R8(24))
+GEMV_WG_DEF(__half, "f16", 16, GEMV_REGS8, "%8, %9", GEMV_WG_R8(0))
 GEMV_WG_DEF(__half, "f16", 32, GEMV_REGS16, "%16, %17", GEMV_WG_R8(0), GEMV_WG_R8(8))
 GEMV_WG_DEF(__half, "f16", 48, GEMV_REGS24, "%24, %25", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16))
 GEMV_WG_DEF(__half, "f16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R8(8), GEMV_WG_R8(16),
@@ -615,10 +622,9 @@ GEMV_WG_DEF(__half, "f16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R
 
 // The unit at col0 (64 columns, or 32 with kHalf) into tile_s. `uses` counts the stages consumed so far by this
 // CTA: stage u % kStages, its barrier's phase (u / kStages) & 1.
-template <typename T, int MT, bool kHalf>
-__device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[Cfg<MT, 0, kHalf>::kCols],
-                                   char* smem, unsigned long long* bars, unsigned& uses) {
-  using C = Cfg<MT, 0, kHalf>;
+template <typename T, typename C>
+__device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[C::kCols], char* smem,
+                                   unsigned long long* bars, unsigned& uses) {
   constexpr int N = C::kARows;
   constexpr int kBoxW = C::kBoxW, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
   constexpr int kBoxes = C::kBoxes, kMine = kBoxes / 2;   // boxes per stage, per warpgroup
@@ -780,7 +786,7 @@ __device__ __forceinline__ void normalize_row(const GemvArParams& p, int i, floa
   }
 }
 
-// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders), an
+// kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders; -1: wgmma), an
 // instantiation of its own so each loader gets its registers.
 template <typename T, int MT, int kRowM, bool kHalf = false>
 __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
@@ -876,7 +882,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
-      compute_tile_wgmma<T, MT, kHalf>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
+      compute_tile_wgmma<T, C>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
     } else if constexpr (kRowM > 0) {
       compute_tile_row<T, kRowM>(p, t0 * kGemvTileN, tile_s);
     } else {
@@ -1067,12 +1073,12 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, c
 
 // The wgmma loader (m > 16): 32-column units where 64-column ones would fill at most half the SMs
 // (GEMV_WG_HALF).
-template <typename T, int MT>
+template <typename T, int MT, int kRowM = 0>
 cudaError_t launch_wg(const GemvArParams& p, int grid, int device, int sms, cudaStream_t stream) {
   if constexpr (GEMV_WG_HALF) {
-    if (2 * ((p.n_tiles + 1) / 2) <= sms) return launch_mt<T, MT, 0, true>(p, grid, device, sms, stream);
+    if (2 * ((p.n_tiles + 1) / 2) <= sms) return launch_mt<T, MT, kRowM, true>(p, grid, device, sms, stream);
   }
-  return launch_mt<T, MT>(p, grid, device, sms, stream);
+  return launch_mt<T, MT, kRowM>(p, grid, device, sms, stream);
 }
 
 template <typename T>
@@ -1090,6 +1096,9 @@ cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
       }
       if constexpr (GEMV_ROW_MAX_M >= 4) {
         if (p.m == 4) return launch_mt<T, 1, 4>(p, grid, device, sms, stream);
+      }
+      if constexpr (GEMV_WG_MIN_M <= 16) {
+        if (p.m >= GEMV_WG_MIN_M) return launch_wg<T, 1, -1>(p, grid, device, sms, stream);
       }
       return launch_mt<T, 1>(p, grid, device, sms, stream);
     case 2: return launch_wg<T, 2>(p, grid, device, sms, stream);
