@@ -14,16 +14,30 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_lab import build_variants, graph_time
+from gemv_lab import CSRC, build_variants, graph_time
 
 TILE, MAX_TILES, WORLD = 32, 8192, 2
 TIMEOUT_NS = int(2e8)  # 0.2 s: a launch that never meets its peer ends in an error, not a hang
+
+
+def _wg_min_m(item: str) -> int:
+    """The smallest m on the wgmma loader (GEMV_WG_MIN_M) of a ``--variants`` item: its -D flag, else the
+    #define of its source (the product's for ``cur`` and patches)."""
+    v, *flags = item.split("@")
+    for f in flags:
+        if f.startswith("-DGEMV_WG_MIN_M="):
+            return int(f.split("=", 1)[1])
+    path = v.partition("=")[2]
+    src = Path(path) if path and path != "cur" and not path.endswith((".patch", ".diff")) else CSRC / "gemv_ar.cu"
+    found = re.search(r"^#define GEMV_WG_MIN_M (\d+)$", src.read_text(), re.M)
+    return int(found.group(1)) if found else 17
 
 
 class Rank:
@@ -140,12 +154,13 @@ def main() -> int:
     torch.manual_seed(int.from_bytes(os.urandom(2), "little"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, failures = [], 0
+    wg_min = {"sim_" + item.split("@")[0].partition("=")[0]: _wg_min_m(item) for item in args.variants.split(",")}
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
         for m in map(int, args.ms.split(",")):
-            per_sm = 2 if m <= 16 else 1  # the kernel's CTAs per SM (Cfg::kCtas)
-            grid = per_sm * sms // WORLD
             for name, ext in exts.items():
+                per_sm = 1 if m >= wg_min[name] else 2  # the kernel's CTAs per SM (Cfg::kCtas: 1 with wgmma)
+                grid = per_sm * sms // WORLD
                 for mode in args.modes.split(","):
                     for tail in (False, True):
                         why, t = run_case(ext, m, n, k, mode, tail, grid, args.eager, args.replays)

@@ -90,7 +90,7 @@ def test_gemv_ar_cu_compiles_for_sm90a():
     assert " 0 bytes spill stores" in out.stderr and "bytes spill stores" not in out.stderr.replace(
         " 0 bytes spill stores", ""
     ), f"register spills:\n{out.stderr[-3000:]}"
-    # The m > 16 loader's math must be Hopper's warpgroup MMA fed by bulk tensor copies (mma.sync fed from
+    # The wgmma loader's math must be Hopper's warpgroup MMA fed by bulk tensor copies (mma.sync fed from
     # shared memory ran 18% slower at m = 64).
     cuobjdump = find_cuobjdump(out.args[0])
     if cuobjdump is None:

@@ -4,13 +4,13 @@
 // row shard of the weight. Memory-bound: the weight is streamed once, with fp32 accumulation, by one of
 // three loaders (Cfg below):
 //   m <= 3 (compute_tile_row): CUDA-core FMAs over whole 512-byte pieces of a weight row per load;
-//   3 < m <= 16 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
+//   3 < m < 9 (compute_tile): 16-byte loads straight into tensor-core MMA fragments, skipping L1,
 //     with the L2::256B prefetch size (faster than without it for these 64-byte pieces of 8 rows);
-//   m > 16 (compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of 128-byte-swizzled
-//     shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory, two tiles per
-//     CTA (one with GEMV_WG_HALF where two would leave half the SMs idle). Per-lane loads of A from L2 would
-//     move twice the weight's bytes at m = 64, and mma.sync fed from the same stages by per-lane shared-memory
-//     loads is slower than wgmma reading them itself (BENCHMARKS.md, decode).
+//   m >= 9 (GEMV_WG_MIN_M; compute_tile_wgmma): bulk tensor copies (TMA) of the weight and A into a ring of
+//     128-byte-swizzled shared-memory stages, consumed by warpgroup MMAs (wgmma) straight from shared memory,
+//     two tiles per CTA (one with GEMV_WG_HALF where two would leave half the SMs idle). Per-lane loads of A
+//     from L2 would move twice the weight's bytes at m = 64, and mma.sync fed from the same stages by per-lane
+//     shared-memory loads is slower than wgmma reading them itself (BENCHMARKS.md, decode).
 //
 // A tile is kGemvTileN output columns for all m rows; a CTA computes kTpc adjacent tiles at once (a unit).
 // Each CTA owns a fixed list of units (positions blockIdx.x, +gridDim.x, ...) through three phases, so a
@@ -67,15 +67,15 @@
 #ifndef GEMV_WG_STAGE_K
 #define GEMV_WG_STAGE_K 256
 #endif
-// GEMV_WG_HALF: at m > 16, units of 32 columns (wgmma's weight rows past them are zeros) where units of 64
-// would leave half the SMs idle (n <= 64 * SMs / 2, e.g. n = 4096 on an H100), so twice the CTAs stream the
-// weight (on; 0 keeps 64-column units everywhere).
+// GEMV_WG_HALF: on the wgmma loader, units of 32 columns (wgmma's weight rows past them are zeros) where units
+// of 64 would leave half the SMs idle (n <= 64 * SMs / 2, e.g. n = 4096 on an H100), so twice the CTAs stream
+// the weight (on; 0 keeps 64-column units everywhere).
 #ifndef GEMV_WG_HALF
 #define GEMV_WG_HALF 1
 #endif
-// GEMV_WG_MIN_M: the wgmma loader also takes GEMV_WG_MIN_M <= m <= 16 (one m16 of A; 17: only m > 16).
+// GEMV_WG_MIN_M: the smallest m on the wgmma loader (at m <= 16 with one m16 of A; 17: only m > 16).
 #ifndef GEMV_WG_MIN_M
-#define GEMV_WG_MIN_M 17
+#define GEMV_WG_MIN_M 9
 #endif
 // The CUDA-core loader takes m <= GEMV_ROW_MAX_M; at m > 2 with GEMV_ROW_RW rows per warp and GEMV_ROW_CH
 // loads in flight (m = 3: 8 x 4 and 8 x 8 beat the fragment loader, 4 x 4 does not, 16 rows spill; m = 4:
@@ -562,7 +562,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, in
       : "memory");
 }
 
-// ---- The wgmma loader (m > 16) ----
+// ---- The wgmma loader (m >= GEMV_WG_MIN_M) ----
 // A stage holds kTmaK (256) k of the unit's 64 weight rows and of A's 16 * MT rows (zeros past m), copied by
 // the TMA engine in 128-byte-swizzled boxes of 64 k (at 256: 4 of the weight, 4 of A) and completed on an
 // mbarrier; its bytes in flight sit in shared memory, not in registers. Warpgroup MMAs read them straight from
@@ -1071,7 +1071,7 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, c
   return cudaGetLastError();
 }
 
-// The wgmma loader (m > 16): 32-column units where 64-column ones would fill at most half the SMs
+// The wgmma loader (m >= GEMV_WG_MIN_M): 32-column units where 64-column ones would fill at most half the SMs
 // (GEMV_WG_HALF).
 template <typename T, int MT, int kRowM = 0>
 cudaError_t launch_wg(const GemvArParams& p, int grid, int device, int sms, cudaStream_t stream) {
