@@ -322,6 +322,11 @@ def main() -> None:
         help="GPU sleep before each timed round, so the host enqueues ahead and only GPU time is measured "
         "(default 0: rounds start from an idle GPU and host latency counts)",
     )
+    p.add_argument(
+        "--cold-weights",
+        action="store_true",
+        help="decode: every call reads the next of enough weight copies that none is in L2 (as in a model)",
+    )
     here = os.path.dirname(os.path.abspath(__file__))
     present = ["ag"] + [o for o in ("rs", "decode") if os.path.exists(os.path.join(here, f"ops_{o}.py"))]
     p.add_argument(

@@ -19,14 +19,21 @@ the slowest rank:
   read_weight     one read of the weight (a sum): the bandwidth yardstick (GB/s of weight per pass listed)
 ECT (effective communication time) = time − cuBLAS; the table gives each method's ECT as a fraction of
 NCCL's. Fresh random inputs every run; every method's output is checked against the reference first.
+
+``--cold-weights``: every call of every method reads the next of enough copies of the weight to fill twice the L2
+cache, so no call finds its weight there, as in a decoding model whose layers' weights stream from HBM. By default
+each method reads the same weight again, and a part of a weight smaller than a few L2s may stay cached between
+calls (for the methods that do not read it with an evict-first hint).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +65,20 @@ def bench(args: argparse.Namespace) -> list[dict]:
         with open(os.path.join(args.out, "ops_decode.json"), "w") as f:
             json.dump(rows, f, indent=1)
     return rows
+
+
+def _weight_copies(W: torch.Tensor, cold: bool) -> list[torch.Tensor]:
+    """``W``, and with ``cold`` enough copies of it that reading them in turn fills twice the L2 cache."""
+    if not cold:
+        return [W]
+    l2 = torch.cuda.get_device_properties(W.device).L2_cache_size
+    return [W] + [W.clone() for _ in range(-(-2 * l2 // (W.numel() * W.element_size())))]
+
+
+def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """A method that runs ``calls`` (one per weight copy) in turn, a call each time."""
+    it = itertools.cycle(calls)
+    return lambda: next(it)()
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -97,14 +118,20 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     dt = torch.bfloat16
     A = torch.randn(m, k_local, device="cuda", dtype=dt)
     W = torch.randn(n, k_local, device="cuda", dtype=dt) / k**0.5  # nn.Linear layout
-    B = W.t()
+    Ws = _weight_copies(W, getattr(args, "cold_weights", False))
+    Bs = [w.t() for w in Ws]
+    B = Bs[0]
     residual = torch.randn(m, n, device="cuda", dtype=dt)
     norm_w = torch.rand(n, device="cuda", dtype=dt) + 0.5
     op = "all_reduce_rmsnorm" if tail else "matmul_all_reduce"
-    if tail:
-        op_args = (None, [A], [B], None, [m, n], residual, norm_w, EPS, True, False, "sum", group)
-    else:
-        op_args = ([A], [B], None, [m, n], "sum", group)
+
+    def args_with(b, group=group):
+        if tail:
+            return (None, [A], [b], None, [m, n], residual, norm_w, EPS, True, False, "sum", group)
+        return ([A], [b], None, [m, n], "sum", group)
+
+    all_args = [args_with(b) for b in Bs]  # per weight copy
+    op_args = all_args[0]
 
     def with_tail(r):
         if not tail:
@@ -112,34 +139,39 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         h = residual + r
         return h, ops.rms_norm(h, norm_w, EPS, True, False)
 
-    def nccl():
-        P = A @ B
+    def nccl(b):
+        P = A @ b
         dist.all_reduce(P)
         return with_tail(P)
 
+    def each_copy(fn: Callable, per_copy: list[tuple]) -> Callable[[], object]:
+        return _in_turn([lambda x=x: fn(*x) for x in per_copy])
+
+    one_each = [(b,) for b in Bs]
+
     choices = {c.name: c for c in choices_for(op)}
     methods = {
-        "cublas": lambda: A @ B,
-        "nccl": nccl,
-        "fluxcompile": lambda: getattr(torch.ops.fluxcompile, op)(*op_args),
+        "cublas": each_copy(lambda b: A @ b, one_each),
+        "nccl": each_copy(nccl, one_each),
+        "fluxcompile": each_copy(getattr(torch.ops.fluxcompile, op), all_args),
     }
     one_shot = choices.get("torch_symm_mem:one_shot")
     if one_shot is not None and one_shot.declines(*op_args) is None:
-        methods["torch_one_shot"] = lambda c=one_shot: c.fn(*op_args)
+        methods["torch_one_shot"] = each_copy(one_shot.fn, all_args)
     # The CUDA kernel on a one-rank group: its GEMV (and epilogue) with no communication, so its ECT splits
     # into the kernel's math against cuBLAS and the cost of the exchange.
     gemv = choices.get("cuda:gemv-oneshot")
     if gemv is not None:
-        solo_args = (*op_args[:-1], _solo_group())
-        if gemv.declines(*solo_args) is None:
-            methods["cuda_no_comm"] = lambda c=gemv: c.fn(*solo_args)
+        solo_args = [args_with(b, _solo_group()) for b in Bs]
+        if gemv.declines(*solo_args[0]) is None:
+            methods["cuda_no_comm"] = each_copy(gemv.fn, solo_args)
     # A bandwidth yardstick: one read of the weight (a reduction), what a memory-bound GEMV cannot beat by much.
-    methods["read_weight"] = lambda: W.sum(dtype=torch.float32)
+    methods["read_weight"] = each_copy(lambda w: w.sum(dtype=torch.float32), [(w,) for w in Ws])
     declined = {}
     for name, c in choices.items():
         why = c.declines(*op_args)
         if why is None:
-            methods[name] = lambda c=c: c.fn(*op_args)
+            methods[name] = each_copy(c.fn, all_args)
         else:
             declined[name] = why
 
@@ -176,6 +208,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     row = {
         "op": op, "model": model, "proj": proj, "m": m, "n": n, "k": k, "tail": tail,
         "choice": autotune.pick(op, op_args, group).name, "us": per_call, "failed": failed, "declined": declined,
+        "weight_copies": len(Ws),
     }  # fmt: skip
     base = per_call["cublas"]
     # Weight bytes per µs of each memory-bound pass (GB/s): how far the GEMVs are from the HBM roofline.
@@ -224,6 +257,12 @@ def table(rows: list[dict]) -> str:
         )
         if r["failed"]:
             lines.append(f"    FAILED: {r['failed']}")
+    copies = max((r.get("weight_copies", 1) for r in rows), default=1)
+    lines.append(
+        f"weights: cold (each call reads the next of {copies} copies a shape at most)"
+        if copies > 1
+        else "weights: the same each call (may stay partly in L2)"
+    )
     for tail in (False, True):
         sel = [r for r in rows if r["tail"] == tail and "fluxcompile" in r["ect_vs_nccl"]]
         if sel:
@@ -243,6 +282,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cold-weights", action="store_true", help="every call reads a weight not in L2 (copies)")
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)

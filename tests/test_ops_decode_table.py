@@ -8,6 +8,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import ops_decode
+import torch
 
 
 def _row(m: int, tail: bool, ours: float, one: float) -> dict:
@@ -27,3 +28,19 @@ def test_table_reports_ratios_and_failures():
     assert "FAILED: {'triton:y': 'boom'}" in text
     assert "below PyTorch one-shot at 1 of 1 shapes" in text  # without tail: 2 < 8
     assert "below PyTorch one-shot at 0 of 1 shapes" in text  # with tail: 4 > 3
+
+
+def test_table_says_whether_the_weights_were_cold():
+    warm = ops_decode.table([_row(1, False, 2.0, 8.0)])
+    assert "weights: the same each call" in warm
+    cold = _row(1, False, 2.0, 8.0) | {"weight_copies": 3}
+    assert "weights: cold (each call reads the next of 3 copies" in ops_decode.table([cold])
+
+
+def test_methods_take_the_weight_copies_in_turn():
+    calls = []
+    method = ops_decode._in_turn([lambda i=i: calls.append(i) for i in range(3)])
+    for _ in range(7):
+        method()
+    assert calls == [0, 1, 2, 0, 1, 2, 0]
+    assert len(ops_decode._weight_copies(torch.zeros(4), cold=False)) == 1
