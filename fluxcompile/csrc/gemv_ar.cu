@@ -1050,7 +1050,7 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, c
   int per_sm = 0;
   cudaError_t rc = cudaSuccess;
   if (C::kTma) {
-    if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols);
+    rc = encode_tma<T>(&p.tmap_w, p.w, p.n, p.k, p.ldw, C::kCols);
     if (rc == cudaSuccess) rc = encode_tma<T>(&p.tmap_a, p.a, p.m, p.k, p.lda, C::kARows);
     static unsigned long long raised = 0;  // devices whose shared-memory limit this kernel has raised
     if (rc == cudaSuccess && !(raised >> device & 1ull)) {
