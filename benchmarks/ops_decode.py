@@ -67,7 +67,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _weight_copies(W: torch.Tensor, cold: bool) -> list[torch.Tensor]:
+def weight_copies(W: torch.Tensor, cold: bool) -> list[torch.Tensor]:
     """``W``, and with ``cold`` enough copies of it that reading them in turn fills twice the L2 cache."""
     if not cold:
         return [W]
@@ -118,7 +118,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     dt = torch.bfloat16
     A = torch.randn(m, k_local, device="cuda", dtype=dt)
     W = torch.randn(n, k_local, device="cuda", dtype=dt) / k**0.5  # nn.Linear layout
-    Ws = _weight_copies(W, getattr(args, "cold_weights", False))
+    Ws = weight_copies(W, getattr(args, "cold_weights", False))
     Bs = [w.t() for w in Ws]
     B = Bs[0]
     residual = torch.randn(m, n, device="cuda", dtype=dt)

@@ -28,9 +28,13 @@ from pathlib import Path
 
 import torch
 
+from fluxcompile.testing.numerics import rel_err
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "fluxcompile" / "csrc"
 CALLS = 20
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from ops_decode import weight_copies  # noqa: E402
 
 
 def _build(args: tuple[str, str, list[str]]):
@@ -244,18 +248,12 @@ class Weights:
     stream from HBM)."""
 
     def __init__(self, w: torch.Tensor, cold: bool):
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        extra = -(-2 * l2 // (w.numel() * w.element_size())) if cold else 0
-        self.copies = [w] + [w.clone() for _ in range(extra)]
+        self.copies = weight_copies(w, cold)
         self.i = 0
 
     def __call__(self) -> torch.Tensor:
         self.i = (self.i + 1) % len(self.copies)
         return self.copies[self.i]
-
-
-def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _tail_inputs(m: int, n: int):
@@ -290,7 +288,7 @@ def _time_tail(res: dict, v: str, ext, a, ws: Weights, time_wrong: bool) -> None
     run(ext, solo, a, w, out, tail)
     torch.cuda.synchronize()
     h, ref = _tail_ref(a, w, residual, norm_w)
-    err = max(_rel_err(out, h), _rel_err(normed, ref))
+    err = max(rel_err(out, h), rel_err(normed, ref))
     if not err < 1e-2 or solo.err.tolist()[0]:
         print(f"!! {v}+tail n={n} m={m}: rel err {err:.2e}, err words {solo.err.tolist()}", flush=True)
         if not time_wrong:
@@ -350,7 +348,7 @@ def main() -> None:
                 except RuntimeError as e:
                     print(f"!! {v} n={n} k={k} m={m}: {e}", flush=True)
                     continue
-                err = _rel_err(out, ref)
+                err = rel_err(out, ref)
                 bad = solo.err.tolist()
                 if not err < 1e-2 or bad[0]:
                     print(f"!! {v} n={n} k={k} m={m}: rel err {err:.2e}, err words {bad}", flush=True)

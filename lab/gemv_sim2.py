@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fluxcompile.testing.numerics import rel_err
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_lab import CSRC, build_variants, graph_time
 
@@ -97,10 +99,10 @@ def check(ranks, tag: str) -> str | None:
             h = r.residual.float() + ref.to(torch.bfloat16).float()
             want = h
             normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * r.norm_w.float()
-            e = ((r.normed.float() - normed).norm() / normed.norm()).item()
+            e = rel_err(r.normed, normed)
             if not e < 1e-2:
                 return f"{tag}: rank {i} normed rel err {e:.2e}"
-        e = ((r.out.float() - want).norm() / want.norm()).item()
+        e = rel_err(r.out, want)
         if not e < 1e-2:
             return f"{tag}: rank {i} rel err {e:.2e}"
     return None

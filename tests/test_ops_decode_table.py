@@ -43,4 +43,4 @@ def test_methods_take_the_weight_copies_in_turn():
     for _ in range(7):
         method()
     assert calls == [0, 1, 2, 0, 1, 2, 0]
-    assert len(ops_decode._weight_copies(torch.zeros(4), cold=False)) == 1
+    assert len(ops_decode.weight_copies(torch.zeros(4), cold=False)) == 1
