@@ -21,7 +21,7 @@ ECT (effective communication time) = time − cuBLAS; the table gives each metho
 NCCL's. Fresh random inputs every run; every method's output is checked against the reference first.
 
 ``--cold-weights``: every call of every method reads the next of enough copies of the weight to fill twice the L2
-cache, so no call finds its weight there, as in a decoding model whose layers' weights stream from HBM. By default
+cache (none for a weight that fills it twice alone), so no call finds its weight there, as in a decoding model whose layers' weights stream from HBM. By default
 each method reads the same weight again, and a part of a weight smaller than a few L2s may stay cached between
 calls (for the methods that do not read it with an evict-first hint).
 """
@@ -68,11 +68,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 
 def weight_copies(W: torch.Tensor, cold: bool) -> list[torch.Tensor]:
-    """``W``, and with ``cold`` enough copies of it that reading them in turn fills twice the L2 cache."""
+    """``W``, and with ``cold`` the copies of it that keep its reads out of L2 when read in turn (the
+    autotuner's rule for decode calls)."""
+    from fluxcompile.lowerings import autotune
+
     if not cold:
         return [W]
     l2 = torch.cuda.get_device_properties(W.device).L2_cache_size
-    return [W] + [W.clone() for _ in range(-(-2 * l2 // (W.numel() * W.element_size())))]
+    return [W] + [W.clone() for _ in range(autotune.cold_copies(W.numel() * W.element_size(), l2))]
 
 
 def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:

@@ -410,3 +410,27 @@ def test_cost_is_the_slower_of_device_and_host():
     heavy_host = autotune.cost([0.74] * 3, [1.24] * 3)
     light_host = autotune.cost([0.76] * 3, [0.25] * 3)
     assert light_host < heavy_host
+
+
+def test_cold_copies_fill_twice_the_l2():
+    """Graph-timed (decode) calls read copies of their arguments in turn: enough that the copies fill twice
+    the L2, none when the arguments fill it twice alone, never more than MAX_COLD_COPIES."""
+    mib = 1 << 20
+    assert autotune.cold_copies(64 * mib, 50 * mib) == 2  # TP=2 o_proj's weight on an H100
+    assert autotune.cold_copies(32 * mib, 50 * mib) == 4  # TP=4's
+    assert autotune.cold_copies(100 * mib, 50 * mib) == 0
+    assert autotune.cold_copies(235 * mib, 50 * mib) == 0
+    assert autotune.cold_copies(1024, 50 * mib) == autotune.MAX_COLD_COPIES
+    assert autotune.cold_copies(0, 50 * mib) == 0
+
+
+def test_copy_args_copies_every_tensor_with_its_strides():
+    w = torch.randn(6, 4)
+    a, res = torch.randn(3, 6), torch.randn(3, 4)[:, ::2]
+    args = ([a], [w.t()], None, [3, 4], res, 1e-5, "sum", "g")
+    got = autotune.copy_args(args)
+    assert type(got) is tuple and type(got[0]) is list and len(got) == len(args)
+    for x, y in zip(autotune._tensors(args), autotune._tensors(got)):
+        assert y.data_ptr() != x.data_ptr()
+        assert y.stride() == x.stride() and y.dtype == x.dtype and torch.equal(y, x)
+    assert got[2:4] == (None, [3, 4]) and got[5:] == (1e-5, "sum", "g")

@@ -20,7 +20,10 @@ on the group:
    +inf, hence the candidate's. The winner is the smallest finite time, ties going to the earlier
    candidate; if nothing finished, ``"reference"``. Rank 0 writes the cache file (atomically) before
    any rank returns. Calls that run inside CUDA graphs in practice (``time_in_cuda_graphs``: decode) are
-   timed as replays of a graph of ``GRAPH_CALLS`` captured calls instead of eager calls.
+   timed as replays of a graph of ``GRAPH_CALLS`` captured calls instead of eager calls, each call reading
+   the next of enough copies of the tensor arguments that none is in L2 (``cold_copies``): a decoding model
+   streams every layer's weight from HBM, while one call repeated finds its weight in L2 and favours the
+   choices whose loads keep it there.
 
 With ``config.autotune`` off, nothing is timed and no cache is used: the first choice, in
 ``config.implementations`` order, that every rank supports wins.
@@ -41,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -74,9 +78,10 @@ ROUNDS = 3  # the timed runs are interleaved over the candidates in this many ro
 # From an idle GPU the first calls of a round wait for the host instead, and choices whose GPU times differ
 # clearly are ranked by host noise, differently per run.
 QUEUE_US = 3000.0
-TIMING = "gpu-queued+host"  # in the cache key: winners timed another way are tuned again
+TIMING = "gpu-queued+host, graphs on cold copies"  # in the cache key: winners timed another way are tuned again
 
 GRAPH_CALLS = 10  # calls per captured graph when a call signature is timed as CUDA graph replays
+MAX_COLD_COPIES = 8  # extra copies of a graph-timed call's tensor arguments, at most
 
 # op name -> predicate on the call's args: True when such calls run inside CUDA graphs in practice (decode
 # under vLLM), so candidates are timed as graph replays. Timed eagerly, a decode-sized call measures the
@@ -260,24 +265,27 @@ def _benchmark(
     candidates: list[Choice], args: tuple, group: dist.ProcessGroup, device: torch.device, graphs: bool = False
 ) -> list[float]:
     """This rank's median time (ms) of each candidate, +inf where it raised; all ranks run in lockstep.
-    With ``graphs``, each candidate's ``GRAPH_CALLS`` calls are captured once (after its warm-up) and a
-    timed run is one replay, divided by the calls; a candidate that cannot be captured is dropped.
+    With ``graphs``, each candidate's ``GRAPH_CALLS`` calls, on the argument sets of ``_cold_arg_sets`` in
+    turn, are captured once (after a warm-up on every set) and a timed run is one replay, divided by the
+    calls; a candidate that cannot be captured is dropped.
 
     The timed runs are spread over ``ROUNDS`` interleaved rounds (each round times every candidate in
     turn), so a GPU's clock drifting during tuning (power, heat under long GEMMs) hits all candidates alike
     instead of favouring whichever ran while the chip was cool."""
     run_device = _run_device(args)
+    sets = _cold_arg_sets(args, run_device) if graphs else [args]
     samples: list[list[float] | None] = []
     host: list[list[float]] = [[] for _ in candidates]
     for choice in candidates:  # warm-up: compilation, workspaces, communicators
         _barrier(group, device)
         _synchronize(run_device)
-        samples.append([] if _run(choice, args, run_device, WARMUP, None) else None)
+        warm = _run(choice, args, run_device, max(WARMUP, len(sets)), None, _in_turn(choice, sets))
+        samples.append([] if warm else None)
     runners: list[Any] = [None] * len(candidates)  # None: _run calls the choice itself
     if graphs:
         for i, choice in enumerate(candidates):
             _barrier(group, device)
-            runners[i] = _captured(choice, args, run_device) if samples[i] is not None else None
+            runners[i] = _captured(choice, sets, run_device) if samples[i] is not None else None
             if runners[i] is None:
                 samples[i] = None
     rounds = max(1, min(ROUNDS, ITERS))
@@ -300,13 +308,55 @@ def cost(device_ms: list[float], host_ms: list[float]) -> float:
     return max(t, statistics.median(host_ms)) if host_ms else t
 
 
-def _captured(choice: Choice, args: tuple, run_device: torch.device) -> Any:
-    """``GRAPH_CALLS`` calls of ``choice`` captured in one CUDA graph (its replay), or None if capture failed."""
+def cold_copies(nbytes: int, l2_bytes: int) -> int:
+    """How many extra copies of ``nbytes`` of arguments keep every read of a call out of an ``l2_bytes`` L2
+    when the calls read the original and the copies in turn: enough to fill twice the L2 (at most
+    ``MAX_COLD_COPIES``), none where the arguments alone do."""
+    if nbytes <= 0 or nbytes >= 2 * l2_bytes:
+        return 0
+    return min(MAX_COLD_COPIES, -(-2 * l2_bytes // nbytes))
+
+
+def copy_args(args: tuple) -> tuple:
+    """``args`` with every tensor (also inside lists and tuples) copied into new memory of the same strides."""
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x
+
+    return copy(args)
+
+
+def _cold_arg_sets(args: tuple, run_device: torch.device) -> list[tuple]:
+    """``args`` and its ``cold_copies`` (none on CPU, or where the GPU has no memory left for them)."""
+    if run_device.type != "cuda":
+        return [args]
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in _tensors(args)}.values())
+    extra = cold_copies(nbytes, torch.cuda.get_device_properties(run_device).L2_cache_size)
+    try:
+        return [args] + [copy_args(args) for _ in range(extra)]
+    except torch.OutOfMemoryError:
+        log.warning("no GPU memory for %d copies of %d bytes of arguments: timing them warm in L2", extra, nbytes)
+        return [args]
+
+
+def _in_turn(choice: Choice, sets: list[tuple]) -> Any:
+    """A call of ``choice`` on the next argument set each time."""
+    it = itertools.cycle(sets)
+    return lambda: choice.fn(*next(it))
+
+
+def _captured(choice: Choice, sets: list[tuple], run_device: torch.device) -> Any:
+    """``GRAPH_CALLS`` calls of ``choice``, on ``sets`` in turn, captured in one CUDA graph (its replay), or
+    None if capture failed."""
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(run_device), torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
-                choice.fn(*args)
+            for i in range(GRAPH_CALLS):
+                choice.fn(*sets[i % len(sets)])
         graph.replay()  # the first replay uploads the graph; keep it out of the timings
         torch.cuda.synchronize(run_device)
         return graph.replay
@@ -324,7 +374,7 @@ def _run(
     fn: Any = None,
     host: list[float] | None = None,
 ) -> bool:
-    """Run ``choice`` (or ``fn``, its captured graph's replay) ``iters`` times, appending each time (ms) to
+    """Run ``choice`` (or ``fn``: its captured graph's replay, or its calls on argument sets in turn) ``iters`` times, appending each time (ms) to
     ``samples`` unless None, and on GPU each call's host time (ms) to ``host`` unless None; False if it
     raised."""
     fn = fn or functools.partial(choice.fn, *args)

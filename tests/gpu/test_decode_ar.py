@@ -308,6 +308,36 @@ def test_graph_timed_tuning_times_replays():
         _check("matmul_all_reduce", c.fn(*args), _reference("matmul_all_reduce", args), f"{c.name} after tuning")
 
 
+def test_graph_timed_tuning_reads_cold_copies():
+    """Decode calls are tuned on copies of their arguments read in turn, enough that the weight is not in L2
+    (a model streams every layer's weight from HBM): the captured calls read every copy, each equal to the
+    original and laid out alike."""
+    from fluxcompile.lowerings import Choice, autotune
+
+    group = dist.group.WORLD
+    A, B, b, _ = _inputs(16, 8192, True, None, shared_seed())  # B: 16 MiB of bf16
+    args = _args("matmul_all_reduce", A, B, b, None, 16, 8192, group.group_name)
+    sets = autotune._cold_arg_sets(args, A.device)
+    nbytes = sum(t.numel() * t.element_size() for t in (A, B, b))
+    l2 = torch.cuda.get_device_properties(A.device).L2_cache_size
+    assert len(sets) == 1 + autotune.cold_copies(nbytes, l2) > 1
+    for s in sets[1:]:
+        assert s[3:] == args[3:]
+        for x, y in zip((A, B, b), (s[0][0], s[1][0], s[2])):
+            assert y.data_ptr() != x.data_ptr() and y.stride() == x.stride() and torch.equal(y, x)
+    seen = []
+
+    def probe(a, bs, bias, *rest):
+        seen.append(bs[0].data_ptr())  # at capture: one entry per captured call
+        return a[0] @ bs[0] + bias
+
+    replay = autotune._captured(Choice("probe", probe), sets, A.device)
+    assert replay is not None
+    replay()
+    torch.cuda.synchronize()
+    assert seen == [sets[i % len(sets)][1][0].data_ptr() for i in range(autotune.GRAPH_CALLS)]
+
+
 @pytest.mark.parametrize("name", ["cuda:gemv-twoshot", "triton:oneshot-16x64x128"])
 def test_missing_peer_is_a_bounded_error(monkeypatch, name):
     """Rank 0 calls once more than the others: its kernel gives up after the timeout and the error names the
