@@ -1041,6 +1041,8 @@ cudaError_t encode_tma(GemvTmaMap* map, const void* base, int rows, int cols, in
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+constexpr int kMaxDevices = 64;  // the launchers' per-device caches (a bit mask and arrays)
+
 // Launch with at most as many CTAs as can be resident at once (the RMSNorm tail's grid barrier needs every
 // CTA running), and no more than there are units.
 template <typename T, int MT, int kRowM = 0, bool kHalf = false>
@@ -1059,10 +1061,14 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, c
       if (rc == cudaSuccess) raised |= 1ull << device;
     }
   }
-  if (rc == cudaSuccess)
+  static int resident[kMaxDevices] = {};  // per device: CTAs of this kernel an SM holds at once (0: not asked yet)
+  if (rc == cudaSuccess && resident[device] == 0) {
     rc = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_ar_kernel<T, MT, kRowM, kHalf>, kThreads,
                                                        C::kSmem);
+    if (rc == cudaSuccess) resident[device] = per_sm;
+  }
   if (rc != cudaSuccess) return rc;
+  per_sm = resident[device];
   if (per_sm < 1) return cudaErrorLaunchOutOfResources;
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
   grid = grid < units ? grid : units;
@@ -1085,6 +1091,7 @@ template <typename T>
 cudaError_t launch_typed(const GemvArParams& p, int grid, cudaStream_t stream) {
   int device = 0, sms = 0;
   cudaError_t rc = cudaGetDevice(&device);
+  if (rc == cudaSuccess && (device < 0 || device >= kMaxDevices)) rc = cudaErrorInvalidDevice;
   if (rc == cudaSuccess) rc = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (rc != cudaSuccess) return rc;
   switch ((p.m + 15) / 16) {
