@@ -57,6 +57,22 @@ def _includes(name: str) -> list[str] | None:
     return []
 
 
+def _host_flags(name: str) -> list[str]:
+    """Host compiler flags of module ``name`` beyond -O3: for pipelined, the nvidia-cublas wheel's headers
+    searched after every other directory (``-idirafter``), so that cublasLt.h is found where the toolkit lacks
+    it and the toolkit's own headers still win. Without it, pipelined.cpp builds without cuBLASLt."""
+    if name != "pipelined":
+        return []
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations or [] if spec is not None else []:
+        for sub in (f"cu{str(torch.version.cuda).split('.')[0]}/include", "cublas/include"):
+            if (Path(root) / sub / "cublasLt.h").is_file():
+                return ["-idirafter", str(Path(root) / sub)]
+    return []
+
+
 class Unavailable(RuntimeError):
     """The extension cannot be built or loaded here (the message says why)."""
 
@@ -85,7 +101,7 @@ def build_dir(name: str, capability: tuple[int, int]) -> Path:
         h.update(gen.encode())
         h.update(text.encode())
     h.update(arch_flag(capability).encode())
-    h.update(" ".join(NVCC_FLAGS + EXTRA_NVCC.get(name, ())).encode())
+    h.update(" ".join(NVCC_FLAGS + EXTRA_NVCC.get(name, ()) + tuple(_host_flags(name))).encode())
     h.update(torch.__version__.encode())
     h.update(str(torch.version.cuda).encode())
     return cache_root() / f"{name}-{h.hexdigest()[:16]}"
@@ -132,7 +148,7 @@ def load(name: str) -> ModuleType:
         mod = cpp_extension.load(
             name=f"fluxcompile_{name}_{directory.name.rsplit('-', 1)[1]}",
             sources=sources,
-            extra_cflags=["-O3"],
+            extra_cflags=["-O3", *_host_flags(name)],
             extra_cuda_cflags=[*NVCC_FLAGS, *EXTRA_NVCC.get(name, ()), arch_flag(capability)],
             extra_include_paths=[str(CSRC), *includes],
             build_directory=str(directory),

@@ -22,7 +22,8 @@ REF = ops.REFERENCES[OP]  # the oracle: cuBLAS + NCCL reduce-scatter
 
 # The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.
 TRITON = [f"triton:{v}" for v in sorted(triton_choice.VARIANTS)]
-CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:tail2",
+CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
+           "cublas_pipelined:tail2",
            "cublas_pipelined:tail4", "cublas_pipelined:stages2", "cublas_pipelined:stages3", "torch_symm_mem",
            *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
@@ -78,6 +79,8 @@ def _supported_or_skip(choice, args) -> None:
             pytest.skip(f"torch_symm_mem: {why}")
         if ":tail" in choice.name and "is under 64" in why:
             pytest.skip(f"{choice.name}: {why}")
+        if ":addmm" in choice.name and "two ranks only" in why:
+            pytest.skip(f"{choice.name}: {why}")
         raise AssertionError(f"{choice.name} declines: {why}")
 
 
@@ -111,8 +114,8 @@ def test_choice_matches_reference(monkeypatch, name, case):
 
 
 @pytest.mark.parametrize(
-    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:tail4",
-             "cublas_pipelined:stages2", TRITON[0]]
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
+             "cublas_pipelined:tail4", "cublas_pipelined:stages2", TRITON[0]]
 )  # fmt: skip
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:
@@ -136,8 +139,8 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:tail2",
-             "cublas_pipelined:stages2", "torch_symm_mem", TRITON[0]]
+    "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
+             "cublas_pipelined:tail2", "cublas_pipelined:stages2", "torch_symm_mem", TRITON[0]]
 )  # fmt: skip
 def test_in_cuda_graph(monkeypatch, name):
     choice = _choice(name, monkeypatch)

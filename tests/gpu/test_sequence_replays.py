@@ -32,6 +32,7 @@ RS = {
     "unsplit": (rs_pipelined.matmul_reduce_scatter, {"unsplit": True}),
     "tail2": (rs_pipelined.matmul_reduce_scatter, {"tail": 2}),
     "stages2": (rs_pipelined.matmul_reduce_scatter, {"groups": 2}),
+    "addmm": (rs_pipelined.matmul_reduce_scatter, {"addmm": True}),  # two ranks only (else skipped)
 }
 AG = {
     "split": (ag_pipelined.all_gather_matmul, {}),

@@ -17,6 +17,9 @@ is also a reduce-scatter's send order: symm_mem/exchange.py):
                         per group, each group pushed beside the next group's GEMM
   all:                  for p: wait ready_p;  out = sum of the slots (fp32 accumulate, one rounding);
                         set done_r on every p (its slot r in our buffer is free again)
+  :addmm (two ranks):   the peer's block as zero-copy; then wait ready_p -> out = A[r's rows] @ B + slot p, the
+                        sum in the GEMM's epilogue (cuBLASLt, one rounding) instead of a pass of its own after
+                        it -> set done_r on p
 
 Why this shape:
 * What the others wait for leaves first, and no two ranks write into the same peer at once (Flux, Figure 7);
@@ -131,6 +134,18 @@ def tail_supports(d: int) -> Callable[..., str | None]:
     return supports_tail
 
 
+def addmm_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+    """``supports`` of ``:addmm``."""
+    reason = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+    if reason is not None:
+        return reason
+    if group_size != 2:
+        return f"{group_size} ranks: the peer's partial rides in our GEMM's epilogue at two ranks only"
+    if not sequencer().lt_available():
+        return "cuBLASLt not found: its GEMM would copy the peer's partial into the output first"
+    return None
+
+
 def stages_supports(groups: int) -> Callable[..., str | None]:
     """``supports`` of ``:stages<groups>``."""
 
@@ -219,13 +234,18 @@ def matmul_reduce_scatter(
     unsplit: bool = False,
     tail: int = 0,
     groups: int = 0,
+    addmm: bool = False,
 ) -> Tensor:
     """The fused op's signature and output; at most one of the variant arguments is set (see the module)."""
     whole = unsplit or tail > 0 or groups > 0  # one [M, N] partial in the buffer
     p = plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push and not whole, whole)
     seq, As, Bs = sequencer(), list(As), list(Bs)
     flags = (*p.hs.lists, p.shape, p.rank, p.rows)
-    if groups:
+    if addmm:
+        if p.world != 2:
+            raise ValueError(f"fluxcompile: {NAME}:addmm is for two ranks, not {p.world}")
+        out = seq.rs_addmm(As, Bs, bias, p.peer_slots, p.own_slots, *flags, graph_limit())
+    elif groups:
         js, flat = stage_plan(p.rank, p.world, p.rows, groups)
         out = seq.rs_stages(
             As, Bs, bias, p.stage_all, p.peer_slots, p.own_slot, p.own_slots, *flags, js, flat,
