@@ -684,37 +684,61 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
   return out;
 }
 
-// GEMM -> reduce-scatter between two ranks, ":addmm": the peer's block as in rs_pipelined's zero-copy
-// sequence; then, once the peer's partial of our rows has landed in our slot, our block's GEMM adds it in its
-// epilogue (add_mm: C = that slot, D = the output), where rs_pipelined adds the two slots in a pass of its
-// own after the GEMM. Lists as in rs_pipelined, of one peer; own_slots[order[0]] is the peer's partial.
+// GEMM -> reduce-scatter between two ranks, ":addmm" and ":pushadd": our block's GEMM adds the peer's partial
+// of our rows (own_slots[order[0]]) in its epilogue (add_mm: C = that slot, D = the output), where
+// rs_pipelined adds the two slots in a pass of its own after the GEMM. Lists as in rs_pipelined, of one peer.
+//   :addmm (stage_slots empty):  the peer's block zero-copy; wait for the peer's partial; our block with it.
+//   :pushadd:  the peer's block into staging, pushed by the copy engine on `side`; our first `split` rows into
+//              our slot while the pushes fly; wait for the peer's partial; the other rows with it; then the
+//              first rows' sum in a pass of their own (split of rows instead of all of them).
 at::Tensor rs_addmm(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
                     const std::optional<at::Tensor>& bias, std::vector<at::Tensor> peer_slots,
+                    const std::vector<at::Tensor>& stage_slots, const at::Tensor& own_slot,
                     const at::Tensor& own_slots, const std::vector<int64_t>& order,
                     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
                     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
-                    const std::vector<int64_t>& out_shape, int64_t rank, int64_t rows, int64_t graphs) {
+                    const std::vector<int64_t>& out_shape, int64_t rank, int64_t rows, int64_t split,
+                    int64_t side_handle, int64_t graphs) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
   TORCH_CHECK(order.size() == 1, "fluxcompile: rs_addmm is for two ranks");
   check_lengths(1, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(), done_theirs.size()});
+  const bool push = !stage_slots.empty();
+  if (push) check_lengths(1, {stage_slots.size()});
+  TORCH_CHECK(push ? 0 <= split && split < rows : split == 0, "fluxcompile: rs_addmm's split must be in [0, rows)");
   const auto device = As[0].device().index();
   c10::cuda::CUDAGuard guard(As[0].device());
   at::Tensor out = at::empty(out_shape, As[0].options());
+  std::optional<c10::cuda::CUDAStream> side;
+  if (push) side = external(side_handle, device);
   const at::Tensor theirs = own_slots.select(0, order[0]);
 
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
-    consume_flag(main, done_mine[0]);
-    matmul_rows(As, Bs, bias, order[0] * rows, rows, peer_slots[0]);  // zero-copy into the peer's slot
-    write_flag(main, ready_theirs[0], 1);
+    if (push) {
+      matmul_rows(As, Bs, bias, order[0] * rows, rows, stage_slots[0]);
+      join(*side, main);
+      send_block(*side, done_mine[0], peer_slots[0], stage_slots[0], ready_theirs[0]);
+      if (split > 0) matmul_rows(As, Bs, bias, rank * rows, split, own_slot.narrow(0, 0, split));
+    } else {
+      consume_flag(main, done_mine[0]);
+      matmul_rows(As, Bs, bias, order[0] * rows, rows, peer_slots[0]);  // zero-copy into the peer's slot
+      write_flag(main, ready_theirs[0], 1);
+    }
     consume_flag(main, ready_mine[0]);
     at::Tensor out2 = out.view({rows, own_slots.size(2)});
-    add_mm(out2, theirs, As[0].narrow(0, rank * rows, rows), Bs[0], bias, main);
-    for (size_t i = 1; i < As.size(); ++i) out2.addmm_(As[i].narrow(0, rank * rows, rows), Bs[i]);
-    write_flag(main, done_theirs[0], 1);  // our slot is free again once the GEMM has read it
+    const int64_t lo = rank * rows + split, count = rows - split;
+    at::Tensor dst = out2.narrow(0, split, count);
+    add_mm(dst, theirs.narrow(0, split, count), As[0].narrow(0, lo, count), Bs[0], bias, main);
+    for (size_t i = 1; i < As.size(); ++i) dst.addmm_(As[i].narrow(0, lo, count), Bs[i]);
+    if (split > 0) {
+      at::Tensor first = out2.narrow(0, 0, split);
+      at::add_out(first, own_slot.narrow(0, 0, split), theirs.narrow(0, 0, split));  // fp32 math, one rounding
+    }
+    if (side.has_value()) join(main, *side);  // the next call's GEMM may overwrite the staging once pushed
+    write_flag(main, done_theirs[0], 1);  // our slot is free again once it has been read
   };
-  replays().run(key_of(int64_t{kRsAddmm}, As, Bs, bias, peer_slots, own_slots, order, done_mine, ready_theirs,
-                       ready_mine, done_theirs, out, rank, rows),
+  replays().run(key_of(int64_t{kRsAddmm}, As, Bs, bias, peer_slots, stage_slots, own_slot, own_slots, order,
+                       done_mine, ready_theirs, ready_mine, done_theirs, out, rank, rows, split, side_handle),
                 graphs, device, issue);
   return out;
 }

@@ -23,7 +23,7 @@ REF = ops.REFERENCES[OP]  # the oracle: cuBLAS + NCCL reduce-scatter
 # The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.
 TRITON = [f"triton:{v}" for v in sorted(triton_choice.VARIANTS)]
 CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
-           "cublas_pipelined:tail2",
+           "cublas_pipelined:pushadd", "cublas_pipelined:tail2",
            "cublas_pipelined:tail4", "cublas_pipelined:stages2", "cublas_pipelined:stages3", "torch_symm_mem",
            *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
@@ -77,7 +77,7 @@ def _supported_or_skip(choice, args) -> None:
     if why is not None:
         if choice.name == "torch_symm_mem" and (args[2] is not None or len(args[0]) > 1):
             pytest.skip(f"torch_symm_mem: {why}")
-        if ":tail" in choice.name and "is under 64" in why:
+        if (":tail" in choice.name or ":pushadd" in choice.name) and "is under 64" in why:
             pytest.skip(f"{choice.name}: {why}")
         if ":addmm" in choice.name and "two ranks only" in why:
             pytest.skip(f"{choice.name}: {why}")
@@ -115,7 +115,7 @@ def test_choice_matches_reference(monkeypatch, name, case):
 
 @pytest.mark.parametrize(
     "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
-             "cublas_pipelined:tail4", "cublas_pipelined:stages2", TRITON[0]]
+             "cublas_pipelined:pushadd", "cublas_pipelined:tail4", "cublas_pipelined:stages2", TRITON[0]]
 )  # fmt: skip
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:
@@ -140,13 +140,14 @@ def test_alternating_shapes_without_sync(monkeypatch, name):
 
 @pytest.mark.parametrize(
     "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
-             "cublas_pipelined:tail2", "cublas_pipelined:stages2", "torch_symm_mem", TRITON[0]]
+             "cublas_pipelined:pushadd", "cublas_pipelined:tail2", "cublas_pipelined:stages2", "torch_symm_mem",
+             TRITON[0]]
 )  # fmt: skip
 def test_in_cuda_graph(monkeypatch, name):
     choice = _choice(name, monkeypatch)
     case = CASES[2] if name != "torch_symm_mem" else ("sp", 77, "sp", 128, (128,), False)
-    if ":tail" in name:
-        case = CASES[1]  # 333 rows: a ragged tail of 128
+    if ":tail" in name or ":pushadd" in name:
+        case = CASES[1]  # 333 rows: a ragged tail of 128 (pushadd: 128 rows first, 205 with the peer's)
     args = _case_args(case, dist.group.WORLD, shared_seed())
     _supported_or_skip(choice, args)
     choice.fn(*args)  # warm-up: creates the workspace and flags outside capture

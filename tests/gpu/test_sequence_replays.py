@@ -33,6 +33,7 @@ RS = {
     "tail2": (rs_pipelined.matmul_reduce_scatter, {"tail": 2}),
     "stages2": (rs_pipelined.matmul_reduce_scatter, {"groups": 2}),
     "addmm": (rs_pipelined.matmul_reduce_scatter, {"addmm": True}),  # two ranks only (else skipped)
+    "pushadd": (rs_pipelined.matmul_reduce_scatter, {"push": True, "addmm": True}),  # two ranks only
 }
 AG = {
     "split": (ag_pipelined.all_gather_matmul, {}),

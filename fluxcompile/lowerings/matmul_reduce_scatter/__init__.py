@@ -3,7 +3,7 @@ autotuner for one choice per call signature (identically on every rank) and runs
 
 Choices, in registration order (the autotuner's tie-break order within a family):
 * ``cublas_pipelined`` (zero-copy stores into the owners' slots) and its ``:push``, ``:unsplit``, ``:addmm``
-  (two ranks), ``:tail<d>`` and experimental ``:stages<g>`` variants (cublas_pipelined.py);
+  and ``:pushadd`` (two ranks), ``:tail<d>`` and experimental ``:stages<g>`` variants (cublas_pipelined.py);
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
 * ``cutlass:<variant>`` (cutlass.py, experimental): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
@@ -34,6 +34,7 @@ _CHOICES = [
     Choice(f"{cublas_pipelined.NAME}:push", functools.partial(_pipelined, push=True), cublas_pipelined.supports),
     Choice(f"{cublas_pipelined.NAME}:unsplit", functools.partial(_pipelined, unsplit=True), cublas_pipelined.supports),
     Choice(f"{cublas_pipelined.NAME}:addmm", functools.partial(_pipelined, addmm=True), cublas_pipelined.addmm_supports),
+    Choice(f"{cublas_pipelined.NAME}:pushadd", functools.partial(_pipelined, push=True, addmm=True), cublas_pipelined.pushadd_supports),
     *(
         Choice(f"{cublas_pipelined.NAME}:tail{d}", functools.partial(_pipelined, tail=d), cublas_pipelined.tail_supports(d))
         for d in cublas_pipelined.TAILS

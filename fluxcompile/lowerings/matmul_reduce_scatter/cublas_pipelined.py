@@ -20,6 +20,8 @@ is also a reduce-scatter's send order: symm_mem/exchange.py):
   :addmm (two ranks):   the peer's block as zero-copy; then wait ready_p -> out = A[r's rows] @ B + slot p, the
                         sum in the GEMM's epilogue (cuBLASLt, one rounding) instead of a pass of its own after
                         it -> set done_r on p
+  :pushadd (two ranks): the peer's block as :push; the first half of our rows into our slot beside the push;
+                        wait ready_p -> the other half as :addmm; the first half's sum as "all" below
 
 Why this shape:
 * What the others wait for leaves first, and no two ranks write into the same peer at once (Flux, Figure 7);
@@ -146,6 +148,17 @@ def addmm_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, 
     return None
 
 
+def pushadd_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+    """``supports`` of ``:pushadd``."""
+    reason = addmm_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+    if reason is not None:
+        return reason
+    rows = row_layout(out_shape, scatter_dim, group_size)[2]
+    if slice_rows(rows, 2) == 0:
+        return f"{rows} rows per rank: half of them is under 64"
+    return None
+
+
 def stages_supports(groups: int) -> Callable[..., str | None]:
     """``supports`` of ``:stages<groups>``."""
 
@@ -243,8 +256,14 @@ def matmul_reduce_scatter(
     flags = (*p.hs.lists, p.shape, p.rank, p.rows)
     if addmm:
         if p.world != 2:
-            raise ValueError(f"fluxcompile: {NAME}:addmm is for two ranks, not {p.world}")
-        out = seq.rs_addmm(As, Bs, bias, p.peer_slots, p.own_slots, *flags, graph_limit())
+            raise ValueError(f"fluxcompile: {NAME}:addmm and :pushadd are for two ranks, not {p.world}")
+        split = slice_rows(p.rows, 2) if push else 0
+        if push and split == 0:
+            raise ValueError(f"fluxcompile: {NAME}:pushadd does not apply to {p.rows} rows per rank")
+        out = seq.rs_addmm(
+            As, Bs, bias, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *flags, split,
+            side_stream().cuda_stream if push else 0, graph_limit(),
+        )  # fmt: skip
     elif groups:
         js, flat = stage_plan(p.rank, p.world, p.rows, groups)
         out = seq.rs_stages(
