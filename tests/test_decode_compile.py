@@ -55,6 +55,26 @@ def test_arch_flag_and_build_dir():
     assert extensions.build_dir("gemv_ar", (9, 0)) == extensions.build_dir("gemv_ar", (9, 0))
 
 
+def test_pipelined_finds_the_cublas_wheels_headers(tmp_path, monkeypatch):
+    """pipelined.cpp's cuBLASLt header comes from the nvidia-cublas wheel, searched after every other directory;
+    without it the module builds without cuBLASLt (no flag)."""
+    import importlib.machinery
+    import importlib.util
+
+    import torch
+
+    root = tmp_path / "nvidia"
+    spec = importlib.machinery.ModuleSpec("nvidia", None, is_package=True)
+    spec.submodule_search_locations = [str(root)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "nvidia" else None)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert extensions._host_flags("pipelined") == []
+    (root / "cu13" / "include").mkdir(parents=True)
+    (root / "cu13" / "include" / "cublasLt.h").write_text("")
+    assert extensions._host_flags("pipelined") == ["-idirafter", str(root / "cu13" / "include")]
+    assert extensions._host_flags("gemv_ar") == []
+
+
 def test_load_declines_without_gpu():
     import torch
 
@@ -73,8 +93,10 @@ def _gemv_ar_job(workdir: Path) -> list[str] | str:
 
 
 def _pipelined_job(workdir: Path) -> list[str] | str:
-    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers."""
-    return torch_syntax_check(workdir, extensions.CSRC / "pipelined.cpp", "c++20", "cuda.h")
+    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers,
+    with its cuBLASLt part where the nvidia-cublas wheel's headers are installed (the module's own flags)."""
+    cmd = torch_syntax_check(workdir, extensions.CSRC / "pipelined.cpp", "c++20", "cuda.h")
+    return cmd if isinstance(cmd, str) else [*cmd[:-1], *extensions._host_flags("pipelined"), cmd[-1]]
 
 
 prebuild.register("gemv_ar_sm90a", _gemv_ar_job, timeout_s=300)
