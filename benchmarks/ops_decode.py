@@ -29,11 +29,9 @@ calls (for the methods that do not read it with an evict-first hint).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -76,12 +74,6 @@ def weight_copies(W: torch.Tensor, cold: bool) -> list[torch.Tensor]:
         return [W]
     l2 = torch.cuda.get_device_properties(W.device).L2_cache_size
     return [W] + [W.clone() for _ in range(autotune.cold_copies(W.numel() * W.element_size(), l2))]
-
-
-def _in_turn(calls: list[Callable[[], object]]) -> Callable[[], object]:
-    """A method that runs ``calls`` (one per weight copy) in turn, a call each time."""
-    it = itertools.cycle(calls)
-    return lambda: next(it)()
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -147,9 +139,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         dist.all_reduce(P)
         return with_tail(P)
 
-    def each_copy(fn: Callable, per_copy: list[tuple]) -> Callable[[], object]:
-        return _in_turn([lambda x=x: fn(*x) for x in per_copy])
-
+    each_copy = autotune.in_turn  # a method: fn on the next weight copy's arguments each call
     one_each = [(b,) for b in Bs]
 
     choices = {c.name: c for c in choices_for(op)}

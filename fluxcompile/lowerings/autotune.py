@@ -52,7 +52,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -279,7 +279,7 @@ def _benchmark(
     for choice in candidates:  # warm-up: compilation, workspaces, communicators
         _barrier(group, device)
         _synchronize(run_device)
-        warm = _run(choice, args, run_device, max(WARMUP, len(sets)), None, _in_turn(choice, sets))
+        warm = _run(choice, args, run_device, max(WARMUP, len(sets)), None, in_turn(choice.fn, sets))
         samples.append([] if warm else None)
     runners: list[Any] = [None] * len(candidates)  # None: _run calls the choice itself
     if graphs:
@@ -343,10 +343,10 @@ def _cold_arg_sets(args: tuple, run_device: torch.device) -> list[tuple]:
         return [args]
 
 
-def _in_turn(choice: Choice, sets: list[tuple]) -> Any:
-    """A call of ``choice`` on the next argument set each time."""
+def in_turn(fn: Callable[..., Any], sets: list[tuple]) -> Callable[[], Any]:
+    """A call of ``fn`` on the next argument set each time (also the decode bench's methods on weight copies)."""
     it = itertools.cycle(sets)
-    return lambda: choice.fn(*next(it))
+    return lambda: fn(*next(it))
 
 
 def _captured(choice: Choice, sets: list[tuple], run_device: torch.device) -> Any:
@@ -374,9 +374,9 @@ def _run(
     fn: Any = None,
     host: list[float] | None = None,
 ) -> bool:
-    """Run ``choice`` (or ``fn``: its captured graph's replay, or its calls on argument sets in turn) ``iters`` times, appending each time (ms) to
-    ``samples`` unless None, and on GPU each call's host time (ms) to ``host`` unless None; False if it
-    raised."""
+    """Run ``choice`` (or ``fn``: its captured graph's replay, or its calls on argument sets in turn) ``iters``
+    times, appending each time (ms) to ``samples`` unless None, and on GPU each call's host time (ms) to ``host``
+    unless None; False if it raised."""
     fn = fn or functools.partial(choice.fn, *args)
     try:
         if samples is None:
