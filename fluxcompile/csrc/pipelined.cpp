@@ -534,7 +534,8 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
                const std::optional<at::Tensor>& bias, const c10::cuda::CUDAStream& stream) {
   const Lt& api = lt();
   const auto device = D.device().index();
-  if (!api.ok || device < 0 || device >= 64) return false;
+  constexpr int kMaxDevices = 64;  // the per-device handles below
+  if (!api.ok || device < 0 || device >= kMaxDevices) return false;
   Operand x, y;  // D^T = B^T A^T + C^T: our B is cuBLASLt's A (x), our A its B (y)
   if (!as_operand(B, x) || !as_operand(A, y)) return false;
   const auto dtype = D.scalar_type();
@@ -549,7 +550,7 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   static std::map<std::vector<int64_t>, LtPlan> plans;
-  static cublasLtHandle_t handles[64] = {};
+  static cublasLtHandle_t handles[kMaxDevices] = {};
   if (handles[device] == nullptr && api.create(&handles[device]) != CUBLAS_STATUS_SUCCESS) {
     handles[device] = nullptr;
     return false;
