@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import CUDA_MODES, ll128_bytes
 from fluxcompile.testing.numerics import rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,7 +47,7 @@ class Rank:
     """One simulated rank's workspaces and tensors."""
 
     def __init__(self, m: int, n: int, k: int, world: int, tail: bool):
-        self.slot_bytes = (m * n * 2 + 255) // 256 * 256
+        self.slot_bytes = (max(m * n * 2, -(-ll128_bytes(m, n) // 2)) + 255) // 256 * 256
         # Regular slots and LL regions (fluxcompile/csrc/gemv_ar.h), poisoned: NaN data, flags no epoch matches.
         self.data = torch.full(((6 * world + 2) * self.slot_bytes,), 0xFF, dtype=torch.uint8, device="cuda")
         self.flags = torch.zeros((world + 1) * MAX_TILES, dtype=torch.int32, device="cuda")
@@ -70,7 +71,7 @@ def launch(ext, r: Rank, rank: int, peer_data, peer_flags, mode: str, grid: int)
     ext.launch(
         r.a.data_ptr(), r.w.data_ptr(), 0, r.out.data_ptr(), p(r.normed), p(r.residual), p(r.norm_w), 1e-5, False,
         int(peer_data.data_ptr()), int(peer_flags.data_ptr()), r.slot_bytes, r.state.data_ptr(),
-        r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, mode == "twoshot", mode == "oneshot-ll",
+        r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, mode == "twoshot", CUDA_MODES[mode],
         tiles, TIMEOUT_NS, 0,
         min(grid, tiles), r.stream.cuda_stream,
     )  # fmt: skip
@@ -148,7 +149,7 @@ def main() -> int:
     p.add_argument("--variants", default="cur")
     p.add_argument("--shapes", default="8192x14336,8200x4104,200x1032")
     p.add_argument("--ms", default="1,2,3,16,24,64")
-    p.add_argument("--modes", default="oneshot,twoshot,oneshot-ll")
+    p.add_argument("--modes", default="oneshot,twoshot,oneshot-ll,oneshot-ll128")
     p.add_argument("--eager", type=int, default=20)
     p.add_argument("--replays", type=int, default=300)
     args = p.parse_args()

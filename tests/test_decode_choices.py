@@ -92,10 +92,24 @@ def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
         assert "GEMV_PEERS" not in (decode_ar.cuda_supports("oneshot", *args) or "")
 
 
-def test_ll_variant_needs_a_peer(monkeypatch):
-    """LL words only travel between ranks: at world size 1 the LL choice would be the one-shot one again."""
+def test_ll_variants_need_a_peer(monkeypatch):
+    """LL words and LL128 lines only travel between ranks: at world size 1 either choice would be the one-shot
+    one again."""
     args = _cuda_args(monkeypatch, 1)
-    assert "one rank" in (decode_ar.cuda_supports("oneshot-ll", *args) or "")
+    for mode in ("oneshot-ll", "oneshot-ll128"):
+        assert "one rank" in (decode_ar.cuda_supports(mode, *args) or "")
+
+
+def test_ll128_lines_fit_the_ll_region():
+    """An LL region is two slots of at least the partial's bytes: LL128's lines of 7 vectors fit it at every m
+    once a ragged last tile's lines are counted (the kernel refuses a launch where they do not)."""
+    for m in (1, 2, 3, 7, 16, 37, 64):
+        for n in (8, 200, 4104, 8192):
+            lines = -(-m * 4 // 7)  # 16-byte vectors of a 32-column tile row: 4
+            assert decode_ar.ll128_bytes(m, n) == -(-n // 32) * lines * 128
+            if n % 32 == 0:  # no more bytes than LL's twice the data (fewer from m = 3 on)
+                assert decode_ar.ll128_bytes(m, n) <= 2 * m * n * 2
+                assert m < 3 or decode_ar.ll128_bytes(m, n) < 2 * m * n * 2
 
 
 def _resolved_size() -> int:

@@ -27,9 +27,10 @@
 //   3. two-shot: wait for the tiles other ranks own and copy them out.
 //   tail: a grid barrier, then RMSNorm of h row by row, a row a CTA (its sum of squares in one CTA).
 //
-// LL (p.ll, one-shot only): the partials to peers travel as LL words (data and epoch in every 8 bytes, see
+// LL (p.ll = 1, one-shot only): the partials to peers travel as LL words (data and epoch in every 8 bytes, see
 // st_ll) into LL regions after the regular slots, and each reader thread waits for its own words: no
-// release fence and no flag per tile on the writer's critical path.
+// release fence and no flag per tile on the writer's critical path. LL128 (p.ll = 2) does the same in
+// 128-byte lines of seven data vectors and the epoch (see st_line), 8/7 of the data's bytes instead of twice.
 //
 // Flags carry epochs: state[0] counts this kernel's calls on this rank (every rank makes the same calls,
 // so the counts agree); a call uses e = state[0] + 1, and the last of its CTAs to read state[0] stores e
@@ -262,6 +263,44 @@ __device__ __noinline__ bool wait_ll(const char* src, unsigned e, uint4& d, cons
       return true;
     }
     if (give_up(iter, t0, e, p, peer, tile, kWaitPartial)) return false;
+  }
+}
+
+// LL128 (NCCL's name): a tile's partial travels as 128-byte lines, each written by eight lanes of a warp in one
+// store instruction: lanes 0-6 of the line a 16-byte data vector each, lane 7 the epoch. NVLink and the L2
+// move such a line whole (NCCL's LL128 protocol relies on the same), so a reader that loads the line with
+// eight lanes in one instruction and finds the epoch in lane 7's vector has the data of lanes 0-6.
+constexpr int kLineVecs = 7;  // data vectors per line
+__device__ __forceinline__ int ll128_lines(int m) { return (m * kVecPerRow + kLineVecs - 1) / kLineVecs; }
+// Line `line` of tile `tile` of partial slot `index` (parity * world + src) in rank dst's LL region.
+__device__ __forceinline__ char* ll128_line(const GemvArParams& p, int dst, int index, int tile, int line) {
+  return p.peer_data[dst] + static_cast<long long>(2 * p.world + 2 + 2 * index) * p.slot_bytes +
+         (static_cast<long long>(tile) * ll128_lines(p.m) + line) * 128;
+}
+__device__ __forceinline__ void st_line(char* dst, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+// Bounded wait of a whole warp (every lane calls it; `valid`: the lane's line exists, equal over its eight
+// lanes) until each of its lines carries epoch e; the lane's 16 bytes in d. Warp-uniform result.
+__device__ __noinline__ bool wait_ll128(const char* src, bool valid, unsigned e, uint4& d, const GemvArParams& p,
+                                        int peer, int tile) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long t0 = 0;
+  for (unsigned iter = 0;; ++iter) {
+    uint4 v = make_uint4(e, e, e, e);
+    if (valid) {
+      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "l"(src)
+                   : "memory");
+    }
+    const unsigned flag = __shfl_sync(0xffffffffu, v.w, lane | 7);
+    if (__all_sync(0xffffffffu, flag == e)) {
+      d = v;
+      return true;
+    }
+    if (__any_sync(0xffffffffu, give_up(iter, t0, e, p, peer, tile, kWaitPartial))) return false;
   }
 }
 
@@ -694,6 +733,20 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
   }
 }
 
+// The partial's 8 values of row i at column c of the unit (global column col0 + c - its tile's start) as this
+// rank's slot holds them: tile_s plus the bias, rounded to T.
+template <typename T, int kCols>
+__device__ __forceinline__ uint4 partial_at(const GemvArParams& p, const float (*tile_s)[kCols], int i, int c,
+                                            int col) {
+  float f[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    f[q] = tile_s[i][c + q];
+    if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col + q]);
+  }
+  return pack8<T>(f);
+}
+
 // The residual's 8 values at the output's offset off (tail), loaded before the waits so that their latency
 // hides behind them.
 template <typename T>
@@ -869,13 +922,25 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   };
   // The partial of tile `sub` of the unit in tile_s as this rank's slot holds it (bias added, rounded to T).
   auto own_partial = [&](int col0, int sub) {
-    float f[8];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      f[q] = tile_s[vi][sub * kGemvTileN + vc + q];
-      if (p.bias != nullptr) f[q] += Num<T>::to_f(static_cast<const T*>(p.bias)[col0 + vc + q]);
-    }
-    return pack8<T>(f);
+    return partial_at<T, C::kCols>(p, tile_s, vi, sub * kGemvTileN + vc, col0 + vc);
+  };
+  // LL128: position j of a tile (lane j % 8 of line j / 8) carries data vector d = line * 7 + j % 8 (row
+  // d / kVecPerRow, column (d % kVecPerRow) * 8 of the tile) for j % 8 < 7; each thread takes positions
+  // tid, tid + kThreads, ... in passes of the whole CTA (warp-uniform lines).
+  const int ll_lines = ll128_lines(p.m), ll_passes = (8 * ll_lines + kThreads - 1) / kThreads;
+  struct Pos {
+    int line, q, i, c;  // line, lane in it, the data vector's row and column in the tile
+    bool data;          // a data vector of the output (q < 7, i < m, column < n)
+  };
+  auto pos_of = [&](int pass, int col0) {
+    Pos x;
+    const int j = tid + pass * kThreads, d = (j >> 3) * kLineVecs + (j & 7);
+    x.line = j >> 3;
+    x.q = j & 7;
+    x.i = d / kVecPerRow;
+    x.c = (d % kVecPerRow) * 8;
+    x.data = x.line < ll_lines && x.q < kLineVecs && x.i < p.m && col0 + x.c < p.n;
+    return x;
   };
 
   // Phase 1: partials, pushed to the ranks that reduce them.
@@ -895,7 +960,20 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
     for (int sub = 0; sub < kTpc && t0 + sub < p.n_tiles; ++sub) {
       const int t = t0 + sub, col0 = t * kGemvTileN;
       const int owner = owner_of(t, p.n_tiles, p.world);
-      if (has_vec && col0 + vc < p.n) {
+      if (p.ll == 2) {
+        const int src_slot = parity * p.world + p.rank;
+        for (int pass = 0; pass < ll_passes; ++pass) {
+          const Pos x = pos_of(pass, col0);
+          const uint4 v = x.q == kLineVecs ? make_uint4(e, e, e, e)
+                          : x.data          ? partial_at<T, C::kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
+                                            : make_uint4(0, 0, 0, 0);
+          if (x.line < ll_lines) {
+            for (int step = 1; step < p.world; ++step)
+              st_line(ll128_line(p, (p.rank + step) % p.world, src_slot, t, x.line) + x.q * 16, v);
+          }
+          if (x.data && !keep_own) st_cg(slot<T>(p, p.rank, src_slot) + static_cast<long long>(x.i) * p.n + col0 + x.c, v);
+        }
+      } else if (has_vec && col0 + vc < p.n) {
         const uint4 part = own_partial(col0, sub);
         const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
         const int src_slot = parity * p.world + p.rank;
@@ -931,7 +1009,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
     if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
     const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
     const bool mine = has_vec && col0 + vc < p.n;
-    const uint4 res = load_residual<T>(p, off, tail && mine);
+    const uint4 res = load_residual<T>(p, off, tail && mine && p.ll != 2);
     if (tid == 0) {
       bool ok = true;
       for (int step = 1; step < p.world && ok && !p.ll; ++step) {  // LL: each thread waits for its words
@@ -941,7 +1019,30 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
       s_ok = ok;
     }
     __syncthreads();
-    if (s_ok && mine) {
+    if (p.ll == 2) {  // every thread of the CTA: the waits are warp-wide
+      for (int pass = 0; pass < ll_passes; ++pass) {
+        const Pos x = pos_of(pass, col0);
+        const long long xoff = static_cast<long long>(x.i) * p.n + col0 + x.c;
+        const uint4 xres = load_residual<T>(p, xoff, tail && x.data);
+        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        bool ok = true;
+        for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
+          uint4 d = make_uint4(0, 0, 0, 0);
+          if (src != p.rank) {
+            ok = wait_ll128(ll128_line(p, p.rank, parity * p.world + src, t, x.line) + x.q * 16,
+                            x.line < ll_lines, e, d, p, src, t);
+          } else if (x.data) {
+            d = last_unit ? partial_at<T, C::kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
+                          : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + xoff);
+          }
+          float f[8];
+          unpack8<T>(d, f);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) sum[q] += f[q];
+        }
+        if (ok && x.data) write_output<T>(p, x.i, col0 + x.c, pack8<T>(sum), tail, xres);
+      }
+    } else if (s_ok && mine) {
       float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       bool ok = true;
       for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
@@ -1121,9 +1222,12 @@ cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStrea
   if (w_elems >= (1ll << 31) || a_elems >= (1ll << 31)) return cudaErrorInvalidValue;  // 32-bit row offsets
   if (p.m < 1 || p.m > kGemvMaxM || p.n_tiles > kGemvMaxTiles || p.k % 8 || p.n % 8 || grid < 1 ||
       grid > p.n_tiles || p.world < 1 || p.world > 8 || (p.two_shot && p.n_tiles < p.world) ||
-      (p.ll && p.two_shot)) {
+      (p.ll && p.two_shot) || p.ll < 0 || p.ll > 2) {
     return cudaErrorInvalidValue;
   }
+  // LL128's lines of every tile fit its LL region (two slots).
+  const long long lines = (p.m * (kGemvTileN / 8) + 6) / 7;
+  if (p.ll == 2 && p.n_tiles * lines * 128 > 2 * p.slot_bytes) return cudaErrorInvalidValue;
   return dtype == 0 ? launch_typed<__nv_bfloat16>(p, grid, stream) : launch_typed<__half>(p, grid, stream);
 }
 

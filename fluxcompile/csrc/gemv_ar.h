@@ -18,7 +18,8 @@ constexpr int kGemvErrWords = 8;    // err: code, rank, peer, tile, epoch, kind,
 //   slot (parity, src) = (parity * world + src)      partials written by src
 //   slot (parity, result) = (2 * world + parity)     reduced tiles from their owners (two-shot)
 //   LL region (parity, src) = slots 2 * world + 2 + 2 * (parity * world + src) and the next one: partials
-//     written by src as LL words (one-shot with ll), twice the data's bytes; 6 * world + 2 slots in all
+//     written by src as LL words (one-shot with ll = 1), twice the data's bytes, or as LL128 lines (ll = 2),
+//     tile after tile, ceil(4 m / 7) lines of 128 bytes a tile; 6 * world + 2 slots in all
 // An opaque CUtensorMap (the kernel's bulk tensor copies read it from the kernel's parameters).
 struct alignas(64) GemvTmaMap {
   unsigned long long opaque[16];
@@ -41,7 +42,7 @@ struct GemvArParams {
   int* err;                 // [kGemvErrWords]
   int m, n, k, lda, ldw;
   int rank, world, two_shot, n_tiles;
-  int ll;                   // one-shot only: partials to peers as LL words (no flags)
+  int ll;                   // one-shot only: partials to peers as LL words (1) or LL128 lines (2), no flags
   long long timeout_ns;
   // Filled by the launcher for m > 16: tensor maps of w ([n, k] in boxes of one unit's rows, 2 * kGemvTileN,
   // x 64 k) and A ([m, k] in boxes of 16 * ceil(m / 16) rows x 64 k), 128-byte swizzled, for the bulk copies

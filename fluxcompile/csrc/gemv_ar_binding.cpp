@@ -18,7 +18,7 @@ P ptr(int64_t v) {
 void launch(int64_t a, int64_t w, int64_t bias, int64_t out, int64_t normed, int64_t residual, int64_t norm_weight,
             double eps, bool weight_after_cast, int64_t peer_data, int64_t peer_flags, int64_t slot_bytes,
             int64_t state, int64_t err, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldw,
-            int64_t rank, int64_t world, bool two_shot, bool ll, int64_t n_tiles, int64_t timeout_ns, int64_t dtype,
+            int64_t rank, int64_t world, bool two_shot, int64_t ll, int64_t n_tiles, int64_t timeout_ns, int64_t dtype,
             int64_t grid, int64_t stream) {
   fluxcompile::GemvArParams p{};
   p.a = ptr<const void*>(a);
@@ -43,7 +43,7 @@ void launch(int64_t a, int64_t w, int64_t bias, int64_t out, int64_t normed, int
   p.rank = static_cast<int>(rank);
   p.world = static_cast<int>(world);
   p.two_shot = two_shot ? 1 : 0;
-  p.ll = ll ? 1 : 0;
+  p.ll = static_cast<int>(ll);
   p.n_tiles = static_cast<int>(n_tiles);
   p.timeout_ns = timeout_ns;
   cudaError_t rc = fluxcompile::gemv_ar_launch(p, static_cast<int>(dtype), static_cast<int>(grid),

@@ -3,7 +3,7 @@ decoder layer's tail after them): their choices, registered for both ops, and ea
 which asks the rank-synchronized autotuner for one choice per call signature and runs it.
 
 Choices (each capturable in a CUDA graph once a first eager call made its workspaces):
-* ``cuda:gemv-oneshot`` / ``:gemv-twoshot`` / ``:gemv-oneshot-ll``: csrc/gemv_ar.cu, a GEMV kernel (m <= 64)
+* ``cuda:gemv-oneshot`` / ``:gemv-twoshot`` / ``:gemv-oneshot-ll`` / ``:gemv-oneshot-ll128``: csrc/gemv_ar.cu, a GEMV kernel (m <= 64)
   whose epilogue stores each output tile into the peers' symmetric memory (fused_kernels.py);
 * ``triton:<oneshot|twoshot>-<tile>``: kernels/gemm_ar.py, the same protocol with a tiled GEMM for larger m;
 * ``torch_symm_mem:one_shot`` / ``:two_shot`` (torch_symm_mem.py): cuBLAS into a symmetric buffer, then

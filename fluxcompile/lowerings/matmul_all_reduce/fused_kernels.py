@@ -202,8 +202,9 @@ def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tai
 
 
 # The CUDA kernel's variants (choice "cuda:gemv-<mode>"): one-shot, two-shot, and one-shot whose partials
-# travel as LL words (data and epoch together: no fence and no flag per tile on the writer's side).
-CUDA_MODES = ("oneshot", "twoshot", "oneshot-ll")
+# travel as LL words or LL128 lines (data and epoch together: no fence and no flag per tile on the writer's
+# side), with the kernel's ``ll`` argument.
+CUDA_MODES = {"oneshot": 0, "twoshot": 0, "oneshot-ll": 1, "oneshot-ll128": 2}
 
 
 def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
@@ -226,7 +227,7 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
     world = group(group_name).size()
-    if mode == "oneshot-ll" and world < 2:
+    if CUDA_MODES[mode] and world < 2:
         return "LL words travel between ranks: with one rank this is the one-shot choice"
     if world > 1 and not config.experimental_gemv_peers:
         return "csrc/gemv_ar.cu between GPUs is switched off (FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 turns it on)"
@@ -261,15 +262,23 @@ def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name
 # The calls.
 
 
-def _begin(family: str, a: Tensor, b: Tensor, group_name: str) -> tuple[int, int, _State, Workspace, int]:
-    """The start of a launch: (rank, world, the family's state, its data workspace, the slot size); raises
-    if an earlier call's kernel reported a timeout."""
+def _begin(
+    family: str, a: Tensor, b: Tensor, group_name: str, slot_need: int = 0
+) -> tuple[int, int, _State, Workspace, int]:
+    """The start of a launch: (rank, world, the family's state, its data workspace, the slot size, at least
+    the partial's bytes and ``slot_need``); raises if an earlier call's kernel reported a timeout."""
     pg = group(group_name)
     rank, world = pg.rank(), pg.size()
     st = _get_state(family, group_name)
     st.errors.check_previous(f"the {family} decode kernel", _checker(group_name))
-    ws, slot_bytes = _data(st, family, group_name, world, a.shape[0] * b.shape[1] * a.element_size())
+    need = max(a.shape[0] * b.shape[1] * a.element_size(), slot_need)
+    ws, slot_bytes = _data(st, family, group_name, world, need)
     return rank, world, st, ws, slot_bytes
+
+
+def ll128_bytes(m: int, n: int) -> int:
+    """An LL128 partial's bytes (csrc/gemv_ar.cu): ceil(4 m / 7) lines of 128 bytes per tile of 32 columns."""
+    return -(-n // CUDA_TILE_N) * -(-m * CUDA_TILE_N // 8 // 7) * 128
 
 
 def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, Tensor | None]:
@@ -279,7 +288,7 @@ def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, T
 
 
 def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None) -> Tensor | tuple[Tensor, Tensor]:
-    two_shot, ll = mode == "twoshot", mode == "oneshot-ll"
+    two_shot, ll = mode == "twoshot", CUDA_MODES[mode]
     ext = extensions.load("gemv_ar")
     a, b = As[0], Bs[0]
     if a.data_ptr() % 16:
@@ -289,7 +298,8 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
     m, k = a.shape
     n = b.shape[1]
-    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name)
+    # An LL region is two slots: the LL128 lines of a ragged last tile may pass the partial's bytes twice.
+    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name, -(-ll128_bytes(m, n) // 2))
     n_tiles = -(-n // CUDA_TILE_N)
     grid = n_tiles  # the launcher lowers it to the CTAs that fit on the GPU at once
     out, normed = _outputs(a, out_shape, tail)
