@@ -447,6 +447,9 @@ struct Lt {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
+  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) desc_destroy = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy = nullptr;
   bool ok = false;
 };
 
@@ -482,8 +485,11 @@ const Lt& lt() {
     get(a.pref_set, "cublasLtMatmulPreferenceSetAttribute");
     get(a.heuristic, "cublasLtMatmulAlgoGetHeuristic");
     get(a.matmul, "cublasLtMatmul");
+    get(a.pref_destroy, "cublasLtMatmulPreferenceDestroy");
+    get(a.desc_destroy, "cublasLtMatmulDescDestroy");
+    get(a.layout_destroy, "cublasLtMatrixLayoutDestroy");
     a.ok = a.create && a.desc_create && a.desc_set && a.layout_create && a.pref_create && a.pref_set &&
-           a.heuristic && a.matmul;
+           a.heuristic && a.matmul && a.pref_destroy && a.desc_destroy && a.layout_destroy;
     return a;
   }();
   return api;
@@ -516,7 +522,8 @@ int64_t alignment(const void* p) {
   return a;
 }
 
-// A call signature's descriptors and algorithm, made once (never freed: kept for the process, like replays).
+// A call signature's descriptors and algorithm, made once and kept for the process, like replays (a failed
+// plan keeps none).
 struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
@@ -590,8 +597,16 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
     int found = 0;
     good = good && api.heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found) ==
                        CUBLAS_STATUS_SUCCESS;
+    if (pref != nullptr) api.pref_destroy(pref);
     p.ok = good && found > 0;
-    if (p.ok) p.algo = result.algo;
+    if (p.ok) {
+      p.algo = result.algo;
+    } else {
+      if (p.desc != nullptr) api.desc_destroy(p.desc);
+      for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
+        if (l != nullptr) api.layout_destroy(l);
+      p = LtPlan{};
+    }
     it = plans.emplace(key, p).first;  // a failed plan is kept too: the fallback from then on
   }
   const LtPlan& plan = it->second;
