@@ -839,6 +839,77 @@ __device__ __forceinline__ void normalize_row(const GemvArParams& p, int i, floa
   }
 }
 
+// LL128 positions: position j of a tile (lane j % 8 of line j / 8) carries data vector d = line * 7 + j % 8 (row
+// d / kVecPerRow, column (d % kVecPerRow) * 8 of the tile) for j % 8 < 7; thread tid takes positions tid,
+// tid + kThreads, ... in passes of the whole CTA, so a line's eight lanes are in one warp.
+struct LinePos {
+  int line, q, i, c;  // line, lane in it, the data vector's row and column in the tile
+  bool data;          // a data vector of the output (q < 7, i < m, column < n)
+};
+__device__ __forceinline__ LinePos line_pos(const GemvArParams& p, int lines, int pass, int col0) {
+  LinePos x;
+  const int j = threadIdx.x + pass * kThreads, d = (j >> 3) * kLineVecs + (j & 7);
+  x.line = j >> 3;
+  x.q = j & 7;
+  x.i = d / kVecPerRow;
+  x.c = (d % kVecPerRow) * 8;
+  x.data = x.line < lines && x.q < kLineVecs && x.i < p.m && col0 + x.c < p.n;
+  return x;
+}
+
+// Phase 1 of LL128 for tile t (tile `sub` of the unit in tile_s): its lines to every peer, and the plain
+// partial to this rank's own slot unless the CTA keeps it (keep_own). Every thread of the CTA calls it.
+// Not inlined, like the reduce below: the other modes' code stays as without it.
+template <typename T, int kCols>
+__device__ __noinline__ void ll128_push(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
+                                        unsigned e, bool keep_own) {
+  const int col0 = t * kGemvTileN, src_slot = static_cast<int>(e & 1u) * p.world + p.rank;
+  const int lines = ll128_lines(p.m), passes = (8 * lines + kThreads - 1) / kThreads;
+  for (int pass = 0; pass < passes; ++pass) {
+    const LinePos x = line_pos(p, lines, pass, col0);
+    const uint4 v = x.q == kLineVecs ? make_uint4(e, e, e, e)
+                    : x.data          ? partial_at<T, kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
+                                      : make_uint4(0, 0, 0, 0);
+    if (x.line < lines) {
+      for (int step = 1; step < p.world; ++step)
+        st_line(ll128_line(p, (p.rank + step) % p.world, src_slot, t, x.line) + x.q * 16, v);
+    }
+    if (x.data && !keep_own) st_cg(slot<T>(p, p.rank, src_slot) + static_cast<long long>(x.i) * p.n + col0 + x.c, v);
+  }
+}
+
+// Phase 2 of LL128 for tile t: wait for the peers' lines (a warp at a time), sum the partials in rank order
+// (this rank's from tile_s where the CTA kept it), write the output. Every thread of the CTA calls it.
+template <typename T, int kCols>
+__device__ __noinline__ void ll128_reduce(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
+                                          unsigned e, bool kept) {
+  const int col0 = t * kGemvTileN, parity = static_cast<int>(e & 1u);
+  const bool tail = p.normed != nullptr;
+  const int lines = ll128_lines(p.m), passes = (8 * lines + kThreads - 1) / kThreads;
+  for (int pass = 0; pass < passes; ++pass) {
+    const LinePos x = line_pos(p, lines, pass, col0);
+    const long long off = static_cast<long long>(x.i) * p.n + col0 + x.c;
+    const uint4 res = load_residual<T>(p, off, tail && x.data);
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    bool ok = true;
+    for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
+      uint4 d = make_uint4(0, 0, 0, 0);
+      if (src != p.rank) {
+        ok = wait_ll128(ll128_line(p, p.rank, parity * p.world + src, t, x.line) + x.q * 16, x.line < lines, e, d,
+                        p, src, t);
+      } else if (x.data) {
+        d = kept ? partial_at<T, kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
+                 : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
+      }
+      float f[8];
+      unpack8<T>(d, f);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) sum[q] += f[q];
+    }
+    if (ok && x.data) write_output<T>(p, x.i, col0 + x.c, pack8<T>(sum), tail, res);  // else err names the peer
+  }
+}
+
 // kRowM (MT == 1 only): m == kRowM on CUDA cores (1 to GEMV_ROW_MAX_M; 0: the MMA loaders; -1: wgmma), an
 // instantiation of its own so each loader gets its registers.
 template <typename T, int MT, int kRowM, bool kHalf = false>
@@ -924,24 +995,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   auto own_partial = [&](int col0, int sub) {
     return partial_at<T, C::kCols>(p, tile_s, vi, sub * kGemvTileN + vc, col0 + vc);
   };
-  // LL128: position j of a tile (lane j % 8 of line j / 8) carries data vector d = line * 7 + j % 8 (row
-  // d / kVecPerRow, column (d % kVecPerRow) * 8 of the tile) for j % 8 < 7; each thread takes positions
-  // tid, tid + kThreads, ... in passes of the whole CTA (warp-uniform lines).
-  const int ll_lines = ll128_lines(p.m), ll_passes = (8 * ll_lines + kThreads - 1) / kThreads;
-  struct Pos {
-    int line, q, i, c;  // line, lane in it, the data vector's row and column in the tile
-    bool data;          // a data vector of the output (q < 7, i < m, column < n)
-  };
-  auto pos_of = [&](int pass, int col0) {
-    Pos x;
-    const int j = tid + pass * kThreads, d = (j >> 3) * kLineVecs + (j & 7);
-    x.line = j >> 3;
-    x.q = j & 7;
-    x.i = d / kVecPerRow;
-    x.c = (d % kVecPerRow) * 8;
-    x.data = x.line < ll_lines && x.q < kLineVecs && x.i < p.m && col0 + x.c < p.n;
-    return x;
-  };
 
   // Phase 1: partials, pushed to the ranks that reduce them.
   for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
@@ -961,18 +1014,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
       const int t = t0 + sub, col0 = t * kGemvTileN;
       const int owner = owner_of(t, p.n_tiles, p.world);
       if (p.ll == 2) {
-        const int src_slot = parity * p.world + p.rank;
-        for (int pass = 0; pass < ll_passes; ++pass) {
-          const Pos x = pos_of(pass, col0);
-          const uint4 v = x.q == kLineVecs ? make_uint4(e, e, e, e)
-                          : x.data          ? partial_at<T, C::kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
-                                            : make_uint4(0, 0, 0, 0);
-          if (x.line < ll_lines) {
-            for (int step = 1; step < p.world; ++step)
-              st_line(ll128_line(p, (p.rank + step) % p.world, src_slot, t, x.line) + x.q * 16, v);
-          }
-          if (x.data && !keep_own) st_cg(slot<T>(p, p.rank, src_slot) + static_cast<long long>(x.i) * p.n + col0 + x.c, v);
-        }
+        ll128_push<T, C::kCols>(p, tile_s, t, sub, e, keep_own);
       } else if (has_vec && col0 + vc < p.n) {
         const uint4 part = own_partial(col0, sub);
         const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
@@ -1020,28 +1062,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
     }
     __syncthreads();
     if (p.ll == 2) {  // every thread of the CTA: the waits are warp-wide
-      for (int pass = 0; pass < ll_passes; ++pass) {
-        const Pos x = pos_of(pass, col0);
-        const long long xoff = static_cast<long long>(x.i) * p.n + col0 + x.c;
-        const uint4 xres = load_residual<T>(p, xoff, tail && x.data);
-        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        bool ok = true;
-        for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
-          uint4 d = make_uint4(0, 0, 0, 0);
-          if (src != p.rank) {
-            ok = wait_ll128(ll128_line(p, p.rank, parity * p.world + src, t, x.line) + x.q * 16,
-                            x.line < ll_lines, e, d, p, src, t);
-          } else if (x.data) {
-            d = last_unit ? partial_at<T, C::kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
-                          : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + xoff);
-          }
-          float f[8];
-          unpack8<T>(d, f);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) sum[q] += f[q];
-        }
-        if (ok && x.data) write_output<T>(p, x.i, col0 + x.c, pack8<T>(sum), tail, xres);
-      }
+      ll128_reduce<T, C::kCols>(p, tile_s, t, sub, e, last_unit);
     } else if (s_ok && mine) {
       float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       bool ok = true;
