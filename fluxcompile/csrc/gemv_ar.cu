@@ -271,7 +271,7 @@ __device__ __noinline__ bool wait_ll(const char* src, unsigned e, uint4& d, cons
 // move such a line whole (NCCL's LL128 protocol relies on the same), so a reader that loads the line with
 // eight lanes in one instruction and finds the epoch in lane 7's vector has the data of lanes 0-6.
 constexpr int kLineVecs = 7;  // data vectors per line
-__device__ __forceinline__ int ll128_lines(int m) { return (m * kVecPerRow + kLineVecs - 1) / kLineVecs; }
+__host__ __device__ constexpr int ll128_lines(int m) { return (m * kVecPerRow + kLineVecs - 1) / kLineVecs; }
 // Line `line` of tile `tile` of partial slot `index` (parity * world + src) in rank dst's LL region.
 __device__ __forceinline__ char* ll128_line(const GemvArParams& p, int dst, int index, int tile, int line) {
   return p.peer_data[dst] + static_cast<long long>(2 * p.world + 2 + 2 * index) * p.slot_bytes +
@@ -859,9 +859,9 @@ __device__ __forceinline__ LinePos line_pos(const GemvArParams& p, int lines, in
 
 // Phase 1 of LL128 for tile t (tile `sub` of the unit in tile_s): its lines to every peer, and the plain
 // partial to this rank's own slot unless the CTA keeps it (keep_own). Every thread of the CTA calls it.
-// Not inlined, like the reduce below: the other modes' code stays as without it.
+// Inlined, like the reduce below: as calls, the fragment loader (at its 128-register cap) spills around them.
 template <typename T, int kCols>
-__device__ __noinline__ void ll128_push(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
+__device__ __forceinline__ void ll128_push(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
                                         unsigned e, bool keep_own) {
   const int col0 = t * kGemvTileN, src_slot = static_cast<int>(e & 1u) * p.world + p.rank;
   const int lines = ll128_lines(p.m), passes = (8 * lines + kThreads - 1) / kThreads;
@@ -881,7 +881,7 @@ __device__ __noinline__ void ll128_push(const GemvArParams& p, const float (*til
 // Phase 2 of LL128 for tile t: wait for the peers' lines (a warp at a time), sum the partials in rank order
 // (this rank's from tile_s where the CTA kept it), write the output. Every thread of the CTA calls it.
 template <typename T, int kCols>
-__device__ __noinline__ void ll128_reduce(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
+__device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
                                           unsigned e, bool kept) {
   const int col0 = t * kGemvTileN, parity = static_cast<int>(e & 1u);
   const bool tail = p.normed != nullptr;
@@ -1247,8 +1247,9 @@ cudaError_t gemv_ar_launch(const GemvArParams& p, int dtype, int grid, cudaStrea
     return cudaErrorInvalidValue;
   }
   // LL128's lines of every tile fit its LL region (two slots).
-  const long long lines = (p.m * (kGemvTileN / 8) + 6) / 7;
-  if (p.ll == 2 && p.n_tiles * lines * 128 > 2 * p.slot_bytes) return cudaErrorInvalidValue;
+  if (p.ll == 2 && static_cast<long long>(p.n_tiles) * ll128_lines(p.m) * 128 > 2 * p.slot_bytes) {
+    return cudaErrorInvalidValue;
+  }
   return dtype == 0 ? launch_typed<__nv_bfloat16>(p, grid, stream) : launch_typed<__half>(p, grid, stream);
 }
 
