@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -279,11 +280,20 @@ def table(rows: list[dict]) -> str:
     for op in sorted({r["op"] for r in rows}):
         sel = [r for r in rows if r["op"] == op]
         lines.append(
-            f"{op}: mean overlap efficiency fluxcompile {statistics.mean(r['oe_fluxcompile'] for r in sel):.0%}, "
-            f"async-TP {statistics.mean(r['oe_async_tp'] for r in sel):.0%}; "
+            f"{op}: mean overlap efficiency fluxcompile {statistics.mean(r['oe_fluxcompile'] for r in sel):.0%} "
+            f"({_median_oe(sel, 'oe_fluxcompile')}), async-TP {statistics.mean(r['oe_async_tp'] for r in sel):.0%} "
+            f"({_median_oe(sel, 'oe_async_tp')}); "
             f"slower than NCCL+cuBLAS: {sum(r['fluxcompile'] > r['nccl_cublas'] for r in sel)} of {len(sel)}"
         )
     return "\n".join(lines)
+
+
+def _median_oe(rows: list[dict], key: str) -> str:
+    """The median of the rows' overlap efficiencies, over those defined (a row's OE is NaN where its cuBLAS
+    baseline ran longer than NCCL+cuBLAS), as the summary prints it."""
+    defined = [r[key] for r in rows if not math.isnan(r[key])]
+    text = f"median {statistics.median(defined):.0%}" if defined else "no median"
+    return text + (f" of {len(defined)} defined" if len(defined) < len(rows) else "")
 
 
 def plot(rows: list[dict], path: str) -> None:
