@@ -21,9 +21,10 @@ ECT (effective communication time) = time − cuBLAS; the table gives each metho
 NCCL's. Fresh random inputs every run; every method's output is checked against the reference first.
 
 ``--cold-weights``: every call of every method reads the next of enough copies of the weight to fill twice the L2
-cache (none for a weight that fills it twice alone), so no call finds its weight there, as in a decoding model whose layers' weights stream from HBM. By default
-each method reads the same weight again, and a part of a weight smaller than a few L2s may stay cached between
-calls (for the methods that do not read it with an evict-first hint).
+cache (none for a weight that fills it twice alone), so no call finds its weight there, as in a decoding model
+whose layers' weights stream from HBM. By default each method reads the same weight again, and a part of a weight
+smaller than a few L2s may stay cached between calls (for the methods that do not read it with an evict-first
+hint).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import CUDA_MODES, ll128_bytes
+from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import CUDA_MODES, cuda_slot_need
 from fluxcompile.testing.numerics import rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +47,7 @@ class Rank:
     """One simulated rank's workspaces and tensors."""
 
     def __init__(self, m: int, n: int, k: int, world: int, tail: bool):
-        self.slot_bytes = (max(m * n * 2, -(-ll128_bytes(m, n) // 2)) + 255) // 256 * 256
+        self.slot_bytes = (cuda_slot_need(m, n, 2) + 255) // 256 * 256
         # Regular slots and LL regions (fluxcompile/csrc/gemv_ar.h), poisoned: NaN data, flags no epoch matches.
         self.data = torch.full(((6 * world + 2) * self.slot_bytes,), 0xFF, dtype=torch.uint8, device="cuda")
         self.flags = torch.zeros((world + 1) * MAX_TILES, dtype=torch.int32, device="cuda")

@@ -107,6 +107,7 @@ def test_ll128_lines_fit_the_ll_region():
         for n in (8, 200, 4104, 8192):
             lines = -(-m * 4 // 7)  # 16-byte vectors of a 32-column tile row: 4
             assert decode_ar.ll128_bytes(m, n) == -(-n // 32) * lines * 128
+            assert 2 * decode_ar.cuda_slot_need(m, n, 2) >= decode_ar.ll128_bytes(m, n)  # an LL region: two slots
             if n % 32 == 0:  # no more bytes than LL's twice the data (fewer from m = 3 on)
                 assert decode_ar.ll128_bytes(m, n) <= 2 * m * n * 2
                 assert m < 3 or decode_ar.ll128_bytes(m, n) < 2 * m * n * 2

@@ -281,6 +281,13 @@ def ll128_bytes(m: int, n: int) -> int:
     return -(-n // CUDA_TILE_N) * -(-m * CUDA_TILE_N // 8 // 7) * 128
 
 
+def cuda_slot_need(m: int, n: int, itemsize: int) -> int:
+    """The bytes a slot of the CUDA kernel's data workspace must hold for an [m, n] output: the partial, and
+    half an LL128 partial (an LL region is two slots; a ragged last tile's lines may pass the partial's bytes
+    twice)."""
+    return max(m * n * itemsize, -(-ll128_bytes(m, n) // 2))
+
+
 def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, Tensor | None]:
     out = torch.empty(list(out_shape), dtype=a.dtype, device=a.device)
     normed = torch.empty_like(out) if tail is not None else None
@@ -298,8 +305,7 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
     m, k = a.shape
     n = b.shape[1]
-    # An LL region is two slots: the LL128 lines of a ragged last tile may pass the partial's bytes twice.
-    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name, -(-ll128_bytes(m, n) // 2))
+    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name, cuda_slot_need(m, n, a.element_size()))
     n_tiles = -(-n // CUDA_TILE_N)
     grid = n_tiles  # the launcher lowers it to the CTAs that fit on the GPU at once
     out, normed = _outputs(a, out_shape, tail)
