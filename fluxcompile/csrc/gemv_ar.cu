@@ -281,25 +281,33 @@ __device__ __forceinline__ void st_line(char* dst, const uint4& v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
-// Bounded wait of a whole warp (every lane calls it; `valid`: the lane's line exists, equal over its eight
-// lanes) until each of its lines carries epoch e; the lane's 16 bytes in d. Warp-uniform result.
-__device__ __noinline__ bool wait_ll128(const char* src, bool valid, unsigned e, uint4& d, const GemvArParams& p,
-                                        int peer, int tile) {
+// Bounded wait of a whole warp (every lane calls it) until each of its lines carries epoch e: the lane's
+// positions of `passes` (<= P, equal over the CTA) passes, src[pass] its 16 bytes of a line (valid[pass]: the line
+// exists, equal over its eight lanes), loaded together so that their latencies overlap; the data in d.
+// Warp-uniform result; `tile` names the unit in a timeout.
+template <int P>
+__device__ __forceinline__ bool wait_ll128(const char* const (&src)[P], const bool (&valid)[P], int passes, unsigned e,
+                                           uint4 (&d)[P], const GemvArParams& p, int peer, int tile) {
   const int lane = threadIdx.x & 31;
   unsigned long long t0 = 0;
   for (unsigned iter = 0;; ++iter) {
-    uint4 v = make_uint4(e, e, e, e);
-    if (valid) {
-      asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "l"(src)
-                   : "memory");
+    bool ready = true;
+#pragma unroll
+    for (int pass = 0; pass < P; ++pass) {
+      if (pass < passes) {
+        uint4 v = make_uint4(e, e, e, e);
+        if (valid[pass]) {
+          asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "l"(src[pass])
+                       : "memory");
+        }
+        const unsigned flag = __shfl_sync(0xffffffffu, v.w, lane | 7);  // every lane, whatever `ready` holds
+        ready = ready & (flag == e);
+        d[pass] = v;
+      }
     }
-    const unsigned flag = __shfl_sync(0xffffffffu, v.w, lane | 7);
-    if (__all_sync(0xffffffffu, flag == e)) {
-      d = v;
-      return true;
-    }
+    if (__all_sync(0xffffffffu, ready)) return true;
     if (__any_sync(0xffffffffu, give_up(iter, t0, e, p, peer, tile, kWaitPartial))) return false;
   }
 }
@@ -846,9 +854,9 @@ struct LinePos {
   int line, q, i, c;  // line, lane in it, the data vector's row and column in the tile
   bool data;          // a data vector of the output (q < 7, i < m, column < n)
 };
-__device__ __forceinline__ LinePos line_pos(const GemvArParams& p, int lines, int pass, int col0) {
+__device__ __forceinline__ LinePos line_pos(const GemvArParams& p, int lines, int j, int col0) {
   LinePos x;
-  const int j = threadIdx.x + pass * kThreads, d = (j >> 3) * kLineVecs + (j & 7);
+  const int d = (j >> 3) * kLineVecs + (j & 7);
   x.line = j >> 3;
   x.q = j & 7;
   x.i = d / kVecPerRow;
@@ -866,7 +874,7 @@ __device__ __forceinline__ void ll128_push(const GemvArParams& p, const float (*
   const int col0 = t * kGemvTileN, src_slot = static_cast<int>(e & 1u) * p.world + p.rank;
   const int lines = ll128_lines(p.m), passes = (8 * lines + kThreads - 1) / kThreads;
   for (int pass = 0; pass < passes; ++pass) {
-    const LinePos x = line_pos(p, lines, pass, col0);
+    const LinePos x = line_pos(p, lines, threadIdx.x + pass * kThreads, col0);
     const uint4 v = x.q == kLineVecs ? make_uint4(e, e, e, e)
                     : x.data          ? partial_at<T, kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
                                       : make_uint4(0, 0, 0, 0);
@@ -878,27 +886,29 @@ __device__ __forceinline__ void ll128_push(const GemvArParams& p, const float (*
   }
 }
 
-// Phase 2 of LL128 for tile t: wait for the peers' lines (a warp at a time), sum the partials in rank order
-// (this rank's from tile_s where the CTA kept it), write the output. Every thread of the CTA calls it.
+// Phase 2 of the LL words for a unit (tiles t0 .. t0 + nt - 1): the unit's vectors in one sweep of the CTA (a
+// tile at a time, the second tile's waits would follow the first's), each thread waiting for its own words;
+// the partials summed in rank order, the output written.
 template <typename T, int kCols>
-__device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float (*tile_s)[kCols], int t, int sub,
+__device__ __forceinline__ void ll_reduce(const GemvArParams& p, const float (*tile_s)[kCols], int t0, int nt,
                                           unsigned e, bool kept) {
-  const int col0 = t * kGemvTileN, parity = static_cast<int>(e & 1u);
+  const int parity = static_cast<int>(e & 1u);
   const bool tail = p.normed != nullptr;
-  const int lines = ll128_lines(p.m), passes = (8 * lines + kThreads - 1) / kThreads;
-  for (int pass = 0; pass < passes; ++pass) {
-    const LinePos x = line_pos(p, lines, pass, col0);
-    const long long off = static_cast<long long>(x.i) * p.n + col0 + x.c;
-    const uint4 res = load_residual<T>(p, off, tail && x.data);
+  const int per_tile = p.m * kVecPerRow;
+  for (int j = threadIdx.x; j < nt * per_tile; j += kThreads) {
+    const int sub = j / per_tile, i = (j - sub * per_tile) / kVecPerRow, c = (j % kVecPerRow) * 8;
+    const int col0 = (t0 + sub) * kGemvTileN;
+    if (col0 + c >= p.n) continue;
+    const long long off = static_cast<long long>(i) * p.n + col0 + c;
+    const uint4 res = load_residual<T>(p, off, tail);
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     bool ok = true;
     for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
-      uint4 d = make_uint4(0, 0, 0, 0);
+      uint4 d;
       if (src != p.rank) {
-        ok = wait_ll128(ll128_line(p, p.rank, parity * p.world + src, t, x.line) + x.q * 16, x.line < lines, e, d,
-                        p, src, t);
-      } else if (x.data) {
-        d = kept ? partial_at<T, kCols>(p, tile_s, x.i, sub * kGemvTileN + x.c, col0 + x.c)
+        ok = wait_ll(ll_slot<T>(p, p.rank, parity * p.world + src, off), e, d, p, src, t0 + sub);
+      } else {
+        d = kept ? partial_at<T, kCols>(p, tile_s, i, sub * kGemvTileN + c, col0 + c)
                  : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
       }
       float f[8];
@@ -906,7 +916,69 @@ __device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float 
 #pragma unroll
       for (int q = 0; q < 8; ++q) sum[q] += f[q];
     }
-    if (ok && x.data) write_output<T>(p, x.i, col0 + x.c, pack8<T>(sum), tail, res);  // else err names the peer
+    if (ok) write_output<T>(p, i, col0 + c, pack8<T>(sum), tail, res);  // else err names the peer
+  }
+}
+
+// Phase 2 of LL128 for a unit (tiles t0 .. t0 + nt - 1, tile_s holding their partials where the CTA kept
+// them): the unit's lines in one sweep, a thread's positions of every pass waited for together (tile by tile
+// or pass by pass, the waits' latencies would add up); the partials summed in rank order, the output written.
+// Every thread of the CTA calls it.
+template <typename T, int kCols, int kTpc>
+__device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float (*tile_s)[kCols], int t0, int nt,
+                                          unsigned e, bool kept) {
+  constexpr int kPasses = (kTpc * 8 * ll128_lines(kGemvMaxM) + kThreads - 1) / kThreads;
+  const int parity = static_cast<int>(e & 1u);
+  const bool tail = p.normed != nullptr;
+  const int lines = ll128_lines(p.m), passes = (nt * 8 * lines + kThreads - 1) / kThreads;
+  LinePos x[kPasses];
+  int sub[kPasses];
+  bool valid[kPasses];
+  uint4 res[kPasses];
+  float sum[kPasses][8];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int j = threadIdx.x + pass * kThreads;
+    sub[pass] = j / (8 * lines);
+    valid[pass] = pass < passes && sub[pass] < nt;
+    x[pass] = line_pos(p, lines, j - sub[pass] * 8 * lines, (t0 + sub[pass]) * kGemvTileN);
+    x[pass].data = x[pass].data && valid[pass];
+    const long long off = static_cast<long long>(x[pass].i) * p.n + (t0 + sub[pass]) * kGemvTileN + x[pass].c;
+    res[pass] = load_residual<T>(p, off, tail && x[pass].data);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) sum[pass][q] = 0.f;
+  }
+  bool ok = true;
+  for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
+    uint4 d[kPasses];
+    if (src != p.rank) {
+      const char* from[kPasses];
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass)
+        from[pass] = ll128_line(p, p.rank, parity * p.world + src, t0 + sub[pass], x[pass].line) + x[pass].q * 16;
+      ok = wait_ll128<kPasses>(from, valid, passes, e, d, p, src, t0);
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int col0 = (t0 + sub[pass]) * kGemvTileN;
+        d[pass] = !x[pass].data ? make_uint4(0, 0, 0, 0)
+                  : kept ? partial_at<T, kCols>(p, tile_s, x[pass].i, sub[pass] * kGemvTileN + x[pass].c, col0 + x[pass].c)
+                         : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + static_cast<long long>(x[pass].i) * p.n +
+                                 col0 + x[pass].c);
+      }
+    }
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      float f[8];
+      unpack8<T>(d[pass], f);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) sum[pass][q] += f[q];
+    }
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    if (ok && x[pass].data)  // else err names the peer
+      write_output<T>(p, x[pass].i, (t0 + sub[pass]) * kGemvTileN + x[pass].c, pack8<T>(sum[pass]), tail, res[pass]);
   }
 }
 
@@ -1046,41 +1118,42 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   if (blockIdx.x >= n_units) publish_epoch(take_epoch());  // a CTA without units
 
   // Phase 2: reduce the tiles this rank reduces.
-  for_tiles([&](int t, int sub, bool last_unit) {
-    const int col0 = t * kGemvTileN;
-    if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
-    const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
-    const bool mine = has_vec && col0 + vc < p.n;
-    const uint4 res = load_residual<T>(p, off, tail && mine && p.ll != 2);
-    if (tid == 0) {
-      bool ok = true;
-      for (int step = 1; step < p.world && ok && !p.ll; ++step) {  // LL: each thread waits for its words
-        const int src = (p.rank + step) % p.world;
-        ok = wait_epoch<true>(my_flags + src * kGemvMaxTiles + t, e, p, src, t, kWaitPartial);
+  if (p.ll) {  // one-shot, LL words or LL128 lines: a unit's tiles in one sweep, no flags
+    for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
+      const int t0 = unit_at<kTpc>(pos, p) * kTpc, nt = p.n_tiles - t0 < kTpc ? p.n_tiles - t0 : kTpc;
+      const bool last_unit = pos + gridDim.x >= n_units;
+      if (p.ll == 2) {
+        ll128_reduce<T, C::kCols, kTpc>(p, tile_s, t0, nt, e, last_unit);
+      } else {
+        ll_reduce<T, C::kCols>(p, tile_s, t0, nt, e, last_unit);
       }
-      s_ok = ok;
     }
-    __syncthreads();
-    if (p.ll == 2) {  // every thread of the CTA: the waits are warp-wide
-      ll128_reduce<T, C::kCols>(p, tile_s, t, sub, e, last_unit);
-    } else if (s_ok && mine) {
-      float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      bool ok = true;
-      for (int src = 0; src < p.world && ok; ++src) {  // rank order, as every rank sums
-        uint4 d;
-        if (p.ll && src != p.rank) {
-          ok = wait_ll(ll_slot<T>(p, p.rank, parity * p.world + src, off), e, d, p, src, t);
-        } else if (last_unit && src == p.rank) {
-          d = own_partial(col0, sub);
-        } else {
-          d = ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
+  } else {
+    for_tiles([&](int t, int sub, bool last_unit) {
+      const int col0 = t * kGemvTileN;
+      if (p.two_shot && owner_of(t, p.n_tiles, p.world) != p.rank) return;
+      const long long off = static_cast<long long>(vi) * p.n + col0 + vc;
+      const bool mine = has_vec && col0 + vc < p.n;
+      const uint4 res = load_residual<T>(p, off, tail && mine);
+      if (tid == 0) {
+        bool ok = true;
+        for (int step = 1; step < p.world && ok; ++step) {
+          const int src = (p.rank + step) % p.world;
+          ok = wait_epoch<true>(my_flags + src * kGemvMaxTiles + t, e, p, src, t, kWaitPartial);
         }
-        float f[8];
-        unpack8<T>(d, f);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) sum[q] += f[q];
+        s_ok = ok;
       }
-      if (ok) {  // else a peer's words never came: err names it, the output stays unwritten
+      __syncthreads();
+      if (s_ok && mine) {
+        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int src = 0; src < p.world; ++src) {  // rank order, as every rank sums
+          const uint4 d = last_unit && src == p.rank ? own_partial(col0, sub)
+                                                     : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
+          float f[8];
+          unpack8<T>(d, f);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) sum[q] += f[q];
+        }
         const uint4 r = pack8<T>(sum);
         if (p.two_shot) {
           for (int step = 1; step < p.world; ++step)
@@ -1088,13 +1161,13 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
         }
         write_output<T>(p, vi, col0 + vc, r, tail, res);
       }
-    }
-    __syncthreads();
-    if (p.two_shot && tid == 0 && s_ok) {
-      for (int step = 1; step < p.world; ++step)
-        st_release_sys(p.peer_flags[(p.rank + step) % p.world] + p.world * kGemvMaxTiles + t, e);
-    }
-  });
+      __syncthreads();
+      if (p.two_shot && tid == 0 && s_ok) {
+        for (int step = 1; step < p.world; ++step)
+          st_release_sys(p.peer_flags[(p.rank + step) % p.world] + p.world * kGemvMaxTiles + t, e);
+      }
+    });
+  }
 
   // Phase 3 (two-shot): the tiles other ranks reduced.
   if (p.two_shot) {
