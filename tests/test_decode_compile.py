@@ -68,11 +68,17 @@ def test_pipelined_finds_the_cublas_wheels_headers(tmp_path, monkeypatch):
     spec.submodule_search_locations = [str(root)]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "nvidia" else None)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    assert extensions._host_flags("pipelined") == []
-    (root / "cu13" / "include").mkdir(parents=True)
-    (root / "cu13" / "include" / "cublasLt.h").write_text("")
-    assert extensions._host_flags("pipelined") == ["-idirafter", str(root / "cu13" / "include")]
-    assert extensions._host_flags("gemv_ar") == []
+    flags = extensions._host_flags
+    try:
+        flags.cache_clear()  # looked up once per process: forget the real lookup and each one here
+        assert flags("pipelined") == ()
+        (root / "cu13" / "include").mkdir(parents=True)
+        (root / "cu13" / "include" / "cublasLt.h").write_text("")
+        flags.cache_clear()
+        assert flags("pipelined") == ("-idirafter", str(root / "cu13" / "include"))
+        assert flags("gemv_ar") == ()
+    finally:
+        flags.cache_clear()
 
 
 def test_load_declines_without_gpu():

@@ -12,6 +12,7 @@ Where there is no GPU, no nvcc, or the build fails, :func:`load` raises :class:`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
 from pathlib import Path
@@ -57,20 +58,22 @@ def _includes(name: str) -> list[str] | None:
     return []
 
 
-def _host_flags(name: str) -> list[str]:
+@functools.cache
+def _host_flags(name: str) -> tuple[str, ...]:
     """Host compiler flags of module ``name`` beyond -O3: for pipelined, the nvidia-cublas wheel's headers
     searched after every other directory (``-idirafter``), so that cublasLt.h is found where the toolkit lacks
-    it and the toolkit's own headers still win. Without it, pipelined.cpp builds without cuBLASLt."""
+    it and the toolkit's own headers still win. Without it, pipelined.cpp builds without cuBLASLt. Looked up
+    once per process (the build's hash and the build itself use it)."""
     if name != "pipelined":
-        return []
+        return ()
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
     for root in spec.submodule_search_locations or [] if spec is not None else []:
         for sub in (f"cu{str(torch.version.cuda).split('.')[0]}/include", "cublas/include"):
             if (Path(root) / sub / "cublasLt.h").is_file():
-                return ["-idirafter", str(Path(root) / sub)]
-    return []
+                return ("-idirafter", str(Path(root) / sub))
+    return ()
 
 
 class Unavailable(RuntimeError):
@@ -101,7 +104,7 @@ def build_dir(name: str, capability: tuple[int, int]) -> Path:
         h.update(gen.encode())
         h.update(text.encode())
     h.update(arch_flag(capability).encode())
-    h.update(" ".join(NVCC_FLAGS + EXTRA_NVCC.get(name, ()) + tuple(_host_flags(name))).encode())
+    h.update(" ".join(NVCC_FLAGS + EXTRA_NVCC.get(name, ()) + _host_flags(name)).encode())
     h.update(torch.__version__.encode())
     h.update(str(torch.version.cuda).encode())
     return cache_root() / f"{name}-{h.hexdigest()[:16]}"
