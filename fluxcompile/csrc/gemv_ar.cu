@@ -591,15 +591,27 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned coun
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Waits for a local copy (no peer is involved: it completes or the copy faults).
+// Waits for the phase of `parity` to complete: a local copy's (no peer is involved: it completes or the copy
+// faults), or with kCluster an arrival of the cluster peer (a CTA of this kernel, resident with this one: it
+// arrives unless the kernel faults), acquiring what the peer released.
+template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   unsigned ok = 0;
   while (!ok) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(ok)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;"
+          " selp.u32 %0, 1, 0, p; }"
+          : "=r"(ok)
+          : "r"(smem_u32(bar)), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          : "=r"(ok)
+          : "r"(smem_u32(bar)), "r"(parity)
+          : "memory");
+    }
   }
 }
 __device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, int c0, int c1, unsigned long long* bar,
@@ -633,18 +645,6 @@ __device__ __forceinline__ void mbar_arrive_remote(unsigned long long* bar, unsi
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta));
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-// Waits for a phase completed by the cluster peer's arrival (the peer is a CTA of this kernel, resident with
-// this one: it arrives unless the kernel faults).
-__device__ __forceinline__ void mbar_wait_cluster(unsigned long long* bar, unsigned parity) {
-  unsigned ok = 0;
-  while (!ok) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(ok)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  }
 }
 // A bulk copy into the shared memory of the cluster CTAs in `mask`, at dst's offset, completing on the mbarrier at
 // bar's offset in each of them.
@@ -740,7 +740,7 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
     char* st = smem + s * C::kStageBytes;
     // Multicast: the peer's copies write this stage too, and this CTA's write the peer's, so the peer must
     // have released its use u - kStages of the stage (this CTA's own use ended at the __syncthreads before).
-    if (mc && u >= C::kStages) mbar_wait_cluster(&empty[s], (u / C::kStages - 1) & 1u);
+    if (mc && u >= C::kStages) mbar_wait<true>(&empty[s], (u / C::kStages - 1) & 1u);
     mbar_expect_tx(&bars[s], kTxBytes);  // boxes past the operands arrive as zeros and count
 #pragma unroll
     for (int b = 0; b < kBoxes; ++b) {
@@ -1023,7 +1023,8 @@ __device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float 
       for (int pass = 0; pass < kPasses; ++pass) {
         const int col0 = (t0 + sub[pass]) * kGemvTileN;
         d[pass] = !x[pass].data ? make_uint4(0, 0, 0, 0)
-                  : kept ? partial_at<T, kCols>(p, tile_s, x[pass].i, sub[pass] * kGemvTileN + x[pass].c, col0 + x[pass].c)
+                  : kept ? partial_at<T, kCols>(p, tile_s, x[pass].i, sub[pass] * kGemvTileN + x[pass].c,
+                                                col0 + x[pass].c)
                          : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + static_cast<long long>(x[pass].i) * p.n +
                                  col0 + x[pass].c);
       }
