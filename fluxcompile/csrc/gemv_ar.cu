@@ -68,15 +68,6 @@
 #ifndef GEMV_WG_STAGE_K
 #define GEMV_WG_STAGE_K 256
 #endif
-// GEMV_WG_MULTICAST (off): on the wgmma loader, CTAs in clusters of two share A's stages. Each CTA's bulk copies
-// bring half of a stage's A boxes into both CTAs' shared memory (TMA multicast), so A is read from L2 once per
-// two units instead of once per unit (at m = 64 and k = 14336 as many bytes as the weight's). A CTA refills a
-// stage only once its peer has released it too (an mbarrier in each CTA that the peer arrives on). The
-// launcher uses it where every CTA has the same number of units (both CTAs of a cluster then consume the same
-// stages) and every cluster fits on the GPU at once.
-#ifndef GEMV_WG_MULTICAST
-#define GEMV_WG_MULTICAST 0
-#endif
 // GEMV_WG_HALF: on the wgmma loader, units of 32 columns (wgmma's weight rows past them are zeros) where units
 // of 64 would leave half the SMs idle (n <= 64 * SMs / 2, e.g. n = 4096 on an H100), so twice the CTAs stream
 // the weight (on; 0 keeps 64-column units everywhere).
@@ -591,27 +582,15 @@ __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned coun
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Waits for the phase of `parity` to complete: a local copy's (no peer is involved: it completes or the copy
-// faults), or with kCluster an arrival of the cluster peer (a CTA of this kernel, resident with this one: it
-// arrives unless the kernel faults), acquiring what the peer released.
-template <bool kCluster = false>
+// Waits for a local copy (no peer is involved: it completes or the copy faults).
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   unsigned ok = 0;
   while (!ok) {
-    if constexpr (kCluster) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;"
-          " selp.u32 %0, 1, 0, p; }"
-          : "=r"(ok)
-          : "r"(smem_u32(bar)), "r"(parity)
-          : "memory");
-    } else {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(ok)
-          : "r"(smem_u32(bar)), "r"(parity)
-          : "memory");
-    }
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
   }
 }
 __device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, int c0, int c1, unsigned long long* bar,
@@ -627,33 +606,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const GemvTmaMap* map, in
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
-      : "memory");
-}
-
-// Cluster helpers (GEMV_WG_MULTICAST).
-__device__ __forceinline__ unsigned cluster_ctarank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of both CTAs of the cluster.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Arrives on the mbarrier at bar's offset in the shared memory of cluster CTA `cta`.
-__device__ __forceinline__ void mbar_arrive_remote(unsigned long long* bar, unsigned cta) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-// A bulk copy into the shared memory of the cluster CTAs in `mask`, at dst's offset, completing on the mbarrier at
-// bar's offset in each of them.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const GemvTmaMap* map, int c0, int c1,
-                                                      unsigned long long* bar, unsigned short mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;"
-      ::"r"(smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "h"(mask)
       : "memory");
 }
 
@@ -716,12 +668,10 @@ GEMV_WG_DEF(__half, "f16", 64, GEMV_REGS32, "%32, %33", GEMV_WG_R8(0), GEMV_WG_R
             GEMV_WG_R8(24))
 
 // The unit at col0 (64 columns, or 32 with kHalf) into tile_s. `uses` counts the stages consumed so far by this
-// CTA: stage u % kStages, its barrier's phase (u / kStages) & 1. With p.a_multicast, `empty` holds the stages'
-// release barriers (the peer's arrivals) and `total` the stages this CTA (and its peer) consume in the call.
+// CTA: stage u % kStages, its barrier's phase (u / kStages) & 1.
 template <typename T, typename C>
 __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile_s)[C::kCols], char* smem,
-                                   unsigned long long* bars, unsigned long long* empty, unsigned& uses,
-                                   unsigned total) {
+                                   unsigned long long* bars, unsigned& uses) {
   constexpr int N = C::kARows;
   constexpr int kBoxW = C::kBoxW, kBoxA = N * kBoxK * 2;  // one box of the weight / of A
   constexpr int kBoxes = C::kBoxes, kMine = kBoxes / 2;   // boxes per stage, per warpgroup
@@ -733,23 +683,14 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
   const unsigned q0 = uses;
   unsigned long long policy = 0;  // the weight is read once: first out of L2 (GEMV_WG_HINT)
   if (GEMV_WG_HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  const bool mc = GEMV_WG_MULTICAST && p.a_multicast;
-  const unsigned crank = mc ? cluster_ctarank() : 0u;
   auto issue = [&](int it) {
-    const unsigned u = q0 + it, s = u % C::kStages;
+    const unsigned s = (q0 + it) % C::kStages;
     char* st = smem + s * C::kStageBytes;
-    // Multicast: the peer's copies write this stage too, and this CTA's write the peer's, so the peer must
-    // have released its use u - kStages of the stage (this CTA's own use ended at the __syncthreads before).
-    if (mc && u >= C::kStages) mbar_wait<true>(&empty[s], (u / C::kStages - 1) & 1u);
     mbar_expect_tx(&bars[s], kTxBytes);  // boxes past the operands arrive as zeros and count
 #pragma unroll
     for (int b = 0; b < kBoxes; ++b) {
       tma_load_2d(st + b * kBoxW, &p.tmap_w, it * kTmaK + b * kBoxK, col0, &bars[s], policy);
-      if (!mc) {
-        tma_load_2d(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * kBoxK, 0, &bars[s]);
-      } else if ((b & 1) == static_cast<int>(crank)) {  // this CTA's half of A's boxes, into both CTAs
-        tma_load_2d_multicast(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * kBoxK, 0, &bars[s], 0x3);
-      }
+      tma_load_2d(st + C::kWBytes + b * kBoxA, &p.tmap_a, it * kTmaK + b * kBoxK, 0, &bars[s]);
     }
   };
   if (tid == 0) {
@@ -772,8 +713,6 @@ __device__ void compute_tile_wgmma(const GemvArParams& p, int col0, float (*tile
     wg_commit();
     wg_wait0();  // (keeping one stage's MMAs in flight is no faster)
     __syncthreads();  // every warpgroup is done with stage s: refill it
-    // Multicast: release the stage to the peer, which refills it for use u + kStages (if any).
-    if (mc && tid == 0 && u + C::kStages < total) mbar_arrive_remote(&empty[s], crank ^ 1u);
     if (tid == 0 && it + C::kStages < nst) issue(it + C::kStages);
   }
   uses = q0 + nst;
@@ -1023,8 +962,7 @@ __device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float 
       for (int pass = 0; pass < kPasses; ++pass) {
         const int col0 = (t0 + sub[pass]) * kGemvTileN;
         d[pass] = !x[pass].data ? make_uint4(0, 0, 0, 0)
-                  : kept ? partial_at<T, kCols>(p, tile_s, x[pass].i, sub[pass] * kGemvTileN + x[pass].c,
-                                                col0 + x[pass].c)
+                  : kept ? partial_at<T, kCols>(p, tile_s, x[pass].i, sub[pass] * kGemvTileN + x[pass].c, col0 + x[pass].c)
                          : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + static_cast<long long>(x[pass].i) * p.n +
                                  col0 + x[pass].c);
       }
@@ -1054,7 +992,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   constexpr int kTpc = C::kTpc;
   extern __shared__ __align__(1024) char stages[];  // the TMA loader's ring (empty for the direct loader)
   __shared__ unsigned long long bars[C::kTma ? C::kStages : 1];
-  __shared__ unsigned long long empty[C::kTma && GEMV_WG_MULTICAST ? C::kStages : 1];  // the peer's releases
   __shared__ float tile_s[MM][C::kCols];
   __shared__ unsigned s_epoch;
   __shared__ int s_ok;
@@ -1062,12 +999,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   const int tid = threadIdx.x;
   const bool tail = p.normed != nullptr;
   unsigned uses = 0;
-  const bool mc = C::kTma && GEMV_WG_MULTICAST && p.a_multicast;
   if (C::kTma && tid == 0) {
     for (int s = 0; s < C::kStages; ++s) mbar_init(&bars[s], 1);
-    if (mc) {
-      for (int s = 0; s < C::kStages; ++s) mbar_init(&empty[s], 1);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if constexpr (C::kTma && C::kCols < C::kWRows) {
@@ -1086,7 +1019,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   unsigned prev_epoch = 0;
   if (tid == 0) prev_epoch = *reinterpret_cast<volatile unsigned*>(&p.state[0]);
   __syncthreads();
-  if (mc) cluster_sync();  // the peer's barriers are initialized before any copy or arrival reaches them
   unsigned e = 0;
   int parity = 0, result_slot = 0;
   bool have_epoch = false;  // uniform over the CTA
@@ -1140,9 +1072,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
   for (int pos = blockIdx.x; pos < n_units; pos += gridDim.x) {
     const int t0 = unit_at<kTpc>(pos, p) * kTpc;
     if constexpr (C::kTma) {
-      // (multicast: every CTA has n_units / gridDim.x units, so both CTAs of a cluster consume `total` stages)
-      const unsigned total = static_cast<unsigned>(n_units / gridDim.x) * ((p.k + kTmaK - 1) / kTmaK);
-      compute_tile_wgmma<T, C>(p, t0 * kGemvTileN, tile_s, stages, bars, empty, uses, total);
+      compute_tile_wgmma<T, C>(p, t0 * kGemvTileN, tile_s, stages, bars, uses);
     } else if constexpr (kRowM > 0) {
       compute_tile_row<T, kRowM>(p, t0 * kGemvTileN, tile_s);
     } else {
@@ -1276,7 +1206,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
       for (int i = blockIdx.x; i < p.m; i += gridDim.x) normalize_row<T>(p, i, &tile_s[0][0]);  // tile_s is free
     }
   }
-  if (mc) cluster_sync();  // no CTA leaves while its peer may still reach its shared memory
 }
 
 template <typename T>
@@ -1339,36 +1268,6 @@ cudaError_t launch_mt(const GemvArParams& p_in, int grid, int device, int sms, c
   const int units = (p.n_tiles + C::kTpc - 1) / C::kTpc;
   grid = grid < units ? grid : units;
   grid = grid < per_sm * sms ? grid : per_sm * sms;
-  if constexpr (C::kTma && GEMV_WG_MULTICAST) {
-    // Clusters of two sharing A: where every CTA has as many units as the others and all clusters fit at once.
-    if (grid % 2 == 0 && units % grid == 0) {
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 2;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(grid);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = C::kSmem;
-      cfg.stream = stream;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      static int clusters[kMaxDevices] = {};  // per device: clusters of this kernel resident at once (0: not asked)
-      if (clusters[device] == 0) {
-        int c = 0;
-        if (cudaOccupancyMaxActiveClusters(&c, gemv_ar_kernel<T, MT, kRowM, kHalf>, &cfg) != cudaSuccess) {
-          (void)cudaGetLastError();  // no clusters: the plain launch below
-          c = 0;
-        }
-        clusters[device] = c > 0 ? c : -1;
-      }
-      if (2 * clusters[device] >= grid) {
-        p.a_multicast = 1;
-        return cudaLaunchKernelEx(&cfg, gemv_ar_kernel<T, MT, kRowM, kHalf>, p);
-      }
-    }
-  }
   gemv_ar_kernel<T, MT, kRowM, kHalf><<<dim3(grid), dim3(kThreads), C::kSmem, stream>>>(p);
   return cudaGetLastError();
 }

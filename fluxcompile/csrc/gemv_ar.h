@@ -48,7 +48,6 @@ struct GemvArParams {
   // x 64 k) and A ([m, k] in boxes of 16 * ceil(m / 16) rows x 64 k), 128-byte swizzled, for the bulk copies
   // into the wgmma loader's shared-memory stages.
   GemvTmaMap tmap_w, tmap_a;
-  int a_multicast;          // filled by the launcher: CTAs in clusters of two share A's stages (GEMV_WG_MULTICAST)
 };
 
 // dtype: 0 = bfloat16, 1 = float16. Returns the launch's CUDA error (cudaSuccess when queued).
