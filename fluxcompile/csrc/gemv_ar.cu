@@ -755,6 +755,24 @@ __device__ __forceinline__ uint4 partial_at(const GemvArParams& p, const float (
   return pack8<T>(f);
 }
 
+// This rank's own partial of row i at column c of the unit (global column col): from tile_s where the CTA kept
+// it, else from this rank's own slot of the given parity.
+template <typename T, int kCols>
+__device__ __forceinline__ uint4 own_part(const GemvArParams& p, const float (*tile_s)[kCols], bool kept, int parity,
+                                          int i, int c, int col) {
+  return kept ? partial_at<T, kCols>(p, tile_s, i, c, col)
+              : ld_cg(slot<T>(p, p.rank, parity * p.world + p.rank) + static_cast<long long>(i) * p.n + col);
+}
+
+// sum += the 8 values packed in d: one source of a rank-order sum.
+template <typename T>
+__device__ __forceinline__ void add8(float (&sum)[8], const uint4& d) {
+  float f[8];
+  unpack8<T>(d, f);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) sum[q] += f[q];
+}
+
 // The residual's 8 values at the output's offset off (tail), loaded before the waits so that their latency
 // hides behind them.
 template <typename T>
@@ -908,13 +926,9 @@ __device__ __forceinline__ void ll_reduce(const GemvArParams& p, const float (*t
       if (src != p.rank) {
         ok = wait_ll(ll_slot<T>(p, p.rank, parity * p.world + src, off), e, d, p, src, t0 + sub);
       } else {
-        d = kept ? partial_at<T, kCols>(p, tile_s, i, sub * kGemvTileN + c, col0 + c)
-                 : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
+        d = own_part<T, kCols>(p, tile_s, kept, parity, i, sub * kGemvTileN + c, col0 + c);
       }
-      float f[8];
-      unpack8<T>(d, f);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) sum[q] += f[q];
+      add8<T>(sum, d);
     }
     if (ok) write_output<T>(p, i, col0 + c, pack8<T>(sum), tail, res);  // else err names the peer
   }
@@ -961,19 +975,13 @@ __device__ __forceinline__ void ll128_reduce(const GemvArParams& p, const float 
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int col0 = (t0 + sub[pass]) * kGemvTileN;
-        d[pass] = !x[pass].data ? make_uint4(0, 0, 0, 0)
-                  : kept ? partial_at<T, kCols>(p, tile_s, x[pass].i, sub[pass] * kGemvTileN + x[pass].c, col0 + x[pass].c)
-                         : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + static_cast<long long>(x[pass].i) * p.n +
-                                 col0 + x[pass].c);
+        d[pass] = x[pass].data ? own_part<T, kCols>(p, tile_s, kept, parity, x[pass].i,
+                                                    sub[pass] * kGemvTileN + x[pass].c, col0 + x[pass].c)
+                               : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      float f[8];
-      unpack8<T>(d[pass], f);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) sum[pass][q] += f[q];
-    }
+    for (int pass = 0; pass < kPasses; ++pass) add8<T>(sum[pass], d[pass]);
   }
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
@@ -1147,12 +1155,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
       if (s_ok && mine) {
         float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int src = 0; src < p.world; ++src) {  // rank order, as every rank sums
-          const uint4 d = last_unit && src == p.rank ? own_partial(col0, sub)
-                                                     : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off);
-          float f[8];
-          unpack8<T>(d, f);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) sum[q] += f[q];
+          add8<T>(sum, last_unit && src == p.rank ? own_partial(col0, sub)
+                                                  : ld_cg(slot<T>(p, p.rank, parity * p.world + src) + off));
         }
         const uint4 r = pack8<T>(sum);
         if (p.two_shot) {
