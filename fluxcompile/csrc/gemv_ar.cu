@@ -32,9 +32,11 @@
 // release fence and no flag per tile on the writer's critical path. LL128 (p.ll = 2) does the same in
 // 128-byte lines of seven data vectors and the epoch (see st_line), 8/7 of the data's bytes instead of twice.
 //
-// Flags carry epochs: state[0] counts this kernel's calls on this rank (every rank makes the same calls,
-// so the counts agree); a call uses e = state[0] + 1, and the last of its CTAs to read state[0] stores e
-// back (it learns it is last from an atomic count whose reply it awaits only after its first stores). A
+// Flags carry epochs: e = (this rank's calls of this kernel before this one) + 1 (every rank makes the same
+// calls, so the epochs agree), from a 64-bit counter in state[0..1] that each call raises by kCallStep:
+// every CTA reads it, then adds its share without awaiting a reply (CTA 0 kCallStep - (gridDim.x - 1), the
+// others 1). A CTA that reads it sees whole earlier calls and less than one step of its own call (its own
+// share not yet added), so counter / kCallStep is the number of earlier calls in every CTA. A
 // wait succeeds when flag - e >= 0 (int32 wrap-around), so a value left by an earlier call never passes
 // and nothing is reset between calls or CUDA graph replays. Data slots alternate by the epoch's
 // parity: a rank can start call e + 1 while a peer still reads call e's slots, but it cannot start call
@@ -123,6 +125,9 @@ struct Cfg {
 };
 
 constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
+
+// The call counter's step (state[0..1]): more than any grid's CTAs.
+constexpr unsigned long long kCallStep = 1ull << 16;
 
 // Wait kinds reported in err[5].
 constexpr int kWaitPartial = 1;
@@ -1024,38 +1029,24 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   // The epoch is first needed after the first unit's math: its load's latency hides behind the weight stream.
+  unsigned long long* const calls = reinterpret_cast<unsigned long long*>(p.state);
   unsigned prev_epoch = 0;
-  if (tid == 0) prev_epoch = *reinterpret_cast<volatile unsigned*>(&p.state[0]);
+  if (tid == 0) prev_epoch = static_cast<unsigned>(*reinterpret_cast<volatile unsigned long long*>(calls) / kCallStep);
   __syncthreads();
   unsigned e = 0;
   int parity = 0, result_slot = 0;
   bool have_epoch = false;  // uniform over the CTA
-  // The CTA that counted in last (its ticket: the count before its own) publishes the new epoch for the next
-  // call (stream order makes it visible).
-  auto publish_epoch = [&](unsigned ticket) {
-    if (tid == 0 && ticket == gridDim.x - 1) {
-      p.state[1] = 0;
-      p.state[0] = static_cast<int>(e);
-    }
-  };
-  // The count's reply is awaited only once the CTA's first stores are issued (publish_epoch(ticket) after
-  // them), except in the fragment loader: it is at its 128-register cap, where holding the ticket spills
-  // (and deferring gains nothing there).
-  constexpr bool kDeferPublish = !(MT == 1 && kRowM == 0);
-  // Returns thread 0's ticket on the first call when publishing is deferred, else ~0u (nothing to publish).
-  auto take_epoch = [&]() -> unsigned {
-    if (have_epoch) return ~0u;
+  // The first call of a CTA sets e, then adds the CTA's share to the counter (after its read: the value is
+  // consumed first); nothing waits for the addition.
+  auto take_epoch = [&]() {
+    if (have_epoch) return;
     if (tid == 0) s_epoch = prev_epoch + 1u;
     __syncthreads();
     e = s_epoch;
     parity = static_cast<int>(e & 1u);
     result_slot = 2 * p.world + parity;
     have_epoch = true;
-    // Every CTA has read the old epoch once all have counted in here.
-    const unsigned ticket = tid == 0 ? atomicAdd(reinterpret_cast<unsigned*>(&p.state[1]), 1u) : 0u;
-    if (kDeferPublish) return ticket;
-    publish_epoch(ticket);
-    return ~0u;
+    if (tid == 0) atomicAdd(calls, blockIdx.x == 0 ? kCallStep - (gridDim.x - 1) : 1ull);
   };
   unsigned* const my_flags = p.peer_flags[p.rank];
   // The thread's 16-byte vector of a tile: row v / kVecPerRow, columns (v % kVecPerRow) * 8 .. + 8.
@@ -1086,7 +1077,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
     } else {
       compute_tile<T, MT>(p, t0 * kGemvTileN, tile_s);
     }
-    const unsigned ticket = take_epoch();
+    take_epoch();
     // The CTA's last unit keeps its own partial in tile_s for phase 2: no store to its own slot and load back
     // on the way to the output.
     const bool keep_own = pos + gridDim.x >= n_units;
@@ -1121,9 +1112,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<MT, kRowM, kHalf>::kCtas)
         }
       }
     }
-    if (kDeferPublish && pos == blockIdx.x) publish_epoch(ticket);  // the reply came back behind the stores
   }
-  if (blockIdx.x >= n_units) publish_epoch(take_epoch());  // a CTA without units
+  if (blockIdx.x >= n_units) take_epoch();  // a CTA without units counts in too
 
   // Phase 2: reduce the tiles this rank reduces.
   if (p.ll) {  // one-shot, LL words or LL128 lines: a unit's tiles in one sweep, no flags

@@ -38,7 +38,7 @@ struct GemvArParams {
   char* const* peer_data;   // device array [world]: every rank's data workspace, mapped here
   unsigned* const* peer_flags;  // device array [world]: every rank's flag workspace, mapped here
   long long slot_bytes;
-  int* state;               // this rank: [0] epoch, [1] done count, [2] barrier count, [3] barrier epoch
+  int* state;               // this rank: [0..1] call counter (64-bit), [2] barrier count, [3] barrier epoch
   int* err;                 // [kGemvErrWords]
   int m, n, k, lda, ldw;
   int rank, world, two_shot, n_tiles;

@@ -7,8 +7,9 @@ one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's
   per partial slot for its LL variant (``6 * world + 2`` in all, zeroed with a barrier when created, since an
   LL word is valid by its content alone); and a symmetric flag workspace of ``(world + 1) * MAX_TILES`` int32
   (zeroed once, with a barrier, when created);
-* a per-rank ``state`` (epoch, done count, grid-barrier count and epoch) that the kernel itself advances,
-  so CUDA graph replays need nothing from the host;
+* a per-rank ``state`` that the kernel itself advances, so CUDA graph replays need nothing from the host: its
+  calls (the CUDA kernel: a 64-bit counter; the Triton kernels: the epoch and a done count), then a grid
+  barrier's count and epoch;
 * error words the kernel fills when a bounded wait times out (``symm_mem.ErrorWords``): copied to pinned
   host memory after each eager call and checked at the start of the next one, after every call with
   ``config.check_signals``, or by :func:`check_errors` (which synchronizes; tests call it after graph
