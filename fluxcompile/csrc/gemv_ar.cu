@@ -126,8 +126,9 @@ struct Cfg {
 
 constexpr int kVecPerRow = kGemvTileN / 8;         // 16-byte vectors of T per tile row
 
-// The call counter's step (state[0..1]): more than any grid's CTAs.
+// The call counter's step (state[0..1]): more than any grid's CTAs (a grid has at most one CTA per tile).
 constexpr unsigned long long kCallStep = 1ull << 16;
+static_assert(kGemvMaxTiles < kCallStep, "the call counter's step exceeds any grid's CTAs");
 
 // Wait kinds reported in err[5].
 constexpr int kWaitPartial = 1;
