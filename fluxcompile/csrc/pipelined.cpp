@@ -827,8 +827,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
       c10::cuda::CUDAStreamGuard on_s(s);
       consume_flag(s, ready_mine[j]);
       join(side, s);
-      copy_async(rows_of.select(0, order[j]), my_slots[j], side);
       mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
+      // After the GEMM's launch: the copy fills the SMs the GEMM leaves rather than delay its start.
+      copy_async(rows_of.select(0, order[j]), my_slots[j], side);
     }
     if (concurrent) {
       for (const auto& s : compute) join(main, s);
@@ -939,9 +940,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
 // ---------------------------------------------------------------------------------------------
 // all-gather -> GEMM, "lead" (":lead<d>" choices): a first GEMM over `lead` of our own rows hides the
 // shards' flight; then one GEMM (two for a rank in the middle of the order) over every other row, read
-// from our symmetric buffer, where the slots by source rank form the gathered [world * rows, k] (our own
-// rows are copied into our slot at the start). Two or three GEMMs instead of one per rank: a split costs
-// up to a wave per GEMM, and `lead` can be picked (by the autotuner) so that the two add no wave.
+// from our symmetric buffer, where the slots by source rank form the gathered [world * rows, k] (our other
+// rows are copied into our slot on `aux` beside the lead GEMM). Two or three GEMMs instead of one per rank:
+// a split costs up to a wave per GEMM, and `lead` can be picked (by the autotuner) so that the two add no
+// wave.
 // The lead rows are the first of ours, or the last for the last rank, so that the rest is contiguous.
 //   buffer: our whole symmetric buffer as [world * rows, k] (slot s = rows s * rows ..)
 std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
@@ -950,7 +952,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t lead, int64_t side_handle, int64_t graphs) {
+    int64_t lead, int64_t side_handle, int64_t aux_handle, int64_t graphs) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -958,6 +960,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
   const auto side = external(side_handle, device);
+  const auto aux = external(aux_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
   TORCH_CHECK(0 < lead && lead < rows, "fluxcompile: lead must be in (0, rows)");
   TORCH_CHECK(buffer.size(0) == m && buffer.size(1) == k, "fluxcompile: the buffer must be [world * rows, k]");
@@ -969,31 +972,35 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
 
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
-    // Side: the pushes (the peers wait for them). Main: our rows into our own slot, then the lead GEMM. The
-    // own-slot copy is not queued behind the pushes on the side stream: the rest GEMM would wait for those
-    // too.
+    // Side: the pushes (the peers wait for them). Main: the lead GEMM, which reads A itself. Aux: our other
+    // rows into our own slot, issued after the lead GEMM so that the copy (an SM copy) takes the SMs the
+    // lead GEMM leaves free rather than delaying its start; not queued behind the pushes on the side
+    // stream, or the rest GEMM would wait for those too.
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
-    copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);
+    join(aux, main);
 
     const bool last = rank == world - 1;
     const int64_t lead_lo = last ? rows - lead : 0;  // within our rows
+    const int64_t other_lo = last ? 0 : lead;  // our rows the lead leaves out
     gemm(a_local.narrow(0, lead_lo, lead), rank * rows + lead_lo);
+    copy_async(buffer.narrow(0, rank * rows + other_lo, rows - lead), a_local.narrow(0, other_lo, rows - lead), aux);
     for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
-    // The gathered output's peer rows: SM copies on the side stream after the ready waits, beside the rest
-    // GEMM (which need not wait for them, nor for our pushes).
+    join(main, aux);
+    // The rest: [0, lo) and [hi, m) of the gathered rows. The gathered output's peer rows: SM copies on the
+    // side stream after the ready waits, beside the rest GEMM (which need not wait for them, nor for our
+    // pushes), issued after it so that they fill the SMs its last wave leaves rather than delay its start.
     join(side, main);
-    for (size_t j = 0; j < peers; ++j) {
-      copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
-    }
-    // The rest: [0, lo) and [hi, m) of the gathered rows.
     const int64_t lo = rank * rows + lead_lo, hi = lo + lead;
     if (lo > 0) gemm(buffer.narrow(0, 0, lo), 0);
     if (hi < m) gemm(buffer.narrow(0, hi, m - hi), hi);
+    for (size_t j = 0; j < peers; ++j) {
+      copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
+    }
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
   };
   replays().run(key_of(int64_t{kAgLead}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
-                       ready_mine, done_theirs, rank, world, lead, side_handle, gathered, outs),
+                       ready_mine, done_theirs, rank, world, lead, side_handle, aux_handle, gathered, outs),
                 graphs, device, issue);
   return {gathered, outs};
 }

@@ -21,8 +21,8 @@ Why this shape:
 Variants: ``:concurrent`` runs each remote block's GEMM on a stream of its own as soon as its rows land, beside
 the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles; ``:unsplit`` gathers first,
 then one GEMM per weight over all rows (no overlap, no split: small M); ``:lead<d>`` runs a GEMM over 1/d of our
-rows while the shards fly, then one over all other rows read from the symmetric buffer, whose slots abut into
-the gathered ``[world * rows, k]``; ``:stages<g>`` (experimental, ``config.experimental_ag_stages``) takes the
+rows while the shards fly (and, beside it on another stream, our other rows are copied into our slot), then one
+over all other rows read from the symmetric buffer, whose slots abut into the gathered ``[world * rows, k]``; ``:stages<g>`` (experimental, ``config.experimental_ag_stages``) takes the
 peers in ``g`` groups, one GEMM per group, instead of one GEMM per peer. Everything is a stream operation, so a
 call can be captured in a CUDA graph once its workspace and flags exist (first eager call).
 """
@@ -185,8 +185,9 @@ def all_gather_matmul(
         if p.buffer is None or (lead and slice_rows(rows, lead) == 0):
             raise ValueError(f"fluxcompile: {NAME} lead={lead} groups={groups} does not apply to {rows} x {k} shards")
         if lead:
+            aux = _compute_stream(0).cuda_stream  # the copy of our other rows into our slot
             outs = seq.ag_lead(
-                *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, graph_limit()
+                *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, aux, graph_limit()
             )
         else:
             js, flat = stage_plan(p.rank, p.world, rows, groups)
