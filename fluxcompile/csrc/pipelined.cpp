@@ -92,6 +92,20 @@ void join(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& prod
   C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), events[device], 0));
 }
 
+// The all-gather sequences' GEMM stream: one high-priority stream per device, forked from the caller's. The
+// gathered output's rows are SM copies on the side stream that often become ready when a GEMM does; at equal
+// priority either may take the SMs first, and a copy that wins holds up the GEMM, which cuBLAS runs on every
+// SM. At lower priority the copy takes only what the GEMM leaves (its last wave). Graph replays keep the
+// priority (cudaGraphInstantiateFlagUseNodePriority).
+c10::cuda::CUDAStream gemm_stream(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(device);
+  if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(true, device)).first;
+  return it->second;
+}
+
 // dst <- src on stream s: the cudaMemcpyAsync that Tensor::copy_ issues for contiguous same-dtype tensors
 // of one device (a peer's mapped buffer counts as this device's: the copy engine moves it over NVLink),
 // without the dispatcher's host cost.
@@ -281,7 +295,7 @@ class Replays {
     }
     cudaGraphExec_t exec = nullptr;
     if (why.empty()) {
-      cudaError_t rc = cudaGraphInstantiateWithFlags(&exec, g, 0);
+      cudaError_t rc = cudaGraphInstantiateWithFlags(&exec, g, cudaGraphInstantiateFlagUseNodePriority);
       if (rc != cudaSuccess) {
         why = "cudaGraphInstantiate: " + error_text(rc);
         (void)cudaGetLastError();
@@ -811,8 +825,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
   std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
 
+  const auto gemms = gemm_stream(device);
+  std::vector<c10::cuda::CUDAStream> with_gemms = gemm_streams;  // their cuBLAS workspaces before a capture
+  with_gemms.push_back(gemms);
   auto issue = [&] {
-    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    const auto caller = c10::cuda::getCurrentCUDAStream(device);
+    const auto& main = gemms;
+    join(main, caller);
+    c10::cuda::CUDAStreamGuard on_main(main);
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
 
     std::vector<c10::cuda::CUDAStream> compute;
@@ -836,11 +856,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     }
     join(main, side);
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+    join(caller, main);
   };
   replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
                        ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
                        outs),
-                graphs, device, issue, gemm_streams);
+                graphs, device, issue, with_gemms);
   return {gathered, outs};
 }
 
@@ -970,8 +991,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
+  const auto gemms = gemm_stream(device);
   auto issue = [&] {
-    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    const auto caller = c10::cuda::getCurrentCUDAStream(device);
+    const auto& main = gemms;
+    join(main, caller);
+    c10::cuda::CUDAStreamGuard on_main(main);
     // Side: the pushes (the peers wait for them). Main: the lead GEMM, which reads A itself. Aux: our other
     // rows into our own slot, issued after the lead GEMM so that the copy (an SM copy) takes the SMs the
     // lead GEMM leaves free rather than delaying its start; not queued behind the pushes on the side
@@ -998,10 +1023,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     }
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+    join(caller, main);
   };
   replays().run(key_of(int64_t{kAgLead}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
                        ready_mine, done_theirs, rank, world, lead, side_handle, aux_handle, gathered, outs),
-                graphs, device, issue);
+                graphs, device, issue, {gemms});
   return {gathered, outs};
 }
 
@@ -1054,8 +1080,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
+  const auto gemms = gemm_stream(device);
   auto issue = [&] {
-    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    const auto caller = c10::cuda::getCurrentCUDAStream(device);
+    const auto& main = gemms;
+    join(main, caller);
+    c10::cuda::CUDAStreamGuard on_main(main);
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
     gemm(a_local, rank * rows);
     for (size_t g = 0; g < group_js.size(); ++g) {
@@ -1069,10 +1099,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     }
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+    join(caller, main);
   };
   replays().run(key_of(int64_t{kAgStages}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
                        ready_mine, done_theirs, rank, world, group_js, group_ranges, side_handle, gathered, outs),
-                graphs, device, issue);
+                graphs, device, issue, {gemms});
   return {gathered, outs};
 }
 

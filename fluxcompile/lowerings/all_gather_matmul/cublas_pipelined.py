@@ -22,9 +22,11 @@ Variants: ``:concurrent`` runs each remote block's GEMM on a stream of its own a
 the local GEMM, so one GEMM's last partial wave is filled by the next one's tiles; ``:unsplit`` gathers first,
 then one GEMM per weight over all rows (no overlap, no split: small M); ``:lead<d>`` runs a GEMM over 1/d of our
 rows while the shards fly (and, beside it on another stream, our other rows are copied into our slot), then one
-over all other rows read from the symmetric buffer, whose slots abut into the gathered ``[world * rows, k]``; ``:stages<g>`` (experimental, ``config.experimental_ag_stages``) takes the
-peers in ``g`` groups, one GEMM per group, instead of one GEMM per peer. Everything is a stream operation, so a
-call can be captured in a CUDA graph once its workspace and flags exist (first eager call).
+over all other rows read from the symmetric buffer, whose slots abut into the gathered ``[world * rows, k]``;
+``:stages<g>`` (experimental, ``config.experimental_ag_stages``) takes the peers in ``g`` groups, one GEMM per
+group, instead of one GEMM per peer. Everything is a stream operation, so a call can be captured in a CUDA graph
+once its workspace and flags exist (first eager call). The GEMMs run at high stream priority, the copies at
+normal: a copy that becomes ready with a GEMM takes only the SMs the GEMM leaves.
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def all_gather_matmul(
         if p.buffer is None or (lead and slice_rows(rows, lead) == 0):
             raise ValueError(f"fluxcompile: {NAME} lead={lead} groups={groups} does not apply to {rows} x {k} shards")
         if lead:
-            aux = _compute_stream(0).cuda_stream  # the copy of our other rows into our slot
+            aux = _copy_stream().cuda_stream  # the copy of our other rows into our slot
             outs = seq.ag_lead(
                 *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, aux, graph_limit()
             )
@@ -201,11 +203,22 @@ def all_gather_matmul(
     return outs
 
 
-_compute_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_streams: dict[tuple[int, str, int], torch.cuda.Stream] = {}
 
 
 def _compute_stream(i: int) -> torch.cuda.Stream:
-    key = (torch.cuda.current_device(), i)
-    if key not in _compute_streams:
-        _compute_streams[key] = torch.cuda.Stream()
-    return _compute_streams[key]
+    """``:concurrent``'s GEMM stream for the i-th peer: high priority, like the sequences' own GEMM stream
+    (csrc/pipelined.cpp, ``gemm_stream``), so that the SM copies beside a GEMM take only the SMs it leaves."""
+    return _stream("gemm", i, priority=-1)
+
+
+def _copy_stream() -> torch.cuda.Stream:
+    """``:lead``'s stream for the copy of our rows into our slot, beside the lead GEMM."""
+    return _stream("copy", 0, priority=0)
+
+
+def _stream(kind: str, i: int, priority: int) -> torch.cuda.Stream:
+    key = (torch.cuda.current_device(), kind, i)
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(priority=priority)
+    return _streams[key]
