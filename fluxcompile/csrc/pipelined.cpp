@@ -403,13 +403,14 @@ void send_block(const c10::cuda::CUDAStream& side, int64_t done, const at::Tenso
 }
 
 // All-gather, on the side stream once A is ready: our shard into each peer's slot (the copy engine, once
-// the peer has freed it). Our rows of the gathered output are the caller's to copy.
+// the peer has freed it), then into our rows of the gathered output.
 void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& main, const at::Tensor& a_local,
                 std::vector<at::Tensor>& peer_slots, const std::vector<int64_t>& done_mine,
-                const std::vector<int64_t>& ready_theirs) {
+                const std::vector<int64_t>& ready_theirs, const at::Tensor& rows_of, int64_t rank) {
   join(side, main);
   // The send lists come in the plan's send order (exchange.gather_send_order).
   for (size_t j = 0; j < peer_slots.size(); ++j) send_block(side, done_mine[j], peer_slots[j], a_local, ready_theirs[j]);
+  copy_async(rows_of.select(0, rank), a_local, side);
 }
 
 // Reduce-scatter, once the peers' partials of our rows have landed: ours (`mine`; for > 2 ranks already in
@@ -776,8 +777,8 @@ at::Tensor rs_addmm(const std::vector<at::Tensor>& As, const std::vector<at::Ten
 // all-gather -> GEMM (all_gather_matmul/cublas_pipelined.py). The send lists peer_slots (slot `rank` in a
 // peer's buffer: our shard goes there), done_mine and ready_theirs run over the peers in the send order
 // (exchange.gather_send_order); order, my_slots (slot order[j] in our buffer: its shard arrives there),
-// ready_mine and done_theirs over the peers in ring order. copy_handle: the stream that takes the shards and
-// fills the gathered output; compute_handles: one GEMM stream per peer (concurrent), or empty (the GEMM stream).
+// ready_mine and done_theirs over the peers in ring order. compute_handles: one stream per peer (concurrent),
+// or empty (main).
 // Rows lo .. lo + a.size(0) of every output: a @ B_i (+ bias_i).
 void mm_at(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::vector<std::optional<at::Tensor>>& biases,
            std::vector<at::Tensor>& outs, int64_t lo) {
@@ -806,7 +807,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
     const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
-    int64_t copy_handle, const std::vector<int64_t>& compute_handles, int64_t graphs) {
+    const std::vector<int64_t>& compute_handles, int64_t graphs) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
@@ -815,7 +816,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   if (concurrent) check_lengths(peers, {compute_handles.size()});
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
-  const auto side = external(side_handle, device), copies = external(copy_handle, device);
+  const auto side = external(side_handle, device);
   const int64_t rows = a_local.size(0), k = a_local.size(1);
   std::vector<c10::cuda::CUDAStream> gemm_streams;  // concurrent: one per peer
   for (int64_t h : compute_handles) gemm_streams.push_back(external(h, device));
@@ -832,11 +833,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     const auto& main = gemms;
     join(main, caller);
     c10::cuda::CUDAStreamGuard on_main(main);
-    // Side: the pushes. Copies: each peer's shard taken as it lands (its ready flag), then the gathered
-    // output's rows; a GEMM waits for its shard's take only. The copies, at normal priority behind the
-    // GEMMs' high one, fill the SMs the GEMMs leave (their last waves).
-    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs);
-    join(copies, main);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
 
     std::vector<c10::cuda::CUDAStream> compute;
     compute.reserve(peers);
@@ -847,24 +844,23 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     mm_at(a_local, Bs, biases, outs, rank * rows);
     for (size_t j = 0; j < peers; ++j) {
       const auto& s = compute[j];
-      consume_flag(copies, ready_mine[j]);
-      join(s, copies);
       c10::cuda::CUDAStreamGuard on_s(s);
+      consume_flag(s, ready_mine[j]);
+      join(side, s);
       mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
+      // After the GEMM's launch: the copy fills the SMs the GEMM leaves rather than delay its start.
+      copy_async(rows_of.select(0, order[j]), my_slots[j], side);
     }
-    copy_async(rows_of.select(0, rank), a_local, copies);
-    for (size_t j = 0; j < peers; ++j) copy_async(rows_of.select(0, order[j]), my_slots[j], copies);
     if (concurrent) {
       for (const auto& s : compute) join(main, s);
     }
-    join(main, copies);  // the copies have read our slots
     join(main, side);
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
     join(caller, main);
   };
   replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
-                       ready_theirs, ready_mine, done_theirs, rank, world, side_handle, copy_handle, compute_handles,
-                       gathered, outs),
+                       ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
+                       outs),
                 graphs, device, issue, with_gemms);
   return {gathered, outs};
 }
@@ -947,8 +943,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
   std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
-    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs);
-    copy_async(rows_of.select(0, rank), a_local, side);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
     for (size_t j = 0; j < peers; ++j) {
       consume_flag(side, ready_mine[j]);
       copy_async(rows_of.select(0, order[j]), my_slots[j], side);
@@ -1003,11 +998,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     join(main, caller);
     c10::cuda::CUDAStreamGuard on_main(main);
     // Side: the pushes (the peers wait for them). Main: the lead GEMM, which reads A itself. Aux: our other
-    // rows into our own slot (not queued behind the pushes, or the rest GEMM would wait for those too), the
-    // shards taken as they land (their ready flags), then the gathered output's rows; the rest GEMM waits
-    // for the first two only. Aux's SM copies, at normal priority behind the GEMMs' high one, fill the SMs
-    // the GEMMs leave (their last waves).
-    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs);
+    // rows into our own slot, issued after the lead GEMM so that the copy (an SM copy) takes the SMs the
+    // lead GEMM leaves free rather than delaying its start; not queued behind the pushes on the side
+    // stream, or the rest GEMM would wait for those too.
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
     join(aux, main);
 
     const bool last = rank == world - 1;
@@ -1015,17 +1009,18 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     const int64_t other_lo = last ? 0 : lead;  // our rows the lead leaves out
     gemm(a_local.narrow(0, lead_lo, lead), rank * rows + lead_lo);
     copy_async(buffer.narrow(0, rank * rows + other_lo, rows - lead), a_local.narrow(0, other_lo, rows - lead), aux);
-    for (size_t j = 0; j < peers; ++j) consume_flag(aux, ready_mine[j]);
+    for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
     join(main, aux);
-    // The rest: [0, lo) and [hi, m) of the gathered rows.
+    // The rest: [0, lo) and [hi, m) of the gathered rows. The gathered output's peer rows: SM copies on the
+    // side stream after the ready waits, beside the rest GEMM (which need not wait for them, nor for our
+    // pushes), issued after it so that they fill the SMs its last wave leaves rather than delay its start.
+    join(side, main);
     const int64_t lo = rank * rows + lead_lo, hi = lo + lead;
     if (lo > 0) gemm(buffer.narrow(0, 0, lo), 0);
     if (hi < m) gemm(buffer.narrow(0, hi, m - hi), hi);
-    copy_async(rows_of.select(0, rank), a_local, aux);
     for (size_t j = 0; j < peers; ++j) {
-      copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), aux);
+      copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
     }
-    join(main, aux);  // the copies have read our slots
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
     join(caller, main);
@@ -1091,8 +1086,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     const auto& main = gemms;
     join(main, caller);
     c10::cuda::CUDAStreamGuard on_main(main);
-    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs);
-    copy_async(gathered.view({world, rows, k}).select(0, rank), a_local, side);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
     gemm(a_local, rank * rows);
     for (size_t g = 0; g < group_js.size(); ++g) {
       const auto& rs = group_ranges[g];

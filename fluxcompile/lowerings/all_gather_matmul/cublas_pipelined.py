@@ -4,21 +4,18 @@ the C++ sequencer (csrc/pipelined.cpp) issues each call's stream operations.
 Per call, on rank r of a group of w (peers in the exchange's orders, symm_mem/exchange.py):
 
   side stream:  for p in the send order (r-1 first): wait done_p -> copy our shard into slot r of p's symmetric
-                buffer (peer to peer, copy engine) -> set ready_r on p
-  copy stream:  for p in ring order (r+1 first): wait ready_p (the shard has landed);  then fill the gathered
-                output: our rows from A, each p's rows from slot p
-  GEMM stream:  mm(A) into our rows of the output;  for p in ring order: after the copy stream's wait for
-                ready_p, mm(slot p) into p's rows;  wait for the other streams -> set done_r on every p (its slot r
-                here is free)
+                buffer (peer to peer, copy engine) -> set ready_r on p;  then fill the gathered output: our rows
+                from A, p's rows from slot p once it arrived
+  main stream:  mm(A) into our rows of the output;  for p in ring order (r+1 first): wait ready_p -> mm(slot p)
+                into p's rows;  wait for the side stream -> set done_r on every p (its slot r here is free)
 
 Why this shape:
 * cuBLAS's Hopper GEMMs hold every SM until they finish, so anything beside one that needs an SM (a barrier
   kernel, a same-device memcpy, which the driver runs as a kernel) waits for the GEMM's last wave. Signals are
   stream memory operations (symm_mem/signals.py, no SM), and the shard travels by a peer-to-peer copy, which
   the copy engine does, straight into the peer's buffer where its GEMM reads it: no publish copy, no pull.
-* The gathered output (the op's first result) is filled by SM copies beside the GEMMs. The GEMM stream has high
-  priority and the copy stream normal, so a copy ready when a GEMM is takes only the SMs the GEMM leaves (its
-  last wave) instead of delaying its start.
+* The gathered output (the op's first result) is filled by copies queued on the side stream; they run in the
+  GEMM's tail instead of after it.
 * ``done`` keeps a sender from overwriting a slot the receiver still reads (graph-safe 0/1 flags).
 
 Variants: ``:concurrent`` runs each remote block's GEMM on a stream of its own as soon as its rows land, beside
@@ -190,7 +187,7 @@ def all_gather_matmul(
         if p.buffer is None or (lead and slice_rows(rows, lead) == 0):
             raise ValueError(f"fluxcompile: {NAME} lead={lead} groups={groups} does not apply to {rows} x {k} shards")
         if lead:
-            aux = _copy_stream().cuda_stream  # the takes of the shards and the copies
+            aux = _copy_stream().cuda_stream  # the copy of our other rows into our slot
             outs = seq.ag_lead(
                 *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, aux, graph_limit()
             )
@@ -201,8 +198,7 @@ def all_gather_matmul(
         outs = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit())
     else:
         compute = [_compute_stream(j).cuda_stream for j in range(p.world - 1)] if concurrent else []
-        copies = _copy_stream().cuda_stream
-        outs = seq.ag_pipelined(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, copies, compute, graph_limit())
+        outs = seq.ag_pipelined(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit())
     p.hs.note()
     return outs
 
@@ -217,8 +213,7 @@ def _compute_stream(i: int) -> torch.cuda.Stream:
 
 
 def _copy_stream() -> torch.cuda.Stream:
-    """The stream that takes the shards as they land and copies rows (into the gathered output, and for
-    ``:lead`` our rows into our slot), at normal priority beside the GEMMs."""
+    """``:lead``'s stream for the copy of our rows into our slot, beside the lead GEMM."""
     return _stream("copy", 0, priority=0)
 
 
