@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-# (m, n, k) of benchmarks/ops.py at two ranks: AG weights hold n / 2 columns, RS partials k / 2.
-AG_SHAPES = [(1024, 49152, 12288), (4096, 49152, 12288), (8192, 49152, 12288), (2048, 28672, 4096), (8192, 28672, 4096)]
-RS_SHAPES = [(1024, 12288, 49152), (4096, 12288, 49152), (8192, 12288, 49152), (2048, 4096, 14336), (8192, 4096, 14336)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ops import AG_SHAPES  # (model, m, n, k): at two ranks, AG weights hold n / 2 columns
+from ops_rs import RS_SHAPES  # (model, m, n, k): at two ranks, RS partials hold k / 2
+from timing import time_us
 
 Block = tuple[int, int, int, int]  # rows lo..hi, columns lo..hi
 
@@ -79,13 +82,7 @@ def time_cuts(m: int, n: int, k: int, cuts: dict[str, list[Block]], rounds: int,
         for name, blocks in cuts.items():
             c = outs[name]
             run_cut(a, b, c, blocks)  # warm
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(iters):
-                run_cut(a, b, c, blocks)
-            e.record()
-            e.synchronize()
-            times[name].append(s.elapsed_time(e) * 1e3 / iters)
+            times[name].append(time_us(lambda: run_cut(a, b, c, blocks), iters))  # noqa: B023 (called at once)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -100,7 +97,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     rows = []
     for op in args.ops.split(","):
-        for m, n, k in AG_SHAPES if op == "ag" else RS_SHAPES:
+        for _, m, n, k in AG_SHAPES if op == "ag" else RS_SHAPES:
             gm, gn, gk = (m, n // 2, k) if op == "ag" else (m, n, k // 2)
             cuts = ag_cuts(gm, gn, cols) if op == "ag" else rs_cuts(gm, gn, cols)
             t = time_cuts(gm, gn, gk, cuts, args.rounds, args.iters)
