@@ -106,6 +106,19 @@ c10::cuda::CUDAStream gemm_stream(c10::DeviceIndex device) {
   return it->second;
 }
 
+// Issues sequence(main) with main = the GEMM stream, current and forked from the caller's stream, which waits
+// for it at the end.
+template <typename F>
+void on_gemm_stream(const c10::cuda::CUDAStream& gemms, F&& sequence) {
+  const auto caller = c10::cuda::getCurrentCUDAStream(gemms.device_index());
+  join(gemms, caller);
+  {
+    c10::cuda::CUDAStreamGuard on_gemms(gemms);
+    sequence(gemms);
+  }
+  join(caller, gemms);
+}
+
 // dst <- src on stream s: the cudaMemcpyAsync that Tensor::copy_ issues for contiguous same-dtype tensors
 // of one device (a peer's mapped buffer counts as this device's: the copy engine moves it over NVLink),
 // without the dispatcher's host cost.
@@ -828,11 +841,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   const auto gemms = gemm_stream(device);
   std::vector<c10::cuda::CUDAStream> with_gemms = gemm_streams;  // their cuBLAS workspaces before a capture
   with_gemms.push_back(gemms);
-  auto issue = [&] {
-    const auto caller = c10::cuda::getCurrentCUDAStream(device);
-    const auto& main = gemms;
-    join(main, caller);
-    c10::cuda::CUDAStreamGuard on_main(main);
+  auto sequence = [&](const c10::cuda::CUDAStream& main) {
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
 
     std::vector<c10::cuda::CUDAStream> compute;
@@ -856,8 +865,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
     }
     join(main, side);
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
-    join(caller, main);
   };
+  auto issue = [&] { on_gemm_stream(gemms, sequence); };
   replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
                        ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
                        outs),
@@ -992,11 +1001,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
   const auto gemms = gemm_stream(device);
-  auto issue = [&] {
-    const auto caller = c10::cuda::getCurrentCUDAStream(device);
-    const auto& main = gemms;
-    join(main, caller);
-    c10::cuda::CUDAStreamGuard on_main(main);
+  auto sequence = [&](const c10::cuda::CUDAStream& main) {
     // Side: the pushes (the peers wait for them). Main: the lead GEMM, which reads A itself. Aux: our other
     // rows into our own slot, issued after the lead GEMM so that the copy (an SM copy) takes the SMs the
     // lead GEMM leaves free rather than delaying its start; not queued behind the pushes on the side
@@ -1023,8 +1028,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     }
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
-    join(caller, main);
   };
+  auto issue = [&] { on_gemm_stream(gemms, sequence); };
   replays().run(key_of(int64_t{kAgLead}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
                        ready_mine, done_theirs, rank, world, lead, side_handle, aux_handle, gathered, outs),
                 graphs, device, issue, {gemms});
@@ -1081,11 +1086,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
   const auto gemms = gemm_stream(device);
-  auto issue = [&] {
-    const auto caller = c10::cuda::getCurrentCUDAStream(device);
-    const auto& main = gemms;
-    join(main, caller);
-    c10::cuda::CUDAStreamGuard on_main(main);
+  auto sequence = [&](const c10::cuda::CUDAStream& main) {
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
     gemm(a_local, rank * rows);
     for (size_t g = 0; g < group_js.size(); ++g) {
@@ -1099,8 +1100,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     }
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
-    join(caller, main);
   };
+  auto issue = [&] { on_gemm_stream(gemms, sequence); };
   replays().run(key_of(int64_t{kAgStages}, a_local, Bs, biases, peer_slots, buffer, order, done_mine, ready_theirs,
                        ready_mine, done_theirs, rank, world, group_js, group_ranges, side_handle, gathered, outs),
                 graphs, device, issue, {gemms});
