@@ -1,6 +1,6 @@
 """The Flux-style CUTLASS GEMM (csrc/flux_gemm.cuh) against cuBLAS on one GPU, interleaved round after round.
 
-    python benchmarks/cutlass_gemm.py [--ops ag,rs] [--tp 2,8] [--rounds 10] [--out DIR] [--quick]
+    python benchmarks/cutlass_gemm.py [--ops ag,rs] [--tp 2,8] [--rounds 10] [--gap-us US --burst N] [--out DIR]
 
 Shapes: the op-level benchmark's five (m, n, k) per op (benchmarks/ops.py, ops_rs.py) as one rank's local GEMM at
 each TP: all-gather m x n/TP x k, reduce-scatter m x n x k/TP. The kernel runs as the fused ops run it: the
@@ -28,6 +28,7 @@ import torch
 from timing import time_us
 
 from fluxcompile.kernels import cutlass_gemm as cg
+from fluxcompile.lowerings.autotune import queue_gpu
 
 AG = [(1024, 49152, 12288), (4096, 49152, 12288), (8192, 49152, 12288), (2048, 28672, 4096), (8192, 28672, 4096)]
 RS = [(1024, 12288, 49152), (4096, 12288, 49152), (8192, 12288, 49152), (2048, 4096, 14336), (8192, 4096, 14336)]
@@ -80,25 +81,39 @@ class Problem:
         cg.gemm(self.a, self.b, self.out, self.bias, **kw)
 
 
+GAP_US = 0.0  # --gap-us: a GPU sleep before each timed batch (the op-level benchmark's queued rounds)
+BURST = 0  # --burst: calls per timed batch (0: about 3 ms of GPU work)
+
+
 def iters_for(p: Problem) -> int:
+    if BURST:
+        return BURST
     est_us = 2 * p.m * p.n * p.k / 700e12 * 1e6
     return max(2, min(50, int(3000 / max(est_us, 1))))
+
+
+def timed(fn, iters: int) -> float:
+    """``time_us`` after a GPU sleep of ``GAP_US``, so each batch starts from the clocks a gap leaves."""
+    if GAP_US:
+        torch.cuda.synchronize()
+        queue_gpu(GAP_US)
+    return time_us(fn, iters)
 
 
 def sweep(p: Problem, configs, keep: int) -> list[tuple]:
     """The ``keep`` fastest configs by a short timing, plus the fastest with the default launch (raster "auto",
     swizzle 1) if it is not among them (last)."""
     it = max(2, iters_for(p) // 2)
-    timed = []
+    timings = []
     for cfg in configs:
         try:
             p.ours(*cfg)
-            timed.append((time_us(lambda cfg=cfg: p.ours(*cfg), it), cfg))
+            timings.append((timed(lambda cfg=cfg: p.ours(*cfg), it), cfg))
         except RuntimeError as e:  # a variant that cannot implement this problem
             print(f"   skip {cfg}: {str(e)[:100]}", flush=True)
-    timed.sort(key=lambda x: x[0])
-    out = [cfg for _, cfg in timed[:keep]]
-    default = next((cfg for _, cfg in timed if cfg[1:] == ("auto", 1)), None)
+    timings.sort(key=lambda x: x[0])
+    out = [cfg for _, cfg in timings[:keep]]
+    default = next((cfg for _, cfg in timings if cfg[1:] == ("auto", 1)), None)
     if default is not None and default not in out:
         out.append(default)
     return out
@@ -111,9 +126,9 @@ def interleaved(p: Problem, cands: list[tuple], rounds: int) -> tuple[float, lis
         p.ours(*c)
     base, ours = [], [[] for _ in cands]
     for _ in range(rounds):
-        base.append(time_us(p.cublas, it))
+        base.append(timed(p.cublas, it))
         for i, c in enumerate(cands):
-            ours[i].append(time_us(lambda c=c: p.ours(*c), it))
+            ours[i].append(timed(lambda c=c: p.ours(*c), it))
     return statistics.median(base), [statistics.median(o) for o in ours]
 
 
@@ -159,8 +174,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--variants", default="", help="comma-separated subset of VARIANTS")
     ap.add_argument("--extras", default="fp16,bias,kn", help="secondary tables ('' for none)")
+    ap.add_argument("--gap-us", type=float, default=0.0, help="GPU sleep before each timed batch (µs)")
+    ap.add_argument("--burst", type=int, default=0, help="calls per timed batch (0: about 3 ms of work)")
+    ap.add_argument("--shapes", default="", help="comma-separated m values to keep (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    global GAP_US, BURST
+    GAP_US, BURST = args.gap_us, args.burst
     torch.manual_seed(0)
     t0 = time.time()
     cg.load()
@@ -188,6 +208,8 @@ def main() -> None:
     configs = list(itertools.product(variants, RASTERS, SWIZZLES))
     rows, best_cfgs = [], {}
     for op, tp, m, n, k in local_shapes(args.ops.split(","), [int(t) for t in args.tp.split(",")]):
+        if args.shapes and str(m) not in args.shapes.split(","):
+            continue
         p = Problem(op, tp, m, n, k)
         cands = sweep(p, configs, 4)
         best_cfgs[(op, tp, m, n, k)] = cands
