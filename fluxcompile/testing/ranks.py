@@ -6,6 +6,10 @@ returns the per-rank results or raises with every failing rank's traceback. A wa
 ranks are alive several times a second: a rank process that ends (at start-up or during a run) ends the call
 at once with :class:`RankDied`, naming the rank and its error (or its exit code when it sent none). A run
 that does not finish in time kills the pool, so a hang becomes an error naming the ranks that did not answer.
+
+The ranks meet through a ``TCPStore`` that the pool's own process serves: it listens on a port the system picks
+(port 0) and stays bound while the pool lives, so no other process can take the port between its choice and the
+ranks' rendezvous.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class RankDied(RuntimeError):
 
 
 def free_port() -> int:
+    """A port free now (another process may take it before the caller binds it: prefer binding port 0)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,13 +71,14 @@ class RankPool:
         self.timeout_s = timeout_s
         self._closed = False
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store = _serve_store(world_size)
+        self._port: int = self._store.port
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, backend, self._tasks[rank], self._results),
+                args=(rank, world_size, self._port, backend, self._tasks[rank], self._results),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -117,6 +123,11 @@ class RankPool:
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return [results[r][1] for r in range(self.world_size)]
 
+    @property
+    def port(self) -> int:
+        """The port of the ranks' rendezvous store, which this process serves while the pool lives."""
+        return self._port
+
     def alive(self) -> bool:
         return not self._closed and all(p.is_alive() for p in self._procs)
 
@@ -134,6 +145,7 @@ class RankPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        self._store = None
 
     def _raise_if_dead(self, name: str) -> None:
         """Raise RankDied if a rank process has ended: with the error it sent, else with its exit code."""
@@ -162,6 +174,7 @@ class RankPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=5)
+        self._store = None
 
     def __enter__(self) -> RankPool:
         return self
@@ -191,8 +204,19 @@ def _load(module: str, path: str, cache: dict[str, Any]) -> Any:
     return cache[path]
 
 
+_HOST = "127.0.0.1"
+_STORE_TIMEOUT = timedelta(seconds=120)
+
+
+def _serve_store(world_size: int) -> Any:
+    """The ranks' rendezvous store, served by this process on a port the system picks."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(_HOST, 0, world_size, is_master=True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+
+
 def _start(rank: int, world_size: int, port: int, backend: str) -> None:
-    """Join the process group; the rendezvous goes through ``init_method``, not the environment."""
+    """Join the process group through the pool's store (a client of it), not through the environment."""
     import torch
     import torch.distributed as dist
 
@@ -200,13 +224,8 @@ def _start(rank: int, world_size: int, port: int, backend: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
+    store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_STORE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_STORE_TIMEOUT)
 
 
 def _serve(rank: int, tasks: Any, results: Any) -> None:
