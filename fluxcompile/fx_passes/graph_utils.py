@@ -126,8 +126,56 @@ def set_fake_meta(node: Node) -> None:
             node.meta["val"] = node.target(*args, **kwargs)
 
 
+def symint_nodes(graph: Graph, tree: Any) -> Any:
+    """``tree`` with every symbolic integer leaf replaced by the FX node that computes it at the insertion point,
+    so a new node's arguments name the values they depend on instead of holding raw SymInts (which FX warns
+    about). A SymInt with a known value becomes that int; the others are rebuilt from the nodes that define their
+    symbols (``Graph.materialize_symints``, or, where its bindings do not name a symbol, the first node whose value
+    is that symbol). Where a symbol has no defining node, the SymInt stays as it is (Inductor reads it from the
+    arguments either way)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    if not any(isinstance(v, torch.SymInt) for v in leaves):
+        return tree
+    for i, v in enumerate(leaves):
+        if isinstance(v, torch.SymInt):
+            known = static_int(v)
+            leaves[i] = known if known is not None else _symint_node(graph, v)
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+def _symint_node(graph: Graph, value: torch.SymInt) -> Node | torch.SymInt:
+    """The node computing ``value`` at the insertion point (``symint_nodes``), or ``value`` where none is found."""
+    if hasattr(graph, "materialize_symints"):
+        try:
+            return graph.materialize_symints([value])[0]
+        except AssertionError:  # a symbol its bindings do not name (one renamed by the shape environment)
+            pass
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    expr = value.node.expr
+    defined: dict[Any, Node] = {}
+    for node in graph.nodes:  # a symbol's first node precedes every use of a size made from it
+        v = val(node)
+        if isinstance(v, torch.SymInt) and v.node.expr in expr.free_symbols:
+            defined.setdefault(v.node.expr, node)
+    if set(defined) != expr.free_symbols:
+        return value
+    before = set(graph.nodes)
+    tracer = torch.fx.proxy.GraphAppendingTracer(graph)
+    env = {sym: torch.fx.Proxy(node, tracer) for sym, node in defined.items()}
+    result = sympy_interp(PythonReferenceAnalysis, env, expr)
+    for node in graph.nodes:
+        if node not in before:
+            set_fake_meta(node)
+    return result.node if isinstance(result, torch.fx.Proxy) else result
+
+
 def call(graph: Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
-    node = graph.call_function(target, args, kwargs or {})
+    """A ``call_function`` node of ``target`` at the insertion point, with its fake value; symbolic sizes in the
+    arguments become the nodes that compute them (``symint_nodes``)."""
+    args, kwargs = symint_nodes(graph, (tuple(args), dict(kwargs or {})))
+    node = graph.call_function(target, args, kwargs)
     set_fake_meta(node)
     return node
 
