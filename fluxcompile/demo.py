@@ -304,7 +304,7 @@ def check_block(mesh, a: DemoArgs) -> BlockResult:
 
     dtype, device = DTYPES[a.dtype], mesh.device_type
     tp, rank = mesh.size(), mesh.get_local_rank()
-    if a.seq % tp:
+    if a.sequence_parallel and a.seq % tp:
         raise ValueError(f"--seq {a.seq} must divide over {tp} ranks")
     # Same weights and inputs on every rank; fresh ones each run unless a seed is given.
     seed = a.seed if a.seed is not None else int(time.time_ns() % 2**31)
@@ -509,22 +509,57 @@ def backend_error(backend: str, world_size: int) -> str | None:
     return None
 
 
-def model_error(a: DemoArgs) -> str | None:
-    """Why the model cannot be built with these options, checked before any rank starts."""
+def _multiple(name: str, value: int, by: int, by_name: str, why: str) -> list[str]:
+    """``[sentence]`` when ``value`` (option ``name``) is not a multiple of ``by`` (option ``by_name``), else []."""
+    if by < 1 or value % by == 0:
+        return []
+    return [f"{name} {value} must be a multiple of {f'{by_name} ' if by_name else ''}{by} ({why})"]
+
+
+def size_errors(a: DemoArgs) -> list[str]:
+    """Every size the chosen model's sharding cannot take, one sentence each (checked before any rank starts)."""
+    world = a.world_size
+    sizes = {"--dim": a.dim, "--ffn": a.ffn, "--batch": a.batch}
+    if a.model == "llama":
+        sizes.update({"--heads": a.heads, "--seq": a.seq})
     if a.model == "moe":
-        if a.experts % a.world_size:
-            return f"--experts {a.experts} must be a multiple of --world-size {a.world_size}"
+        sizes.update({"--tokens": a.tokens, "--experts": a.experts})
+    if a.model == "dlrm":
+        sizes.update({"--tables": a.tables, "--rows": a.rows, "--bag-size": a.bag_size, "--dense-in": a.dense_in})
+    errors = [f"{name} must be at least 1, not {value}" for name, value in sizes.items() if value < 1]
+    if errors:
+        return errors
+    if a.model == "llama":
+        errors += _multiple("--dim", a.dim, a.heads, "--heads", "every head has dim / heads features")
+        errors += _multiple("--heads", a.heads, world, "--world-size", "tensor parallelism gives each rank whole heads")
+        errors += _multiple("--ffn", a.ffn, world, "--world-size", "the feed-forward layers are sharded on it")
+        if a.sequence_parallel:
+            errors += _multiple("--seq", a.seq, world, "--world-size", "sequence parallelism shards it")
+    if a.model == "moe":
+        errors += _multiple("--experts", a.experts, world, "--world-size", "each rank holds experts / world-size")
         if not 1 <= a.top_k <= a.experts:
-            return f"--top-k {a.top_k} must be between 1 and --experts {a.experts}"
+            errors.append(f"--top-k {a.top_k} must be between 1 and --experts {a.experts}")
+        if a.expert_form == "grouped":
+            # torch._grouped_mm takes rows whose stride is a multiple of 16 bytes.
+            align = 16 // DTYPES[a.dtype].itemsize
+            errors += _multiple("--dim", a.dim, align, "", f"torch._grouped_mm's 16-byte rows in {a.dtype}")
+            errors += _multiple("--ffn", a.ffn, align, "", f"torch._grouped_mm's 16-byte rows in {a.dtype}")
+    if a.model == "dlrm":
+        errors += _multiple("--tables", a.tables, world, "--world-size", "each rank holds tables / world-size")
+    return errors
+
+
+def model_error(a: DemoArgs) -> str | None:
+    """Why the model cannot be built with these options, in one line, checked before any rank starts."""
+    errors = size_errors(a)
+    if a.model == "moe":
         if a.expert_form == "bmm" and a.capacity_factor is None:
-            return "--expert-form bmm needs --capacity-factor (a dropless layer's experts get uneven groups)"
+            errors.append("--expert-form bmm needs --capacity-factor (a dropless layer's experts get uneven groups)")
         if a.capacity_factor is not None and a.capacity_factor <= 0:
-            return f"--capacity-factor must be positive, not {a.capacity_factor}"
+            errors.append(f"--capacity-factor must be positive, not {a.capacity_factor}")
         if a.expert_form == "grouped" and a.dtype != "bfloat16":
-            return f"--expert-form grouped compiles in bfloat16 only (torch._grouped_mm), not {a.dtype}"
-    if a.model == "dlrm" and a.tables % a.world_size:
-        return f"--tables {a.tables} must be a multiple of --world-size {a.world_size}"
-    return None
+            errors.append(f"--expert-form grouped compiles in bfloat16 only (torch._grouped_mm), not {a.dtype}")
+    return "; ".join(errors) or None
 
 
 def headline(a: DemoArgs, backend: str) -> str:

@@ -155,3 +155,51 @@ def test_demo_refuses_a_model_it_cannot_build(monkeypatch, capsys, argv, message
     monkeypatch.setattr(fluxcompile.testing, "RankPool", no_pool)
     assert demo.main(["--backend", "gloo", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, problems",
+    [
+        (
+            ["--world-size", "3"],
+            ["--heads 8 must be a multiple of --world-size 3", "--ffn 688 must be a multiple of --world-size 3",
+             "--seq 64 must be a multiple of --world-size 3"],
+        ),
+        (
+            ["--dim", "100", "--heads", "3"],
+            ["--dim 100 must be a multiple of --heads 3", "--heads 3 must be a multiple of --world-size 2"],
+        ),
+        (
+            ["--world-size", "3", "--seq", "66", "--heads", "6"],
+            ["--dim 256 must be a multiple of --heads 6", "--ffn 688 must be a multiple of --world-size 3"],
+        ),
+        (["--seq", "0"], ["--seq must be at least 1, not 0"]),
+        (["--model", "moe", "--dim", "100"], ["--dim 100 must be a multiple of 8"]),
+    ],
+)  # fmt: skip
+def test_demo_refuses_sizes_its_sharding_cannot_take(monkeypatch, capsys, argv, problems):
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(fluxcompile.testing, "RankPool", no_pool)
+    assert demo.main(["--backend", "gloo", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fluxcompile demo: "), err
+    found = [p.split(" (")[0] for p in err[0].removeprefix("fluxcompile demo: ").split("; ")]
+    assert found == problems, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--no-sequence-parallel", "--world-size", "3", "--heads", "6", "--dim", "252", "--ffn", "690", "--seq", "7"],
+        ["--world-size", "3", "--heads", "6", "--dim", "252", "--ffn", "690", "--seq", "66"],
+        ["--model", "moe"],
+        ["--model", "moe", "--capacity-factor", "1.5", "--expert-form", "bmm", "--dim", "100"],
+        ["--model", "dlrm"],
+    ],
+)
+def test_demo_accepts_sizes_its_sharding_takes(argv):
+    a, _ = demo.parse(["--backend", "gloo", *argv])
+    assert demo.model_error(a) is None
