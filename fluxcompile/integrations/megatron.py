@@ -34,8 +34,9 @@ matmuls:
     dim 0 (sequence parallelism); ``grad_weight = grad_output.t() @ input``, the input all-gathered again on
     dim 0 under sequence parallelism (Megatron saves the shard, not the gathered input);
     ``grad_bias = grad_output.sum(0)``. Calls with ``gradient_accumulation_fusion`` (Apex's fused
-    weight-gradient accumulation into ``main_grad``) or a ``grad_output_buffer`` (deferred embedding
-    weight gradients) go to Megatron's function unchanged.
+    weight-gradient accumulation into ``main_grad``), a ``grad_output_buffer`` (deferred embedding
+    weight gradients) or GTP-sharded weights (``gtp_remat_size > 1``, megatron-core 0.19) go to Megatron's
+    function unchanged.
   * ``linear_with_frozen_weight`` (weights that do not require grad): the same class with ``frozen``, i.e.
     Megatron's ``LinearWithFrozenWeight`` (no weight or bias gradient, only the weight saved) after its
     sequence-parallel gather.
@@ -59,6 +60,12 @@ Uncompiled calls run the same code while enabled: blocking collectives, so the o
 from its asynchronous handles (the input-gradient collective beside the weight-gradient GEMM) is gone there; the
 fused ops are where the compiled layers overlap.
 
+Releases: tested with megatron-core 0.16.1 and 0.19.2 (0.19 dropped the linear functions'
+``async_grad_allreduce`` and added ``gtp_remat_size`` after ``tp_group``: the replacements read those arguments by
+name). Before it replaces anything, ``enable()`` checks that every function above exists and takes the parameters
+its replacement understands; where one does not, it raises one ``RuntimeError`` line naming the release and each
+function that is missing or changed, and replaces nothing.
+
 ``enable()`` also installs the rewrite pass into plain Inductor (``fluxcompile.enable()``), so
 ``torch.compile(model)`` fuses as ``torch.compile(model, backend="fluxcompile")`` does;
 ``enable(inductor=False)`` replaces Megatron's functions only. :func:`disable` restores everything
@@ -68,6 +75,7 @@ fused ops are where the compiled layers overlap.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -77,7 +85,8 @@ from torch.distributed import _functional_collectives as funcol
 from .. import backend
 from ..fx_passes import FluxcompilePass
 
-EXPECTED_MEGATRON = "0.16"
+# The releases tests/test_megatron.py runs on; enable() accepts any release whose functions match.
+TESTED_MEGATRON = ("0.16.1", "0.19.2")
 MAPPINGS = "megatron.core.tensor_parallel.mappings"
 LAYERS = "megatron.core.tensor_parallel.layers"
 PACKAGE = "megatron.core.tensor_parallel"
@@ -216,6 +225,14 @@ def _tp_group(tp_group: dist.ProcessGroup | None, communicates: bool) -> dist.Pr
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def _trailing_arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a linear function after :data:`LEADING`, by name: positional ones in the order of the
+    installed Megatron's parameters (it differs between releases), keyword ones as given."""
+    named = dict(zip(_trailing[name], args))
+    named.update(kwargs)
+    return named
+
+
 def linear_with_grad_accumulation_and_async_allreduce(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -223,19 +240,20 @@ def linear_with_grad_accumulation_and_async_allreduce(
     gradient_accumulation_fusion: bool,
     allreduce_dgrad: bool,
     sequence_parallel: bool,
-    grad_output_buffer: list[torch.Tensor] | None = None,
-    wgrad_deferral_limit: int | None = 0,
-    async_grad_allreduce: bool | None = None,
-    tp_group: dist.ProcessGroup | None = None,
+    *args: Any,
+    **kwargs: Any,
 ) -> torch.Tensor:
-    """Megatron's function of the same name (same arguments), through :class:`LinearWithFunctionalCollectives`."""
-    if gradient_accumulation_fusion or grad_output_buffer is not None:
+    """Megatron's function of the same name (the same arguments in every supported release: ``grad_output_buffer``,
+    ``wgrad_deferral_limit``, ``tp_group``, and ``async_grad_allreduce`` (0.16) or ``gtp_remat_size`` (0.19)),
+    through :class:`LinearWithFunctionalCollectives`. Apex's weight-gradient fusion, deferred weight gradients and
+    GTP-sharded weights (``gtp_remat_size > 1``) go to Megatron's function unchanged."""
+    rest = _trailing_arguments(LINEAR, args, kwargs)
+    if gradient_accumulation_fusion or rest.get("grad_output_buffer") is not None or rest.get("gtp_remat_size", 1) > 1:
         original = _originals[(LAYERS, LINEAR)]
         return original(
-            input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-            grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group,
-        )  # fmt: skip
-    group = _tp_group(tp_group, allreduce_dgrad or sequence_parallel)
+            input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, *args, **kwargs
+        )
+    group = _tp_group(rest.get("tp_group"), allreduce_dgrad or sequence_parallel)
     return LinearWithFunctionalCollectives.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, group, False)
 
 
@@ -246,19 +264,22 @@ def linear_with_frozen_weight(
     gradient_accumulation_fusion: bool,
     allreduce_dgrad: bool,
     sequence_parallel: bool,
-    tp_group: dist.ProcessGroup | None,
-    grad_output_buffer: list[torch.Tensor] | None = None,
-    wgrad_deferral_limit: None = None,
-    async_grad_allreduce: bool | None = None,
+    *args: Any,
+    **kwargs: Any,
 ) -> torch.Tensor:
-    """Megatron's function of the same name (same arguments), through :class:`LinearWithFunctionalCollectives`."""
-    if grad_output_buffer is not None or wgrad_deferral_limit is not None:
-        original = _originals[(LAYERS, FROZEN)]  # which refuses them, with its message
+    """Megatron's function of the same name (same arguments), through :class:`LinearWithFunctionalCollectives`.
+    What Megatron's refuses (``grad_output_buffer``, ``wgrad_deferral_limit``) and GTP-sharded weights go to it."""
+    rest = _trailing_arguments(FROZEN, args, kwargs)
+    if (
+        rest.get("grad_output_buffer") is not None
+        or rest.get("wgrad_deferral_limit") is not None
+        or rest.get("gtp_remat_size", 1) > 1
+    ):
+        original = _originals[(LAYERS, FROZEN)]
         return original(
-            input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, tp_group,
-            grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce,
-        )  # fmt: skip
-    group = _tp_group(tp_group, allreduce_dgrad or sequence_parallel)
+            input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, *args, **kwargs
+        )
+    group = _tp_group(rest.get("tp_group"), allreduce_dgrad or sequence_parallel)
     return LinearWithFunctionalCollectives.apply(input, weight, bias, allreduce_dgrad, sequence_parallel, group, True)
 
 
@@ -274,6 +295,18 @@ REPLACEMENTS: dict[tuple[str, str], Any] = {
 }
 
 
+# The parameters the two linear functions take first, in this order, in every supported release.
+LEADING = ("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
+# The parameters after LEADING that the replacements understand, in any order (0.16: ..., async_grad_allreduce,
+# tp_group; 0.19: ..., tp_group, gtp_remat_size).
+TRAILING = {
+    LINEAR: {"grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group", "gtp_remat_size"},
+    FROZEN: {"tp_group", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "gtp_remat_size"},
+}
+# name -> the installed function's parameters after LEADING, in its order (set by enable()).
+_trailing: dict[str, tuple[str, ...]] = {}
+
+
 def megatron_version() -> str:
     try:
         from megatron.core import package_info
@@ -283,8 +316,35 @@ def megatron_version() -> str:
         return f"not importable ({type(e).__name__}: {e})"
 
 
+def _parameters(fn: Any) -> list[str] | None:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _differs(module: str, name: str, original: Any) -> str | None:
+    """How Megatron's ``module.name`` differs from what its replacement takes, or None."""
+    where = f"{module}.{name}"
+    if not callable(original):
+        return f"{where} (not found)"
+    params = _parameters(original)
+    if params is None:
+        return f"{where} (no signature to check)"
+    if name in TRAILING:
+        unknown = [p for p in params[len(LEADING) :] if p not in TRAILING[name]]
+        if params[: len(LEADING)] != list(LEADING):
+            return f"{where}({', '.join(params)}) (expected it to begin with {', '.join(LEADING)})"
+        if unknown:
+            return f"{where} (unknown parameters: {', '.join(unknown)})"
+        return None
+    expected = _parameters(REPLACEMENTS[(module, name)])
+    return None if params == expected else f"{where}({', '.join(params)}) (expected ({', '.join(expected)}))"
+
+
 def check_layout() -> str:
-    """Megatron-core's version; raises naming the version and every missing name if the layout differs."""
+    """Megatron-core's version; raises one line naming the version and every function that is missing or takes
+    other parameters than its replacement understands."""
     version = megatron_version()
     missing = []
     for module, name in REPLACEMENTS:
@@ -293,12 +353,13 @@ def check_layout() -> str:
         except Exception as e:
             missing.append(f"{module} ({type(e).__name__}: {e})")
             continue
-        if not callable(getattr(mod, name, None)):
-            missing.append(f"{module}.{name}")
+        problem = _differs(module, name, getattr(mod, name, None))
+        if problem:
+            missing.append(problem)
     if missing:
         raise RuntimeError(
-            f"fluxcompile's Megatron integration was written against megatron-core {EXPECTED_MEGATRON}; "
-            f"megatron-core {version} lacks: " + "; ".join(missing)
+            f"fluxcompile's Megatron integration (tested with megatron-core {', '.join(TESTED_MEGATRON)}) cannot "
+            f"replace the collectives of megatron-core {version}: " + "; ".join(missing)
         )
     return version
 
@@ -312,6 +373,8 @@ def enable(inductor: bool = True) -> None:
         for (module, name), replacement in REPLACEMENTS.items():
             mod = importlib.import_module(module)
             _originals[(module, name)] = getattr(mod, name)
+            if name in TRAILING:
+                _trailing[name] = tuple(_parameters(_originals[(module, name)])[len(LEADING) :])
             setattr(mod, name, replacement)
     if inductor and not _inductor_enabled:
         from torch._inductor import config as inductor_config
@@ -328,6 +391,7 @@ def disable() -> None:
     for (module, name), original in list(_originals.items()):
         setattr(importlib.import_module(module), name, original)
     _originals.clear()
+    _trailing.clear()
     if _inductor_enabled:
         backend.disable()
         _inductor_enabled = False

@@ -45,7 +45,7 @@ from fluxcompile.integrations import megatron as flux_megatron
 from fluxcompile.testing import fresh_compiles
 from fluxcompile.testing.numerics import TOLERANCE, grad_errors, rel_err
 
-EXPECTED_MEGATRON = flux_megatron.EXPECTED_MEGATRON
+TESTED_MEGATRON = flux_megatron.TESTED_MEGATRON
 SIZES = {"hidden": 64, "ffn": 128, "heads": 4, "seq": 16, "batch": 2}
 
 
@@ -162,10 +162,21 @@ def build(module: str, cfg: Any) -> nn.Module:
 
     spec = get_gpt_layer_local_spec()
     if module == "mlp":
-        return WithBias(build_module(spec.submodules.mlp, config=cfg))
+        return WithBias(build_mlp(spec.submodules.mlp, cfg))
     if module == "attention":
         return AttentionLinears(build_module(spec.submodules.self_attention, config=cfg, layer_number=1))
     raise ValueError(f"unknown module {module!r} (mlp or attention)")
+
+
+def build_mlp(mlp_spec: Any, cfg: Any) -> nn.Module:
+    """Megatron's ``MLP`` from the layer spec's ``mlp``: a ``ModuleSpec`` (megatron-core 0.16), or a
+    ``functools.partial`` of ``MLP.as_mlp_submodule`` with its ``submodules`` (0.19)."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    if isinstance(mlp_spec, ModuleSpec):
+        return build_module(mlp_spec, config=cfg)
+    return MLP(config=cfg, submodules=mlp_spec.keywords["submodules"])
 
 
 @dataclasses.dataclass
