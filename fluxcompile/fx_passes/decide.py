@@ -8,7 +8,9 @@ collective and cuBLAS matmuls). Whatever it picks is agreed on every rank of the
 lookup, cached on disk, and kept in the process's memo, so the fused op's first call finds it without tuning.
 
 * The decomposition wins (or no fused choice supports the site, or none is registered for the op on this
-  device): the original ops stay, and the report says why. Such a site costs what plain Inductor's code costs.
+  device, or the group's ranks are not all reachable by P2P, which every fused choice's symmetric memory needs:
+  symm_mem/topology.py): the original ops stay, and the report says why. Such a site costs what plain Inductor's
+  code costs.
 * A fused choice wins: the site is rewritten, and the winner's name is written into the fused op's ``choice``
   argument (lowerings/compiled.py), so the compiled code runs it with no lookup, collective or tuning, also when
   Inductor replays the graph from its cache.
@@ -49,6 +51,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 from ..config import Config
+from ..symm_mem.topology import no_peer_access
 from .graph_utils import val
 
 
@@ -80,6 +83,8 @@ def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> D
 
     if all(c.name == REFERENCE for c in choices_for(op_name)):
         return Decision(f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are")
+    if why := no_peer_access(group_name, cfg.choose_timeout_s):
+        return Decision(f"no symmetric-memory choice of {op_name}: {why}; the collective and matmuls stay as they are")
     symbols = _free_symbols(args)
     if not symbols:
         _meet(group_name, f"{op_name}{[tuple(t.shape) for t in fakes]}", cfg.choose_timeout_s)

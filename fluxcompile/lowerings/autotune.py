@@ -62,6 +62,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..config import config
 from ..symm_mem.persistent import persistent
+from ..symm_mem.topology import no_peer_access
 from ..version import __version__
 from . import compiled as _compiled
 from .choices import REFERENCE, Choice, choices_for
@@ -210,7 +211,9 @@ def _select(
     names = [c.name for c in candidates]
     path = cache_path(op_name, key)
     cached = _read_cache(path, key) if config.autotune else None
-    reasons = [c.declines(*args) for c in candidates]
+    # Symmetric-memory choices decline alike on every rank where the group's ranks are not all reachable by P2P.
+    no_peers = no_peer_access(group) if any(c.symmetric_memory for c in candidates) else None
+    reasons = [no_peers if no_peers and c.symmetric_memory else c.declines(*args) for c in candidates]
     # One message per rank: its registry (must match), its cached winner, its reasons to decline.
     infos: list[Any] = [None] * group.size()
     dist.all_gather_object(infos, (names, cached, reasons), group=group)

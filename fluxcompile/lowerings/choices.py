@@ -32,12 +32,15 @@ class Choice:
     """One implementation of a fused op.
 
     ``fn`` has the fused op's signature and outputs (``ops.py``); ``supports(*args)`` returns None when
-    ``fn`` handles these arguments, else the reason it does not.
+    ``fn`` handles these arguments, else the reason it does not. ``symmetric_memory``: ``fn`` reaches the
+    peers' memory (every fused choice), so it declines on a group whose ranks are not all reachable by P2P
+    (symm_mem/topology.py); the reference (the collective, then the matmuls) does not.
     """
 
     name: str
     fn: Callable[..., Any]
     supports: Callable[..., str | None] = _supports_all
+    symmetric_memory: bool = True
 
     def __post_init__(self) -> None:
         family, _, variant = self.name.partition(":")
@@ -77,4 +80,4 @@ def choices_for(op_name: str) -> list[Choice]:
 
 # The reference implementation of every fused op (ops.py) is its "reference" choice.
 for _op in ops.FUSED_OPS:
-    register_choice(_op, Choice(REFERENCE, ops.REFERENCES[_op]))
+    register_choice(_op, Choice(REFERENCE, ops.REFERENCES[_op], symmetric_memory=False))

@@ -32,6 +32,7 @@ import torch
 from torch.fx import Node
 from torch.fx.operator_schemas import normalize_function
 
+from ..symm_mem.topology import no_peer_access
 from ..symm_mem.workspace import enable_group
 
 log = logging.getLogger("fluxcompile.comm_buffers")
@@ -111,6 +112,8 @@ def realize_shard(A: Any, node: Node | None, group_name: str | None) -> bool:
     from torch._inductor.comm_lowering import realize_as_comm_buffer
 
     why = "no group_name argument" if not isinstance(group_name, str) else why_not_symm_mem(A, node)
+    if why is None:
+        why = no_peer_access(group_name)
     if why is None:
         try:
             enable_group(group_name)  # before the generated code allocates with the group's symmetric memory

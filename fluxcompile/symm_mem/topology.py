@@ -1,0 +1,121 @@
+"""Where the ranks of a group run, and whether every rank can reach every other's memory by P2P.
+
+Symmetric memory maps each rank's buffer into its peers' address spaces (CUDA IPC), which works only between GPUs
+of one host that can access each other's memory. A group that spans several hosts, or GPUs without peer access,
+has no symmetric-memory choice: those choices decline with :func:`no_peer_access`'s reason and the unfused
+collective (NCCL) runs instead, rather than failing at the first exchange.
+
+The layout is read once per group and cached: every rank publishes, through the default store, its host (host
+name and boot id, :func:`host_identity`), its current CUDA device and which local devices that device can access
+(``torch.cuda.can_device_access_peer``); every rank reads all of them and computes the same answer, so the
+decision is identical on all ranks. Reading it is a meeting of the group: every rank of the group must ask, in the
+same order of groups (the compile-time choice and the autotuner ask at the same points on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..config import config
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each rank of a group runs (by group rank), and why symmetric memory cannot span it (None: it can)."""
+
+    hosts: tuple[str, ...]
+    devices: tuple[int, ...]  # each rank's CUDA device index on its host, -1 without CUDA
+    no_peer_access: str | None
+
+
+_layouts: dict[str, Layout] = {}
+_reads: dict[str, int] = {}  # group name -> layouts read (a new read after clear() uses fresh store keys)
+
+
+def host_identity() -> str:
+    """This process's host: its host name and boot id (two hosts may share a name; containers share a boot id)."""
+    try:
+        with open(BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _this_rank() -> dict:
+    device, peers = -1, []
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        n = torch.cuda.device_count()
+        peers = [j == device or torch.cuda.can_device_access_peer(device, j) for j in range(n)]
+    return {"host": host_identity(), "device": device, "peers": peers}
+
+
+def _reason(ranks: list[dict]) -> str | None:
+    """Why the ranks (as published) cannot all reach each other by P2P, or None."""
+    hosts = list(dict.fromkeys(r["host"] for r in ranks))
+    if len(hosts) > 1:
+        where = "; ".join(
+            f"{h.partition('/')[0]}: ranks {[i for i, r in enumerate(ranks) if r['host'] == h]}" for h in hosts
+        )
+        return f"the group spans {len(hosts)} hosts ({where}), and symmetric memory reaches only the GPUs of one host"
+    for i, a in enumerate(ranks):
+        for j, b in enumerate(ranks):
+            d = b["device"]
+            if i != j and a["device"] >= 0 and d >= 0 and not (d < len(a["peers"]) and a["peers"][d]):
+                return (
+                    f"ranks {i} and {j} (GPUs {a['device']} and {d}) cannot access each other's memory (no P2P), "
+                    "which symmetric memory needs"
+                )
+    return None
+
+
+def layout(group: dist.ProcessGroup | str, timeout_s: float | None = None) -> Layout:
+    """The group's layout (read once per group, then cached): a meeting of every rank of the group, bounded by
+    ``timeout_s`` (default ``config.choose_timeout_s``)."""
+    if isinstance(group, str):
+        group_name = group
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+    else:
+        group_name = group.group_name
+    if group_name in _layouts:
+        return _layouts[group_name]
+    rank, world = group.rank(), group.size()
+    mine = _this_rank()
+    if world == 1:
+        ranks = [mine]
+    else:
+        n = _reads[group_name] = _reads.get(group_name, 0) + 1
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"fluxcompile/layout/{group_name}/{n}/{r}" for r in range(world)]
+        store.set(keys[rank], json.dumps(mine))
+        timeout = config.choose_timeout_s if timeout_s is None else timeout_s
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception as e:
+            raise RuntimeError(
+                f"fluxcompile: rank {rank}: reading the layout of group {group_name} waited {timeout:g} s for the "
+                f"group's other ranks ({type(e).__name__}): every rank of the group must compile the same graphs"
+            ) from None
+        ranks = [json.loads(store.get(k)) for k in keys]
+    result = Layout(tuple(r["host"] for r in ranks), tuple(r["device"] for r in ranks), _reason(ranks))
+    _layouts[group_name] = result
+    return result
+
+
+def no_peer_access(group: dist.ProcessGroup | str, timeout_s: float | None = None) -> str | None:
+    """Why no symmetric-memory choice can run on the group (its ranks are not all reachable by P2P), or None."""
+    return layout(group, timeout_s).no_peer_access
+
+
+def clear() -> None:
+    """Forget every group's layout: the next question reads it again (every rank of the group must clear alike)."""
+    _layouts.clear()
