@@ -51,11 +51,28 @@ def _kind(graph: Graph, is_inference: bool | None) -> str:
     return "inference" if is_inference else "forward"
 
 
+def _merge_waits(graph: Graph) -> bool:
+    """One ``wait_tensor`` per collective: where a collective's only users are several waits (torch 2.15's
+    AOTAutograd keeps the backward's wait of a gather it moved into the forward beside the forward's own), the
+    later waits' users take the first one. A wait returns its collective's result, so they are the same tensor."""
+    merged = False
+    for node in list(graph.nodes):
+        waits = list(node.users)
+        if len(waits) > 1 and all(w.target is c10d.wait_tensor.default for w in waits):
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            first, *later = sorted(waits, key=order.__getitem__)
+            for w in later:
+                w.replace_all_uses_with(first)
+                graph.erase_node(w)
+            merged = True
+    return merged
+
+
 def rewrite_graph(graph: Graph, cfg: Config | None = None, is_inference: bool | None = None) -> GraphReport:
     """Fuse what can be fused in ``graph`` (in place) and return the report of its collectives."""
     cfg = cfg or config
     report = new_graph_report(_kind(graph, is_inference))
-    changed = False
+    changed = _merge_waits(graph)
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) or node.op != "call_function":
             continue
