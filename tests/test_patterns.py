@@ -252,6 +252,52 @@ def case_rs_dim1_nd(c: Ctx) -> Case:
     )
 
 
+def case_rs_permuted_dim1(c: Ctx) -> Case:
+    # torchtitan's spmd_types backend scatters the tokens (dim 1) as permute -> contiguous -> reduce_scatter on
+    # dim 0 -> permute back; its activation checkpointing also saves the un-waited result.
+    def f(a, w):
+        p = torch.mm(a, w).reshape(2, 8, 10).permute(1, 0, 2).contiguous()
+        rs = c10d.reduce_scatter_tensor(p, "sum", c.ws, c.group_name)
+        return c10d.wait_tensor(rs).permute(1, 0, 2), rs
+
+    return Case(
+        f,
+        [c.randn(16, 12), c.randn(12, 10)],
+        [(RS, MMRS, ("scatter dim 1 (of the input permuted by [1, 0, 2])", "sum of 1 matmul(s)"))],
+    )
+
+
+def case_ag_sliced_dim1(c: Ctx) -> Case:
+    # torchtitan's spmd_types backend gathers the tokens (dim 1) as all_gather on dim 0 -> one slice per rank -> cat.
+    def f(x, w):
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, c.ws, c.group_name))
+        rows = x.shape[0]
+        h = torch.cat([g[r * rows : (r + 1) * rows] for r in range(c.ws)], dim=1)
+        return torch.mm(h.reshape(-1, 16), w)
+
+    return Case(
+        f,
+        [c.randn(2, 4, 16), c.randn(16, 12)],
+        [(AG, AGMM, ("gather dim 1", "1 matmul(s)"))],
+        traced=("aten.slice", "aten.cat"),
+        mm_outputs=(1,),
+    )
+
+
+def case_no_ag_slices_reordered(c: Ctx) -> Case:
+    def f(x, w):
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, c.ws, c.group_name))
+        rows = x.shape[0]
+        h = torch.cat([g[r * rows : (r + 1) * rows] for r in reversed(range(c.ws))], dim=1)
+        return torch.mm(h.reshape(-1, 16), w)
+
+    return Case(
+        f,
+        [c.randn(2, 4, 16), c.randn(16, 12)],
+        [(AG, None, ("the slices of the gathered tensor are not its rank chunks in order",))],
+    )
+
+
 def case_rs_addmm(c: Ctx) -> Case:
     def f(a, w, b):
         return _reduce_scatter(torch.addmm(b, a, w.t()), "sum", 0, c.group)
@@ -761,6 +807,7 @@ BF16 = [
     "ag_qkv",
     "rs_dim0",
     "rs_dim1_nd",
+    "rs_permuted_dim1",
     "rs_sum2",
     "ar_bias",
     "a2a_mm_uneven",

@@ -3,7 +3,8 @@
 Matched forms, after ``wait_tensor(all_gather_into_tensor(shard))``:
   * gather on dim 0: the waited tensor itself;
   * gather on dim d > 0: ``cat(split(waited, rows, dim=0), dim=d)`` — what DTensor and
-    ``all_gather_tensor`` emit — with the chunks in rank order;
+    ``all_gather_tensor`` emit — or the chunks taken by ``slice``s on dim 0 (torchtitan's ``spmd_types``
+    backend), with the chunks in rank order;
 then optionally a permute that keeps the last dim last (moved onto the shard: gathering the permuted
 shard gives the permuted gathered tensor), then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``.
 """
@@ -53,6 +54,8 @@ class AllGatherMatmulMatch:
 def gathered_form(wait: Node, group_size: int) -> tuple[Node, int, list[Node]] | str:
     """(gathered tensor, gather dim, nodes between) for the dim-0 and the split/cat forms."""
     users = list(wait.users)
+    if users and all(is_call(u, aten.slice.Tensor) for u in users):
+        return _sliced_form(wait, group_size)
     if not (len(users) == 1 and is_call(users[0], aten.split.Tensor, aten.split_with_sizes.default)):
         return wait, 0, [wait]
     split = users[0]
@@ -73,6 +76,40 @@ def gathered_form(wait: Node, group_size: int) -> tuple[Node, int, list[Node]] |
     ndim = len(shape(cat) or ())
     dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % max(ndim, 1)
     return cat, dim, [wait, split, *getitems, cat]
+
+
+def _sliced_form(wait: Node, group_size: int) -> tuple[Node, int, list[Node]] | str:
+    """The dim>0 form with the chunks taken by one ``slice`` each: ``cat([waited[0:r], waited[r:2r], ...], d)``."""
+    slices = list(wait.users)
+    cats = {u for s in slices for u in s.users}
+    total = static_int((shape(wait) or (None,))[0])
+    if total is None or len(cats) != 1 or any(len(s.users) != 1 for s in slices):
+        return wait, 0, [wait]
+    (cat,) = cats
+    if not is_call(cat, aten.cat.default) or set(cat.args[0]) != set(slices) or len(cat.args[0]) != len(slices):
+        return wait, 0, [wait]
+    if len(slices) != group_size:
+        return f"gathered tensor sliced into {len(slices)} chunks but the group has {group_size} ranks"
+    rows_per_rank = total // group_size
+    expected = [(0, r * rows_per_rank, (r + 1) * rows_per_rank, 1) for r in range(group_size)]
+    if [_slice_bounds(s, total) for s in cat.args[0]] != expected:
+        return "the slices of the gathered tensor are not its rank chunks in order"
+    ndim = len(shape(cat) or ())
+    dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % max(ndim, 1)
+    return cat, dim, [wait, *slices, cat]
+
+
+def _slice_bounds(node: Node, size: int) -> tuple[int | None, ...]:
+    """(dim, start, end, step) of an ``aten.slice`` on a dim of ``size`` elements, None where not static."""
+    args = [*node.args[1:], *([None] * 4)][:4]
+    dim, start, end, step = (node.kwargs.get(k, a) for k, a in zip(("dim", "start", "end", "step"), args))
+    dim, step = static_int(0 if dim is None else dim), static_int(1 if step is None else step)
+    start, end = static_int(0 if start is None else start), static_int(size if end is None else end)
+    if start is not None and start < 0:
+        start += size
+    if end is not None:
+        end = min(end + size if end < 0 else end, size)
+    return dim, start, end, step
 
 
 def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:

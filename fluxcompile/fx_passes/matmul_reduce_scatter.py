@@ -4,6 +4,9 @@ Matched forms of the collective's input:
   * scatter on dim 0: the (reshaped) matmul output itself;
   * scatter on dim d > 0: ``cat(split(x, rows, dim=d), dim=0)`` — what DTensor emits for a
     sequence-parallel ``RowwiseParallel(output_layouts=Shard(1))`` — with the chunks in order;
+  * scatter on dim d = perm[0]: ``permute(x, perm)`` (made contiguous by a ``clone``) scattered on dim 0, its
+    result permuted back by the graph — what torchtitan's ``spmd_types`` backend emits; the fused op's result is
+    permuted by ``perm`` in place of the collective's;
 and ``x`` made of ``mm``/``addmm`` outputs through reshapes and ``add`` (the backward's ``add(mm, mm)``).
 """
 
@@ -12,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import operator
 
+import torch
 from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
 from .decide import decide
-from .graph_utils import aten, is_call, shape, single_wait
+from .graph_utils import aten, c10d, call, is_call, shape, single_wait
 from .matmuls import Producers
 from .report import Entry
 from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_producers
@@ -36,6 +40,7 @@ class MatmulReduceScatterMatch:
     group_size: int
     group_name: str
     producers: Producers
+    result_perm: list[int] | None = None  # the permuted form's perm, applied to the fused op's result
 
     def fused_args(self) -> tuple:
         terms = self.producers.terms
@@ -49,6 +54,21 @@ class MatmulReduceScatterMatch:
             self.group_size,
             self.group_name,
         )
+
+
+def permuted_form(inp: Node) -> tuple[Node, list[int], list[Node]] | None:
+    """(tensor being permuted, perm, nodes between) when ``inp`` is ``x`` permuted (and made contiguous) alone."""
+    layout = []
+    if is_call(inp, aten.clone.default) and len(inp.users) == 1 and set(inp.kwargs) <= {"memory_format"}:
+        layout.append(inp)
+        inp = inp.args[0]
+    if not (is_call(inp, aten.permute.default) and len(inp.users) == 1):
+        return None
+    ndim = len(shape(inp) or ())
+    perm = [d % ndim for d in inp.args[1]] if ndim else []
+    if ndim < 2 or perm == list(range(ndim)):
+        return None
+    return inp.args[0], perm, [*layout, inp]
 
 
 def scattered_form(inp: Node, group_size: int) -> tuple[Node, int, list[Node]] | str:
@@ -74,14 +94,27 @@ def scattered_form(inp: Node, group_size: int) -> tuple[Node, int, list[Node]] |
     return source, dim, [inp, *parts, split]
 
 
+def saved_and_waited(collective: Node) -> Node | None:
+    """The collective's one wait_tensor when its other users are the graph's output alone: the un-waited result
+    saved for the backward, as activation checkpointing's policies that save collectives' outputs do."""
+    waits = [u for u in collective.users if is_call(u, c10d.wait_tensor.default)]
+    others = [u for u in collective.users if u.op != "output" and u not in waits]
+    return waits[0] if len(waits) == 1 and not others else None
+
+
 def match(node: Node, cfg: Config) -> MatmulReduceScatterMatch | str:
     if why := disabled_reason(cfg, PATTERN):
         return why
     inp, reduce_op, group_size, group_name = node.args[:4]
-    wait = single_wait(node)
+    wait = single_wait(node) or saved_and_waited(node)
     if wait is None:
         return "the reduce_scatter is not waited on by a single wait_tensor"
-    form = scattered_form(inp, group_size)
+    permuted = permuted_form(inp)
+    if permuted is not None:
+        source, perm, layout = permuted
+        form: tuple[Node, int, list[Node]] | str = (source, perm[0], layout)
+    else:
+        perm, form = None, scattered_form(inp, group_size)
     if isinstance(form, str):
         return form
     source, dim, layout = form
@@ -91,7 +124,7 @@ def match(node: Node, cfg: Config) -> MatmulReduceScatterMatch | str:
     producers = matmul_sum(source, "reduce_scatter", cfg)
     if isinstance(producers, str):
         return producers
-    return MatmulReduceScatterMatch(node, wait, source, layout, dim, reduce_op, group_size, group_name, producers)
+    return MatmulReduceScatterMatch(node, wait, source, layout, dim, reduce_op, group_size, group_name, producers, perm)
 
 
 def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
@@ -102,15 +135,26 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     decision = decide(PATTERN, found.fused_args(), found.group_name, cfg)
     if decision.keep:
         return Entry(node.name, "reduce_scatter_tensor", group, None, decision.keep)
-    rewrite_producers(
+    # The saved result (wait_tensor returns the tensor it is given) is the waited one.
+    node.replace_all_uses_with(found.wait, delete_user_cb=lambda user: user is not found.wait)
+    fused = rewrite_producers(
         graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes,
         decision.kwargs(),
     )  # fmt: skip
+    if found.result_perm is not None:
+        # Scattering permute(x, perm) on dim 0 gives x scattered on dim perm[0], permuted by perm; made contiguous
+        # as the collective's result was (a copy of the scattered part only, where the graph copied all of x).
+        with graph.inserting_after(fused):
+            permuted = call(graph, aten.permute.default, (fused, found.result_perm))
+        with graph.inserting_after(permuted):
+            result = call(graph, aten.clone.default, (permuted,), {"memory_format": torch.contiguous_format})
+        fused.replace_all_uses_with(result, delete_user_cb=lambda user: user is not permuted)
+    permuted_note = f" (of the input permuted by {found.result_perm})" if found.result_perm is not None else ""
     return Entry(
         node.name,
         "reduce_scatter_tensor",
         group,
         PATTERN,
-        f"scatter dim {found.scatter_dim}, {describe_sum(found.producers)}"
+        f"scatter dim {found.scatter_dim}{permuted_note}, {describe_sum(found.producers)}"
         + (f"; {decision.note}" if decision.note else ""),
     )
