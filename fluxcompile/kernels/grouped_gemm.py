@@ -551,7 +551,9 @@ def grouped_gemm_kernel(
                     # ordered: this rank's own rows are read from a_local, never waited for.
                     who, _ = _locate(a_rows, my_flags + _INFO, world)
                     if ORDERED:
-                        a_ok = a_ok & (who < world) & (pull_ok != 0)
+                        # tl.where, not `& (pull_ok != 0)`: the mask stays boolean in Triton 3.9's interpreter,
+                        # which widens a scalar condition to int32 when it meets a block (so below too).
+                        a_ok = tl.where(pull_ok != 0, a_ok & (who < world), False)
                         local_off = local_delta + (my_off + a_rows - my_lo).to(tl.int64) * K
                         a_off = tl.where(who == rank, local_off, a_off)
                     for s in range(world):
@@ -587,7 +589,7 @@ def grouped_gemm_kernel(
                     y_ok = j_ok & (yi >= 0) & (yi < y_rows)
                     yi32 = tl.where(y_ok, yi, 0).to(tl.int32)
                     who, start = _locate(yi32, my_flags + _INFO, world)
-                    y_ok = y_ok & (who < world) & (scatter_ok != 0)
+                    y_ok = tl.where(scatter_ok != 0, y_ok & (who < world), False)
                     dst = tl.minimum(who, world - 1)
                     offset = tl.load(my_flags + _INFO + 2 * dst, mask=y_ok, other=0, cache_modifier=".cg")
                     dbase = tl.load(dst_bases + dst, mask=y_ok, other=0)
@@ -600,7 +602,7 @@ def grouped_gemm_kernel(
                         rp = tl.multiple_of(dbase.to(tl.pointer_type(dtype)) + pos, ALIGN)
                         tl.store(rp[:, None] + cols[None, :], acc.to(dtype), mask=m)
                 else:
-                    keep = (j_ok & (tile_ok != 0))[:, None]
+                    keep = tl.where(tile_ok != 0, j_ok, False)[:, None]
                     out_rows = j.to(tl.int64)[:, None]
                     tl.store(c0 + out_rows * n0 + cols[None, :], acc.to(dtype), mask=keep & col_ok[None, :])
                     if DUAL:

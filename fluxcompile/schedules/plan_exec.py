@@ -120,12 +120,18 @@ def plan_exec_kernel(
             for off in range(lo, hi, BLOCK):
                 idx = off + tl.arange(0, BLOCK)
                 m = idx < hi
-                v = tl.load(sp + s_off + idx, mask=m & use_src, other=0.0, cache_modifier=".cg").to(tl.float32)
-                v += tl.load(mbox + r_off + idx, mask=m & use_recv, other=0.0, cache_modifier=".cg").to(tl.float32)
-                v += tl.load(dp + d_off + idx, mask=m & acc_dst, other=0.0, cache_modifier=".cg").to(tl.float32)
+                # `m` where the instruction's flag is set, else all false: tl.where keeps each mask boolean
+                # (Triton 3.9's interpreter widens a scalar condition to int32 when it meets a block, and a load's
+                # or store's mask must be boolean).
+                m_src = tl.where(use_src, m, False)
+                m_recv = tl.where(use_recv, m, False)
+                m_acc = tl.where(acc_dst, m, False)
+                v = tl.load(sp + s_off + idx, mask=m_src, other=0.0, cache_modifier=".cg").to(tl.float32)
+                v += tl.load(mbox + r_off + idx, mask=m_recv, other=0.0, cache_modifier=".cg").to(tl.float32)
+                v += tl.load(dp + d_off + idx, mask=m_acc, other=0.0, cache_modifier=".cg").to(tl.float32)
                 v = v.to(dtype)
-                tl.store(dp + d_off + idx, v, mask=m & store_dst)
-                tl.store(peer_mb + t_off + idx, v, mask=m & do_send)
+                tl.store(dp + d_off + idx, v, mask=tl.where(store_dst, m, False))
+                tl.store(peer_mb + t_off + idx, v, mask=tl.where(do_send, m, False))
         tl.debug_barrier()  # all of the instruction's stores and loads before its signals (cumulative release)
         if do_send:
             pf = tl.load(peer_flags + send_peer).to(tl.pointer_type(tl.int32))
