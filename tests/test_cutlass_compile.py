@@ -11,7 +11,7 @@ from pathlib import Path
 
 import prebuild
 import pytest
-from toolchain import find_cuobjdump, find_nvcc, torch_syntax_check
+from toolchain import find_cuobjdump, find_nvcc, torch_cxx_std, torch_syntax_check
 
 from fluxcompile.kernels import cutlass_gemm
 from fluxcompile.lowerings import extensions
@@ -45,7 +45,7 @@ def _flux_gemm_job(workdir: Path) -> list[str] | str:
     if nvcc is None or include is None:
         return "no nvcc or no CUTLASS headers (nvidia-cutlass, in the test extra)"
     src = _write_sources(workdir) / f"flux_gemm_{VARIANT}.cu"
-    return [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), *extensions.EXTRA_NVCC["flux_gemm"],
+    return [nvcc, f"-std={torch_cxx_std()}", "-O3", extensions.arch_flag((9, 0)), *extensions.EXTRA_NVCC["flux_gemm"],
             f"-I{extensions.CSRC}", *(f"-I{d}" for d in include), "-Xptxas", "-v", "-c", str(src),
             "-o", str(workdir / "v.o")]  # fmt: skip
 
@@ -57,7 +57,7 @@ def _host_job(source: str) -> Callable[[Path], list[str] | str]:
     def make(workdir: Path) -> list[str] | str:
         _write_sources(workdir)
         src = workdir / source if (workdir / source).exists() else extensions.CSRC / source
-        return torch_syntax_check(workdir, src, "c++17", "cuda_runtime.h", [extensions.CSRC])
+        return torch_syntax_check(workdir, src, "cuda_runtime.h", [extensions.CSRC])
 
     return make
 

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton", reason="Triton is needed for the kernel c
 
 import prebuild  # noqa: E402
 from test_kernels_compile import compile_sm90  # noqa: E402
-from toolchain import find_cuobjdump, find_nvcc, torch_syntax_check  # noqa: E402
+from toolchain import find_cuobjdump, find_nvcc, torch_cxx_std, torch_syntax_check  # noqa: E402
 
 from fluxcompile.lowerings import extensions  # noqa: E402
 from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import TRITON_VARIANTS  # noqa: E402
@@ -94,14 +94,14 @@ def _gemv_ar_job(workdir: Path) -> list[str] | str:
     nvcc = find_nvcc()
     if nvcc is None:
         return "no nvcc"
-    return [nvcc, "-std=c++17", "-O3", extensions.arch_flag((9, 0)), "-Xptxas", "-v", "-c",
+    return [nvcc, f"-std={torch_cxx_std()}", "-O3", extensions.arch_flag((9, 0)), "-Xptxas", "-v", "-c",
             str(extensions.CSRC / "gemv_ar.cu"), "-o", str(workdir / "gemv_ar.o")]  # fmt: skip
 
 
 def _pipelined_job(workdir: Path) -> list[str] | str:
     """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers,
     with its cuBLASLt part where the nvidia-cublas wheel's headers are installed (the module's own flags)."""
-    cmd = torch_syntax_check(workdir, extensions.CSRC / "pipelined.cpp", "c++20", "cuda.h")
+    cmd = torch_syntax_check(workdir, extensions.CSRC / "pipelined.cpp", "cuda.h")
     return cmd if isinstance(cmd, str) else [*cmd[:-1], *extensions._host_flags("pipelined"), cmd[-1]]
 
 

@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -94,7 +95,9 @@ def test_pool_kernel_compiles_for_sm90(variant, dtype, signal, tmp_path, monkeyp
     ptx = k.asm["ptx"]
     assert "ld.global.v4" in ptx, "the table rows are not loaded as 16-byte vectors"
     assert "st.global.v4" in ptx or "st.global.v2" in ptx, "the pooled rows are not stored as vectors"
-    assert ("atom.global.sys.release.add.u64" in ptx) == signal, "the counters' release adds at system scope (64-bit)"
+    # atom. or red. (Triton 3.9 emits the reduction where the old value is unused): the same release add
+    release_add = re.search(r"\b(atom|red)\.global\.sys\.release\.add\.u64", ptx) is not None
+    assert release_add == signal, "the counters' release adds at system scope (64-bit)"
 
 
 def test_protocol_kernels_compile_for_sm90(tmp_path, monkeypatch):

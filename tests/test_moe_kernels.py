@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from toolchain import triton_ptxas
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 triton = pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
@@ -111,9 +112,9 @@ def compile_like_launch(kernel, values: dict, constexprs: dict, num_warps: int, 
 
 
 def _ptxas(ptx: str, tmp_path) -> tuple[int, int]:
-    """(registers per thread, bytes spilled) by ptxas for sm_90a (Triton's bundled ptxas, -v)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
+    """(registers per thread, bytes spilled) by ptxas for sm_90a (the ptxas Triton compiles with, -v)."""
+    ptxas = triton_ptxas(90)
+    if ptxas is None:
         pytest.skip("no ptxas bundled with Triton")
     src = tmp_path / "k.ptx"
     src.write_text(ptx)
