@@ -203,3 +203,27 @@ def test_wheel_installs_and_compiles_in_a_fresh_venv(tmp_path):
         assert rr["counts"] == {"all_gather_matmul": 1, "matmul_reduce_scatter": 1, "matmul_all_reduce": 0}, (
             f"rank {rank}: {rr['counts']}\n{rr['report']}"
         )
+
+
+def test_metadata_keeps_the_installed_torch_and_triton():
+    """The declared torch range holds the running torch, and the test extra asks for nothing that would replace it
+    or its Triton: no torch requirement, a Triton range that the running Triton and the default stack's (3.6.0,
+    next to torch 2.13's CPU build) both meet."""
+    import importlib.metadata
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (torch_req,) = [r for r in map(Requirement, project["dependencies"]) if r.name == "torch"]
+    running = torch.__version__.partition("+")[0]
+    assert torch_req.specifier.contains(running), f"torch {running} is outside the declared {torch_req}"
+    extra = [Requirement(r) for r in project["optional-dependencies"]["test"]]
+    assert not [r for r in extra if r.name == "torch"], "the test extra must not ask for torch"
+    (triton_req,) = [r for r in extra if r.name == "triton"]
+    try:
+        versions = {"3.6.0", importlib.metadata.version("triton")}
+    except importlib.metadata.PackageNotFoundError:
+        versions = {"3.6.0"}
+    for v in sorted(versions):
+        assert triton_req.specifier.contains(v), f"the test extra's {triton_req} would replace Triton {v}"
