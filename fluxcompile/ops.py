@@ -94,6 +94,7 @@ group_name) -> (h, normed)``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -187,7 +188,24 @@ def _matmul(
 ) -> Tensor:
     if scale_a is None:
         return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+    rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
+    if a.device.type == "cpu" and rowwise and not _cpu_scaled_mm_takes_rowwise_scales():
+        # The same product from the dequantized operands, in fp32 (torch 2.11's CPU _scaled_mm takes tensor-wise
+        # scales only).
+        out = (a.float() * scale_a.float()) @ (b.float() * scale_b.float())
+        return (out if bias is None else out + bias.float()).to(out_dtype or a.dtype)
     return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+@functools.cache
+def _cpu_scaled_mm_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise and column-wise scales (asked once)."""
+    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_scales(

@@ -283,3 +283,19 @@ def test_bad_arguments_get_clear_errors(ranks):
     assert "one A scale and one B scale per matmul (1), got 1 and None" in msgs[6]
     assert "out_dtype applies to scaled matmuls only" in msgs[7]
     assert "neither one scale nor one per row of A [4, 8]" in msgs[8]
+
+
+@pytest.mark.parametrize("torch_takes_rowwise", [True, False])
+def test_scaled_reference_with_rowwise_scales(monkeypatch, torch_takes_rowwise):
+    """The reference's scaled product with row/column-wise scales, through torch's CPU _scaled_mm where it takes
+    them and from the dequantized operands where it does not (torch 2.11): the same product either way."""
+    if torch_takes_rowwise and not ops._cpu_scaled_mm_takes_rowwise_scales():
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes tensor-wise scales only")
+    monkeypatch.setattr(ops, "_cpu_scaled_mm_takes_rowwise_scales", lambda: torch_takes_rowwise)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    a, b = _fp8(g, 8, 32), _fp8(g, 24, 32).t()
+    sa, sb = torch.rand(8, 1, generator=g) + 0.5, torch.rand(1, 24, generator=g) + 0.5
+    bias = torch.randn(24, generator=g).to(torch.bfloat16)
+    out = ops._matmul(a, b, bias, sa, sb, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (8, 24)
+    assert_close(out, _scaled(a, b, sa, sb, bias), 2e-2, f"rowwise-scaled reference, torch takes rowwise={torch_takes_rowwise}")
