@@ -87,9 +87,10 @@ def test_on_by_default_and_declined_when_switched_off():
 
 
 def test_declined_without_hopper():
-    """On this machine (no GPU, maybe no CUTLASS headers) the reason is the launcher's."""
+    """Where the launcher cannot run (no Hopper GPU, or no CUTLASS headers) every choice declines with its reason."""
     why = cutlass_gemm.unavailable()
-    assert why is not None
+    if why is None:
+        pytest.skip("the CUTLASS launcher runs here (a Hopper GPU and CUTLASS's headers)")
     with config.patch(experimental_cutlass=True):
         for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
             for c in _cutlass(op).values():

@@ -150,8 +150,13 @@ def test_unknown_mode_and_stack_are_refused(tree):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
 def test_make_picks_the_mode_and_the_stack():
+    # The recipes as a user's shell sees them: without the STACK or make flags of a make that runs this suite.
+    env = {k: v for k, v in os.environ.items() if k not in ("STACK", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
     def recipe(*args: str) -> str:
-        return subprocess.run(["make", "-n", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["make", "-n", *args], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+        ).stdout
 
     assert "STACK=default scripts/setup-env\n" in recipe("demo")
     assert "STACK=default scripts/setup-env test\n" in recipe("test")

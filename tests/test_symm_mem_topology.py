@@ -110,7 +110,9 @@ def test_layout_is_read_once_per_group_and_alike_on_every_rank(ranks):
     results = ranks(2).run(layouts)
     assert all(r == results[0] for r in results), results
     one, two = results[0]["one"], results[0]["two"]
-    assert one.no_peer_access is None and len(set(one.hosts)) == 1 and one.devices == (-1, -1), one
+    # Each rank's CUDA device (gloo ranks on a GPU machine share the first), -1 without CUDA.
+    device = 0 if torch.cuda.is_available() else -1
+    assert one.no_peer_access is None and len(set(one.hosts)) == 1 and one.devices == (device, device), one
     assert two.hosts == ("node0/boot0", "node1/boot1"), two
     assert two.no_peer_access.startswith(SPANS) and "node0: ranks [0]; node1: ranks [1]" in two.no_peer_access
     assert results[0]["cached"]
