@@ -500,6 +500,17 @@ def case_no_view_two_users(c: Ctx) -> Case:
     return Case(f, [c.randn(8, 12), c.randn(12, 10)], [(AR, None, ("(view) has 2 users",))])
 
 
+def case_no_shared_sum_with_non_matmul_term(c: Ctx) -> Case:
+    # DTensor's backward form (torchtitan without SP): the all-reduced gradient, read by another matmul too, is
+    # a matmul's output plus the incoming gradient halved. The term that is not a matmul is the reason.
+    def f(a, w, g):
+        p = (torch.mm(a, w) + g / 2).reshape(2, 4, 10)
+        return fc.all_reduce(p, "sum", c.group), p
+
+    inputs = [c.randn(8, 12), c.randn(12, 10), c.randn(8, 10)]
+    return Case(f, inputs, [(AR, None, ("(div) feeds the all_reduce, not a matmul",))])
+
+
 def case_no_dtype_change_ag(c: Ctx) -> Case:
     def f(x, w):
         return torch.mm(_all_gather(x, 0, c.group).to(torch.bfloat16), w)

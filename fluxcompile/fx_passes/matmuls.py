@@ -125,18 +125,24 @@ def find_producers(start: Node, collective: str) -> Producers | str:
     """The sum of matmuls that ``start`` (the collective's input) is made of, or why there is none.
 
     Every node on the way must have ``start``'s chain as its only user, otherwise the intermediate value
-    is needed elsewhere and fusing would compute it twice.
+    is needed elsewhere and fusing would compute it twice. Where the chain also holds something other than
+    matmuls, reshapes and adds, that is the reason given: no rewiring of users could fuse it.
     """
     terms: list[ProducerTerm] = []
     chain: list[Node] = []
     out_dtype = dtype(start)
+    shared: list[str] = []  # the first node on the way that has other users, as the report names it
+    seen: set[Node] = set()
 
     def visit(node: Node) -> str | None:
         if not isinstance(node, Node):
             return f"{node!r} is not a tensor produced in the graph"
-        if len(node.users) != 1:
+        if shared and node in seen:
+            return None  # already walked; the match fails anyway (a shared node)
+        seen.add(node)
+        if len(node.users) != 1 and not shared:
             what = "mm result" if is_call(node, *MATMULS) else node.name
-            return f"{what} ({node.name}) has {len(node.users)} users"
+            shared.append(f"{what} ({node.name}) has {len(node.users)} users")
         if dtype(node) != out_dtype:
             return f"dtype change {dtype(node)} -> {out_dtype} between mm and {collective}"
         if is_call(node, aten.mm.default):
@@ -165,7 +171,7 @@ def find_producers(start: Node, collective: str) -> Producers | str:
             return f"{op_name(node)} ({node.name}) feeds the {collective}, not a matmul"
         return f"{op_name(node)} ({node.name}) between mm and {collective}"
 
-    why = visit(start)
+    why = visit(start) or (shared[0] if shared else None)
     if why:
         return why
     if not terms:
