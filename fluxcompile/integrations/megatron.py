@@ -153,7 +153,10 @@ def gather_along_last_dim(input_: torch.Tensor, group: dist.ProcessGroup) -> tor
     if world == 1:
         return input_
     gathered = _waited(_all_gather(input_.contiguous(), 0, group))
-    return torch.cat(gathered.chunk(world, dim=0), dim=-1).contiguous()
+    # cat of the contiguous dim-0 blocks is a new contiguous tensor already. No trailing ``.contiguous()``:
+    # compiled by torch 2.11, an autograd.Function forward (Megatron's _GatherFromModelParallelRegion) that
+    # returns ``t.contiguous()`` of a contiguous ``t`` gets a zero output gradient, so every gradient is zero.
+    return torch.cat(gathered.chunk(world, dim=0), dim=-1)
 
 
 _custom_fwd = torch.amp.custom_fwd(device_type="cuda")
