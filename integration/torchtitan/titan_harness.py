@@ -12,7 +12,9 @@ compiled graphs come back with the numbers.
 
 What differs from a torchtitan run, and why:
   * the attention is ``ScaledDotProductAttention`` (causal), as torchtitan's own graph_trainer tests swap in:
-    FlexAttention, its default, has no backward on CPU;
+    FlexAttention, its default, has no backward on CPU. Both run inside the same ``local_map`` (q, k, v and the
+    output ``Shard`` on the heads), so the swap changes no placement: ``wo``'s input is ``Shard`` on its features
+    under either;
   * the debug model keeps its first layer only (the blocks are identical; each costs a compile);
   * ``ParallelDims`` builds its meshes on ``cpu`` (torchtitan picks ``cuda`` where no accelerator is found);
   * FSDP2's gradient reduction uses sum-only collectives (``set_force_sum_reduction_for_comms``, which torchtitan
