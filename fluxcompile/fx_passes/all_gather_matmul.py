@@ -123,7 +123,7 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
     if isinstance(form, str):
         return form
     gathered, dim, layout = form
-    perm = _leading_permute(gathered)
+    perm = leading_permute(gathered)
     if perm is not None:
         # Gathering the permuted shard gives the permuted gathered tensor, contiguous: the permute moves
         # onto the (smaller) shard and the gather dim moves with it.
@@ -151,7 +151,7 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
     return AllGatherMatmulMatch(node, shard, gathered, layout, dim, group_size, group_name, consumers, shard_perm)
 
 
-def _leading_permute(gathered: Node) -> Node | None:
+def leading_permute(gathered: Node) -> Node | None:
     """The gathered tensor's only user, when it is a permute that keeps the last (K) dim last."""
     users = list(gathered.users)
     if len(users) != 1 or not is_call(users[0], aten.permute.default):

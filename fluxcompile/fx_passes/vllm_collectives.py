@@ -132,7 +132,7 @@ def fuse_all_gather(graph: Graph, node: Node, cfg: Config) -> Entry:
     if gshape is None or len(gshape) < 2:
         return kept("gathered tensor is not at least 2-D")
     dim = _norm_dim(dim, len(gshape))
-    perm = all_gather_matmul._leading_permute(gathered)
+    perm = all_gather_matmul.leading_permute(gathered)
     shard_perm = None
     if perm is not None:
         shard_perm = [d % len(gshape) for d in perm.args[1]]

@@ -297,7 +297,7 @@ def ag_gemm(
         if why:
             raise ValueError(f"ag_gemm: TMA variant: {why}")
         b_t = Bs[0].stride(0) == 1 and Bs[0].shape[1] > 1
-        _set_allocator()
+        set_allocator()
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(a_local.device).multi_processor_count if a_local.is_cuda else 4
     if a_out is not None and (not a_out.is_contiguous() or a_out.numel() != world * rows * k):
@@ -349,7 +349,7 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=device)
 
 
-def _set_allocator() -> None:
+def set_allocator() -> None:
     """Device-side tensor descriptors need global scratch, which Triton asks its allocator for at launch
     (inside a CUDA graph capture the allocation comes from the graph's pool, like any other). Triton keeps the
     allocator in a context variable, which a new thread starts without: set it on every launch that needs it."""

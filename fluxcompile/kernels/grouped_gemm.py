@@ -856,9 +856,9 @@ def _launch(
         and a.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
     )  # fmt: skip
     if b_t is not None or a_tma:
-        from .ag_gemm import _set_allocator
+        from .ag_gemm import set_allocator
 
-        _set_allocator()
+        set_allocator()
     # Rows of peers' buffers are 16-byte aligned where the row length is (the buffers themselves are).
     row_bytes = k * es if pull is not None else widths[0] * (4 if scatter is not None and scatter.accumulate else es)
     align = 16 if row_bytes % 16 == 0 else 1
