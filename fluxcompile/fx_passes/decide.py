@@ -37,7 +37,6 @@ collective that would hang or mix with the other rank's own.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import math
 import threading
@@ -51,6 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 from ..config import Config
+from ..symm_mem.store_gather import gather_strings
 from ..symm_mem.topology import no_peer_access
 from .graph_utils import val
 
@@ -158,30 +158,22 @@ def _symbol_range(args: Sequence[Any], symbol: sympy.Symbol) -> tuple[int, int]:
     return 1, 1 << 30
 
 
-_meetings: dict[str, int] = {}  # group name -> sites this process has met on
-
-
 def _meet(group_name: str, site: str, timeout_s: float) -> None:
     """Wait until every rank of the group has reached its ``n``-th compile-time choice in this group, and check it
     is the same site everywhere; raise on a timeout or a mismatch (no collective has run yet)."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
-    rank, world = group.rank(), group.size()
-    if world == 1:
+    rank = group.rank()
+    if group.size() == 1:
         return
-    n = _meetings[group_name] = _meetings.get(group_name, 0) + 1
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"fluxcompile/choose/{group_name}/{n}/{r}" for r in range(world)]
-    store.set(keys[rank], site)
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as e:
-        raise RuntimeError(
-            f"fluxcompile: rank {rank}: the compile-time choice of site {n} of group {group_name} ({site}) waited "
-            f"{timeout_s:g} s for the group's other ranks ({type(e).__name__}): a rank that replays this graph "
-            "from Inductor's cache skips it. Give the ranks the same Inductor cache state, or set "
-            "FLUXCOMPILE_CHOOSE_AT_COMPILE=never"
-        ) from None
-    sites = [store.get(k).decode() for k in keys]
+    n, sites = gather_strings(
+        group,
+        "choose",
+        site,
+        timeout_s,
+        lambda n: f"the compile-time choice of site {n} of group {group_name} ({site})",
+        "a rank that replays this graph from Inductor's cache skips it. Give the ranks the same Inductor cache "
+        "state, or set FLUXCOMPILE_CHOOSE_AT_COMPILE=never",
+    )
     if any(other != site for other in sites):
         raise RuntimeError(
             f"fluxcompile: rank {rank}: the ranks of group {group_name} compile different sites at their "

@@ -15,7 +15,6 @@ same order of groups (the compile-time choice and the autotuner ask at the same 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import socket
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import config
+from .store_gather import gather_strings
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -37,7 +37,6 @@ class Layout:
 
 
 _layouts: dict[str, Layout] = {}
-_reads: dict[str, int] = {}  # group name -> layouts read (a new read after clear() uses fresh store keys)
 
 
 def host_identity() -> str:
@@ -88,24 +87,19 @@ def layout(group: dist.ProcessGroup | str, timeout_s: float | None = None) -> La
         group_name = group.group_name
     if group_name in _layouts:
         return _layouts[group_name]
-    rank, world = group.rank(), group.size()
     mine = _this_rank()
-    if world == 1:
+    if group.size() == 1:
         ranks = [mine]
     else:
-        n = _reads[group_name] = _reads.get(group_name, 0) + 1
-        store = dist.distributed_c10d._get_default_store()
-        keys = [f"fluxcompile/layout/{group_name}/{n}/{r}" for r in range(world)]
-        store.set(keys[rank], json.dumps(mine))
-        timeout = config.choose_timeout_s if timeout_s is None else timeout_s
-        try:
-            store.wait(keys, datetime.timedelta(seconds=timeout))
-        except Exception as e:
-            raise RuntimeError(
-                f"fluxcompile: rank {rank}: reading the layout of group {group_name} waited {timeout:g} s for the "
-                f"group's other ranks ({type(e).__name__}): every rank of the group must compile the same graphs"
-            ) from None
-        ranks = [json.loads(store.get(k)) for k in keys]
+        _, published = gather_strings(
+            group,
+            "layout",
+            json.dumps(mine),
+            config.choose_timeout_s if timeout_s is None else timeout_s,
+            lambda n: f"reading the layout of group {group_name}",
+            "every rank of the group must compile the same graphs",
+        )
+        ranks = [json.loads(r) for r in published]
     result = Layout(tuple(r["host"] for r in ranks), tuple(r["device"] for r in ranks), _reason(ranks))
     _layouts[group_name] = result
     return result
