@@ -300,12 +300,11 @@ REPLACEMENTS: dict[tuple[str, str], Any] = {
 
 # The parameters the two linear functions take first, in this order, in every supported release.
 LEADING = ("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel")
+# The two linear functions, whose parameters after LEADING the replacements read by name.
+LINEARS = (LINEAR, FROZEN)
 # The parameters after LEADING that the replacements understand, in any order (0.16: ..., async_grad_allreduce,
 # tp_group; 0.19: ..., tp_group, gtp_remat_size).
-TRAILING = {
-    LINEAR: {"grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group", "gtp_remat_size"},
-    FROZEN: {"tp_group", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "gtp_remat_size"},
-}
+TRAILING = {"grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group", "gtp_remat_size"}
 # name -> the installed function's parameters after LEADING, in its order (set by enable()).
 _trailing: dict[str, tuple[str, ...]] = {}
 
@@ -334,8 +333,8 @@ def _differs(module: str, name: str, original: Any) -> str | None:
     params = _parameters(original)
     if params is None:
         return f"{where} (no signature to check)"
-    if name in TRAILING:
-        unknown = [p for p in params[len(LEADING) :] if p not in TRAILING[name]]
+    if name in LINEARS:
+        unknown = [p for p in params[len(LEADING) :] if p not in TRAILING]
         if params[: len(LEADING)] != list(LEADING):
             return f"{where}({', '.join(params)}) (expected it to begin with {', '.join(LEADING)})"
         if unknown:
@@ -376,7 +375,7 @@ def enable(inductor: bool = True) -> None:
         for (module, name), replacement in REPLACEMENTS.items():
             mod = importlib.import_module(module)
             _originals[(module, name)] = getattr(mod, name)
-            if name in TRAILING:
+            if name in LINEARS:
                 _trailing[name] = tuple(_parameters(_originals[(module, name)])[len(LEADING) :])
             setattr(mod, name, replacement)
     if inductor and not _inductor_enabled:
