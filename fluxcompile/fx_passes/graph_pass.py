@@ -55,11 +55,11 @@ def _merge_waits(graph: Graph) -> bool:
     """One ``wait_tensor`` per collective: where a collective's only users are several waits (torch 2.15's
     AOTAutograd keeps the backward's wait of a gather it moved into the forward beside the forward's own), the
     later waits' users take the first one. A wait returns its collective's result, so they are the same tensor."""
+    order = {n: i for i, n in enumerate(graph.nodes)}  # erasing waits keeps the others' relative order
     merged = False
     for node in list(graph.nodes):
         waits = list(node.users)
         if len(waits) > 1 and all(w.target is c10d.wait_tensor.default for w in waits):
-            order = {n: i for i, n in enumerate(graph.nodes)}
             first, *later = sorted(waits, key=order.__getitem__)
             for w in later:
                 w.replace_all_uses_with(first)
