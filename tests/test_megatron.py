@@ -1,6 +1,6 @@
 """fluxcompile inside Megatron-core: its own tensor-parallel layers on gloo ranks, compiled with the pass on.
 
-The harness (``integration/megatron/megatron_harness.py``) builds Megatron's ``MLP`` and a ``SelfAttention``'s
+The harness (``tests/integration/megatron/megatron_harness.py``) builds Megatron's ``MLP`` and a ``SelfAttention``'s
 ``linear_qkv`` / ``linear_proj`` from ``get_gpt_layer_local_spec()``, runs them with Megatron's own functions
 (the reference), eagerly with ``fluxcompile.integrations.megatron.enable()`` and compiled with fluxcompile, forward
 and backward, and compares outputs and every gradient (input and parameters); ``gpt_layer.py`` does the same for
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration", "megatron"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration", "megatron"))
 
 import gpt_layer
 import megatron_harness as harness
@@ -110,7 +110,7 @@ def rank_gpt_layer() -> tuple[list[str], str]:
 
 
 def test_whole_gpt_layer(ranks):
-    # integration/megatron/gpt_layer.py (the GPU check) on gloo: the real core attention, norms and residuals too.
+    # tests/integration/megatron/gpt_layer.py (the GPU check) on gloo: the real core attention, norms and residuals too.
     for rank, (failures, text) in enumerate(ranks(2).run(rank_gpt_layer)):
         assert not failures, f"rank {rank}: {failures}\n{text}"
         assert "8 collectives, 8 fused" in text, text

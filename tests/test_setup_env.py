@@ -33,9 +33,9 @@ exit 0
 PROJECT = "install -q -c .venv/.constraints.txt -e ."
 PROJECT_TEST = "install -q -c .venv/.constraints.txt -e .[test]"
 NEWEST_PROJECT_TEST = "PIP_CONFIG_FILE=/dev/null install -q -c .venv-newest/.constraints.txt -e .[test]"
-VLLM = "install -q --no-deps -r integration/vllm/requirements.txt"
-MEGATRON = "install -q --no-deps -r integration/megatron/requirements.txt"
-MEGATRON_NEWEST = "PIP_CONFIG_FILE=/dev/null install -q --no-deps -r integration/megatron/requirements-newest.txt"
+VLLM = "install -q --no-deps -r tests/integration/vllm/requirements.txt"
+MEGATRON = "install -q --no-deps -r tests/integration/megatron/requirements.txt"
+MEGATRON_NEWEST = "PIP_CONFIG_FILE=/dev/null install -q --no-deps -r tests/integration/megatron/requirements-newest.txt"
 
 
 def _fake_venv(tree: Path, venv: str) -> None:
@@ -51,11 +51,11 @@ def tree(tmp_path: Path) -> Path:
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "setup-env", tmp_path / "scripts" / "setup-env")
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
-    (tmp_path / "integration" / "vllm").mkdir(parents=True)
-    (tmp_path / "integration" / "vllm" / "requirements.txt").write_text("a\n")
-    (tmp_path / "integration" / "megatron").mkdir(parents=True)
-    (tmp_path / "integration" / "megatron" / "requirements.txt").write_text("m\n")
-    (tmp_path / "integration" / "megatron" / "requirements-newest.txt").write_text("m2\n")
+    (tmp_path / "tests" / "integration" / "vllm").mkdir(parents=True)
+    (tmp_path / "tests" / "integration" / "vllm" / "requirements.txt").write_text("a\n")
+    (tmp_path / "tests" / "integration" / "megatron").mkdir(parents=True)
+    (tmp_path / "tests" / "integration" / "megatron" / "requirements.txt").write_text("m\n")
+    (tmp_path / "tests" / "integration" / "megatron" / "requirements-newest.txt").write_text("m2\n")
     _fake_venv(tmp_path, ".venv")
     _fake_venv(tmp_path, ".venv-newest")
     (tmp_path / "fakebin").mkdir()
@@ -99,10 +99,10 @@ def test_stamps_follow_the_files(tree):
     (tree / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     assert setup_env(tree) == [PROJECT]
     assert setup_env(tree, "test") == [PROJECT_TEST]
-    (tree / "integration" / "vllm" / "requirements.txt").write_text("b\n")
+    (tree / "tests" / "integration" / "vllm" / "requirements.txt").write_text("b\n")
     assert setup_env(tree) == []
     assert setup_env(tree, "test") == [VLLM]
-    (tree / "integration" / "megatron" / "requirements.txt").write_text("n\n")
+    (tree / "tests" / "integration" / "megatron" / "requirements.txt").write_text("n\n")
     assert setup_env(tree) == []
     assert setup_env(tree, "test") == [MEGATRON]
 
@@ -124,7 +124,7 @@ def test_newest_stack_installs_only_the_integrations_it_has_requirements_for(tre
     assert setup_env(tree, "test", stack="newest") == [NEWEST_PROJECT_TEST, MEGATRON_NEWEST]
     assert setup_env(tree, "test", stack="newest") == []
     assert setup_env(tree, "test") == [PROJECT_TEST, MEGATRON, VLLM]  # each venv holds its own stamps
-    (tree / "integration" / "megatron" / "requirements-newest.txt").write_text("m3\n")
+    (tree / "tests" / "integration" / "megatron" / "requirements-newest.txt").write_text("m3\n")
     assert setup_env(tree, "test") == []
     assert setup_env(tree, "test", stack="newest") == [MEGATRON_NEWEST]
 

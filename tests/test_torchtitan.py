@@ -1,15 +1,15 @@
 """fluxcompile inside torchtitan: its own Llama3 debug model and ``parallelize_llama`` on gloo ranks.
 
-The harness (``integration/torchtitan/titan_harness.py``) builds the model as torchtitan's trainer does, compiles it
-with torchtitan's own per-block ``torch.compile`` after ``fluxcompile.enable()``, runs one training step and
+The harness (``tests/integration/torchtitan/titan_harness.py``) builds the model as torchtitan's trainer does,
+compiles it with torchtitan's own per-block ``torch.compile`` after ``fluxcompile.enable()``, runs one training step and
 compares the logits, the loss and every gradient with the same model run without compile. The tests assert that
 every tensor-parallel collective of the forward and the backward graph became its fused op, that no collective
 of the data-parallel (FSDP) group reached the rewrite, and the one site that stays unfused under activation
 checkpointing, with its reason.
 
 torchtitan 0.3.0 needs torch 2.15 (its default SPMD backend, ``spmd_types``, relies on FSDP2's support for it):
-``scripts/setup-env`` installs it into the newest stack's venv (``integration/torchtitan/requirements-newest.txt``);
-where torchtitan is not importable these tests are skipped, with that reason.
+``scripts/setup-env`` installs it into the newest stack's venv
+(``tests/integration/torchtitan/requirements-newest.txt``); where torchtitan is not importable these tests are skipped, with that reason.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import pytest
 
 sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration", "torchtitan")
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration", "torchtitan")
 )
 
 import titan_harness as harness

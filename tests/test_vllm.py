@@ -1,6 +1,6 @@
 """fluxcompile inside vLLM: vLLM's real parallel layers on 2 gloo ranks, compiled by vLLM with the pass on.
 
-The harness (``integration/vllm/harness.py``) builds a decoder layer from vLLM's ``RMSNorm``,
+The harness (``tests/integration/vllm/harness.py``) builds a decoder layer from vLLM's ``RMSNorm``,
 ``QKVParallelLinear``, ``RowParallelLinear``, ``MergedColumnParallelLinear`` and ``SiluAndMul``, compiles
 it with ``@support_torch_compile`` and vLLM's compilation config (on CPU vLLM compiles with Dynamo + stock
 Inductor; see the harness) with fluxcompile's pass added by the config route (``inductor_passes``) or the
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration", "vllm"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration", "vllm"))
 
 import harness
 

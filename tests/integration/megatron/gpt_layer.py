@@ -1,7 +1,7 @@
 """Megatron-core's whole GPT transformer layer compiled with fluxcompile, against Megatron's own eager code.
 
-    python -m torch.distributed.run --nproc-per-node 2 integration/megatron/gpt_layer.py               # GPUs, NCCL
-    python -m torch.distributed.run --nproc-per-node 2 integration/megatron/gpt_layer.py --device cpu  # gloo
+    python -m torch.distributed.run --nproc-per-node 2 tests/integration/megatron/gpt_layer.py              # GPUs, NCCL
+    python -m torch.distributed.run --nproc-per-node 2 tests/integration/megatron/gpt_layer.py --device cpu # gloo
 
 One ``TransformerLayer`` of ``get_gpt_layer_local_spec()`` (no Transformer Engine: Megatron's
 ``ColumnParallelLinear`` / ``RowParallelLinear``, ``DotProductAttention``, torch's norms marked sequence-parallel,
