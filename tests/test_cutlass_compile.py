@@ -13,8 +13,7 @@ import prebuild
 import pytest
 from toolchain import find_cuobjdump, find_nvcc, torch_cxx_std, torch_syntax_check
 
-from fluxcompile.kernels import cutlass_gemm
-from fluxcompile.lowerings import extensions
+from fluxcompile.kernels import cutlass_build, cutlass_gemm, extensions
 
 # The variant the check compiles: the first (the persistent cooperative 128x256 tile); the others differ only in
 # template arguments. All of them build on a GPU machine (scripts/gpu-check cutlass).
@@ -22,13 +21,13 @@ VARIANT = next(iter(cutlass_gemm.VARIANTS))
 
 
 def _write_sources(tmp_path: Path) -> Path:
-    for name, text in cutlass_gemm.generated_sources().items():
+    for name, text in cutlass_build.generated_sources().items():
         (tmp_path / name).write_text(text)
     return tmp_path
 
 
 def test_variants_and_generated_sources():
-    files = cutlass_gemm.generated_sources()
+    files = cutlass_build.generated_sources()
     assert set(files) == {f"flux_gemm_{n}.cu" for n in cutlass_gemm.VARIANTS} | {"flux_gemm_registry.cpp"}
     registry = files["flux_gemm_registry.cpp"]
     for name, v in cutlass_gemm.VARIANTS.items():
@@ -41,7 +40,7 @@ def test_variants_and_generated_sources():
 
 def _flux_gemm_job(workdir: Path) -> list[str] | str:
     nvcc = find_nvcc()
-    include = cutlass_gemm.cutlass_include()
+    include = cutlass_build.cutlass_include()
     if nvcc is None or include is None:
         return "no nvcc or no CUTLASS headers (nvidia-cutlass, in the test extra)"
     src = _write_sources(workdir) / f"flux_gemm_{VARIANT}.cu"

@@ -15,7 +15,7 @@ import prebuild  # noqa: E402
 from test_kernels_compile import compile_sm90  # noqa: E402
 from toolchain import find_cuobjdump, find_nvcc, torch_cxx_std, torch_syntax_check  # noqa: E402
 
-from fluxcompile.lowerings import extensions  # noqa: E402
+from fluxcompile.kernels import extensions  # noqa: E402
 from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import TRITON_VARIANTS  # noqa: E402
 
 

@@ -87,7 +87,7 @@ CHECK = textwrap.dedent(
             warnings.simplefilter("always")
             import fluxcompile
             import fluxcompile.lowerings
-            from fluxcompile.lowerings import extensions
+            from fluxcompile.kernels import extensions
         seen += [f"{w.category.__name__}: {w.message}" for w in caught
                  if "numpy" in str(w.message).lower() or "fluxcompile" in w.filename]
         site = Path(sysconfig.get_paths()["purelib"]).resolve()

@@ -2,109 +2,27 @@
 call, whose tiles may wait for the chunks holding their rows (all-gather) and whose epilogue may count stored
 tiles on per-chunk counters (reduce-scatter).
 
-``VARIANTS`` is the one list of tile configurations: the build generates a translation unit per variant (built in
-parallel) and the registry the binding reads. Launch options that cost no compilation (raster order, swizzle, SM
+``VARIANTS`` (cutlass_build.py, the build spec) is the one list of tile configurations, each compiled into the
+extension; a call picks one by name. Launch options that cost no compilation (raster order, swizzle, SM
 count) are arguments of :func:`gemm`. CUTLASS's headers come from the ``nvidia-cutlass`` package
 (``cutlass_library/source/include``); without them, or off Hopper, :func:`unavailable` gives the reason.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ..config import config
 from ..symm_mem import persistent
+from . import extensions
+from .cutlass_build import VARIANTS, cutlass_include
 
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One compiled tile configuration (both dtypes, both weight layouts)."""
-
-    tile: tuple[int, int, int]  # M, N, K of a CTA's tile
-    cluster: tuple[int, int]  # CTAs of a cluster along M and N (TMA multicast of B and A)
-    # "coop": two warp groups per tile; "pp" (ping-pong): one per tile, the other's epilogue overlapping its
-    # mainloop; "sk": cooperative under CUTLASS's stream-K scheduler instead of the data-parallel one.
-    schedule: str = "coop"
-
-    @property
-    def name(self) -> str:
-        (tm, tn, tk), (cm, cn) = self.tile, self.cluster
-        return f"{tm}x{tn}x{tk}_c{cm}x{cn}" + ("" if self.schedule == "coop" else f"_{self.schedule}")
-
-    @property
-    def stream_k(self) -> bool:
-        return self.schedule == "sk"
-
-
-VARIANTS: dict[str, Variant] = {
-    v.name: v
-    for v in (
-        Variant((128, 256, 64), (2, 1)),
-        Variant((128, 256, 64), (1, 2)),
-        Variant((256, 128, 64), (2, 1)),
-        Variant((256, 128, 64), (1, 2)),
-        Variant((128, 192, 64), (2, 1)),
-        Variant((128, 224, 64), (2, 1)),
-        Variant((128, 128, 64), (2, 1), "pp"),
-        Variant((128, 128, 64), (1, 2), "pp"),
-        Variant((64, 256, 64), (1, 2), "pp"),
-        Variant((128, 256, 64), (2, 1), "sk"),
-        Variant((256, 128, 64), (1, 2), "sk"),
-        Variant((256, 128, 64), (2, 1), "sk"),
-    )
-}
-SCHEDULES = {"coop": 0, "pp": 1, "sk": 2}  # csrc/flux_gemm.cuh's Schedule
 RASTERS = {"auto": 0, "m": 1, "n": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 ERR_WORDS = 6  # csrc/flux_gemm.h FluxGemmSync::err
-
-
-def generated_sources() -> dict[str, str]:
-    """The build's generated files: one translation unit per variant and the registry (extensions.py)."""
-    files = {}
-    rows = []
-    for name, v in VARIANTS.items():
-        (tm, tn, tk), (cm, cn) = v.tile, v.cluster
-        sched = SCHEDULES[v.schedule]
-        files[f"flux_gemm_{name}.cu"] = (
-            f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched})\n'
-        )
-        rows.append((name, v))
-    decls = "\n".join(
-        f"cudaError_t flux_gemm_{n}(const FluxGemmProblem&, cudaStream_t, size_t*);" for n, _ in rows
-    )
-    table = ",\n".join(
-        f'    {{"{n}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}, {v.cluster[0]}, {v.cluster[1]}, '
-        f"{SCHEDULES[v.schedule]}, &flux_gemm_{n}}}"
-        for n, v in rows
-    )
-    files["flux_gemm_registry.cpp"] = (
-        '#include "flux_gemm.h"\nnamespace fluxcompile {\n'
-        f"{decls}\n"
-        f"static const FluxGemmVariant kVariants[] = {{\n{table}\n}};\n"
-        "const FluxGemmVariant* flux_gemm_variants(int* count) {\n"
-        "  *count = sizeof(kVariants) / sizeof(kVariants[0]);\n  return kVariants;\n}\n}  // namespace fluxcompile\n"
-    )
-    return files
-
-
-@functools.cache
-def cutlass_include() -> list[str] | None:
-    """CUTLASS's include directories from the ``nvidia-cutlass`` package (None if it is not installed)."""
-    import importlib.util
-
-    # The package's location only: importing cutlass_library runs its (slow) kernel generators.
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    root = Path(next(iter(spec.submodule_search_locations))).resolve() / "source"
-    dirs = [root / "include", root / "tools" / "util" / "include"]
-    return [str(d) for d in dirs if d.is_dir()] if (root / "include" / "cutlass").is_dir() else None
 
 
 def unavailable(device: torch.device | None = None) -> str | None:
@@ -148,8 +66,6 @@ def weight_layout(b: Tensor) -> str | None:
 
 def load():
     """The built extension (extensions.load raises Unavailable with the reason)."""
-    from ..lowerings import extensions
-
     return extensions.load("flux_gemm")
 
 

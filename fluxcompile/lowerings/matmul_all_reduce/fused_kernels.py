@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ...config import config
 from ...symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
-from .. import extensions
+from ...kernels import extensions
 
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
 ERR_WORDS = 8

@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 from ..config import config
+from . import cutlass_build
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, shipped inside the package
 SOURCES: dict[str, tuple[str, ...]] = {
@@ -44,17 +45,13 @@ EXTRA_NVCC: dict[str, tuple[str, ...]] = {
 
 def _generated(name: str) -> dict[str, str]:
     if name == "flux_gemm":
-        from ..kernels.cutlass_gemm import generated_sources
-
-        return generated_sources()
+        return cutlass_build.generated_sources()
     return {}
 
 
 def _includes(name: str) -> list[str] | None:
     if name == "flux_gemm":
-        from ..kernels.cutlass_gemm import cutlass_include
-
-        return cutlass_include()
+        return cutlass_build.cutlass_include()
     return []
 
 
