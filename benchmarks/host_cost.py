@@ -28,19 +28,6 @@ import torch
 import torch.distributed as dist
 
 
-class _LoopbackHandle:
-    """A 1-rank symmetric-memory handle seen as two ranks: rank 1's buffer is ours, and its pointer is ours
-    plus 4 bytes, so flag ``i`` of rank 1 is our flag ``i + 1`` (see the docstring)."""
-
-    def __init__(self, handle: object) -> None:
-        self._handle = handle
-        base = int(handle.buffer_ptrs[0])
-        self.buffer_ptrs = [base, base + 4]
-
-    def get_buffer(self, rank: int, shape: list[int], dtype: torch.dtype, offset: int) -> torch.Tensor:
-        return self._handle.get_buffer(0, shape, dtype, offset)
-
-
 def loopback_peers() -> None:
     """Make the cuBLAS-pipelined choices' workspaces and their handshake flags (this process, from now on)
     2-rank loopbacks of this 1-rank group: ``workspace`` as the two cublas_pipelined modules call it, and the
@@ -49,16 +36,19 @@ def loopback_peers() -> None:
 
     from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as agp
     from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rsp
-    from fluxcompile.symm_mem import exchange
+    from fluxcompile.symm_mem import LocalHandle, exchange
 
     real_workspace, real_flags = rsp.workspace, exchange.ready_done_flags
     seen: dict[int, tuple[object, object]] = {}
 
     def loop(ws):
         """One loopback object per real workspace, as the real function returns one (the real one is kept
-        beside it, so its id is not reused by a later workspace while the entry lives)."""
+        beside it, so its id is not reused by a later workspace while the entry lives). Rank 1's buffer is ours,
+        and its pointer is ours plus 4 bytes, so flag ``i`` of rank 1 is our flag ``i + 1``."""
         if id(ws) not in seen:
-            seen[id(ws)] = (ws, dataclasses.replace(ws, handle=_LoopbackHandle(ws.handle), rank=0, world_size=2))
+            base = int(ws.handle.buffer_ptrs[0])
+            handle = LocalHandle([ws.buffer, ws.buffer], ptrs=[base, base + 4])
+            seen[id(ws)] = (ws, dataclasses.replace(ws, handle=handle, rank=0, world_size=2))
         return seen[id(ws)][1]
 
     def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | None = None):
@@ -275,7 +265,7 @@ def main() -> None:
     # Pieces of the winners' Python side (the entries of the two cublas_pipelined modules), each as the entry
     # calls it: the plan lookup, the shard's layout (all-gather), the built sequencer, the replay limit (a
     # config read), the side stream, the watchdog note after the call.
-    from fluxcompile.lowerings import sequencer
+    from fluxcompile.kernels import sequencer
     from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as agp
     from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rsp
     from fluxcompile.symm_mem import side_stream

@@ -1,7 +1,6 @@
 """Lowerings of the fused ops: one folder per op (its choices and its CUDA implementation), and the machinery
 they share: the choice registry (choices.py), the rank-synchronized autotuner with its disk cache (autotune.py),
-the direct calls from Inductor's generated code (direct_calls.py) and the C++ sequencer of the pipelined choices
-(sequencer.py)."""
+and the direct calls from Inductor's generated code (direct_calls.py)."""
 
 from . import (  # noqa: F401  (register their choices and CUDA implementations)
     all_gather_matmul,

@@ -18,7 +18,7 @@ from gpu_helpers import require_sequencer, shared_seed
 
 import fluxcompile
 from fluxcompile import ops
-from fluxcompile.lowerings import sequencer
+from fluxcompile.kernels import sequencer
 from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as ag_pipelined
 from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs_pipelined
 from fluxcompile.testing.numerics import assert_close

@@ -23,8 +23,8 @@ the local GEMM, so one GEMM's last partial wave is filled by the next one's tile
 then one GEMM per weight over all rows (no overlap, no split: small M); ``:lead<d>`` runs a GEMM over 1/d of our
 rows while the shards fly (and, beside it on another stream, our other rows are copied into our slot), then one
 over all other rows read from the symmetric buffer, whose slots abut into the gathered ``[world * rows, k]``;
-``:stages<g>`` (experimental, ``config.experimental_ag_stages``) takes the peers in ``g`` groups, one GEMM per
-group, instead of one GEMM per peer. Everything is a stream operation, so a call can be captured in a CUDA graph
+``:stages<g>`` (experimental, family ``ag_stages``: ``config.experimental_ag_stages``) takes the peers in ``g``
+groups, one GEMM per group, instead of one GEMM per peer. Everything is a stream operation, so a call can be captured in a CUDA graph
 once its workspace and flags exist (first eager call). The GEMMs run at high stream priority, the copies at
 normal: a copy that becomes ready with a GEMM takes only the SMs the GEMM leaves.
 """
@@ -38,11 +38,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
+from ...kernels.sequencer import graph_limit, sequencer, unavailable
 from ...symm_mem import Workspace, side_stream, workspace
 from ...symm_mem.exchange import Handshake, gather_send_order, handshake, slice_rows, slot_bytes, stage_plan
 from ...symm_mem.workspace import generation as workspace_generation
-from ..sequencer import graph_limit, sequencer, unavailable
 
 NAME = "cublas_pipelined"
 LEADS = (8, 4, 2)  # ":lead<d>": the lead GEMM takes 1/d of our rows
@@ -103,8 +102,6 @@ def stages_supports(groups: int) -> Callable[..., str | None]:
     """``supports`` of ``:stages<groups>``."""
 
     def supports_stages(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
-        if not config.experimental_ag_stages:
-            return "experimental: FLUXCOMPILE_EXPERIMENTAL_AG_STAGES=1 enables it"
         return supports(A, Bs, biases, gather_dim, group_size, group_name) or _slots_abut(A)
 
     return supports_stages

@@ -13,8 +13,8 @@ is also a reduce-scatter's send order: symm_mem/exchange.py):
                         copy it into p's slot r (copy engine) -> set ready_r on p;  then our own block
   :unsplit / :tail<d>:  one GEMM over all rows (with 1/d of our own rows computed last, beside the pushes),
                         then the copy engine pushes each peer's block
-  :stages<g>:           (experimental, ``config.experimental_rs_stages``) the peers' blocks in g groups, one GEMM
-                        per group, each group pushed beside the next group's GEMM
+  :stages<g>:           (experimental, family ``rs_stages``: ``config.experimental_rs_stages``) the peers' blocks
+                        in g groups, one GEMM per group, each group pushed beside the next group's GEMM
   all:                  for p: wait ready_p;  out = sum of the slots (fp32 accumulate, one rounding);
                         set done_r on every p (its slot r in our buffer is free again)
   :addmm (two ranks):   the peer's block as zero-copy; then wait ready_p -> out = A[r's rows] @ B + slot p, the
@@ -45,11 +45,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
+from ...kernels.sequencer import graph_limit, sequencer, unavailable
 from ...symm_mem import Workspace, side_stream, workspace
 from ...symm_mem.exchange import Handshake, handshake, ring_order, slice_rows, slot_bytes, stage_plan
 from ...symm_mem.workspace import generation as workspace_generation
-from ..sequencer import graph_limit, sequencer, unavailable
 
 NAME = "cublas_pipelined"
 TAILS = (8, 4, 2)  # ":tail<d>": 1/d of our rows (a multiple of 64) computed beside the pushes
@@ -163,8 +162,6 @@ def stages_supports(groups: int) -> Callable[..., str | None]:
     """``supports`` of ``:stages<groups>``."""
 
     def supports_stages(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
-        if not config.experimental_rs_stages:
-            return "experimental: FLUXCOMPILE_EXPERIMENTAL_RS_STAGES=1 enables it"
         return supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
 
     return supports_stages

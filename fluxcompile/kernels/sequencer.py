@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..config import config
-from ..kernels import extensions
+from . import extensions
 
 
 def sequencer() -> ModuleType:
