@@ -17,20 +17,12 @@ import json
 import math
 import os
 import statistics
-import sys
-import time
-import warnings
-from collections.abc import Callable
 
+import ops_decode
+import ops_rs
 import torch
 import torch.distributed as dist
-
-from fluxcompile.lowerings.autotune import queue_gpu
-
-if __name__ == "__main__":
-    # ops_rs.py and ops_decode.py import this file as `ops`: let that be the running module, so they see its
-    # settings (QUEUE_US). A second copy kept the defaults, so the GEMM+RS rows of "queued" runs were not.
-    sys.modules.setdefault("ops", sys.modules[__name__])
+from overlap import check_numerics, overlap_row, run_shapes
 
 # (n, k) with the whole n; weights column-sharded: each rank holds [k, n / world].
 AG_SHAPES = [
@@ -42,108 +34,8 @@ AG_SHAPES = [
 ]
 
 
-def timed(fn: Callable[[], object], warmup: int, iters: int, spread: dict | None = None) -> float:
-    """Median per-iteration time (µs) of the slowest rank, ranks started together; ``spread`` gets this
-    rank's min and max."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    queue_gpu(QUEUE_US)
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-    med = statistics.median(times)
-    if spread is not None:
-        spread.update(min=min(times), max=max(times))
-    t = torch.tensor([med], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-# --queued-us: a GPU sleep of this long is enqueued before each timed round, so the host enqueues the round
-# while the GPU is busy and the timings are the GPU's alone (as inside a model step whose GPU work is ahead
-# of its host). 0 (default): each round starts from an idle GPU, so a method's host latency shows in it.
-QUEUE_US = 0.0
-
-
-def timed_interleaved(
-    fns: dict[str, Callable[[], object]], warmup: int, rounds: int, per_round: int, host: dict | None = None
-) -> dict[str, float]:
-    """Like :func:`timed` for several methods at once, measured in interleaved rounds (each round times
-    ``per_round`` iterations of every method in turn), so clock and thermal drift during the run hit all
-    methods alike: the median over all of a method's iterations, then the slowest rank. ``host`` (if given)
-    gets each method's median host time per call (µs to enqueue it, slowest rank): a method whose host time
-    is near its GPU time is host-bound."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    host_samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            dist.barrier()
-            events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)
-            ]
-            queue_gpu(QUEUE_US)
-            for start, end in events:
-                t0 = time.perf_counter()
-                start.record()
-                fn()
-                end.record()
-                host_samples[name].append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize()
-            samples[name] += [start.elapsed_time(end) * 1e3 for start, end in events]
-    med = torch.tensor([statistics.median(v) for v in samples.values()], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    if host is not None:
-        hmed = torch.tensor([statistics.median(v) for v in host_samples.values()], device="cuda")
-        dist.all_reduce(hmed, op=dist.ReduceOp.MAX)
-        host.update(zip(fns, hmed.tolist()))
-    return dict(zip(fns, med.tolist()))
-
-
-def triton_gemm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor] | None:
-    """Inductor's best Triton GEMM for this shape (max-autotune, Triton backend only)."""
-    torch._dynamo.reset()
-    try:
-        fn = torch.compile(
-            lambda x, y: x @ y,
-            mode=None,
-            options={"max_autotune": True, "max_autotune_gemm_backends": "TRITON", "triton.cudagraphs": False},
-        )
-        fn(a, b)
-        return lambda: fn(a, b)
-    except Exception as e:  # no Triton GEMM for this shape: cuBLAS alone is the floor
-        print(f"triton gemm failed: {e}")
-        return None
-
-
 def bench_all_gather_matmul(args: argparse.Namespace) -> list[dict]:
     return run_shapes(AG_SHAPES, _ag_shape, args)
-
-
-def run_shapes(shapes: list[tuple], measure: Callable[..., dict], args: argparse.Namespace) -> list[dict]:
-    """``measure(args, group, *shape)`` for every shape on the world group, each row printed as it lands."""
-    from torch.distributed import _symmetric_memory as symm
-
-    group = dist.group.WORLD.group_name
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        symm.enable_symm_mem_for_group(group)  # async-TP does nothing without it (2.11 and 2.13)
-    rows = []
-    for shape in shapes:
-        rows.append(measure(args, group, *shape))
-        if dist.get_rank() == 0:
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
 
 
 def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, k: int) -> dict:
@@ -187,77 +79,6 @@ def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
     return overlap_row(
         args, "all_gather_matmul", group, model, (m, n, k), (a_full, b), methods, pipelined_only, tune_args
     )
-
-
-def check_numerics(fns: dict[str, Callable[[], torch.Tensor]], ref: torch.Tensor, label: str) -> None:
-    """Every method's output against the fp32 reference, before anything is timed."""
-    for name, fn in fns.items():
-        out = fn()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        if not err < 1e-2:
-            raise AssertionError(f"{name} {label}: relative error {err:.2e}")
-
-
-def overlap_row(
-    args: argparse.Namespace,
-    op: str,
-    group: str,
-    model: str,
-    mnk: tuple[int, int, int],
-    gemm_operands: tuple[torch.Tensor, torch.Tensor],
-    methods: dict[str, Callable[[], object]],
-    pipelined: Callable[[], object],
-    tune_args: tuple,
-) -> dict:
-    """One table row: the local GEMM (cuBLAS and Inductor's best Triton GEMM on ``gemm_operands``) and
-    ``methods`` (nccl_cublas, async_tp, fluxcompile) timed in interleaved rounds, the zero-copy or pipelined
-    choice alone (median/min/max and from a CUDA graph), the autotuner's pick and its per-choice times, and
-    each method's overlap efficiency against NCCL+cuBLAS."""
-    from fluxcompile.lowerings import autotune
-
-    a, b = gemm_operands
-    tg = triton_gemm(a, b) if args.triton_gemm else None
-    timed_methods = {"cublas": lambda: a @ b, **methods}
-    if tg is not None:
-        timed_methods["triton"] = tg
-    host: dict[str, float] = {}
-    t = timed_interleaved(timed_methods, args.warmup, args.rounds, max(1, args.iters // args.rounds), host)
-    t["host_fluxcompile"], t["host_nccl_cublas"] = host.get("fluxcompile", 0.0), host.get("nccl_cublas", 0.0)
-    t.setdefault("triton", float("inf"))
-    t["gemm"] = min(t["cublas"], t["triton"])
-    spread: dict = {}
-    t["pipelined"] = timed(pipelined, args.warmup, args.iters, spread)
-    t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
-    t["pipelined_graph"] = _graph_time(pipelined, args)
-    t["choice"] = autotune.pick(op, tune_args, group).name
-    t["choices_ms"] = _tuned_times(op, tune_args, group)
-    ect_nccl = t["nccl_cublas"] - t["gemm"]
-    m, n, k = mnk
-    row = {"op": op, "model": model, "m": m, "n": n, "k": k, "queued_us": QUEUE_US, **t}
-    for meth in ("async_tp", "fluxcompile"):
-        row[f"oe_{meth}"] = 1 - (t[meth] - t["gemm"]) / ect_nccl if ect_nccl > 0 else float("nan")
-    return row
-
-
-def _tuned_times(op: str, tune_args: tuple, group: str) -> dict:
-    """The autotuner's own timings of every choice (max over ranks, ms), from its cache file."""
-    from fluxcompile.lowerings import autotune
-
-    try:
-        with open(autotune.cache_path(op, autotune.cache_key(op, tune_args, group))) as f:
-            return json.load(f)["max_ms"]
-    except (OSError, KeyError, ValueError):
-        return {}
-
-
-def _graph_time(fn: Callable[[], object], args: argparse.Namespace) -> float:
-    """Time of ``fn`` replayed from a CUDA graph: the GPU's share without host launch cost."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return timed(graph.replay, args.warmup, args.iters)
 
 
 def table(rows: list[dict]) -> str:
@@ -337,14 +158,8 @@ def main() -> None:
         action="store_true",
         help="decode: every call reads the next of enough weight copies that none is in L2 (as in a model)",
     )
-    here = os.path.dirname(os.path.abspath(__file__))
-    present = ["ag"] + [o for o in ("rs", "decode") if os.path.exists(os.path.join(here, f"ops_{o}.py"))]
-    p.add_argument(
-        "--ops", default=",".join(present), help="comma-separated: ag, rs (ops_rs.py), decode (ops_decode.py)"
-    )
+    p.add_argument("--ops", default="ag,rs,decode", help="comma-separated: ag, rs (ops_rs.py), decode (ops_decode.py)")
     args = p.parse_args()
-    global QUEUE_US
-    QUEUE_US = args.queued_us
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -353,12 +168,8 @@ def main() -> None:
         if name == "ag":
             rows += bench_all_gather_matmul(args)
         elif name == "rs":  # same columns as all-gather: one table, one plot
-            import ops_rs
-
             rows += ops_rs.bench(args)
         elif name == "decode":  # CUDA-graph timings with their own columns
-            import ops_decode
-
             extra_tables.append(ops_decode.table(ops_decode.bench(args)))
         else:
             raise SystemExit(f"unknown --ops entry {name!r}")
@@ -370,7 +181,8 @@ def main() -> None:
             plot(rows, os.path.join(args.out, "ops.png"))
         except Exception as e:
             print(f"plot failed: {e}")
-        mode = f"GPU queued {QUEUE_US:.0f} µs ahead of each round" if QUEUE_US else "rounds from an idle GPU"
+        q = args.queued_us
+        mode = f"GPU queued {q:.0f} µs ahead of each round" if q else "rounds from an idle GPU"
         print(f"== table (µs; OE = overlap efficiency vs NCCL+cuBLAS; {mode}) ==")
         print(table(rows), flush=True)
     if dist.get_rank() == 0 and extra_tables:

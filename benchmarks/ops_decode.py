@@ -8,7 +8,7 @@ input features, the weight row-sharded (each rank holds ``[n, k / world]`` in nn
 m ∈ {1, 16, 64, 256} tokens, with and without the residual add + RMSNorm after the all-reduce.
 
 Every method is timed as CUDA graph replays (``CALLS`` calls captured in one graph; the per-call time is a
-replay's time divided by ``CALLS``), methods interleaved in rounds (``ops.timed_interleaved``), medians of
+replay's time divided by ``CALLS``), methods interleaved in rounds (``overlap.timed_interleaved``), medians of
 the slowest rank:
   cublas          the local GEMM alone (the floor)
   nccl            cuBLAS, then NCCL's all-reduce (in place), then the tail in PyTorch ops
@@ -36,6 +36,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from overlap import timed_interleaved
 
 CALLS = 20  # calls per captured graph
 SHAPES = [  # (model, projection, n, k): full k; each rank holds k / world rows of B
@@ -101,8 +102,6 @@ def _solo_group() -> str:
 
 
 def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: int, tail: bool) -> dict:
-    from ops import timed_interleaved
-
     from fluxcompile import ops
     from fluxcompile.lowerings import autotune, choices_for
     from fluxcompile.testing.numerics import rel_err
@@ -194,9 +193,7 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
         methods.pop(name, None)
 
     graphs = {name: _graph(fn) for name, fn in methods.items()}
-    t = timed_interleaved(
-        {name: g.replay for name, g in graphs.items()}, args.warmup, args.rounds, max(1, args.iters // args.rounds)
-    )
+    t = timed_interleaved({name: g.replay for name, g in graphs.items()}, args)
     per_call = {name: v / CALLS for name, v in t.items()}
     del graphs
     row = {

@@ -6,7 +6,7 @@ Shapes (Flux paper's GPT-3 and Llama-3-8B's down projection), weights row-sharde
 (cuBLAS, and Inductor's best Triton GEMM), NCCL + cuBLAS (mm, then ``reduce_scatter_tensor``), PyTorch
 async-TP (``symm_mem.fused_matmul_reduce_scatter``) and fluxcompile (the fused op, autotuned); plus the
 zero-copy cuBLAS choice alone ("pipelined": median/min/max, and replayed from a CUDA graph). The rows have
-the same keys as ops.py's all-gather rows, so one table and one plot hold both.
+the same keys as ops.py's all-gather rows (both made by overlap.py), so one table and one plot hold both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from ops import check_numerics, overlap_row, run_shapes
+from overlap import check_numerics, overlap_row, run_shapes
 
 OP = "matmul_reduce_scatter"
 
