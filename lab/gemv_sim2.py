@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import CUDA_MODES, cuda_slot_need
+from fluxcompile.kernels.gemv_ar import MODES, slot_need
 from fluxcompile.testing.numerics import rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +47,7 @@ class Rank:
     """One simulated rank's workspaces and tensors."""
 
     def __init__(self, m: int, n: int, k: int, world: int, tail: bool):
-        self.slot_bytes = (cuda_slot_need(m, n, 2) + 255) // 256 * 256
+        self.slot_bytes = (slot_need(m, n, 2) + 255) // 256 * 256
         # Regular slots and LL regions (fluxcompile/csrc/gemv_ar.h), poisoned: NaN data, flags no epoch matches.
         self.data = torch.full(((6 * world + 2) * self.slot_bytes,), 0xFF, dtype=torch.uint8, device="cuda")
         self.flags = torch.zeros((world + 1) * MAX_TILES, dtype=torch.int32, device="cuda")
@@ -71,7 +71,7 @@ def launch(ext, r: Rank, rank: int, peer_data, peer_flags, mode: str, grid: int)
     ext.launch(
         r.a.data_ptr(), r.w.data_ptr(), 0, r.out.data_ptr(), p(r.normed), p(r.residual), p(r.norm_w), 1e-5, False,
         int(peer_data.data_ptr()), int(peer_flags.data_ptr()), r.slot_bytes, r.state.data_ptr(),
-        r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, mode == "twoshot", CUDA_MODES[mode],
+        r.err.data_ptr(), m, n, k, r.a.stride(0), r.w.stride(0), rank, WORLD, mode == "twoshot", MODES[mode],
         tiles, TIMEOUT_NS, 0,
         min(grid, tiles), r.stream.cuda_stream,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The CUTLASS choices of all_gather_matmul and matmul_reduce_scatter (lowerings/*/cutlass.py) on CPU: their
-registration, how they decline (experimental switch, no Hopper, dtypes, layouts, pairs, scatter dims), the
+registration, how they decline (family switched off, no Hopper, dtypes, layouts, pairs, scatter dims), the
 launcher's pure-Python parts (tiles per chunk, weight layouts, generated sources), the reduction kernel under
 Triton's interpreter and compiled for sm_90, and the one-GPU harness's symmetric-memory stand-in. Their protocol
 runs on GPUs: tests/gpu/test_cutlass_ranks.py."""
@@ -23,7 +23,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fluxcompile import config
-from fluxcompile.kernels import cutlass_build, cutlass_gemm
+from fluxcompile.config import IMPLEMENTATIONS
+from fluxcompile.kernels import cutlass_build, cutlass_gemm, slot_reduction
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
@@ -64,9 +65,9 @@ def _rs_args(As=None, Bs=None, bias=None, out_shape=(800, 768), scatter_dim=0, r
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """The experimental switch on and the kernels said to be available (the checks after that one)."""
+    """Every family on (cutlass among them) and the kernels said to be available (the checks after that one)."""
     monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
-    with config.patch(experimental_cutlass=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         yield
 
 
@@ -79,11 +80,15 @@ def test_one_choice_per_variant_for_both_ops():
 
 
 def test_on_by_default_and_declined_when_switched_off():
-    assert config.experimental_cutlass
-    with config.patch(experimental_cutlass=False):
-        for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
-            for c in _cutlass(op).values():
-                assert c.declines(*args) == "switched off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0)", c.name
+    assert "cutlass" in IMPLEMENTATIONS and config.family_declines("cutlass") is None
+    why = "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'cutlass'"
+    left_out = tuple(f for f in config.implementations if f != "cutlass")
+    # The old switch (experimental_cutlass=False) still leaves the family out, for one release.
+    for off in ({"implementations": left_out}, {"experimental_cutlass": False}):
+        with config.patch(**off):
+            for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
+                for c in _cutlass(op).values():
+                    assert c.declines(*args) == why, c.name
 
 
 def test_declined_without_hopper():
@@ -91,14 +96,14 @@ def test_declined_without_hopper():
     why = cutlass_gemm.unavailable()
     if why is None:
         pytest.skip("the CUTLASS launcher runs here (a Hopper GPU and CUTLASS's headers)")
-    with config.patch(experimental_cutlass=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
             for c in _cutlass(op).values():
                 assert c.declines(*args) == why, c.name
 
 
 def test_one_rank_is_declined():
-    with config.patch(experimental_cutlass=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         assert ag.supports(*_ag_args(world=1)) == "one rank: nothing to overlap"
         assert rs.supports(*_rs_args(world=1)) == "one rank: nothing to overlap"
 
@@ -137,7 +142,7 @@ def test_all_gather_declines(hopper, args, reason):
 
 def test_all_gather_cpu_tensors(monkeypatch):
     monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
-    with config.patch(experimental_cutlass=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         assert ag.supports(torch.randn(8, 64, dtype=BF16), [torch.randn(64, 32, dtype=BF16)], [None], 0, 2, "g") == (
             "needs CUDA tensors"
         )
@@ -282,7 +287,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import interpreter_compat  # noqa: F401
 import torch
-from fluxcompile.lowerings.matmul_reduce_scatter.cutlass import reduce_slots
+from fluxcompile.kernels.slot_reduction import reduce_slots
 
 torch.manual_seed(0)
 errors = {}
@@ -325,7 +330,7 @@ def test_reduction_kernel_compiles_for_sm90(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     types = {"slots": "*bf16", "own": "*bf16", "out": "*bf16", "scale": "fp32"}
-    k = compile_sm90(rs._reduce_kernel, dict(BLOCK_R=16, BLOCK_C=256), types, num_warps=4, num_stages=1)
+    k = compile_sm90(slot_reduction.reduce_slots_kernel, dict(BLOCK_R=16, BLOCK_C=256), types, num_warps=4, num_stages=1)
     assert "ld.global" in k.asm["ptx"]
 
 
@@ -464,7 +469,7 @@ def simulated(monkeypatch):
             monkeypatch.setattr(mod, name, fakes[name])
     monkeypatch.setattr(cutlass_gemm, "gemm", _gemm)
     monkeypatch.setattr(rs, "copy_2d", lambda stream, dst, src: dst.copy_(src))
-    monkeypatch.setattr(rs, "reduce_slots", _reduce)
+    monkeypatch.setattr(slot_reduction, "reduce_slots", _reduce)
 
 
 def _simulate(world: int, data_bytes: int, flag_bytes: int, calls: list, init) -> list[list]:

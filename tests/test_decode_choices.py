@@ -1,5 +1,5 @@
 """The decode choices of matmul_all_reduce / all_reduce_rmsnorm as registered, and how they decline where
-they cannot run (CPU tensors, experimental kernels switched off) — rank-independent reasons only; the check of
+they cannot run (CPU tensors, their family switched off) — rank-independent reasons only; the check of
 their error words."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fluxcompile import config
+from fluxcompile.kernels import gemv_ar
 from fluxcompile.lowerings import choices_for
 from fluxcompile.lowerings.matmul_all_reduce import fused_kernels as decode_ar
 
@@ -24,18 +25,25 @@ def _args(op: str):
 def test_registered_for_both_ops():
     for op in OPS:
         names = [c.name for c in choices_for(op)]
-        assert {f"cuda:gemv-{mode}" for mode in decode_ar.CUDA_MODES} <= set(names)
+        assert {f"cuda:gemv-{mode}" for mode in gemv_ar.MODES} <= set(names)
         assert {"torch_symm_mem:one_shot", "reference"} <= set(names)
         assert {f"triton:{v}" for v in decode_ar.TRITON_VARIANTS} <= set(names)
         assert names[-1] == "reference"
 
 
-def test_experimental_choices_decline_unless_enabled():
-    with config.patch(experimental_decode=False):
-        for op in OPS:
-            for c in choices_for(op):
-                if c.family in ("cuda", "triton") or c.name == "torch_symm_mem:two_shot":
-                    assert "FLUXCOMPILE_EXPERIMENTAL_DECODE=0" in (c.declines(*_args(op)) or ""), c.name
+def test_decode_choices_decline_unless_enabled():
+    """The decode kernels are family "decode"; PyTorch's two-shot choice (family "torch_symm_mem") follows it."""
+    left_out = tuple(f for f in config.implementations if f != "decode")
+    why = "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'decode'"
+    for op in OPS:
+        kinds = {c.name.partition(":")[0] for c in choices_for(op) if c.family == "decode"}
+        assert kinds == {"cuda", "triton"}, op
+        with config.patch(implementations=left_out):
+            assert not any(c.family == "decode" for c in choices_for(op))  # not offered
+            two_shot = {c.name: c for c in choices_for(op)}["torch_symm_mem:two_shot"]
+            assert two_shot.declines(*_args(op)) == f"the two-shot choice follows family 'decode': {why}"
+        with config.patch(experimental_decode=False):  # the old switch, for one release
+            assert not any(c.family == "decode" for c in choices_for(op))
 
 
 def test_cpu_tensors_are_declined():
@@ -49,7 +57,7 @@ def test_bare_all_reduce_is_left_to_the_unfused_choices():
     x = torch.randn(4, 32)
     args = (x, [], [], None, [4, 32], torch.randn(4, 32), torch.ones(32), 1e-5, True, False, "sum", "0")
     for c in choices_for("all_reduce_rmsnorm"):
-        if c.family in ("cuda", "triton"):
+        if c.family == "decode":
             assert "bare all-reduce" in (c.declines(*args) or ""), c.name
 
 
@@ -85,11 +93,11 @@ def _cuda_args(monkeypatch, world: int):
 def test_cuda_kernel_declines_between_gpus_until_validated(monkeypatch):
     """The rewritten csrc kernel has run on one GPU only: at world size 2 it declines unless enabled."""
     args = _cuda_args(monkeypatch, 2)
-    with config.patch(experimental_gemv_peers=False):
-        for mode in decode_ar.CUDA_MODES:
-            assert "FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1" in (decode_ar.cuda_supports(mode, *args) or "")
-    with config.patch(experimental_gemv_peers=True):
-        assert "GEMV_PEERS" not in (decode_ar.cuda_supports("oneshot", *args) or "")
+    why = "csrc/gemv_ar.cu between GPUs: switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out"
+    with config.patch(implementations=tuple(f for f in config.implementations if f != "gemv_peers")):
+        for mode in gemv_ar.MODES:
+            assert (decode_ar.cuda_supports(mode, *args) or "").startswith(why)
+    assert "gemv_peers" not in (decode_ar.cuda_supports("oneshot", *args) or "")  # in implementations by default
 
 
 def test_ll_variants_need_a_peer(monkeypatch):
@@ -106,11 +114,11 @@ def test_ll128_lines_fit_the_ll_region():
     for m in (1, 2, 3, 7, 16, 37, 64):
         for n in (8, 200, 4104, 8192):
             lines = -(-m * 4 // 7)  # 16-byte vectors of a 32-column tile row: 4
-            assert decode_ar.ll128_bytes(m, n) == -(-n // 32) * lines * 128
-            assert 2 * decode_ar.cuda_slot_need(m, n, 2) >= decode_ar.ll128_bytes(m, n)  # an LL region: two slots
+            assert gemv_ar.ll128_bytes(m, n) == -(-n // 32) * lines * 128
+            assert 2 * gemv_ar.slot_need(m, n, 2) >= gemv_ar.ll128_bytes(m, n)  # an LL region: two slots
             if n % 32 == 0:  # no more bytes than LL's twice the data (fewer from m = 3 on)
-                assert decode_ar.ll128_bytes(m, n) <= 2 * m * n * 2
-                assert m < 3 or decode_ar.ll128_bytes(m, n) < 2 * m * n * 2
+                assert gemv_ar.ll128_bytes(m, n) <= 2 * m * n * 2
+                assert m < 3 or gemv_ar.ll128_bytes(m, n) < 2 * m * n * 2
 
 
 def _resolved_size() -> int:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import config, ops
+from fluxcompile.kernels import gemv_ar
 from fluxcompile.lowerings import choices_for
 from fluxcompile.lowerings.matmul_all_reduce import fused_kernels
 from fluxcompile.testing.numerics import assert_close
@@ -198,7 +199,7 @@ def test_cuda_modes_interleaved():
     apart from the next call's."""
     group = dist.group.WORLD
     op = "matmul_all_reduce"
-    names = [f"cuda:gemv-{mode}" for mode in fused_kernels.CUDA_MODES]
+    names = [f"cuda:gemv-{mode}" for mode in gemv_ar.MODES]
     names = [name for name in names if _expected(name, 16, 8192)]
     choices = {c.name: c for c in choices_for(op)}
     rng = random.Random(shared_seed())

@@ -2,12 +2,14 @@
 decoder layer's tail after them): their choices, registered for both ops, and each op's CUDA implementation,
 which asks the rank-synchronized autotuner for one choice per call signature and runs it.
 
-Choices (each capturable in a CUDA graph once a first eager call made its workspaces):
-* ``cuda:gemv-oneshot`` / ``:gemv-twoshot`` / ``:gemv-oneshot-ll`` / ``:gemv-oneshot-ll128``: csrc/gemv_ar.cu, a GEMV kernel (m <= 64)
-  whose epilogue stores each output tile into the peers' symmetric memory (fused_kernels.py);
-* ``triton:<oneshot|twoshot>-<tile>``: kernels/gemm_ar.py, the same protocol with a tiled GEMM for larger m;
+Choices (each capturable in a CUDA graph once a first eager call made its workspaces), in the autotuner's order:
+* ``triton:<oneshot|twoshot>-<tile>`` (family ``decode``): kernels/gemm_ar.py, a tiled GEMM for any m with the
+  CUDA kernel's protocol (next);
+* ``cuda:gemv-oneshot`` / ``:gemv-twoshot`` / ``:gemv-oneshot-ll`` / ``:gemv-oneshot-ll128``: csrc/gemv_ar.cu (kernels/gemv_ar.py), a GEMV kernel (m <= 64)
+  whose epilogue stores each output tile into the peers' symmetric memory (fused_kernels.py; family ``decode``,
+  and between GPUs ``gemv_peers`` too);
 * ``torch_symm_mem:one_shot`` / ``:two_shot`` (torch_symm_mem.py): cuBLAS into a symmetric buffer, then
-  PyTorch's all-reduce;
+  PyTorch's all-reduce (the two-shot one only with family ``decode`` too);
 * ``schedules:one_shot`` / ``:two_shot`` (schedules.py): cuBLAS, then the schedule language's all-reduce;
 * ``reference``: cuBLAS then NCCL (registered by lowerings/choices.py).
 """
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...kernels import gemv_ar
 from ...ops import REFERENCES
 from ..autotune import pick, time_in_cuda_graphs
 from ..choices import Choice, register_choice
@@ -30,15 +33,18 @@ from .pairs import fused_pair, unfused_pair
 OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
 
 
-def _register(name: str, pair_mar, pair_arn) -> None:
-    register_choice("matmul_all_reduce", Choice(name, *pair_mar))
-    register_choice("all_reduce_rmsnorm", Choice(name, *pair_arn))
+def _register(name: str, pair_mar, pair_arn, family: str = "") -> None:
+    register_choice("matmul_all_reduce", Choice(name, *pair_mar, family=family))
+    register_choice("all_reduce_rmsnorm", Choice(name, *pair_arn, family=family))
 
 
-for _mode in fused_kernels.CUDA_MODES:
-    _register(f"cuda:gemv-{_mode}", *fused_pair(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode))
+# Both kernels are family "decode"; the Triton one first, the candidates' order within the family.
 for _variant in fused_kernels.TRITON_VARIANTS:
-    _register(f"triton:{_variant}", *fused_pair(fused_kernels.run_triton, fused_kernels.triton_supports, _variant))
+    _pairs = fused_pair(fused_kernels.run_triton, fused_kernels.triton_supports, _variant)
+    _register(f"triton:{_variant}", *_pairs, family="decode")
+for _mode in gemv_ar.MODES:
+    _pairs = fused_pair(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode)
+    _register(f"cuda:gemv-{_mode}", *_pairs, family="decode")
 for _shot, _two_shot in (("one_shot", False), ("two_shot", True)):
     _register(f"torch_symm_mem:{_shot}", *unfused_pair(torch_symm_mem.all_reduce, torch_symm_mem.supports, _two_shot))
     _register(f"schedules:{_shot}", *unfused_pair(schedules.all_reduce, schedules.supports, _shot))

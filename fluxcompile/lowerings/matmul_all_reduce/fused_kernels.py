@@ -1,6 +1,6 @@
 """Runtime of the fused decode kernels (GEMM -> all-reduce -> optional residual add + RMSNorm): the CUDA GEMV
-kernel of csrc/gemv_ar.cu for m <= 64 and the Triton kernel of kernels/gemm_ar.py for any m, each in a
-one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's header):
+kernel of csrc/gemv_ar.cu (launched by kernels/gemv_ar.py) for m <= 64 and the Triton kernel of kernels/gemm_ar.py
+for any m, each in a one-shot and a two-shot variant. Both follow one protocol (see csrc/gemv_ar.cu's header):
 
 * a symmetric data workspace per kernel family, cut into slots of equal size: partials of each source rank
   for both epoch parities, then the two-shot result slots (``2 * world + 2``); the CUDA family adds two slots
@@ -19,8 +19,8 @@ Workspaces and the state are created by the first eager call of a shape (all ran
 graph capture; a shape's first call also synchronizes the ranks once (host barrier) after compiling, so
 no rank's kernel waits out another's JIT compilation.
 
-Both kernels decline every call while ``config.experimental_decode`` is off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0),
-and the CUDA kernel runs between GPUs only while ``config.experimental_gemv_peers`` is on (the default).
+Both kernels are family ``decode`` (their choices decline every call while ``config.implementations`` leaves it
+out), and the CUDA kernel runs between GPUs only while ``gemv_peers`` is in it too (the default).
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...config import config
+from ...kernels import gemv_ar
 from ...symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
-from ...kernels import extensions
 
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
 ERR_WORDS = 8
-CUDA_TILE_N = 32  # csrc/gemv_ar.h kGemvTileN
-CUDA_MAX_M = 64  # csrc/gemv_ar.h kGemvMaxM
 MAX_WORLD = 8
 _SLOT_ALIGN = 256
 
@@ -171,8 +169,6 @@ def _sync_ranks_once(key: tuple, group_name: str) -> None:
 
 
 def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None) -> str | None:
-    if not config.experimental_decode:
-        return "switched off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0)"
     if x is not None:
         return "a bare all-reduce (no matmul to fuse with)"
     if len(As) != 1 or len(Bs) != 1:
@@ -202,25 +198,19 @@ def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tai
     return None
 
 
-# The CUDA kernel's variants (choice "cuda:gemv-<mode>"): one-shot, two-shot, and one-shot whose partials
-# travel as LL words or LL128 lines (data and epoch together: no fence and no flag per tile on the writer's
-# side), with the kernel's ``ll`` argument.
-CUDA_MODES = {"oneshot": 0, "twoshot": 0, "oneshot-ll": 1, "oneshot-ll128": 2}
-
-
 def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
     why = _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x, tail)
     if why:
         return why
-    if mode not in CUDA_MODES:
+    if mode not in gemv_ar.MODES:
         return f"unknown mode {mode!r}"
     two_shot = mode == "twoshot"
     a, b = As[0], Bs[0]
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if a.dtype not in (torch.bfloat16, torch.float16):
         return "the CUDA kernel takes bfloat16 or float16"
-    if m > CUDA_MAX_M:
-        return f"m = {m} > {CUDA_MAX_M} (the GEMV kernel's rows)"
+    if m > gemv_ar.MAX_M:
+        return f"m = {m} > {gemv_ar.MAX_M} (the GEMV kernel's rows)"
     if b.stride(0) != 1:
         return "the weight is not in nn.Linear layout (B = W.t(), W [n, k] with unit stride along k)"
     if k % 8 or n % 8 or b.stride(1) % 8 or a.stride(1) != 1 or a.stride(0) % 8:
@@ -228,18 +218,14 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
     world = group(group_name).size()
-    if CUDA_MODES[mode] and world < 2:
+    if gemv_ar.MODES[mode] and world < 2:
         return "LL words travel between ranks: with one rank this is the one-shot choice"
-    if world > 1 and not config.experimental_gemv_peers:
-        return "csrc/gemv_ar.cu between GPUs is switched off (FLUXCOMPILE_EXPERIMENTAL_GEMV_PEERS=1 turns it on)"
-    tiles = -(-n // CUDA_TILE_N)
+    if world > 1 and (why := config.family_declines("gemv_peers")):
+        return f"csrc/gemv_ar.cu between GPUs: {why}"
+    tiles = -(-n // gemv_ar.TILE_N)
     if tiles > MAX_TILES or (two_shot and tiles < world):
-        return f"{tiles} tiles of {CUDA_TILE_N} columns do not fit the flags (or are fewer than the ranks)"
-    try:
-        extensions.load("gemv_ar")
-    except extensions.Unavailable as e:
-        return f"csrc/gemv_ar unavailable: {e}"
-    return None
+        return f"{tiles} tiles of {gemv_ar.TILE_N} columns do not fit the flags (or are fewer than the ranks)"
+    return gemv_ar.unavailable()
 
 
 def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name, x=None, tail: Tail = None):
@@ -277,18 +263,6 @@ def _begin(
     return rank, world, st, ws, slot_bytes
 
 
-def ll128_bytes(m: int, n: int) -> int:
-    """An LL128 partial's bytes (csrc/gemv_ar.cu): ceil(4 m / 7) lines of 128 bytes per tile of 32 columns."""
-    return -(-n // CUDA_TILE_N) * -(-m * CUDA_TILE_N // 8 // 7) * 128
-
-
-def cuda_slot_need(m: int, n: int, itemsize: int) -> int:
-    """The bytes a slot of the CUDA kernel's data workspace must hold for an [m, n] output: the partial, and
-    half an LL128 partial (an LL region is two slots; a ragged last tile's lines may pass the partial's bytes
-    twice)."""
-    return max(m * n * itemsize, -(-ll128_bytes(m, n) // 2))
-
-
 def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, Tensor | None]:
     out = torch.empty(list(out_shape), dtype=a.dtype, device=a.device)
     normed = torch.empty_like(out) if tail is not None else None
@@ -296,8 +270,7 @@ def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, T
 
 
 def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None) -> Tensor | tuple[Tensor, Tensor]:
-    two_shot, ll = mode == "twoshot", CUDA_MODES[mode]
-    ext = extensions.load("gemv_ar")
+    gemv_ar.load()  # raises Unavailable before any communication
     a, b = As[0], Bs[0]
     if a.data_ptr() % 16:
         a = a.clone()  # a fresh allocation is aligned for 16-byte loads
@@ -306,27 +279,13 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
     m, k = a.shape
     n = b.shape[1]
-    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name, cuda_slot_need(m, n, a.element_size()))
-    n_tiles = -(-n // CUDA_TILE_N)
-    grid = n_tiles  # the launcher lowers it to the CTAs that fit on the GPU at once
+    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name, gemv_ar.slot_need(m, n, a.element_size()))
     out, normed = _outputs(a, out_shape, tail)
-    if tail is not None:
-        residual, weight, eps, weight_after_cast = tail
-        # Contiguous and 16-byte aligned (the kernel reads 16-byte vectors); kept alive until after the launch.
-        residual, weight = (
-            t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-            for t in (residual, weight)
-        )
-        tail_ptrs = (normed.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, weight_after_cast)
-    else:
-        tail_ptrs = (0, 0, 0, 0.0, False)
     _sync_ranks_once(("cuda", mode, a.dtype, m, n, k, tail is not None, group_name), group_name)
-    ext.launch(
-        a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(), *tail_ptrs,
-        int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
-        st.state.data_ptr(), st.errors.err.data_ptr(),
-        m, n, k, a.stride(0), b.stride(1), rank, world, two_shot, ll, n_tiles, int(config.decode_timeout_s * 1e9),
-        0 if a.dtype == torch.bfloat16 else 1, grid, torch.cuda.current_stream().cuda_stream,
+    gemv_ar.gemv_ar(
+        a, b, bias, out, int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
+        st.state, st.errors.err, rank, world,
+        mode=mode, timeout_ns=int(config.wait_timeout_s * 1e9), tail=(normed, *tail) if tail is not None else None,
     )  # fmt: skip
     st.errors.report(f"the cuda decode kernel ({mode})", _checker(group_name))
     return out if tail is None else (out, normed)
@@ -351,7 +310,7 @@ def run_triton(
     progs = torch.cuda.get_device_properties(a.device).multi_processor_count
     kwargs = dict(
         two_shot=v.two_shot, tail=tail_args, ss_part=ss_part, block=v.block, num_programs=progs,
-        max_spin=int(config.decode_timeout_s * 1e6), num_warps=v.num_warps, num_stages=v.num_stages,
+        max_spin=int(config.wait_timeout_s * 1e6), num_warps=v.num_warps, num_stages=v.num_stages,
     )  # fmt: skip
     call = (a, b, bias, out.view(m, n), st.peer_data, st.peer_flags, slot_bytes // a.element_size(), st.state)
     key = ("triton", variant, a.dtype, m, n, k, tuple(b.stride()), bias is not None, tail is not None, group_name)

@@ -23,37 +23,30 @@ Bias: the contract (ops.py) puts the bias into every rank's partial, so a sum ad
 Each rank's GEMM adds its *own* bias in its epilogue, as the reference's addmm does: exact even where the ranks'
 biases differ, at no cost, and the reduction needs no bias.
 
-The reduction: one small Triton kernel (``_reduce_kernel``): per output tile, our own chunk read in place in P
-(strided for columns) plus the w-1 slots, summed in fp32 in ring order, scaled by 1/w for ``avg``, rounded once
-into the output. One launch, no temporary; torch ops would need an fp32 temporary and 3+ launches.
+The reduction: one small Triton kernel (kernels/slot_reduction.py): per output tile, our own chunk read in place
+in P (strided for columns) plus the w-1 slots, summed in fp32 in ring order, scaled by 1/w for ``avg``, rounded
+once into the output. One launch, no temporary; torch ops would need an fp32 temporary and 3+ launches.
 
 The error words, the communication context (``Comm``) and the watchdog are the all-gather choice's
 (lowerings/all_gather_matmul/cutlass.py). Stream-K variants cannot count tiles: they decline.
 
-On by default; it declines every call while ``config.experimental_cutlass`` is off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0).
+Family ``cutlass``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ...kernels import cutlass_gemm
+from ...kernels import cutlass_gemm, slot_reduction
 from ...symm_mem import FlagArray, stream_consume, stream_wait, stream_write
 from ...symm_mem.exchange import ring_order, slot_bytes
 from ...symm_mem.workspace import current_stream
 from ..all_gather_matmul.cutlass import MAX_WORLD, NAME, Comm, comm_for, group_declines, read_flags
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover  (Triton comes with torch's CUDA builds)
-    triton = None
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # The flag workspace: counters (uint32 per owner chunk, start 0), ready (start 0), done (start 1), each [world].
@@ -232,7 +225,7 @@ def matmul_reduce_scatter_on(
     def part(p: int) -> Tensor:  # owner p's chunk of our partial
         return partial[p * chunk : (p + 1) * chunk] if axis == 0 else partial[:, p * chunk : (p + 1) * chunk]
 
-    _load_reduction(slots, part(rank), rank)
+    slot_reduction.load_reduction(slots, part(rank), rank)
     side.wait_stream(main)  # recorded before the GEMM: the side stream runs beside it
     cutlass_gemm.gemm(
         a, b, partial, bias.contiguous() if bias is not None else None,
@@ -253,7 +246,8 @@ def matmul_reduce_scatter_on(
     shape = list(out_shape)
     shape[scatter_dim % len(shape)] //= world
     out = torch.empty(shape, dtype=dtype, device=a.device)
-    reduce_slots(slots, part(rank), out.view(rows, cols), rank, 1.0 / world if reduce_op == "avg" else 1.0)
+    scale = 1.0 / world if reduce_op == "avg" else 1.0
+    slot_reduction.reduce_slots(slots, part(rank), out.view(rows, cols), rank, scale)
     for p in owners:
         stream_write(main, done.addr(p, rank), 1)  # p's slot in our buffer is free again
     main.wait_stream(side)
@@ -262,7 +256,7 @@ def matmul_reduce_scatter_on(
     return out
 
 
-# --- copies and the reduction ---------------------------------------------------------------------------
+# --- copies ---------------------------------------------------------------------------------------------
 
 
 def copy_2d(stream: torch.cuda.Stream, dst: Tensor, src: Tensor) -> None:
@@ -283,60 +277,7 @@ def copy_2d(stream: torch.cuda.Stream, dst: Tensor, src: Tensor) -> None:
         raise RuntimeError(f"fluxcompile: cudaMemcpy2DAsync failed: {err}")
 
 
-if triton is not None:
-
-    @triton.jit
-    def _reduce_kernel(
-        slots, own, out, R, C, ld_own, slot_elems, rank, world, scale,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
-        """out[R, C] = scale * (own[R, C] (row stride ld_own) + sum of slots[s] for s != rank), fp32."""
-        pid = tl.program_id(0)
-        tiles_c = tl.cdiv(C, BLOCK_C)
-        r = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
-        c = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (r[:, None] < R) & (c[None, :] < C)
-        rc = r[:, None].to(tl.int64) * C + c[None, :]
-        acc = tl.load(own + r[:, None].to(tl.int64) * ld_own + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        for j in range(1, world):
-            s = (rank + j) % world
-            acc += tl.load(slots + s.to(tl.int64) * slot_elems + rc, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + rc, (acc * scale).to(out.dtype.element_ty), mask=mask)
-
-
-_loaded: set[tuple] = set()
-
-
-def _load_reduction(slots: Tensor, own: Tensor, rank: int) -> None:
-    """Run the reduction once per signature before the call's GEMM (its result unused): loading a kernel's module
-    waits for the device, which must not happen while this rank's GEMM waits for peers that have not launched."""
-    key = (slots.device, slots.dtype, tuple(slots.shape), own.stride(0), rank)
-    if key in _loaded or torch.cuda.is_current_stream_capturing():
-        return
-    reduce_slots(slots, own, torch.empty(own.shape, dtype=own.dtype, device=own.device), rank, 1.0)
-    _loaded.add(key)
-
-
-def reduce_slots(slots: Tensor, own: Tensor, out: Tensor, rank: int, scale: float) -> None:
-    """``out = scale * (own + sum_{s != rank} slots[s])`` in fp32 on the current stream. ``slots`` is
-    contiguous ``[world, R, C]``, ``own`` ``[R, C]`` with unit column stride, ``out`` contiguous ``[R, C]``."""
-    world, rows, cols = slots.shape
-    if triton is None:  # pragma: no cover
-        acc = own.float()
-        for j in range(1, world):
-            acc += slots[(rank + j) % world].float()
-        out.copy_(acc * scale)
-        return
-    block_c = min(256, triton.next_power_of_2(cols))
-    block_r = max(1, 4096 // block_c)
-    grid = (triton.cdiv(rows, block_r) * triton.cdiv(cols, block_c),)
-    _reduce_kernel[grid](
-        slots, own, out, rows, cols, own.stride(0), rows * cols, rank, world, scale,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-    )  # fmt: skip
-
-
 # The protocol's launches that may load a kernel's module, in the order every rank makes them (the one-GPU harness
 # orders the simulated ranks' launches by them, so that no rank loads a module, which waits for the device, while a
 # peer's queued GEMM waits for this rank).
-LAUNCHES = ((sys.modules[__name__], "_load_reduction"), (cutlass_gemm, "gemm"))
+LAUNCHES = ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
