@@ -50,6 +50,7 @@ import torch
 from fluxcompile import config, ops
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
+from fluxcompile.symm_mem import Comm
 
 LAYERS = {  # d, ffn, experts, top-k, tokens per rank
     "mixtral": (4096, 14336, 8, 2, 4096),
@@ -351,7 +352,7 @@ class Vdev:
         return self.exchange(y, self.splits_c, L.A.shape[0]).clone()
 
 
-_smoke_comms: dict[str, moe.Comm] = {}
+_smoke_comms: dict[str, Comm] = {}
 
 
 def _choices(name: str, world: int):
@@ -364,8 +365,10 @@ def _choices(name: str, world: int):
     if not _smoke_comms:
         for tag in ("d", "c"):
             r = OneGpuRanks(1, 1 << 20, gg.FLAG_BYTES, tag=tag, device="cpu")
-            _smoke_comms[tag] = moe.Comm(r.data.ranks[0], r.flags.ranks[0], moe.make_errors(torch.device("cpu")),
-                                         "smoke", 1, r.init_flags, 10_000)  # fmt: skip
+            _smoke_comms[tag] = Comm(
+                data=r.data.ranks[0], flags=r.flags.ranks[0], errors=moe.make_errors(torch.device("cpu")),
+                group_name="smoke", sm_count=1, init_flags=r.init_flags, max_spin=10_000,
+            )  # fmt: skip
 
     def run_d(A, Bs, biases, out_splits, in_splits, group, *rest):
         offs, row_index = rest[4], rest[5]

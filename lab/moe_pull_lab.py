@@ -51,14 +51,14 @@ def run_layer(L, args, rank: int, world: int, group: str) -> list[str]:
     rows, k = sum(recv), A.shape[-1]
     dargs = bench._dispatch_args(L, group)
     ref = ops.REFERENCES["all_to_all_matmul"](*dargs)
-    comm = moe.comm_for(group, world, moe.dispatch_bytes(A, world), "lab.pull")
-    sig = comm.signals()
+    comm = moe.group_comm(group, world, moe.dispatch_bytes(A, world), "lab.pull")
+    sig = moe.signals(comm)
     out = torch.empty(rows, k, dtype=A.dtype, device="cuda")
     a2a = torch.empty_like(out)
 
     def pull(programs: int | None = None):
         moe.stage_rows(comm, sig, A, send, "lab pull")
-        pl = gg.Pull(A, comm.data_bases(), out, rows)
+        pl = gg.Pull(A, moe.data_bases(comm), out, rows)
         gg.grouped_gemm(out, L.w, pull=pl, gemm=False, sig=sig, num_programs=programs)
 
     def gemm_only():
@@ -92,7 +92,7 @@ def run_layer(L, args, rank: int, world: int, group: str) -> list[str]:
             a_ex, outs = fn(*dargs)
             if not torch.equal(a_ex, ref[0]) or any(not torch.equal(o, r) for o, r in zip(outs, ref[1])):
                 bad.append(f"ordered {c}")
-        comm.errors.check_previous("lab pull", comm.check)
+        comm.errors.check_previous("lab pull", lambda words, what: gg.check_error(words, group, what))
         if bad:
             raise RuntimeError(f"rank {rank}: {bad} differ from NCCL's exchange")
         times = {name: [] for name in found}

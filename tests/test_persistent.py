@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fluxcompile.symm_mem import Workspace, persistent
+from fluxcompile.symm_mem import Comm, Workspace, local_handle, persistent
+from fluxcompile.symm_mem import comm as comm_module
 from fluxcompile.symm_mem import errors as errors_module
 
 
@@ -227,13 +228,14 @@ def _ag_cutlass(mp, mode) -> list[torch.Tensor]:
 def _moe(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.all_to_all import triton as m
 
-    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(local_handle, "persistent", mode.persistent)
+    mp.setattr(comm_module, "persistent", mode.persistent)
     mp.setattr(errors_module, "persistent", mode.persistent)
-    mp.setattr(m, "_local", {})
-    mp.setattr(m, "_retired", [])
+    mp.setattr(local_handle, "_local", {})
+    mp.setattr(local_handle, "_retired", [])
     errors = m.make_errors(torch.device("cuda", 0))
-    ws = m._local_workspace("g", 4096, "t")
-    table = m.Comm(ws, ws, errors)._addresses(_workspace())
+    ws = local_handle.local_workspace("g", 4096, "t")
+    table = Comm(data=ws, flags=ws, errors=errors).addresses(_workspace())
     return [errors.err, errors.host, ws.buffer, table]
 
 

@@ -9,7 +9,7 @@ sees the flag.
 Protocol (graph-safe: values never depend on a call counter): a flag is set to 1 by its producer and
 consumed by its waiter, which resets it to 0 right after the wait. A CUDA graph replays the same
 values every time. The waits are unbounded in the driver: a peer that never signals would hang the stream.
-watchdog.py bounds them from the host (eager calls; FLUXCOMPILE_SIGNAL_TIMEOUT_S) with a report naming the
+watchdog.py bounds them from the host (eager calls; FLUXCOMPILE_WATCHDOG_TIMEOUT_S) with a report naming the
 rank and the signals. All ranks call the same fused ops in the same order, as for any collective.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
+from .groups import process_group
 from .persistent import host_barrier
 from .workspace import Workspace, workspace
 
@@ -96,7 +96,7 @@ def init_flags(flags: FlagArray, value: int) -> None:
         raise RuntimeError("fluxcompile: signal flags must be initialized by an eager call before graph capture")
     flags.local().fill_(value)
     torch.cuda.synchronize()
-    host_barrier(dist.distributed_c10d._resolve_process_group(flags.ws.group_name))
+    host_barrier(process_group(flags.ws.group_name))
     _initialized.add(key)
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import config
+from .groups import process_group
 from .store_gather import gather_strings
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -82,7 +83,7 @@ def layout(group: dist.ProcessGroup | str, timeout_s: float | None = None) -> La
     ``timeout_s`` (default ``config.choose_timeout_s``)."""
     if isinstance(group, str):
         group_name = group
-        group = dist.distributed_c10d._resolve_process_group(group_name)
+        group = process_group(group_name)
     else:
         group_name = group.group_name
     if group_name in _layouts:

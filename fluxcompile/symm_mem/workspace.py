@@ -12,8 +12,8 @@ import dataclasses
 import warnings
 
 import torch
-import torch.distributed as dist
 
+from .groups import process_group
 from .persistent import persistent
 
 _MIN_BYTES = 1 << 20
@@ -102,7 +102,7 @@ def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | N
     buf, handle = persistent(make, f"symmetric workspace '{tag}' of group {group_name}")
     if ws is not None:
         _retired.append(ws.buffer)
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = process_group(group_name)
     ws = Workspace(group_name, buf, handle, group.rank(), group.size())
     _workspaces[key] = ws
     global _generation

@@ -13,8 +13,8 @@ between the ranks' kernels and copies. What it does not: NVLink's ordering (ever
 times between GPUs (each rank has a share of one GPU; "peer" copies are same-device copies).
 
 Symmetric memory stand-in: a workspace is one allocation of ``world`` equal buffers; rank r's
-``symm_mem.Workspace`` has ``buffer`` = its slice and a ``handle`` whose ``buffer_ptrs`` and
-``get_buffer(rank, shape, dtype, offset_elems)`` address every rank's slice, so ``Workspace.view``,
+``symm_mem.Workspace`` has ``buffer`` = its slice and a ``handle`` (``symm_mem.LocalHandle``) whose ``buffer_ptrs``
+and ``get_buffer(rank, shape, dtype, offset_elems)`` address every rank's slice, so ``Workspace.view``,
 ``FlagArray`` and ``exchange.send`` work unchanged. Flags are set on every rank at once by :meth:`init_flags`
 (the one-process form of ``symm_mem.init_flags``).
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..symm_mem import FlagArray, Workspace
+from ..symm_mem import FlagArray, LocalHandle, Workspace
 
 RESERVED_SMS = 24
 _ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
@@ -172,36 +171,14 @@ class Turnstile:
                 setattr(owner, name, fn)
 
 
-class Handle:
-    """The part of torch's ``_SymmetricMemory`` handle the protocols use, over one allocation of ``world``
-    buffers of ``stride`` bytes."""
-
-    def __init__(self, alloc: torch.Tensor, stride: int, world: int):
-        self.alloc = alloc
-        self.stride = stride
-        self.world_size = world
-        self.buffer_ptrs = [alloc.data_ptr() + r * stride for r in range(world)]
-
-    def get_buffer(self, rank: int, shape, dtype: torch.dtype, offset_elems: int = 0) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        start = rank * self.stride + offset_elems * itemsize
-        end = start + math.prod(shape) * itemsize
-        if not 0 <= rank < self.world_size or end > (rank + 1) * self.stride:
-            raise ValueError(f"fluxcompile: rank {rank}'s buffer has {self.stride} bytes, a view asks up to {end}")
-        return self.alloc[start:end].view(dtype).view(list(shape))
-
-
 class SimulatedWorkspace:
     """One symmetric workspace of ``world`` ranks: one allocation (``alloc``), one ``Workspace`` per rank."""
 
     def __init__(self, world: int, nbytes: int, tag: str, device: torch.device, fill: int = 0):
         self.stride = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
         self.alloc = torch.full((world * self.stride,), fill, dtype=torch.uint8, device=device)
-        self.handle = Handle(self.alloc, self.stride, world)
-        self.ranks = [
-            Workspace(tag, self.alloc[r * self.stride : (r + 1) * self.stride], self.handle, r, world)
-            for r in range(world)
-        ]
+        self.handle = LocalHandle([self.alloc[r * self.stride : (r + 1) * self.stride] for r in range(world)])
+        self.ranks = [Workspace(tag, self.handle.buffers[r], self.handle, r, world) for r in range(world)]
 
 
 class OneGpuRanks:

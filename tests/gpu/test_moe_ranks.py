@@ -10,7 +10,7 @@
   (the splits, host ints, stay those of the capture), outputs NaN-filled before each replay; the split and
   ordered variants, three weights, accumulate with repeated rows, bmm with equal splits; a rank whose peer never
   calls gets an error naming the rank and the signal.
-* The registered choices (``comm_for``, group resolution) on a group of one rank and, between the GPUs of
+* The registered choices (``group_comm``, group resolution) on a group of one rank and, between the GPUs of
   scripts/gpu-check, against ``ops.REFERENCES`` (NCCL ``all_to_all_single`` + grouped_mm): calls whose splits
   change from one to the next, the fused, split and ordered dispatch in turn over the same workspaces.
 """
@@ -29,6 +29,7 @@ from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 from fluxcompile import config, ops
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
+from fluxcompile.symm_mem import Comm
 from fluxcompile.testing.numerics import TOLERANCE, assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -163,7 +164,7 @@ class Layer:
             self.row_index[r].copy_(idx)
             self.offs[r].copy_(torch.tensor(_ragged_ends(self.g, n + self.pad, E), dtype=torch.int32))
 
-    def call(self, r: int, dcomm: moe.Comm, ccomm: moe.Comm, dispatch_variant: str, combine_variant: str):
+    def call(self, r: int, dcomm: Comm, ccomm: Comm, dispatch_variant: str, combine_variant: str):
         """One rank's layer: dispatch (w1, w3 [, a third]), SwiGLU, combine (w2)."""
         A, send, recv = self.A[r], self.counts[r], self.recv[r]
         if self.bmm:  # equal splits (empty lists), A as [world, rows per rank, D]
@@ -214,23 +215,23 @@ def _equal_counts(world: int, g: torch.Generator, rows: int) -> list[list[int]]:
     return out
 
 
-def _harness(world: int, rows: int, tag: str) -> tuple[list[moe.Comm], list[moe.Comm], OneGpuRanks]:
+def _harness(world: int, rows: int, tag: str) -> tuple[list[Comm], list[Comm], OneGpuRanks]:
     """Each rank's dispatch and combine ``Comm`` over the harness's workspaces (``rows``: the most rows a rank
     sends or gets back)."""
     rd = OneGpuRanks(world, rows * D * 2, gg.FLAG_BYTES, tag=f"{tag}-d", launches=moe.LAUNCHES)
     rc = OneGpuRanks(world, rows * D * 4, gg.FLAG_BYTES, tag=f"{tag}-c")
     dev = torch.device("cuda", torch.cuda.current_device())
 
-    def comms(ranks: OneGpuRanks) -> list[moe.Comm]:
+    def comms(ranks: OneGpuRanks) -> list[Comm]:
         out = [
-            moe.Comm(
-                ranks.data.ranks[r], ranks.flags.ranks[r], moe.make_errors(dev), f"sim{world}", ranks.sm_count,
-                ranks.init_flags, SPIN,
+            Comm(
+                data=ranks.data.ranks[r], flags=ranks.flags.ranks[r], errors=moe.make_errors(dev),
+                group_name=f"sim{world}", sm_count=ranks.sm_count, init_flags=ranks.init_flags, max_spin=SPIN,
             )
             for r in range(world)
         ]  # fmt: skip
         for c in out:
-            c.signals()  # every rank's flags set before any rank runs
+            moe.signals(c)  # every rank's flags set before any rank runs
         return out
 
     return comms(rd), comms(rc), rd
@@ -307,7 +308,7 @@ def test_missing_peer_is_an_error_naming_it():
     _queues(2)
     dcomms, _, ranks = _harness(2, 256, "moe-missing")
     dcomms[0].max_spin = 200_000  # 0.2 s
-    dcomms[0]._tables.clear()  # the signals again, with the smaller bound
+    dcomms[0].tables.clear()  # the signals again, with the smaller bound
     A = torch.randn(100, D, device="cuda", dtype=BF16)
     w = _weights(FFN, 2, BF16, "nk", torch.Generator().manual_seed(0))
     offs = torch.tensor([30, 60, 100], dtype=torch.int32, device="cuda")

@@ -26,6 +26,7 @@ import torch
 from fluxcompile import ops
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
+from fluxcompile.symm_mem import Comm
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks, Turnstile
 
 DT = torch.float16  # bf16 products are wrong in Triton 3.6's interpreter
@@ -41,13 +42,13 @@ def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin
         for tag in ("dispatch", "combine"):
             ranks = OneGpuRanks(world, data_bytes, gg.FLAG_BYTES, tag=tag, device="cpu")
             comms.append([
-                moe.Comm(ranks.data.ranks[r], ranks.flags.ranks[r], moe.make_errors(torch.device("cpu")), "test",
-                         progs[tag], ranks.init_flags, max_spin)
+                Comm(data=ranks.data.ranks[r], flags=ranks.flags.ranks[r], errors=moe.make_errors(torch.device("cpu")),
+                     group_name="test", sm_count=progs[tag], init_flags=ranks.init_flags, max_spin=max_spin)
                 for r in range(world)
             ])  # fmt: skip
         for r in range(world):  # every rank's flags before any rank runs (symm_mem.init_flags has a barrier)
-            comms[0][r].signals()
-            comms[1][r].signals()
+            moe.signals(comms[0][r])
+            moe.signals(comms[1][r])
         results = [[None] * world for _ in calls]
         failures = []
 
@@ -201,8 +202,8 @@ def scenario(world: int, seed: int, dispatch_variants: tuple[str, ...]) -> tuple
 def peer_missing() -> str:
     """World 2, only rank 0 calls: its wait for rank 1's ready flag times out into the error words."""
     ranks = OneGpuRanks(2, 1 << 12, gg.FLAG_BYTES, tag="missing", device="cpu")
-    comm = moe.Comm(ranks.data.ranks[0], ranks.flags.ranks[0], moe.make_errors(torch.device("cpu")), "test", 1,
-                    ranks.init_flags, 50)  # fmt: skip
+    comm = Comm(data=ranks.data.ranks[0], flags=ranks.flags.ranks[0], errors=moe.make_errors(torch.device("cpu")),
+                group_name="test", sm_count=1, init_flags=ranks.init_flags, max_spin=50)  # fmt: skip
     A = torch.randn(6, 16).to(DT)
     w = [torch.randn(2, 16, 16).to(DT)]
     try:

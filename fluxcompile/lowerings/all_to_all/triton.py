@@ -47,21 +47,23 @@ rank first (or the growing rank waits for its peers in the rendezvous).
 
 Flags are epoch-valued and only grow (no reset race between calls, CUDA graph replays advance them); the only
 resets are of the rank's own counters, by the last program of the launch that used them. Every wait is bounded
-(``config.moe_timeout_s``, 60 s by default): it records the waiting rank, the peer and the signal in an error
+(``config.wait_timeout_s``, 60 s by default): it records the waiting rank, the peer and the signal in an error
 buffer, copied to pinned host memory at the end of the call and checked at the start of the next eager one (no
 synchronization on the hot path), or after every call with ``config.check_signals``.
 
-``Comm`` carries what the protocol takes from its group (workspaces, error buffer, SM count, flag
-initialization); :func:`all_to_all_matmul_on` / :func:`matmul_all_to_all_on` take it explicitly, so the same code
-runs between GPUs (:func:`comm_for`), between ranks simulated on one GPU (fluxcompile/testing/one_gpu_ranks.py)
-and, on CPU tensors, under Triton's interpreter (tests/test_moe_kernels.py).
+The communication context (``symm_mem.Comm``) carries what the protocol takes from its group (workspaces, error
+buffer, address tables, SM count, flag initialization, the waits' bound); :func:`all_to_all_matmul_on` /
+:func:`matmul_all_to_all_on` take it explicitly, so the same code runs between GPUs (:func:`group_comm`), between
+ranks simulated on one GPU (fluxcompile/testing/one_gpu_ranks.py) and, on CPU tensors, under Triton's interpreter
+(tests/test_moe_kernels.py).
 
-Experimental: it declines every call unless ``config.experimental_moe`` (FLUXCOMPILE_EXPERIMENTAL_MOE=1).
+Experimental (family ``moe``): its choices decline every call unless ``config.experimental_moe``
+(FLUXCOMPILE_EXPERIMENTAL_MOE=1).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -69,8 +71,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import ErrorWords, FlagArray, Workspace, capturing, persistent, workspace
-from ...symm_mem import init_flags as symm_init_flags
+from ...symm_mem import Comm, ErrorSpec, ErrorWords, FlagArray, comm_for, group_size
 
 try:
     from ...kernels import grouped_gemm as gg
@@ -78,7 +79,6 @@ except ImportError:  # no Triton: the choices are not registered (__init__.py)
     gg = None
 
 NAME = "triton"
-EXPERIMENTAL = "experimental: FLUXCOMPILE_EXPERIMENTAL_MOE=1 enables it"
 MAX_WORLD = 64  # kernels/grouped_gemm.py's flag words per peer
 MAX_WEIGHTS = 3
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -108,113 +108,45 @@ COMBINE_VARIANTS = list(_ONE_PER_SM)
 
 
 def timeout_s() -> float:
-    """The bound on the kernels' waits: ``config.moe_timeout_s``."""
-    return float(config.moe_timeout_s)
+    """The bound on the kernels' waits: ``config.wait_timeout_s``."""
+    return float(config.wait_timeout_s)
 
 
 # --- the communication context -------------------------------------------------------------------------
 
+_ERRORS_OWNER = "the MoE Triton choices"
+
 
 def make_errors(device: torch.device) -> ErrorWords:
     """A rank's error words of the grouped GEMM's waits (``grouped_gemm.check_error`` reads them)."""
-    return ErrorWords.make(device, gg.ERR_WORDS, "the MoE Triton choices")
+    return ErrorWords.make(device, gg.ERR_WORDS, _ERRORS_OWNER)
 
 
-@dataclasses.dataclass
-class Comm:
-    """What the protocol of one rank takes from its group: ``data`` (the symmetric send buffer of the dispatch,
-    receive buffer of the combine; None for one rank's dispatch) and ``flags`` (``gg.FLAG_BYTES`` per rank)
-    workspaces, the error buffer, the persistent kernel's programs (``sm_count``, 0: every SM),
-    ``init_flags(flags, value)``, which sets a flag array on every rank before any peer writes into it, and the
-    waits' bound ``max_spin`` (microseconds of the GPU's timer, polls under the interpreter; None: the config's)."""
-
-    data: Workspace | None
-    flags: Workspace
-    errors: ErrorWords
-    group: str = ""
-    sm_count: int = 0
-    init_flags: Callable[[FlagArray, int], None] = symm_init_flags
-    max_spin: int | None = None
-    _tables: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        return self.flags.rank
-
-    @property
-    def world(self) -> int:
-        return self.flags.world_size
-
-    def check(self, words: Tensor, what: str) -> None:
-        """Raise if ``words`` hold a timed-out wait (``grouped_gemm.check_error``, naming this group)."""
-        gg.check_error(words, self.group, what)
-
-    def _addresses(self, ws: Workspace) -> Tensor:
-        """Every rank's buffer of ``ws`` as int64 addresses seen from here (made once per buffer, eagerly: a
-        host-to-device copy cannot be captured)."""
-        key = (id(ws.handle), ws.buffer.data_ptr())
-        table = self._tables.get(key)
-        if table is None:
-            if capturing(ws.buffer.device):
-                raise RuntimeError("fluxcompile: a MoE workspace changed during CUDA graph capture")
-            table = self._tables[key] = persistent(ws.addresses, "a MoE address table")
-        return table
-
-    def signals(self) -> gg.Signals:
-        key = ("signals", id(self.flags.handle), self.flags.buffer.data_ptr())
-        sig = self._tables.get(key)
-        if sig is None:
-            self.init_flags(FlagArray(self.flags, 0, gg.FLAG_WORDS), 0)
-            my_flags = self.flags.view(self.rank, (gg.FLAG_WORDS,), torch.int32)
-            spin = self.max_spin if self.max_spin is not None else int(timeout_s() * 1e6)  # microseconds
-            sig = gg.Signals(my_flags, self._addresses(self.flags), self.errors.err, self.rank, self.world, spin)
-            self._tables[key] = sig
-        return sig
-
-    def data_bases(self) -> Tensor:
-        return self._addresses(self.data) if self.data is not None else self.signals().peer_flags
+@functools.cache
+def _checker(group_name: str) -> Callable[[Tensor, str], None]:
+    """The error words' check: ``grouped_gemm.check_error``, naming the group."""
+    return lambda words, what: gg.check_error(words, group_name, what)
 
 
-class _LocalHandle:
-    """The symmetric handle of one rank alone (a plain allocation): one rank needs no symmetric memory."""
-
-    def __init__(self, buffer: Tensor):
-        self.buffer = buffer
-        self.buffer_ptrs = [buffer.data_ptr()]
-        self.world_size = 1
-
-    def get_buffer(self, rank: int, shape, dtype: torch.dtype, offset_elems: int = 0) -> Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        start = offset_elems * itemsize
-        end = start + math.prod(shape) * itemsize
-        if rank != 0 or end > self.buffer.numel():
-            raise ValueError(f"fluxcompile: a local buffer of {self.buffer.numel()} bytes, a view asks up to {end}")
-        return self.buffer[start:end].view(dtype).view(list(shape))
+def signals(comm: Comm) -> gg.Signals:
+    """The kernels' view of ``comm``'s flags (``gg.FLAG_BYTES`` per rank): this rank's flag words, every rank's
+    address, the error words and the waits' bound ``comm.max_spin`` (microseconds of the GPU's timer, polls under
+    the interpreter; None: the config's). Made once per flag buffer, which it sets to 0 on every rank first."""
+    key = ("signals", id(comm.flags.handle), comm.flags.buffer.data_ptr())
+    sig = comm.tables.get(key)
+    if sig is None:
+        comm.init_flags(FlagArray(comm.flags, 0, gg.FLAG_WORDS), 0)
+        my_flags = comm.flags.view(comm.rank, (gg.FLAG_WORDS,), torch.int32)
+        spin = comm.max_spin if comm.max_spin is not None else int(timeout_s() * 1e6)  # microseconds
+        sig = gg.Signals(my_flags, comm.addresses(comm.flags), comm.errors.err, comm.rank, comm.world, spin)
+        comm.tables[key] = sig
+    return sig
 
 
-_local: dict[tuple[str, int, str], Workspace] = {}
-_retired: list[Tensor] = []  # outgrown local buffers, kept alive for graphs captured over them
-_errors: dict[tuple[int, str], ErrorWords] = {}
-_comms: dict[tuple[str, int, str], Comm] = {}
-
-
-def _local_workspace(group_name: str, nbytes: int, tag: str) -> Workspace:
-    """One rank's stand-in for a symmetric workspace: a plain allocation that grows like ``workspace``."""
-    key = (group_name, torch.cuda.current_device(), tag)
-    ws = _local.get(key)
-    if ws is None or ws.nbytes < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fluxcompile: the MoE workspace '{tag}' cannot grow during CUDA graph capture")
-        if ws is not None:
-            _retired.append(ws.buffer)
-        size = max(nbytes, 2 * ws.nbytes if ws is not None else 0, 1 << 20)
-        buf = persistent(lambda: torch.zeros(size, dtype=torch.uint8, device="cuda"), f"the MoE workspace '{tag}'")
-        ws = _local[key] = Workspace(group_name, buf, _LocalHandle(buf), 0, 1)
-    return ws
-
-
-def _init_local(flags: FlagArray, value: int) -> None:
-    flags.local().fill_(value)
+def data_bases(comm: Comm) -> Tensor:
+    """Every rank's data buffer (the dispatch's send, the combine's receive buffer) as addresses; without one (a
+    one-rank dispatch), the flag buffers' (never read)."""
+    return comm.addresses(comm.data) if comm.data is not None else signals(comm).peer_flags
 
 
 def buffer_bytes(nbytes: int) -> int:
@@ -223,38 +155,22 @@ def buffer_bytes(nbytes: int) -> int:
     return 1 << max(20, (max(nbytes, 1) - 1).bit_length())
 
 
-def comm_for(group_name: str, world: int, data_bytes: int, tag: str) -> Comm:
-    """The ``Comm`` of this rank in a process group, for the op ``tag``: its (group, device, tag) workspaces (a
+def group_comm(group_name: str, world: int, data_bytes: int, tag: str) -> Comm:
+    """This rank's context in a process group for the op ``tag``: its (group, device, tag) workspaces (a
     collective where one must be made or grow: every rank makes the same call; one rank's are plain allocations)
     and its error buffer."""
-    device = torch.cuda.current_device()
-    if world == 1:
-        data = _local_workspace(group_name, buffer_bytes(data_bytes), tag) if data_bytes else None
-        flags = _local_workspace(group_name, gg.FLAG_BYTES, f"{tag}.flags")
-    else:
-        data = workspace(group_name, buffer_bytes(data_bytes), tag=tag, world=world) if data_bytes else None
-        flags = workspace(group_name, gg.FLAG_BYTES, tag=f"{tag}.flags", world=world)
-    key = (group_name, device, tag)
-    comm = _comms.get(key)
-    if comm is None:
-        errors = _errors.get((device, tag))
-        if errors is None:
-            errors = _errors[(device, tag)] = make_errors(torch.device("cuda", device))
-        init = _init_local if world == 1 else symm_init_flags
-        comm = _comms[key] = Comm(data, flags, errors, group_name, 0, init)
-    elif data is not None:
-        comm.data = data  # the workspace may have grown (address tables are kept per buffer)
-    return comm
+    return comm_for(
+        group_name, tag, world=world, data_bytes=buffer_bytes(data_bytes) if data_bytes else 0,
+        flag_bytes=gg.FLAG_BYTES, errors=ErrorSpec(gg.ERR_WORDS, _ERRORS_OWNER), local_alone=True,
+    )  # fmt: skip
 
 
 # --- supports -------------------------------------------------------------------------------------------
 
 
 def _group_size(group_name: str) -> int | str:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     try:
-        return _resolve_process_group(group_name).size()
+        return group_size(group_name)
     except Exception as e:
         return f"no process group {group_name!r} ({type(e).__name__})"
 
@@ -263,8 +179,6 @@ def _common_declines(
     A: Tensor, Bs: Sequence[Tensor], offs, row_index, output_split_sizes, input_split_sizes, group_name, scaled: bool
 ) -> str | None:
     """The reasons both ops decline (the same on every rank: shapes, dtypes, group, config; never row counts)."""
-    if not config.experimental_moe:
-        return EXPERIMENTAL
     if scaled:
         return "scaled matmuls"
     if not A.is_cuda:
@@ -438,7 +352,7 @@ def all_to_all_matmul(
     world = _group_size(group_name)
     if isinstance(world, str):
         raise ValueError(f"fluxcompile: {world}")
-    comm = comm_for(group_name, world, dispatch_bytes(A, world), DISPATCH_TAG)
+    comm = group_comm(group_name, world, dispatch_bytes(A, world), DISPATCH_TAG)
     return all_to_all_matmul_on(comm, A, Bs, output_split_sizes, input_split_sizes, offs, row_index, variant=variant)
 
 
@@ -462,14 +376,14 @@ def all_to_all_matmul_on(
         raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, A has {a_local.shape[0]}")
     received = sum(recv)
     exchanged_shape = [received // unit, *A.shape[1:]] if unit else [0, *A.shape[1:]]
-    sig = comm.signals()
-    comm.errors.check_previous(what, comm.check)
+    sig = signals(comm)
+    comm.errors.check_previous(what, _checker(comm.group_name))
 
     stage_rows(comm, sig, a_local, send, what)
 
     A_exchanged = torch.empty(exchanged_shape, dtype=A.dtype, device=A.device)
     a_ex = A_exchanged.view(received, k)
-    pull = gg.Pull(a_local, comm.data_bases(), a_ex, received)
+    pull = gg.Pull(a_local, data_bases(comm), a_ex, received)
     offs_ = offs.contiguous() if offs is not None else None
     rows_ = row_index.contiguous() if row_index is not None else None
     kw = dict(variant=v, num_programs=_num_programs(comm, A.device), tma=_tma_ok(v, A.device))
@@ -480,7 +394,7 @@ def all_to_all_matmul_on(
         outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, pull=pull, sig=sig, copiers=copiers, **kw)
     if offs is None:  # bmm: [E, rows / E, N]
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
-    comm.errors.report(what, comm.check)
+    comm.errors.report(what, _checker(comm.group_name))
     return A_exchanged, outs
 
 
@@ -519,7 +433,7 @@ def matmul_all_to_all(
         raise ValueError(f"fluxcompile: {world}")
     acc32 = accumulate and row_index is not None
     nbytes = combine_bytes(out_shape, output_split_sizes, b.shape[2], a.dtype, acc32)
-    comm = comm_for(group_name, world, nbytes, COMBINE_TAG)
+    comm = group_comm(group_name, world, nbytes, COMBINE_TAG)
     return matmul_all_to_all_on(
         comm, a, b, out_shape, output_split_sizes, input_split_sizes, offs, row_index, accumulate, variant=variant
     )
@@ -557,8 +471,8 @@ def matmul_all_to_all_on(
     nbytes = mine * n * buf_dtype.itemsize
     if comm.data is None or comm.data.nbytes < nbytes:
         raise ValueError(f"fluxcompile: {what}: the receive buffer has too few bytes for {nbytes}")
-    sig = comm.signals()
-    comm.errors.check_previous(what, comm.check)
+    sig = signals(comm)
+    comm.errors.check_previous(what, _checker(comm.group_name))
 
     received = comm.data.view(rank, (mine, n), buf_dtype)
     if row_index is not None:
@@ -567,11 +481,11 @@ def matmul_all_to_all_on(
     gg.grouped_gemm(
         h, [b], offs=offs.contiguous() if offs is not None else None,
         row_index=row_index.contiguous() if row_index is not None else None,
-        scatter=gg.Scatter(comm.data_bases(), y_rows, acc32), sig=sig,
+        scatter=gg.Scatter(data_bases(comm), y_rows, acc32), sig=sig,
         variant=v, num_programs=_num_programs(comm, a.device), tma=_tma_ok(v, a.device),
     )  # fmt: skip
     gg.wait_done(sig, 5, skip_self=False)  # every source's rows have landed
     out = torch.empty([mine // unit if unit else 0, *out_shape[1:]], dtype=a.dtype, device=a.device)
     out.view(mine, n).copy_(received)
-    comm.errors.report(what, comm.check)
+    comm.errors.report(what, _checker(comm.group_name))
     return out
