@@ -5,6 +5,7 @@ csrc/gemv_ar.cu through nvcc when nvcc is installed. Plus the csrc builder's pur
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,11 @@ from test_kernels_compile import compile_sm90  # noqa: E402
 from toolchain import find_cuobjdump, find_nvcc, torch_cxx_std, torch_syntax_check  # noqa: E402
 
 from fluxcompile.kernels import extensions  # noqa: E402
-from fluxcompile.lowerings.matmul_all_reduce.fused_kernels import TRITON_VARIANTS  # noqa: E402
+from fluxcompile.kernels.gemm_ar import VARIANTS  # noqa: E402
 
 
 def _cases():
-    for name, v in TRITON_VARIANTS.items():
+    for name, v in VARIANTS.items():
         for tail in (False, True):
             yield pytest.param(v, tail, id=f"{name}-{'tail' if tail else 'plain'}")
 
@@ -98,15 +99,24 @@ def _gemv_ar_job(workdir: Path) -> list[str] | str:
             str(extensions.CSRC / "gemv_ar.cu"), "-o", str(workdir / "gemv_ar.o")]  # fmt: skip
 
 
-def _pipelined_job(workdir: Path) -> list[str] | str:
-    """csrc/pipelined.cpp (host code: the cuBLAS-pipelined choices' stream sequences) against this torch's headers,
-    with its cuBLASLt part where the nvidia-cublas wheel's headers are installed (the module's own flags)."""
-    cmd = torch_syntax_check(workdir, extensions.CSRC / "pipelined.cpp", "cuda.h")
-    return cmd if isinstance(cmd, str) else [*cmd[:-1], *extensions._host_flags("pipelined"), cmd[-1]]
+# The translation units of the pipelined module (host code: the cuBLAS-pipelined choices' stream sequences).
+PIPELINED_SOURCES = tuple(s for s in extensions.SOURCES["pipelined"] if s.endswith(".cpp"))
+
+
+def _pipelined_job(source: str) -> Callable[[Path], list[str] | str]:
+    """csrc/``source`` against this torch's headers, with the cuBLASLt part where the nvidia-cublas wheel's headers
+    are installed (the module's own flags)."""
+
+    def make(workdir: Path) -> list[str] | str:
+        cmd = torch_syntax_check(workdir, extensions.CSRC / source, "cuda.h")
+        return cmd if isinstance(cmd, str) else [*cmd[:-1], *extensions._host_flags("pipelined"), cmd[-1]]
+
+    return make
 
 
 prebuild.register("gemv_ar_sm90a", _gemv_ar_job, timeout_s=300)
-prebuild.register("pipelined_cpp", _pipelined_job, timeout_s=300)
+for _source in PIPELINED_SOURCES:
+    prebuild.register(f"pipelined:{_source}", _pipelined_job(_source), timeout_s=300)
 
 
 @pytest.mark.prebuild("gemv_ar_sm90a")
@@ -128,7 +138,9 @@ def test_gemv_ar_cu_compiles_for_sm90a():
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout
 
 
-@pytest.mark.prebuild("pipelined_cpp")
-def test_pipelined_cpp_compiles():
-    out = prebuild.finished("pipelined_cpp").out
-    assert out.returncode == 0, out.stderr[-4000:]
+@pytest.mark.parametrize(
+    "source", [pytest.param(s, marks=pytest.mark.prebuild(f"pipelined:{s}")) for s in PIPELINED_SOURCES]
+)
+def test_pipelined_sources_compile(source):
+    out = prebuild.finished(f"pipelined:{source}").out
+    assert out.returncode == 0, f"{source}:\n{out.stderr[-4000:]}"

@@ -27,10 +27,14 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, ship
 SOURCES: dict[str, tuple[str, ...]] = {
     # module name -> its sources (headers are hashed too, so an edited header rebuilds)
     "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h"),
-    "pipelined": ("pipelined.cpp",),  # host code only: the cuBLAS-pipelined choices' stream sequences
+    # host code only: the cuBLAS-pipelined choices' stream sequences (sequences.h names each file's part)
+    "pipelined": (
+        "sequences.h", "sequences.cpp", "sequences_ag.cpp", "sequences_rs.cpp", "memops.h", "memops.cpp", "streams.h",
+        "streams.cpp", "replays.h", "replays.cpp", "cublaslt_addmm.h", "cublaslt_addmm.cpp", "pipelined_binding.cpp",
+    ),
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
     "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp"),
-}
+}  # fmt: skip
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 # Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build
 # directory and hashed with the sources) or its extra include directories (None: a prerequisite is missing).
@@ -59,7 +63,7 @@ def _includes(name: str) -> list[str] | None:
 def _host_flags(name: str) -> tuple[str, ...]:
     """Host compiler flags of module ``name`` beyond -O3: for pipelined, the nvidia-cublas wheel's headers
     searched after every other directory (``-idirafter``), so that cublasLt.h is found where the toolkit lacks
-    it and the toolkit's own headers still win. Without it, pipelined.cpp builds without cuBLASLt. Looked up
+    it and the toolkit's own headers still win. Without it, cublaslt_addmm.cpp builds without cuBLASLt. Looked up
     once per process (the build's hash and the build itself use it)."""
     if name != "pipelined":
         return ()
