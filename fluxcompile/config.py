@@ -3,7 +3,7 @@
 Every field can be set three ways, later ones winning:
   1. its default here;
   2. the environment: ``FLUXCOMPILE_<FIELD NAME IN CAPITALS>`` (``FLUXCOMPILE_MATMUL_ALL_REDUCE=0``,
-     ``FLUXCOMPILE_MIN_K=1024``, ``FLUXCOMPILE_IMPLEMENTATIONS=reference,triton``), read once at import; a
+     ``FLUXCOMPILE_MIN_K=1024``, ``FLUXCOMPILE_IMPLEMENTATIONS=reference,cutlass``), read once at import; a
      malformed value ends the import with one line naming the variable and the values it accepts;
   3. code: ``fluxcompile.config.min_k = 1024`` or ``with fluxcompile.config.patch(min_k=1024): ...``, checked
      the same way (``ValueError``).
@@ -12,6 +12,9 @@ The rewrite pass's ``uuid()`` hashes the whole config, so changing a field never
 compiled under another value. Fields marked ``tuning`` change which choices run or what they compute, so
 the autotuner's key (``tuning_fingerprint``) covers them: a winner is never reused under other settings.
 Everything else in the package reads these fields at call time, never at import, so ``patch`` reaches it.
+
+Names of the previous release (``OLD_OPTIONS``, ``OLD_FAMILIES``) still work, in the environment and in code,
+until the next release; each use logs one line naming what replaces it.
 """
 
 from __future__ import annotations
@@ -27,23 +30,40 @@ from typing import Any
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 PREFIX = "FLUXCOMPILE_"
-# Implementation families a fused op may choose from (lowerings/choices.py names each choice
-# "<family>" or "<family>:<variant>"); a choice registered under a new family adds it (register_family).
+# Implementation families, in the default order of preference: every choice has one (lowerings/choices.py; a
+# choice's name is "<kind>" or "<kind>:<variant>", and its family is given where it is not the kind). Each family
+# that can be switched on or off alone is one name here; a choice registered under a new family adds it
+# (register_family).
 IMPLEMENTATIONS = (
-    "triton",
-    "cuda",
-    "cublas_pipelined",
-    "async_input_mm",
-    "torch_symm_mem",
-    "schedules",
-    "cutlass",
-    "reference",
+    "triton_ag",  # off by default: the persistent Triton all-gather+GEMM (kernels/ag_gemm.py)
+    "triton_rs",  # off by default: the persistent Triton GEMM+reduce-scatter (kernels/gemm_rs.py)
+    # The decode GEMM+all-reduce kernels: csrc/gemv_ar.cu ("cuda:gemv-*") and kernels/gemm_ar.py ("triton:*");
+    # PyTorch's two-shot all-reduce choice ("torch_symm_mem:two_shot") runs only with this family too.
+    "decode",
+    # csrc/gemv_ar.cu between GPUs: a condition on "decode"'s CUDA choices, which run at one rank without it.
+    "gemv_peers",
+    "moe",  # off by default: the MoE dispatch and combine kernels (kernels/grouped_gemm.py)
+    "dlrm",  # the DLRM embedding-bag exchange kernel (kernels/embedding_bag.py)
+    "cublas_pipelined",  # cuBLAS GEMMs behind copy-engine transfers (csrc/pipelined.cpp's sequences)
+    "ag_stages",  # off by default: all_gather_matmul's "cublas_pipelined:stages<g>" (one GEMM per group of peers)
+    "rs_stages",  # off by default: matmul_reduce_scatter's "cublas_pipelined:stages<g>"
+    "async_input_mm",  # PyTorch's CUTLASS GEMM that waits on per-chunk signals
+    "torch_symm_mem",  # PyTorch's symm_mem fused ops and all-reduces
+    "schedules",  # the schedule language's all-reduce choices (schedules/gpu_executor.py)
+    "cutlass",  # the Flux-style CUTLASS GEMMs (csrc/flux_gemm.cuh; Hopper; built on first use)
+    "reference",  # the collective, then the matmuls (NCCL/gloo + cuBLAS): runs everywhere
 )
+# The families that are off by default: each runs only while its ``experimental_<family>`` field is on as well.
+EXPERIMENTAL = ("triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe")
+# Family names of the previous release, accepted in ``implementations`` until the next one: what each stands for.
+OLD_FAMILIES = {"triton": ("triton_ag", "triton_rs", "decode", "moe", "dlrm"), "cuda": ("decode", "gemv_peers")}
 _families = list(IMPLEMENTATIONS)
 
 
 def register_family(family: str) -> None:
     """Accept ``family`` in ``implementations`` (lowerings/choices.py calls this for every registered choice)."""
+    if family in OLD_FAMILIES:
+        raise ValueError(f"fluxcompile: {family!r} names old families ({', '.join(OLD_FAMILIES[family])}), not one")
     if family not in _families:
         _families.append(family)
 
@@ -80,8 +100,9 @@ class Config:
     min_n: int = 1
     min_k: int = 1
 
-    # Implementation families the lowering may choose from, in order of preference when autotuning is off.
-    # "reference" (NCCL/gloo collective + matmul, runs everywhere) is always kept as the safe choice.
+    # Implementation families the lowering may choose from (IMPLEMENTATIONS above), in order of preference when
+    # autotuning is off; a family left out is not offered. "reference" (NCCL/gloo collective + matmul, runs
+    # everywhere) is always kept as the safe choice.
     implementations: tuple[str, ...] = _field(IMPLEMENTATIONS, tuning=True, choices=_families)
 
     # Rank-synchronized autotuning of the fused ops' implementations; off = fixed default choice.
@@ -99,30 +120,18 @@ class Config:
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
     cache_dir: str = ""
 
-    # Kernel families that run only when switched on: registered, but declining every call while off.
-    # The persistent Triton all-gather+GEMM (kernels/ag_gemm.py) and GEMM+reduce-scatter (kernels/gemm_rs.py).
+    # The families that are off by default (EXPERIMENTAL): one of them runs only while it is in implementations (as
+    # it is by default) and its switch here is on; while off, its choices are offered and decline every call with
+    # the reason. The persistent Triton all-gather+GEMM (kernels/ag_gemm.py) and GEMM+reduce-scatter
+    # (kernels/gemm_rs.py).
     experimental_triton_ag: bool = _field(False, tuning=True)
     experimental_triton_rs: bool = _field(False, tuning=True)
     # The cuBLAS-pipelined ":stages<g>" choices (one GEMM per group of peers).
     experimental_ag_stages: bool = _field(False, tuning=True)
     experimental_rs_stages: bool = _field(False, tuning=True)
-    # The decode GEMM+all-reduce kernels (csrc/gemv_ar.cu, kernels/gemm_ar.py) and PyTorch's two-shot choice.
-    experimental_decode: bool = _field(True, tuning=True)
-    # csrc/gemv_ar.cu between GPUs (it runs at one rank either way).
-    experimental_gemv_peers: bool = _field(True, tuning=True)
-    # The schedule language's all-reduce choices (schedules/gpu_executor.py).
-    experimental_schedules: bool = _field(True, tuning=True)
-    # The Flux-style CUTLASS GEMMs of all_gather_matmul and matmul_reduce_scatter (csrc/flux_gemm.cuh), among the
-    # autotuner's choices on Hopper (the first use builds them: csrc_cache).
-    experimental_cutlass: bool = _field(True, tuning=True)
-    # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py) and of
-    # embedding_bag_all_to_all (kernels/embedding_bag.py): the MoE kernels opt-in, the DLRM kernel on (README,
+    # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py; README,
     # "Mixture-of-experts and DLRM").
     experimental_moe: bool = _field(False, tuning=True)
-    experimental_dlrm: bool = _field(True, tuning=True)
-    # Bounds (seconds) on the DLRM and MoE kernels' waits for their peers.
-    dlrm_timeout_s: float = 60.0
-    moe_timeout_s: float = 60.0
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).
@@ -133,13 +142,17 @@ class Config:
     # many graphs per process; 0 turns it off.
     sequence_graphs: int = 1024
 
-    # Bounds on waits for peers. signal_timeout_s: the watchdog's bound on the cuBLAS-pipelined choices' flag
-    # waits (symm_mem/watchdog.py; 0 = off). decode_timeout_s / cutlass_timeout_s / sched_timeout_s: the in-kernel spin-waits
-    # of the decode kernels, of the CUTLASS GEMMs and of the schedule executor.
-    signal_timeout_s: float = 600.0
-    decode_timeout_s: float = 60.0
-    cutlass_timeout_s: float = 60.0
-    sched_timeout_s: float = 60.0
+    # The bound (seconds) on every wait for a peer that runs inside a kernel: the decode kernels, the CUTLASS GEMMs,
+    # the schedule executor, the DLRM and the MoE kernels. The wait gives up, records the rank, the peer and the
+    # signal in error words, and the call (or the next one) raises with them.
+    wait_timeout_s: float = 60.0
+    # The bound (seconds) on the stream waits (cuStreamWaitValue32 of the cuBLAS-pipelined, async_input_mm and
+    # CUTLASS choices), which cannot time out themselves: symm_mem/watchdog.py's thread times each eager call from
+    # the host and ends the process past it (0 = off). A bound of its own, not wait_timeout_s, because it is
+    # another kind of wait: its clock runs from when the host queued the call, so it also counts the work queued
+    # ahead of it on the stream, and passing it ends the process (a blocked stream cannot be cancelled) where an
+    # in-kernel wait raises an error; it keeps NCCL's watchdog default.
+    watchdog_timeout_s: float = 600.0
     # Check the Triton kernels' wait errors after every call (synchronizes) instead of at the next call.
     check_signals: bool = False
     # Bytes of a chunk slice one program of the schedule executor moves (schedules/gpu_executor.py).
@@ -162,7 +175,10 @@ class Config:
 
     def load_env(self, environ: Mapping[str, str] | None = None) -> None:
         """Apply ``FLUXCOMPILE_*`` overrides; a malformed value raises :class:`ConfigError` naming the variable.
-        Variables that name no option are reported on the log (a typo must not pass silently)."""
+        Variables that name no option are reported on the log (a typo must not pass silently). The variables of
+        ``OLD_OPTIONS`` apply after the others, each with one deprecation line: a switch leaves its family out of
+        ``implementations`` or puts it back; an old bound sets its new field unless the new variable is set too
+        (of several old bounds of one field, the longest)."""
         environ = os.environ if environ is None else environ
         names = {self.env_name(f.name) for f in dataclasses.fields(self)}
         for f in dataclasses.fields(self):
@@ -173,11 +189,29 @@ class Config:
                     self._set(f.name, _parse(raw, getattr(self, f.name)))
                 except ConfigError as e:
                     raise ConfigError(f"{var}={raw!r}: {e}") from None
+        bounds: dict[str, float] = {}
+        for old, field in OLD_OPTIONS.items():
+            var = self.env_name(old)
+            raw = environ.get(var)
+            if raw is None:
+                continue
+            try:
+                value = _parse(raw, True) if old in OLD_SWITCHES else _check(_FIELDS[field], _parse(raw, 0.0), 0.0)
+            except ConfigError as e:
+                raise ConfigError(f"{var}={raw!r}: {e}") from None
+            _deprecated(var, _replacement(old, env=True))
+            if old in OLD_SWITCHES:
+                self._set(field, _with_family(self.implementations, OLD_SWITCHES[old], value))
+            elif self.env_name(field) not in environ:
+                bounds[field] = max(bounds.get(field, value), value)
+        for field, value in bounds.items():
+            self._set(field, value)
+        known = names | {self.env_name(old) for old in OLD_OPTIONS}
         unknown = sorted(
-            k for k in environ if k.startswith(PREFIX) and k not in names and not k.startswith(_NOT_OPTIONS)
+            k for k in environ if k.startswith(PREFIX) and k not in known and not k.startswith(_NOT_OPTIONS)
         )
         if unknown:
-            logging.getLogger("fluxcompile.config").warning(
+            _log.warning(
                 "fluxcompile: ignoring %s: no such option (options: %s)", ", ".join(unknown), ", ".join(sorted(names))
             )
 
@@ -195,29 +229,130 @@ class Config:
         """The fields that change which choices run or what they compute (the autotuner's key)."""
         return json.dumps({f.name: getattr(self, f.name) for f in _TUNING}, sort_keys=True)
 
+    def family_declines(self, family: str) -> str | None:
+        """Why the choices of implementation family ``family`` do not run under this config, naming what enables
+        them; None where they may ("reference" always may)."""
+        if family == "reference":
+            return None
+        if family not in self.implementations:
+            return f"switched off: config.implementations ({self.env_name('implementations')}) leaves out {family!r}"
+        if family in EXPERIMENTAL and not getattr(self, f"experimental_{family}"):
+            return f"experimental: {self.env_name('experimental_' + family)}=1 enables it"
+        return None
+
     @property
     def version(self) -> int:
         """A counter bumped by every change of a field: caches derived from the config compare it per call."""
         return self.__dict__.get("_version", 0)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in _FIELDS:
+        field = OLD_OPTIONS.get(name, name)
+        if field not in _FIELDS:
             raise AttributeError(f"fluxcompile.config has no option {name!r} (options: {', '.join(sorted(_FIELDS))})")
-        if name not in self.__dict__:  # __init__: the defaults are trusted
-            super().__setattr__(name, value)
+        if field not in self.__dict__:  # __init__: the defaults are trusted
+            super().__setattr__(field, value)
             return
         try:
-            self._set(name, value)
+            if name in OLD_SWITCHES:
+                _deprecated(f"fluxcompile.config.{name}", _replacement(name))
+                if not isinstance(value, bool):
+                    raise ConfigError("expected True or False")
+                self._set(field, _with_family(self.implementations, OLD_SWITCHES[name], value))
+            else:
+                if name in OLD_BOUNDS:
+                    _deprecated(f"fluxcompile.config.{name}", _replacement(name))
+                self._set(field, value)
         except ConfigError as e:
             raise ConfigError(f"fluxcompile.config.{name}={value!r}: {e}") from None
 
+    def __getattr__(self, name: str) -> Any:
+        """The old options (``OLD_OPTIONS``), read through what replaced them; only names no attribute has reach
+        this."""
+        if name in OLD_SWITCHES:
+            _deprecated(f"fluxcompile.config.{name}", _replacement(name))
+            return OLD_SWITCHES[name] in self.implementations
+        if name in OLD_BOUNDS:
+            _deprecated(f"fluxcompile.config.{name}", _replacement(name))
+            return getattr(self, OLD_BOUNDS[name])
+        raise AttributeError(f"fluxcompile.config has no option {name!r}")
+
     def _set(self, name: str, value: Any) -> None:
+        if name == "implementations":
+            value = _new_families(value)
         object.__setattr__(self, name, _check(_FIELDS[name], value, getattr(self, name)))
         self.__dict__["_version"] = self.version + 1
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _TUNING = [f for f in dataclasses.fields(Config) if f.metadata.get("tuning")]
+_log = logging.getLogger("fluxcompile.config")
+
+# Options of the previous release, accepted until the next one (environment and code). The switches of the families
+# that are on by default became those families' names in ``implementations``: off leaves the family out, on puts it
+# back in its place. The per-kernel bounds on in-kernel waits became the one ``wait_timeout_s``, and the
+# watchdog's bound ``watchdog_timeout_s``.
+OLD_SWITCHES = {
+    "experimental_decode": "decode",
+    "experimental_gemv_peers": "gemv_peers",
+    "experimental_schedules": "schedules",
+    "experimental_cutlass": "cutlass",
+    "experimental_dlrm": "dlrm",
+}
+OLD_BOUNDS = {
+    "signal_timeout_s": "watchdog_timeout_s",
+    "decode_timeout_s": "wait_timeout_s",
+    "cutlass_timeout_s": "wait_timeout_s",
+    "sched_timeout_s": "wait_timeout_s",
+    "dlrm_timeout_s": "wait_timeout_s",
+    "moe_timeout_s": "wait_timeout_s",
+}
+# Old option -> the field it sets now.
+OLD_OPTIONS = {**{old: "implementations" for old in OLD_SWITCHES}, **OLD_BOUNDS}
+_warned: set[str] = set()
+
+
+def _deprecated(what: str, instead: str) -> None:
+    """One log line, once per old name and process."""
+    if what not in _warned:
+        _warned.add(what)
+        _log.warning("fluxcompile: %s is deprecated (accepted until the next release): %s", what, instead)
+
+
+def _replacement(old: str, env: bool = False) -> str:
+    """What replaces the old option ``old``, in the words of the environment or of code."""
+    if old in OLD_SWITCHES:
+        where = f"{PREFIX}IMPLEMENTATIONS" if env else "config.implementations"
+        return f"{OLD_SWITCHES[old]!r} in {where} says whether it runs (it is there by default; off leaves it out)"
+    field = OLD_BOUNDS[old]
+    return f"{PREFIX + field.upper() if env else 'config.' + field} is the bound now"
+
+
+def _with_family(families: tuple[str, ...], family: str, on: bool) -> tuple[str, ...]:
+    """``families`` without ``family`` (``on`` False) or with it: after the last family that precedes it in
+    ``IMPLEMENTATIONS``, else before the first (its place in the default order)."""
+    if not on:
+        return tuple(f for f in families if f != family)
+    if family in families:
+        return families
+    rank = {f: i for i, f in enumerate(IMPLEMENTATIONS)}
+    before = [i for i, f in enumerate(families) if rank.get(f, len(rank)) < rank[family]]
+    at = before[-1] + 1 if before else 0
+    return (*families[:at], family, *families[at:])
+
+
+def _new_families(value: Any) -> Any:
+    """``implementations`` with the old family names (``OLD_FAMILIES``) replaced by what they stand for."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not any(n in OLD_FAMILIES for n in names if isinstance(n, str)):
+        return value
+    out: list[Any] = []
+    for n in names:
+        if isinstance(n, str) and n in OLD_FAMILIES:
+            _deprecated(f"the implementation family {n!r}", f"it stands for {', '.join(OLD_FAMILIES[n])}; name them")
+        for f in OLD_FAMILIES.get(n, (n,)) if isinstance(n, str) else (n,):
+            if f not in out:
+                out.append(f)
+    return tuple(out)
 
 
 def _parse(raw: str, current: Any) -> Any:
@@ -283,7 +418,9 @@ def _check(field: dataclasses.Field, value: Any, current: Any) -> Any:
 
 @contextlib.contextmanager
 def _patch(cfg: Config, changes: dict[str, Any]) -> Iterator[Config]:
-    old = {k: getattr(cfg, k) for k in changes}
+    # What is restored is the fields themselves (an old option's field: OLD_OPTIONS).
+    fields = dict.fromkeys(OLD_OPTIONS.get(k, k) for k in changes)
+    old = {f: getattr(cfg, f) for f in fields}
     try:
         for k, v in changes.items():
             setattr(cfg, k, v)

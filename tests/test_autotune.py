@@ -268,13 +268,14 @@ def capture(cache: str) -> tuple[str, str]:
 
 def test_choices_for_follows_config():
     _register("test_op_registry")
-    for name in ("cuda:v", "triton:a", "reference", "triton:b", "other"):
+    for name in ("beta:v", "alpha:a", "reference", "alpha:b", "other"):
         register_choice("test_op_registry", Choice(name, print))
-    with config.patch(implementations=("triton", "reference", "cuda")):
-        assert [c.name for c in choices_for("test_op_registry")] == ["triton:a", "triton:b", "reference", "cuda:v"]
-    with config.patch(implementations=("cuda",)):  # reference is always kept, last unless listed
-        assert [c.name for c in choices_for("test_op_registry")] == ["cuda:v", "reference"]
-        replaced = Choice("cuda:v", repr)
+    register_choice("test_op_registry", Choice("alpha:c", print, family="gamma"))  # a family other than its kind
+    with config.patch(implementations=("alpha", "reference", "beta")):
+        assert [c.name for c in choices_for("test_op_registry")] == ["alpha:a", "alpha:b", "reference", "beta:v"]
+    with config.patch(implementations=("beta", "gamma")):  # reference is always kept, last unless listed
+        assert [c.name for c in choices_for("test_op_registry")] == ["beta:v", "alpha:c", "reference"]
+        replaced = Choice("beta:v", repr)
         register_choice("test_op_registry", replaced)
         assert choices_for("test_op_registry")[0] is replaced
     assert choices_for("no_such_op") == []
@@ -283,7 +284,10 @@ def test_choices_for_follows_config():
     for bad in ("", ":x", "triton:", " triton"):
         with pytest.raises(ValueError, match="bad choice name"):
             Choice(bad, print)
-    assert Choice("triton:128x256x64-pull", print).family == "triton"
+    assert Choice("triton:128x256x64-pull", print).family == "triton"  # the kind, unless given
+    assert Choice("triton:128x256x64-pull", print, family="triton_ag").family == "triton_ag"
+    with pytest.raises(ValueError, match="names old families"):
+        register_choice("test_op_registry", Choice("triton:x", print))  # "triton" was several families
 
 
 def test_winner_is_argmin_of_max_over_ranks(ranks, tmp_path):

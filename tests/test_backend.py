@@ -98,12 +98,12 @@ def test_config_env_overrides():
         {
             "FLUXCOMPILE_MATMUL_ALL_REDUCE": "0",
             "FLUXCOMPILE_MIN_K": "1024",
-            "FLUXCOMPILE_IMPLEMENTATIONS": "reference, triton",
+            "FLUXCOMPILE_IMPLEMENTATIONS": "reference, cutlass",
             "FLUXCOMPILE_AUTOTUNE": "off",
         }
     )
     assert cfg.matmul_all_reduce is False and cfg.min_k == 1024 and cfg.autotune is False
-    assert cfg.implementations == ("reference", "triton")
+    assert cfg.implementations == ("reference", "cutlass")
     with pytest.raises(ValueError, match="FLUXCOMPILE_MIN_K"):
         Config().load_env({"FLUXCOMPILE_MIN_K": "big"})
     with pytest.raises(ValueError, match="FLUXCOMPILE_ALL_GATHER_MATMUL"):
@@ -135,9 +135,11 @@ def test_uuid_covers_the_registered_cuda_implementations(monkeypatch):
     ("var", "value", "accepted"),
     [
         ("FLUXCOMPILE_MIN_M", "abc", "expected an integer"),
-        ("FLUXCOMPILE_IMPLEMENTATIONS", "cublas-pipelined", "valid: triton, cuda, cublas_pipelined"),
-        ("FLUXCOMPILE_EXPERIMENTAL_DECODE", "maybe", "expected one of 1, true"),
-        ("FLUXCOMPILE_SIGNAL_TIMEOUT_S", "soon", "expected a number"),
+        ("FLUXCOMPILE_IMPLEMENTATIONS", "cublas-pipelined", "valid: triton_ag, triton_rs, decode, gemv_peers"),
+        ("FLUXCOMPILE_EXPERIMENTAL_MOE", "maybe", "expected one of 1, true"),
+        ("FLUXCOMPILE_EXPERIMENTAL_DECODE", "maybe", "expected one of 1, true"),  # an old name: no warning first
+        ("FLUXCOMPILE_WAIT_TIMEOUT_S", "soon", "expected a number"),
+        ("FLUXCOMPILE_SIGNAL_TIMEOUT_S", "-1", "expected a value >= 0"),
         ("FLUXCOMPILE_LOG", "loud", "expected one of"),
     ],
 )
@@ -159,10 +161,10 @@ def test_config_checks_values_set_in_code():
     with pytest.raises(ValueError, match="expected True or False"):
         cfg.autotune = "yes"
     with pytest.raises(ValueError, match=">= 0"):
-        cfg.signal_timeout_s = -1.0
+        cfg.wait_timeout_s = -1.0
     assert cfg.implementations == Config().implementations and cfg.min_k == 1  # failed sets change nothing
-    with cfg.patch(decode_timeout_s=5):
-        assert cfg.decode_timeout_s == 5.0 and isinstance(cfg.decode_timeout_s, float)
+    with cfg.patch(wait_timeout_s=5):
+        assert cfg.wait_timeout_s == 5.0 and isinstance(cfg.wait_timeout_s, float)
 
 
 def test_unknown_variable_is_reported(caplog):
@@ -177,11 +179,11 @@ def test_settings_that_change_choices_are_in_the_autotune_key():
     from fluxcompile.config import _TUNING
 
     names = {f.name for f in _TUNING}
-    assert {"implementations", "autotune", "experimental_triton_ag", "experimental_gemv_peers"} <= names
+    assert {"implementations", "autotune", "experimental_triton_ag", "experimental_moe"} <= names
     before = fluxcompile.config.tuning_fingerprint()
     with fluxcompile.config.patch(experimental_triton_ag=True):
         assert fluxcompile.config.tuning_fingerprint() != before
-    with fluxcompile.config.patch(signal_timeout_s=1.0):  # a bound, not a choice
+    with fluxcompile.config.patch(wait_timeout_s=1.0, watchdog_timeout_s=1.0):  # bounds, not choices
         assert fluxcompile.config.tuning_fingerprint() == before
 
 

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
 
 from fluxcompile import config
+from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
 from fluxcompile.lowerings import embedding_bag_all_to_all as lowering
 from fluxcompile.lowerings.choices import _REGISTRY
@@ -178,7 +179,7 @@ def _args(dtype=torch.float32, dims=(16, 16), mode=0, last=False, splits=(), wor
 @pytest.fixture
 def group_of_two(monkeypatch):
     monkeypatch.setitem(lo._group_sizes, "g2", 2)
-    with config.patch(experimental_dlrm=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         yield
 
 
@@ -199,10 +200,13 @@ def test_declines(group_of_two, kwargs, why):
 
 def test_declines_while_off(monkeypatch):
     monkeypatch.setitem(lo._group_sizes, "g2", 2)
-    with config.patch(experimental_dlrm=False):
-        for name in eb.VARIANTS:
-            assert _REGISTRY[OP][f"triton:{name}"].declines(*_args()) == lo.EXPERIMENTAL
-    assert lo.EXPERIMENTAL == "switched off (FLUXCOMPILE_EXPERIMENTAL_DLRM=0)"
+    why = "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'dlrm'"
+    # The old switch (experimental_dlrm=False) still leaves the family out, for one release.
+    for off in ({"implementations": tuple(f for f in IMPLEMENTATIONS if f != "dlrm")}, {"experimental_dlrm": False}):
+        with config.patch(**off):
+            for name in eb.VARIANTS:
+                assert _REGISTRY[OP][f"triton:{name}"].family == "dlrm"
+                assert _REGISTRY[OP][f"triton:{name}"].declines(*_args()) == why
 
 
 def test_operand_checks():

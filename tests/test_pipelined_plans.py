@@ -190,24 +190,32 @@ def test_ag_stage_groups_cover_every_peer_once_in_arrival_order(world, groups):
 
 def test_rs_stages_declines_unless_enabled():
     from fluxcompile import config
+    from fluxcompile.lowerings.choices import _REGISTRY
 
     A, B = torch.empty(128, 32, dtype=torch.bfloat16), torch.empty(32, 16, dtype=torch.bfloat16)
     args = ([A], [B], None, [128, 16], 0, "sum", 2, "g")
+    choice = _REGISTRY["matmul_reduce_scatter"]["cublas_pipelined:stages2"]
+    assert choice.family == "rs_stages"
     with config.patch(experimental_rs_stages=False):
-        assert "experimental" in rs.stages_supports(2)(*args)
+        assert choice.declines(*args) == "experimental: FLUXCOMPILE_EXPERIMENTAL_RS_STAGES=1 enables it"
     with config.patch(experimental_rs_stages=True):
-        assert "CUDA" in rs.stages_supports(2)(*args)
+        assert "CUDA" in choice.declines(*args)
+    assert "CUDA" in rs.stages_supports(2)(*args)  # the choice's own rules
 
 
 def test_ag_stages_declines_unless_enabled():
     from fluxcompile import config
+    from fluxcompile.lowerings.choices import _REGISTRY
 
     A = torch.empty(64, 32, dtype=torch.bfloat16)
     args = (A, [torch.empty(32, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
+    choice = _REGISTRY["all_gather_matmul"]["cublas_pipelined:stages2"]
+    assert choice.family == "ag_stages"
     with config.patch(experimental_ag_stages=False):
-        assert "experimental" in ag.stages_supports(2)(*args)
+        assert choice.declines(*args) == "experimental: FLUXCOMPILE_EXPERIMENTAL_AG_STAGES=1 enables it"
     with config.patch(experimental_ag_stages=True):
-        assert "CUDA" in ag.stages_supports(2)(*args)  # CPU tensors: declined by the pipelined rules
+        assert "CUDA" in choice.declines(*args)  # CPU tensors: declined by the pipelined rules
+    assert "CUDA" in ag.stages_supports(2)(*args)
 
 
 def test_lead_rows_and_declines():

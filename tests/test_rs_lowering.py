@@ -73,8 +73,11 @@ def test_torch_symm_mem_declines():
 
 def test_triton_declines_unless_enabled():
     _, sup = rs_triton.make("128x256x64")
-    assert "FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1" in sup(*_args())
+    choice = {c.name: c for c in choices_for("matmul_reduce_scatter")}["triton:128x256x64"]
+    assert choice.family == "triton_rs"
+    assert "FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1" in choice.declines(*_args())
     with config.patch(experimental_triton_rs=True):
+        assert choice.declines(*_args()) == sup(*_args())
         _check_triton_rules(sup)
 
 

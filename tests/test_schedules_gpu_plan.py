@@ -183,9 +183,9 @@ def test_schedules_choices_registered_and_gated():
     assert {"schedules:one_shot", "schedules:two_shot"} <= set(names)
     assert "needs CUDA tensors" in names["schedules:one_shot"].declines(*args)
     a_cuda = type("FakeCuda", (), {"is_cuda": True})()
-    with config.patch(experimental_schedules=False):
+    with config.patch(implementations=tuple(f for f in config.implementations if f != "schedules")):
         why = names["schedules:one_shot"].declines([a_cuda], [b], None, [4, 32], "sum", "0")
-    assert "FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0" in why
+    assert why == "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'schedules'"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_pending_past_timeout_is_reported_with_rank_op_and_signals():
     report = dog.check()
     assert report is not None
     assert "rank 1" in report and "matmul_reduce_scatter (cublas_pipelined)" in report and "Signals ready=0" in report
-    assert "61 s" in report and "FLUXCOMPILE_SIGNAL_TIMEOUT_S=60" in report
+    assert "61 s" in report and "FLUXCOMPILE_WATCHDOG_TIMEOUT_S=60" in report
 
 
 def test_completed_or_unnoted_calls_are_not_reported():

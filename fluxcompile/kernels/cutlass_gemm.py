@@ -23,6 +23,7 @@ from .cutlass_build import VARIANTS, cutlass_include
 RASTERS = {"auto": 0, "m": 1, "n": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 ERR_WORDS = 6  # csrc/flux_gemm.h FluxGemmSync::err
+MAX_WORLD = 64  # ranks of a group the CUTLASS choices' flag arrays hold (lowerings/*/cutlass.py)
 
 
 def unavailable(device: torch.device | None = None) -> str | None:
@@ -34,6 +35,15 @@ def unavailable(device: torch.device | None = None) -> str | None:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return "the CUTLASS kernels are built for Hopper (sm_90a) only"
     return None
+
+
+def group_declines(group_size: int, A: Tensor) -> str | None:
+    """The reasons both ops' CUTLASS choices share: the group's size, no kernel for ``A``'s device."""
+    if group_size < 2:
+        return "one rank: nothing to overlap"
+    if group_size > MAX_WORLD:
+        return f"more than {MAX_WORLD} ranks"
+    return unavailable(A.device if A.is_cuda else None)
 
 
 def operand_unsupported(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> str | None:
@@ -116,7 +126,7 @@ def gemm(
 
     rotate: (axis, element): tiles along axis 0 (M) or 1 (N) start at the tile holding that element.
     wait: (flags, rows_per_rank, chunk_rows, skip_rank): flags int32 [ranks * chunks_per_rank]; a tile waits until
-      the flag of every chunk holding its rows is non-zero (bounded by ``config.cutlass_timeout_s``; a timeout
+      the flag of every chunk holding its rows is non-zero (bounded by ``config.wait_timeout_s``; a timeout
       fills ``err``, int32 [ERR_WORDS]).
     signal: (counters, chunk_elems, axis): once a tile's stores have landed, +1 on counters[c] for each chunk of
       chunk_elems rows (axis 0) or columns (axis 1) it overlaps; see :func:`tiles_per_chunk`.
@@ -144,7 +154,7 @@ def gemm(
         flags.data_ptr() if flags is not None else 0, rows_per_rank, chunk_rows,
         -(-rows_per_rank // chunk_rows) if chunk_rows else 0, skip,
         counters.data_ptr() if counters is not None else 0, sig_axis, sig_elems,
-        err.data_ptr() if err is not None else 0, rank, int(config.cutlass_timeout_s * 1e9),
+        err.data_ptr() if err is not None else 0, rank, int(config.wait_timeout_s * 1e9),
     ]  # fmt: skip
     ext = load()
     which = _index(variant)

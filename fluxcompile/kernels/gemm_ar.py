@@ -27,11 +27,13 @@ program only (Triton's interpreter runs programs one after the other).
 
 Checked on CPU in Triton's interpreter (tests/test_gemm_ar_kernel.py, ordinary tensors standing for the
 peers' buffers) and on GPUs by tests/gpu/test_decode_ar.py. Its ``triton:*`` choices of matmul_all_reduce
-and all_reduce_rmsnorm (lowerings/matmul_all_reduce/fused_kernels.py) run while ``config.experimental_decode``
-is on (the default; ``FLUXCOMPILE_EXPERIMENTAL_DECODE=0`` turns them off).
+and all_reduce_rmsnorm (lowerings/matmul_all_reduce/fused_kernels.py) are family ``decode``: they run while
+``config.implementations`` has it (the default).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -43,6 +45,25 @@ MAX_TILES = 8192  # flag words per source rank; the reduced-tile flags follow th
 _MAX_TILES = tl.constexpr(MAX_TILES)  # the same, as the kernel sees it
 ERR_WORDS = 8  # code, rank, peer, tile, epoch, kind
 WAIT_KINDS = {1: "partial tile", 2: "reduced tile", 3: "grid barrier"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One tile configuration, for one-shot or two-shot, offered for m in ``[min_m, max_m]``."""
+
+    block: tuple[int, int, int]
+    two_shot: bool
+    min_m: int = 1  # the variant declines smaller m (a tile mostly of padding)
+    max_m: int = 1 << 20
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+VARIANTS: dict[str, Variant] = {
+    f"{shot}-{bm}x{bn}x{bk}": Variant((bm, bn, bk), shot == "twoshot", lo, hi)
+    for shot in ("oneshot", "twoshot")
+    for (bm, bn, bk), lo, hi in (((16, 64, 128), 1, 32), ((64, 64, 64), 17, 1 << 20), ((128, 64, 64), 97, 1 << 20))
+}
 
 
 @triton.jit

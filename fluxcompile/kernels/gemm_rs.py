@@ -30,11 +30,12 @@ rows, contiguous ``[rows, N]``); flags = int32 ``[world, MAX_TILES]`` (source ra
 
 Checked on CPU in Triton's interpreter (tests/test_gemm_rs_kernel.py: ranks simulated with ordinary tensors)
 and on GPUs by tests/gpu/test_rs_matmul.py. Its ``triton:*`` choices (lowerings/matmul_reduce_scatter/triton.py)
-run only with ``config.experimental_triton_rs`` (``FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1``).
+(family ``triton_rs``) run only with ``config.experimental_triton_rs`` (``FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -46,6 +47,24 @@ from .waits import bounded_wait
 MAX_PRODUCTS = 4
 MAX_TILES = 1 << 15  # flag words per source rank: tiles of one owner's rows
 ERR_WORDS = 8  # code, rank, peer, tile, epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One point of the template space offered to the autotuner."""
+
+    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+
+VARIANTS = {
+    "128x256x64": Variant((128, 256, 64)),
+    "128x128x64": Variant((128, 128, 64), num_stages=4),
+    "64x128x64": Variant((64, 128, 64), num_warps=4, num_stages=4),
+}
+DEFAULT = "128x256x64"
 
 
 @triton.jit

@@ -1,10 +1,14 @@
 """The choice registry: every implementation a fused op may run, and which of them the config allows.
 
-A choice's name is ``"<family>"`` or ``"<family>:<variant>"`` (``"triton:128x256x64-pull"``); the family
-is what ``config.implementations`` lists. ``choices_for(op)`` returns the allowed choices in the order of
+A choice's name is ``"<kind>"`` or ``"<kind>:<variant>"`` (``"triton:128x256x64-pull"``); autotuning caches,
+reports and compiled choices use it. Its family (``config.IMPLEMENTATIONS``) is what ``config.implementations``
+lists and what is switched on or off: the kind unless given (the Triton all-gather's ``"triton:*"`` choices are
+family ``"triton_ag"``). ``choices_for(op)`` returns the allowed choices in the order of
 ``config.implementations`` (registration order within a family), which is both the autotuner's candidate
 order (it breaks timing ties) and the preference order when autotuning is off. ``"reference"`` is always
 returned, last unless listed earlier, because it runs everywhere and is the fallback when nothing else does.
+A choice whose family the config does not enable (left out of ``implementations``, or off by default and not
+switched on) declines every call with the reason, which names what enables it (``Config.family_declines``).
 
 A choice must behave alike on every rank: ``supports`` may look only at what is equal on all ranks
 (shapes, dtypes, group, config), and ``fn`` must either fail before its first collective or not at all,
@@ -34,25 +38,29 @@ class Choice:
     ``fn`` has the fused op's signature and outputs (``ops.py``); ``supports(*args)`` returns None when
     ``fn`` handles these arguments, else the reason it does not. ``symmetric_memory``: ``fn`` reaches the
     peers' memory (every fused choice), so it declines on a group whose ranks are not all reachable by P2P
-    (symm_mem/topology.py); the reference (the collective, then the matmuls) does not.
+    (symm_mem/topology.py); the reference (the collective, then the matmuls) does not. ``family``: its
+    implementation family ("" = the name's kind, the part before ":").
     """
 
     name: str
     fn: Callable[..., Any]
     supports: Callable[..., str | None] = _supports_all
     symmetric_memory: bool = True
+    family: str = ""
 
     def __post_init__(self) -> None:
-        family, _, variant = self.name.partition(":")
-        if not family or self.name != self.name.strip() or (":" in self.name and not variant):
-            raise ValueError(f"fluxcompile: bad choice name {self.name!r} (want '<family>' or '<family>:<variant>')")
-
-    @property
-    def family(self) -> str:
-        return self.name.partition(":")[0]
+        kind, _, variant = self.name.partition(":")
+        if not kind or self.name != self.name.strip() or (":" in self.name and not variant):
+            raise ValueError(f"fluxcompile: bad choice name {self.name!r} (want '<kind>' or '<kind>:<variant>')")
+        if not self.family:
+            object.__setattr__(self, "family", kind)
 
     def declines(self, *args: Any) -> str | None:
-        """``supports(*args)``, with an exception turned into a reason (a broken check must not crash)."""
+        """Why this choice does not run these arguments: its family is not enabled (the config's reason), else
+        ``supports(*args)``, with an exception turned into a reason (a broken check must not crash)."""
+        why = config.family_declines(self.family)
+        if why is not None:
+            return why
         try:
             return self.supports(*args)
         except Exception as e:

@@ -6,8 +6,8 @@ interprets the plan's int32 tables, ``encoding``, over symmetric-memory mailboxe
 ``emulator`` is a NumPy model of that kernel for CPU tests). ``all_reduce``, ``all_gather``,
 ``reduce_scatter`` and ``all_to_all`` run library programs by name. The GPU path backs the ``schedules:*``
 choices of matmul_all_reduce and all_reduce_rmsnorm (lowerings/matmul_all_reduce/schedules.py), which run
-while ``config.experimental_schedules`` is on (the default; ``FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0`` turns
-them off); tests/gpu/test_schedules_gpu.py checks it on GPUs."""
+while family ``schedules`` is in ``config.implementations`` (the default); tests/gpu/test_schedules_gpu.py
+checks it on GPUs."""
 
 from __future__ import annotations
 

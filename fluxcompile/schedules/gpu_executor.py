@@ -285,7 +285,7 @@ def run_plan(
     capturing = _capturing()
     what = f"the schedule executor ({plan.name})"
     ch.errors.check_previous(what, _checker(group_name))
-    spin = max_spin if max_spin is not None else int(config.sched_timeout_s * 1e6)
+    spin = max_spin if max_spin is not None else int(config.wait_timeout_s * 1e6)
     args = (
         launch.code, launch.tbs, launch.deps, inp, out,
         launch.scratch if launch.scratch is not None else out, ch.peer_mbox, ch.peer_flags, ch.done, ch.state,

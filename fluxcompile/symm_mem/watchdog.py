@@ -14,7 +14,7 @@ it from the host, as NCCL's watchdog does for collectives:
 Calls captured in CUDA graphs are not watched (a replay does not come back to the host). The thread's own CUDA
 calls (event queries) run in the relaxed stream-capture mode: in the default global mode, a query made while
 another thread captures a graph (``torch.cuda.graph``, vLLM's decode graphs) would invalidate that capture.
-``config.signal_timeout_s`` (``FLUXCOMPILE_SIGNAL_TIMEOUT_S``, default 600 like NCCL's) sets the bound, read
+``config.watchdog_timeout_s`` (``FLUXCOMPILE_WATCHDOG_TIMEOUT_S``, default 600 like NCCL's) sets the bound, read
 when a watch is made and at each look; 0 turns the watchdog off.
 """
 
@@ -80,7 +80,7 @@ class Watch:
 
 
 class Watchdog:
-    """The thread that looks at the watches. ``timeout_s``/``poll_s`` None: from ``config.signal_timeout_s``."""
+    """The thread that looks at the watches. ``timeout_s``/``poll_s`` None: from ``config.watchdog_timeout_s``."""
 
     def __init__(
         self,
@@ -99,7 +99,7 @@ class Watchdog:
 
     @property
     def timeout_s(self) -> float:
-        return config.signal_timeout_s if self._timeout_s is None else self._timeout_s
+        return config.watchdog_timeout_s if self._timeout_s is None else self._timeout_s
 
     @property
     def poll_s(self) -> float:
@@ -127,7 +127,7 @@ class Watchdog:
                     flags = f"(flags unreadable: {type(e).__name__}: {e})"
                 return (
                     f"fluxcompile: rank {w.rank}: {w.what} has not finished after {waited:.0f} s "
-                    f"(FLUXCOMPILE_SIGNAL_TIMEOUT_S={self.timeout_s:g}); its stream waits on a peer's signal. "
+                    f"(FLUXCOMPILE_WATCHDOG_TIMEOUT_S={self.timeout_s:g}); its stream waits on a peer's signal. "
                     f"{flags}. A peer has died or does not call the same fused ops in the same order."
                 )
         return None
@@ -177,3 +177,14 @@ def flag_report(ready: Any, done: Any, peers: list[int]) -> str:
         for p in peers
     ]
     return "Signals " + "; ".join(parts)
+
+
+def read_flags(flags: Any) -> list[int]:
+    """This rank's flags of a ``FlagArray``, read on a stream of their own (a watch's report; synchronizes)."""
+    import torch
+
+    stream = torch.cuda.Stream(device=flags.ws.buffer.device)
+    with torch.cuda.stream(stream):
+        values = flags.local().to("cpu")
+    stream.synchronize()
+    return [int(v) for v in values]

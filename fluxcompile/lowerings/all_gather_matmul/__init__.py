@@ -40,12 +40,12 @@ _CHOICES = [
         for d in cublas_pipelined.LEADS
     ),
     *(
-        Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g))
+        Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g), family="ag_stages")
         for g in cublas_pipelined.STAGES
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_matmul, torch_symm_mem.supports),
     Choice(async_input_mm.NAME, async_input_mm.all_gather_matmul, async_input_mm.supports),
-    *(Choice(f"triton:{name}", *triton.make(name)) for name in triton.VARIANTS),
+    *(Choice(f"triton:{name}", *triton.make(name), family="triton_ag") for name in triton.VARIANTS),
     *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.VARIANTS),
 ]  # fmt: skip
 for _choice in _CHOICES:

@@ -15,34 +15,30 @@ A wait that times out fills an error buffer (``cutlass_gemm.ERR_WORDS`` words), 
 at the end of the call and checked at the start of the next eager one (no synchronization on the hot path), or
 after every call with ``config.check_signals``. Flags are 0/1, reset by their waiter: CUDA graphs replay them.
 
-``Comm`` carries everything the protocol takes from its group (workspaces, side stream, SM count, flag
-initialization, error buffer, watchdog); :func:`all_gather_matmul_on` takes it explicitly, so the same code runs
-between GPUs (the registered choice builds the group's ``Comm``: :func:`comm_for`) and between ranks simulated
-on one GPU (fluxcompile/testing/one_gpu_ranks.py).
+The communication context (``symm_mem.Comm``) carries everything the protocol takes from its group (workspaces,
+side stream, SM count, flag initialization, error buffer, watchdog); :func:`all_gather_matmul_on` takes it
+explicitly, so the same code runs between GPUs (the registered choice takes the group's from ``symm_mem.comm_for``)
+and between ranks simulated on one GPU (fluxcompile/testing/one_gpu_ranks.py).
 
-On by default; it declines every call while ``config.experimental_cutlass`` is off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0).
+Family ``cutlass``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ...config import config
 from ...kernels import cutlass_gemm
-from ...symm_mem import ErrorWords, FlagArray, Workspace, side_stream, stream_write, workspace
-from ...symm_mem import init_flags as symm_init_flags
+from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, stream_write
 from ...symm_mem.exchange import gather_send_order, send
-from ...symm_mem.watchdog import Watch, watch
+from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
 from .cublas_pipelined import layout_supports, shard_layout
 
 NAME = "cutlass"
-EXPERIMENTAL = "switched off (FLUXCOMPILE_EXPERIMENTAL_CUTLASS=0)"
-MAX_WORLD = 64
+MAX_WORLD = cutlass_gemm.MAX_WORLD
 MAX_WEIGHTS = 4
 CHUNKS = 4  # communication chunks per shard (each at least one tile of M rows where the shard has them)
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -53,91 +49,11 @@ FLAG_BYTES = _DONE_OFFSET + 4 * MAX_WORLD
 TAG = "all_gather_matmul.cutlass"
 
 
-# --- the communication context -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Comm:
-    """What the protocol of one rank takes from its group. ``data`` and ``flags`` are symmetric workspaces (a
-    rank's own buffer and its peers', through ``view``/``handle.buffer_ptrs``); ``init_flags(flags, value)``
-    sets a flag array on every rank before any peer writes into it (symm_mem.init_flags between processes);
-    ``sm_count``: the persistent GEMM's SMs (0: all)."""
-
-    data: Workspace
-    flags: Workspace
-    side: torch.cuda.Stream
-    errors: ErrorWords
-    sm_count: int = 0
-    init_flags: Callable[[FlagArray, int], None] = symm_init_flags
-    watch: Watch | None = None
-
-    @property
-    def rank(self) -> int:
-        return self.data.rank
-
-    @property
-    def world(self) -> int:
-        return self.data.world_size
-
-    def note(self, stream: torch.cuda.Stream) -> None:
-        """After an eager call, for the watchdog (its stream waits on peers' flags without a bound)."""
-        if self.watch is not None and not torch.cuda.is_current_stream_capturing():
-            self.watch.note(stream)
-
-
-_errors: dict[tuple[int, str], ErrorWords] = {}
-
-
-def make_errors(device: torch.device) -> ErrorWords:
-    """A rank's error words of the CUTLASS GEMM's waits (``cutlass_gemm.check_error`` reads them)."""
-    return ErrorWords.make(device, cutlass_gemm.ERR_WORDS, "the CUTLASS choices")
-
-
-_watches: dict[tuple[str, int, str], Watch | None] = {}
-
-
-def comm_for(
-    group_name: str, group_size: int, data_bytes: int, tag: str, flag_bytes: int, describe: Callable[[Comm], str]
-) -> Comm:
-    """The ``Comm`` of this rank in a process group: the (group, device, tag) workspaces (a collective where one
-    must be made or grow: every rank makes the same call), the device's side stream, its error buffer and a
-    watch whose report is ``describe(comm)``."""
-    data = workspace(group_name, data_bytes, tag=tag, world=group_size)
-    flags = workspace(group_name, flag_bytes, tag=f"{tag}.flags", world=group_size)
-    device = torch.cuda.current_device()
-    errors = _errors.get((device, tag))
-    if errors is None:
-        errors = _errors[(device, tag)] = make_errors(torch.device("cuda", device))
-    comm = Comm(data=data, flags=flags, side=side_stream(), errors=errors)
-    key = (group_name, device, tag)
-    if key not in _watches:
-        snapshot = dataclasses.replace(comm)
-        _watches[key] = watch(f"{tag} ({group_name})", comm.rank, lambda: describe(snapshot))
-    comm.watch = _watches[key]
-    return comm
-
-
-def read_flags(flags: FlagArray) -> list[int]:
-    """This rank's flags of an array, read on a stream of their own (the watchdog's report; synchronizes)."""
-    stream = torch.cuda.Stream(device=flags.ws.buffer.device)
-    with torch.cuda.stream(stream):
-        values = flags.local().to("cpu")
-    stream.synchronize()
-    return [int(v) for v in values]
+# The error words of the CUTLASS GEMM's waits (``cutlass_gemm.check_error`` reads them).
+ERRORS = ErrorSpec(cutlass_gemm.ERR_WORDS, "the CUTLASS choices")
 
 
 # --- supports -------------------------------------------------------------------------------------------
-
-
-def group_declines(group_size: int, A: Tensor) -> str | None:
-    """The reasons both ops' CUTLASS choices share: off, the group's size, no kernel for ``A``'s device."""
-    if not config.experimental_cutlass:
-        return EXPERIMENTAL
-    if group_size < 2:
-        return "one rank: nothing to overlap"
-    if group_size > MAX_WORLD:
-        return f"more than {MAX_WORLD} ranks"
-    return cutlass_gemm.unavailable(A.device if A.is_cuda else None)
 
 
 def supports(
@@ -151,7 +67,7 @@ def supports(
 
 
 def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
-    why = group_declines(group_size, A)
+    why = cutlass_gemm.group_declines(group_size, A)
     if why is not None:
         return why
     if not Bs or len(Bs) != len(biases):
@@ -243,7 +159,10 @@ def all_gather_matmul(
     """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
     k = A.shape[-1]
     rows = A.numel() // k
-    comm = comm_for(group_name, group_size, data_bytes(rows, k, group_size, A.dtype), TAG, FLAG_BYTES, describe)
+    nbytes = data_bytes(rows, k, group_size, A.dtype)
+    comm = comm_for(
+        group_name, TAG, world=group_size, data_bytes=nbytes, flag_bytes=FLAG_BYTES, errors=ERRORS, describe=describe
+    )
     return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant)
 
 

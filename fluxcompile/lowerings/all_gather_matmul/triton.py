@@ -10,54 +10,35 @@ A wait that times out records (rank, chunk) in error words (``symm_mem.ErrorWord
 memory at the end of the call and checked at the start of the next one (no synchronization on the hot path),
 or after every call with ``config.check_signals``.
 
-Experimental: it declines every call unless ``config.experimental_triton_ag`` (FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1).
+Experimental (family ``triton_ag``): it declines every call unless ``config.experimental_triton_ag``
+(FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ...config import config
 from ...symm_mem import ErrorWords, FlagArray, init_flags, side_stream, stream_write, workspace
 from ...symm_mem.exchange import gather_send_order, send
 from .cublas_pipelined import layout_supports, shard_layout
 
+try:
+    from ...kernels import ag_gemm
+except ImportError:  # no Triton: the choices are not registered (__init__.py)
+    ag_gemm = None
+
 _ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow them
 _FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One point of the template space offered to the autotuner."""
-
-    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
-    chunks: int  # communication chunks per shard (Flux 4.3: decoupled from the GEMM tile)
-    tma: bool = True
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
-
-
-# The tile shapes offered (BENCHMARKS.md has their timings); TMA with BLOCK_N = 256 is not offered: it computes
-# wrong results under Triton 3.6.
-VARIANTS = {
-    "tma-256x128x64-c1": Variant((256, 128, 64), 1),
-    "tma-256x128x64-c4": Variant((256, 128, 64), 4),
-    "tma-128x128x64-s4-c1": Variant((128, 128, 64), 1, num_stages=4),
-    "tma-128x128x64-w4s4-c1": Variant((128, 128, 64), 1, num_warps=4, num_stages=4),
-}
+VARIANTS = ag_gemm.VARIANTS if ag_gemm is not None else {}  # the kernel's tile variants, one choice each
 
 _errors: dict[int, ErrorWords] = {}  # per device
 
 
 def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:
-    if not config.experimental_triton_ag:
-        return "experimental: FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it"
     if len(Bs) > 4:
         return "more than 4 weights"
     if any(x is not None and x.dim() != 1 for x in biases):
@@ -72,12 +53,10 @@ def make(name: str):
     def supports_variant(A, Bs, biases, gather_dim, group_size, group_name) -> str | None:
         why = supports(A, Bs, biases, gather_dim, group_size, group_name)
         if why is None and variant.tma:
-            from ...kernels.ag_gemm import tma_unsupported
-
             if torch.cuda.get_device_capability(A.device)[0] < 9:
                 return "TMA needs a Hopper or newer GPU"
             a = A.contiguous().view(-1, A.shape[-1])
-            why = tma_unsupported(a, a.numel(), Bs)
+            why = ag_gemm.tma_unsupported(a, a.numel(), Bs)
         return why
 
     def run(A, Bs, biases, gather_dim, group_size, group_name):
@@ -89,10 +68,9 @@ def make(name: str):
 def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,
-    variant: Variant = VARIANTS["tma-256x128x64-c1"],
+    variant: ag_gemm.Variant | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
-    from ...kernels.ag_gemm import ag_gemm
-
+    variant = variant if variant is not None else ag_gemm.VARIANTS[ag_gemm.DEFAULT]
     block, chunks = variant.block, variant.chunks
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     chunk_rows = max(block[0], -(-rows // chunks))
@@ -129,7 +107,7 @@ def all_gather_matmul(
             send(side, done.addr(rank, p), pieces)
 
     # The kernel also writes the gathered rows into A_gathered (no copy kernel after it).
-    ag_gemm(
+    ag_gemm.ag_gemm(
         a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, errors.err,
         block=block, outs=outs, a_out=A_gathered, tma=variant.tma, group_m=variant.group_m,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
@@ -152,6 +130,4 @@ def _error_words() -> ErrorWords:
 @functools.cache
 def _checker(rank: int, group_name: str) -> Callable[[Tensor, str], None]:
     """The error words' check: kernels/ag_gemm.py's ``check_error``, naming the rank and the group."""
-    from ...kernels.ag_gemm import check_error
-
-    return lambda words, what: check_error(words, rank, group_name)
+    return lambda words, what: ag_gemm.check_error(words, rank, group_name)

@@ -2,7 +2,7 @@
 autotuner for one choice per call signature (identically on every rank) and runs it.
 
 Choices, in registration order:
-* ``triton:<variant>`` (triton.py; ``FLUXCOMPILE_EXPERIMENTAL_DLRM=0`` turns it off): the Triton pooling kernel of
+* ``triton:<variant>`` (triton.py; family ``dlrm``): the Triton pooling kernel of
   kernels/embedding_bag.py, which stores every pooled row straight into its owner's output (one launch for all
   tables), counters per (source, destination) pair, a bounded wait and a copy out of the receive buffer;
 * ``reference`` (``embedding_bag`` per table + ``cat`` + NCCL ``all_to_all_single``, registered by
@@ -24,7 +24,7 @@ OP = "embedding_bag_all_to_all"
 
 if triton.eb is not None:
     for _name in triton.eb.VARIANTS:
-        register_choice(OP, Choice(f"{triton.NAME}:{_name}", *triton.make(_name)))
+        register_choice(OP, Choice(f"{triton.NAME}:{_name}", *triton.make(_name), family="dlrm"))
 
 
 @cuda_impl(OP, probe=lambda args: args[0][0])

@@ -29,11 +29,11 @@ out fills the error words, copied to pinned memory at the end of the call and ch
 Epochs and counters only grow (kernels/embedding_bag.py): no flag is ever reset, CUDA graphs replay the protocol,
 and every rank must run the same calls of this choice in the same order (as for any collective).
 
-``Comm`` (lowerings/all_gather_matmul/cutlass.py) carries what the protocol takes from its group: the registered
-choice builds the group's; the one-GPU harness (fluxcompile/testing/one_gpu_ranks.py) gives each simulated rank
-its own.
+The communication context (``symm_mem.Comm``) carries what the protocol takes from its group: the registered
+choice takes the group's from ``symm_mem.comm_for``; the one-GPU harness (fluxcompile/testing/one_gpu_ranks.py)
+gives each simulated rank its own.
 
-It declines every call while ``config.experimental_dlrm`` is off (FLUXCOMPILE_EXPERIMENTAL_DLRM=0).
+Family ``dlrm``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import ErrorWords, FlagArray, capturing, persistent, side_stream, workspace
-from ..all_gather_matmul.cutlass import Comm
+from ...symm_mem import Comm, ErrorSpec, FlagArray, capturing, comm_for, group_size, persistent
 
 try:
     from ...kernels import embedding_bag as eb
@@ -58,7 +57,6 @@ except ImportError:  # no Triton: the choices are not registered (__init__.py)
 
 NAME = "triton"
 OP = "embedding_bag_all_to_all"
-EXPERIMENTAL = "switched off (FLUXCOMPILE_EXPERIMENTAL_DLRM=0)"
 TAG = "embedding_bag_all_to_all.triton"
 MAX_WORLD = 64
 # The flag workspace of a rank, all int64 (a counter grows by a call's segments: int32 would wrap within a training
@@ -75,8 +73,8 @@ LAUNCHES = tuple((eb, name) for name in ("publish", "fetch_offsets", "pool", "wa
 
 
 def timeout_s() -> float:
-    """The bound on the kernels' waits: ``config.dlrm_timeout_s``."""
-    return float(config.dlrm_timeout_s)
+    """The bound on the kernels' waits: ``config.wait_timeout_s``."""
+    return float(config.wait_timeout_s)
 
 
 def _max_spin() -> int:
@@ -244,9 +242,7 @@ def pointer_table(weights: Sequence[Tensor], indices: Sequence[Tensor], offsets:
 def _group_size(group_name: str) -> int:
     size = _group_sizes.get(group_name)
     if size is None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        size = _group_sizes[group_name] = _resolve_process_group(group_name).size()
+        size = _group_sizes[group_name] = group_size(group_name)
     return size
 
 
@@ -303,8 +299,6 @@ def supports(
 ) -> str | None:  # fmt: skip
     """None when the Triton choices handle the call, else why not (shapes, dtypes, group and config only: the same
     on every rank)."""
-    if not config.experimental_dlrm:
-        return EXPERIMENTAL
     why = check_operands(weights, indices, offsets, mode, include_last_offset, cuda=False)
     if why is not None:
         return why
@@ -341,20 +335,16 @@ def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]
 
 # --- the protocol -------------------------------------------------------------------------------------------------
 
-_errors: dict[int, ErrorWords] = {}
 _states: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def comm_for(group_name: str, world: int, data_bytes: int) -> Comm:
-    """This rank's ``Comm`` in a process group: the (group, device) workspaces of this choice (a collective where
-    one must be made or grow: every rank makes the same call), the side stream and the error buffer."""
-    data = workspace(group_name, data_bytes, tag=TAG, world=world)
-    flags = workspace(group_name, FLAG_BYTES, tag=f"{TAG}.flags", world=world)
-    device = torch.cuda.current_device()
-    errors = _errors.get(device)
-    if errors is None:
-        errors = _errors[device] = ErrorWords.make(torch.device("cuda", device), eb.ERR_WORDS, "the DLRM kernel")
-    return Comm(data=data, flags=flags, side=side_stream(), errors=errors)
+def group_comm(group_name: str, world: int, data_bytes: int) -> Comm:
+    """This rank's context in a process group: the (group, device) workspaces of this choice (a collective where
+    one must be made or grow: every rank makes the same call) and the error buffer."""
+    return comm_for(
+        group_name, TAG, world=world, data_bytes=data_bytes, flag_bytes=FLAG_BYTES,
+        errors=ErrorSpec(eb.ERR_WORDS, "the DLRM kernel"),
+    )  # fmt: skip
 
 
 def embedding_bag_all_to_all(
@@ -367,7 +357,7 @@ def embedding_bag_all_to_all(
     comm = None
     if world > 1:
         lay = _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world)
-        comm = comm_for(group_name, world, lay.data_bytes(weights[0].element_size()))
+        comm = group_comm(group_name, world, lay.data_bytes(weights[0].element_size()))
     return embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
         variant=variant,

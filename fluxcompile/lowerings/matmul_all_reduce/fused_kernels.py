@@ -38,6 +38,11 @@ from ...config import config
 from ...kernels import gemv_ar
 from ...symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
 
+try:
+    from ...kernels import gemm_ar
+except ImportError:  # no Triton: the Triton choices are not registered (__init__.py)
+    gemm_ar = None
+
 MAX_TILES = 8192  # flag words per source rank, as in csrc/gemv_ar.h and kernels/gemm_ar.py
 ERR_WORDS = 8
 MAX_WORLD = 8
@@ -45,23 +50,8 @@ _SLOT_ALIGN = 256
 
 # (residual, weight, eps, weight_after_cast) of all_reduce_rmsnorm, or None for matmul_all_reduce.
 Tail = tuple[Tensor, Tensor, float, bool] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonVariant:
-    block: tuple[int, int, int]
-    two_shot: bool
-    min_m: int = 1  # the variant declines smaller m (a tile mostly of padding)
-    max_m: int = 1 << 20
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-TRITON_VARIANTS: dict[str, TritonVariant] = {
-    f"{shot}-{bm}x{bn}x{bk}": TritonVariant((bm, bn, bk), shot == "twoshot", lo, hi)
-    for shot in ("oneshot", "twoshot")
-    for (bm, bn, bk), lo, hi in (((16, 64, 128), 1, 32), ((64, 64, 64), 17, 1 << 20), ((128, 64, 64), 97, 1 << 20))
-}
+# The Triton kernel's tile variants, one choice each ("triton:<variant>").
+TRITON_VARIANTS = gemm_ar.VARIANTS if gemm_ar is not None else {}
 
 
 @dataclasses.dataclass
@@ -141,9 +131,7 @@ def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) 
 def _checker(group_name: str) -> Callable[[Tensor, str], None]:
     """The error words' check: kernels/gemm_ar.py's ``check_error``, naming the group (the same words for both
     kernel families)."""
-    from ...kernels.gemm_ar import check_error
-
-    return lambda words, what: check_error(words, group_name)
+    return lambda words, what: gemm_ar.check_error(words, group_name)
 
 
 def check_errors() -> None:
@@ -294,8 +282,6 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
 def run_triton(
     variant: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = None
 ) -> Tensor | tuple[Tensor, Tensor]:
-    from ...kernels.gemm_ar import gemm_ar, n_tiles
-
     v = TRITON_VARIANTS[variant]
     a, b = As[0], Bs[0]
     m, k = a.shape
@@ -306,7 +292,7 @@ def run_triton(
     if tail is not None:
         residual, weight, eps, weight_after_cast = tail
         tail_args = (normed.view(m, n), residual.contiguous().view(m, n), weight.contiguous(), eps, weight_after_cast)
-        ss_part = torch.empty(m * n_tiles(m, n, v.block)[1], dtype=torch.float32, device=a.device)
+        ss_part = torch.empty(m * gemm_ar.n_tiles(m, n, v.block)[1], dtype=torch.float32, device=a.device)
     progs = torch.cuda.get_device_properties(a.device).multi_processor_count
     kwargs = dict(
         two_shot=v.two_shot, tail=tail_args, ss_part=ss_part, block=v.block, num_programs=progs,
@@ -315,8 +301,8 @@ def run_triton(
     call = (a, b, bias, out.view(m, n), st.peer_data, st.peer_flags, slot_bytes // a.element_size(), st.state)
     key = ("triton", variant, a.dtype, m, n, k, tuple(b.stride()), bias is not None, tail is not None, group_name)
     if key not in _ready:
-        gemm_ar(*call, st.errors.err, rank, world, compile_only=True, **kwargs)
+        gemm_ar.gemm_ar(*call, st.errors.err, rank, world, compile_only=True, **kwargs)
         _sync_ranks_once(key, group_name)
-    gemm_ar(*call, st.errors.err, rank, world, **kwargs)
+    gemm_ar.gemm_ar(*call, st.errors.err, rank, world, **kwargs)
     st.errors.report(f"the triton decode kernel ({variant})", _checker(group_name))
     return out if tail is None else (out, normed)

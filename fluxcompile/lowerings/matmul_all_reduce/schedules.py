@@ -1,6 +1,6 @@
 """matmul_all_reduce and all_reduce_rmsnorm, ``schedules:one_shot`` / ``:two_shot``: cuBLAS (or the bare input),
 then the schedule language's library all-reduce run by its plan-interpreter kernel (fluxcompile/schedules,
-gpu_executor.py); on while ``config.experimental_schedules``."""
+gpu_executor.py); family ``schedules``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import math
 from torch import Tensor
 
 from ... import ops
-from ...config import config
 from .fused_kernels import group
 from .torch_symm_mem import product_dtype
 
@@ -18,8 +17,6 @@ def supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) ->
     first = x if x is not None else As[0]
     if not first.is_cuda:
         return "needs CUDA tensors"
-    if not config.experimental_schedules:
-        return "switched off (FLUXCOMPILE_EXPERIMENTAL_SCHEDULES=0)"
     if reduce_op != "sum":
         return f"reduce_op {reduce_op!r} (only sum)"
     from ...schedules.gpu_executor import DTYPES

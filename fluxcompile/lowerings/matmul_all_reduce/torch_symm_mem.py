@@ -1,7 +1,7 @@
 """matmul_all_reduce and all_reduce_rmsnorm, ``torch_symm_mem:one_shot`` / ``:two_shot``: cuBLAS writes the product
 straight into a symmetric buffer (``mm(out=)``), then PyTorch's ``symm_mem.one_shot_all_reduce_out`` /
-``two_shot_all_reduce_out``; the RMSNorm tail, if any, in PyTorch ops after it. The two-shot choice follows
-``config.experimental_decode``; the one-shot one is PyTorch's own kernel and always on."""
+``two_shot_all_reduce_out``; the RMSNorm tail, if any, in PyTorch ops after it. Both are family
+``torch_symm_mem``; the two-shot choice runs only while family ``decode`` is enabled too."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def product_dtype(x, As, Bs) -> torch.dtype:
 
 
 def supports(two_shot: bool, x, As, Bs, bias, out_shape, reduce_op, group_name) -> str | None:
-    if two_shot and not config.experimental_decode:
-        return "switched off (FLUXCOMPILE_EXPERIMENTAL_DECODE=0)"
+    if two_shot and (why := config.family_declines("decode")):
+        return f"the two-shot choice follows family 'decode': {why}"
     first = x if x is not None else As[0]
     if not first.is_cuda:
         return "needs CUDA tensors"

@@ -40,11 +40,11 @@ _CHOICES = [
         for d in cublas_pipelined.TAILS
     ),
     *(
-        Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g))
+        Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g), family="rs_stages")
         for g in cublas_pipelined.STAGES
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.matmul_reduce_scatter, torch_symm_mem.supports),
-    *(Choice(f"triton:{name}", *triton.make(name)) for name in triton.VARIANTS),
+    *(Choice(f"triton:{name}", *triton.make(name), family="triton_rs") for name in triton.VARIANTS),
     *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.VARIANTS),
 ]  # fmt: skip
 for _choice in _CHOICES:

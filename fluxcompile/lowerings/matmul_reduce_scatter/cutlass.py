@@ -27,8 +27,9 @@ The reduction: one small Triton kernel (kernels/slot_reduction.py): per output t
 in P (strided for columns) plus the w-1 slots, summed in fp32 in ring order, scaled by 1/w for ``avg``, rounded
 once into the output. One launch, no temporary; torch ops would need an fp32 temporary and 3+ launches.
 
-The error words, the communication context (``Comm``) and the watchdog are the all-gather choice's
-(lowerings/all_gather_matmul/cutlass.py). Stream-K variants cannot count tiles: they decline.
+The communication context (``symm_mem.Comm``: workspaces, side stream, error words, watch) comes from
+``symm_mem.comm_for``, as the all-gather choice's does; the ranks it holds and the reasons both decline are
+kernels/cutlass_gemm.py's. Stream-K variants cannot count tiles: they decline.
 
 Family ``cutlass``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
 """
@@ -43,10 +44,13 @@ import torch
 from torch import Tensor
 
 from ...kernels import cutlass_gemm, slot_reduction
-from ...symm_mem import FlagArray, stream_consume, stream_wait, stream_write
+from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, stream_consume, stream_wait, stream_write
 from ...symm_mem.exchange import ring_order, slot_bytes
+from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
-from ..all_gather_matmul.cutlass import MAX_WORLD, NAME, Comm, comm_for, group_declines, read_flags
+
+NAME = "cutlass"
+MAX_WORLD = cutlass_gemm.MAX_WORLD
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # The flag workspace: counters (uint32 per owner chunk, start 0), ready (start 0), done (start 1), each [world].
@@ -55,6 +59,8 @@ _READY_OFFSET = 4 * MAX_WORLD
 _DONE_OFFSET = 8 * MAX_WORLD
 FLAG_BYTES = 12 * MAX_WORLD
 TAG = "matmul_reduce_scatter.cutlass"
+# The error words of the CUTLASS GEMM's waits (``cutlass_gemm.check_error`` reads them).
+ERRORS = ErrorSpec(cutlass_gemm.ERR_WORDS, "the CUTLASS choices")
 
 
 # --- supports -------------------------------------------------------------------------------------------
@@ -78,7 +84,7 @@ def supports(
 
 
 def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> str | None:
-    why = group_declines(group_size, As[0])
+    why = cutlass_gemm.group_declines(group_size, As[0])
     if why is not None:
         return why
     if len(As) != 1 or len(Bs) != 1:
@@ -192,7 +198,9 @@ def matmul_reduce_scatter(
     """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
     m, n = math.prod(out_shape[:-1]), out_shape[-1]
     nbytes = data_bytes(m, n, group_size, scatter_axis(out_shape, scatter_dim), As[0].dtype)
-    comm = comm_for(group_name, group_size, nbytes, TAG, FLAG_BYTES, describe)
+    comm = comm_for(
+        group_name, TAG, world=group_size, data_bytes=nbytes, flag_bytes=FLAG_BYTES, errors=ERRORS, describe=describe
+    )
     return matmul_reduce_scatter_on(comm, As, Bs, bias, out_shape, scatter_dim, reduce_op, variant=variant)
 
 

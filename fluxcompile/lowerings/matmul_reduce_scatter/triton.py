@@ -8,7 +8,8 @@ nothing is reset between calls. A wait that times out records (rank, peer, tile,
 (``symm_mem.ErrorWords``) copied to pinned host memory at the end of the call and checked at the start of the
 next one (no synchronization on the hot path), or after every call with ``config.check_signals``.
 
-Experimental: it declines every call unless ``config.experimental_triton_rs`` (FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1).
+Experimental (family ``triton_rs``): it declines every call unless ``config.experimental_triton_rs``
+(FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1).
 """
 
 from __future__ import annotations
@@ -20,27 +21,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
 from ...symm_mem import ErrorWords, FlagArray, init_flags, persistent, workspace
 from ...symm_mem.exchange import slot_bytes
 from .cublas_pipelined import layout_supports, row_layout
 
+try:
+    from ...kernels import gemm_rs
+except ImportError:  # no Triton: the choices are not registered (__init__.py)
+    gemm_rs = None
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One point of the template space offered to the autotuner."""
-
-    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
-
-
-VARIANTS = {
-    "128x256x64": Variant((128, 256, 64)),
-    "128x128x64": Variant((128, 128, 64), num_stages=4),
-    "64x128x64": Variant((64, 128, 64), num_warps=4, num_stages=4),
-}
+VARIANTS = gemm_rs.VARIANTS if gemm_rs is not None else {}  # the kernel's tile variants, one choice each
 
 
 @dataclasses.dataclass
@@ -58,12 +48,8 @@ _states: dict[tuple[int, int], _State] = {}
 def supports(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias, out_shape, scatter_dim, reduce_op, group_size, group_name
 ) -> str | None:
-    if not config.experimental_triton_rs:
-        return "experimental: FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1 enables it"
-    from ...kernels.gemm_rs import MAX_PRODUCTS
-
-    if len(As) > MAX_PRODUCTS:
-        return f"more than {MAX_PRODUCTS} products"
+    if len(As) > gemm_rs.MAX_PRODUCTS:
+        return f"more than {gemm_rs.MAX_PRODUCTS} products"
     # The same row layout as the cuBLAS choice (each owner's rows one contiguous block).
     return layout_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size)
 
@@ -74,12 +60,10 @@ def make(name: str):
     def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
         why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
         if why is None:
-            from ...kernels.gemm_rs import MAX_TILES, n_tiles
-
             _, n, rows, _ = row_layout(out_shape, scatter_dim, group_size)
-            tm, tn = n_tiles(rows, n, variant.block)
-            if tm * tn > MAX_TILES:
-                return f"{tm * tn} tiles per rank exceed the {MAX_TILES} flags"
+            tm, tn = gemm_rs.n_tiles(rows, n, variant.block)
+            if tm * tn > gemm_rs.MAX_TILES:
+                return f"{tm * tn} tiles per rank exceed the {gemm_rs.MAX_TILES} flags"
         return why
 
     def run(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
@@ -94,10 +78,9 @@ def matmul_reduce_scatter(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
     reduce_op: str, group_size: int, group_name: str,
     *,
-    variant: Variant = VARIANTS["128x256x64"],
+    variant: gemm_rs.Variant | None = None,
 ) -> Tensor:
-    from ...kernels.gemm_rs import MAX_TILES, gemm_rs
-
+    variant = variant if variant is not None else gemm_rs.VARIANTS[gemm_rs.DEFAULT]
     _, n, rows, shape = row_layout(out_shape, scatter_dim, group_size)
     dtype = As[0].dtype
     es = torch.empty((), dtype=dtype).element_size()
@@ -107,15 +90,15 @@ def matmul_reduce_scatter(
     # The parities are the two halves of the *buffer*, not of this call's request: a call of another shape
     # then still writes a half that no owner may be reading (see kernels/gemm_rs.py on parities).
     parity_elems = (ws.nbytes // 2) // 256 * 256 // es
-    fws = workspace(group_name, 4 * world * MAX_TILES, tag="matmul_reduce_scatter.triton.flags")
-    init_flags(FlagArray(fws, 0, world * MAX_TILES), 0)
+    fws = workspace(group_name, 4 * world * gemm_rs.MAX_TILES, tag="matmul_reduce_scatter.triton.flags")
+    init_flags(FlagArray(fws, 0, world * gemm_rs.MAX_TILES), 0)
     st = _state_for(fws)
     peer_data, peer_flags = _peers(st, ws, fws)
     what = f"the Triton matmul_reduce_scatter ({variant.block})"
     st.errors.check_previous(what, _checker(group_name))
 
     out = torch.empty(shape, dtype=dtype, device=As[0].device)
-    gemm_rs(
+    gemm_rs.gemm_rs(
         list(As), list(Bs), bias.reshape(-1).contiguous() if bias is not None else None, out.view(rows, n),
         peer_data, peer_flags, slot_elems, parity_elems, st.state, st.errors.err, rank, world,
         block=variant.block, group_m=variant.group_m, num_warps=variant.num_warps, num_stages=variant.num_stages,
@@ -154,6 +137,4 @@ def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
 @functools.cache
 def _checker(group_name: str) -> Callable[[Tensor, str], None]:
     """The error words' check: kernels/gemm_rs.py's ``check_error``, naming the group."""
-    from ...kernels.gemm_rs import check_error
-
-    return lambda words, what: check_error(words, group_name)
+    return lambda words, what: gemm_rs.check_error(words, group_name)
