@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import timing
 import torch
 import torch.distributed as dist
 
@@ -73,26 +73,8 @@ def graph_of(fn: Callable[[], None], calls: int) -> torch.cuda.CUDAGraph:
 
 def timed_graphs(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, rounds: int, per_round: int) -> dict[str, float]:
     """µs per call: median over replays of the slowest rank; methods interleaved round by round."""
-    times: dict[str, list[float]] = {k: [] for k in graphs}
-    for g in graphs.values():
-        g.replay()
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            dist.barrier()
-            torch.cuda.synchronize()
-            evs = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)
-            ]
-            for s, e in evs:
-                s.record()
-                g.replay()
-                e.record()
-            torch.cuda.synchronize()
-            times[name] += [s.elapsed_time(e) * 1e3 / calls for s, e in evs]
-    med = torch.tensor([statistics.median(times[k]) for k in graphs], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return dict(zip(graphs, med.tolist()))
+    t = timing.interleaved_us({name: g.replay for name, g in graphs.items()}, 1, rounds, per_round)
+    return {name: v / calls for name, v in t.items()}
 
 
 def measure(collective: str, nbytes: int, args: argparse.Namespace) -> dict:

@@ -193,15 +193,10 @@ def main() -> None:
     for _ in range(10):
         p.ours(*cfg)
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(200):
-        p.ours(*cfg)
-    host_us = (time.perf_counter() - t) / 200 * 1e6
+    host_us = time_us(lambda p=p, cfg=cfg: p.ours(*cfg), 200, cuda=False)
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(200):
-        p.cublas()
-    print(f"== host time per call: ours {host_us:.1f} us, torch.mm {(time.perf_counter() - t) / 200 * 1e6:.1f} us")
+    mm_host_us = time_us(p.cublas, 200, cuda=False)
+    print(f"== host time per call: ours {host_us:.1f} us, torch.mm {mm_host_us:.1f} us")
     torch.cuda.synchronize()
 
     variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)

@@ -167,12 +167,10 @@ def interleaved(p: Problem, cands: list[str], rounds: int) -> tuple[dict[str, fl
 
 
 def host_us(fn, n: int = 100) -> float:
+    """Host µs per call (the time to enqueue it) over ``n`` back-to-back calls, after one call."""
     fn()
     _sync()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
+    us = timing.time_us(fn, n, cuda=False)
     _sync()
     return us
 

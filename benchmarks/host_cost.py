@@ -21,9 +21,9 @@ import cProfile
 import io
 import os
 import pstats
-import time
 from collections.abc import Callable
 
+import timing
 import torch
 import torch.distributed as dist
 
@@ -86,65 +86,25 @@ def without_replays(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def host_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+def host_us(fn: Callable[[], object], calls: int) -> float:
     """Median over 5 loops of the host µs per call (enqueue time), the slowest rank."""
-    for _ in range(3):
-        fn()
-    per: list[float] = []
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per.append((time.perf_counter() - t0) * 1e6 / calls)
-        torch.cuda.synchronize(device)
-    t = torch.tensor([sorted(per)[2]], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return host_us_interleaved({"fn": fn}, calls, 5)["fn"]
 
 
-def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int, rounds: int, device: torch.device):
+def host_us_interleaved(fns: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
     """Host µs per call of each of ``fns``, timed in turn within each round (so a drift of the host's speed
     hits them all alike): the median over rounds, the slowest rank."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    per: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per[name].append((time.perf_counter() - t0) * 1e6 / calls)
-    torch.cuda.synchronize(device)
-    t = torch.tensor([sorted(x)[len(x) // 2] for x in per.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(per, t.tolist()))
+    s = timing.sample_rounds(fns, 3, rounds, calls, batch=True)
+    return timing.slowest_rank(timing.medians(s.host_us))
 
 
-def host_us_by_position(fn: Callable[[], object], rounds: int, per_round: int, device: torch.device) -> list[float]:
+def host_us_by_position(fn: Callable[[], object], rounds: int, per_round: int) -> list[float]:
     """Host µs of the 1st, 2nd, ... call after a synchronize + barrier (the pattern of benchmarks/ops.py's
-    rounds), median over ``rounds``, slowest rank: shows whether calls right after an idle wait are slower."""
-    for _ in range(3):
-        fn()
-    per: list[list[float]] = [[] for _ in range(per_round)]
-    for _ in range(rounds):
-        torch.cuda.synchronize(device)
-        dist.barrier()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in per]
-        for i, (start, end) in enumerate(events):
-            t0 = time.perf_counter()
-            start.record()  # as ops.py's rounds do
-            fn()
-            end.record()
-            per[i].append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize(device)
-    t = torch.tensor([sorted(x)[len(x) // 2] for x in per], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    rounds, CUDA events around each call included), median over ``rounds``, slowest rank: shows whether calls
+    right after an idle wait are slower."""
+    per_call = timing.sample_rounds({"fn": fn}, 3, rounds, per_round).host_us["fn"]  # round by round
+    by_position = {str(i): per_call[i::per_round] for i in range(per_round)}
+    return list(timing.slowest_rank(timing.medians(by_position)).values())
 
 
 def main() -> None:
@@ -181,7 +141,7 @@ def main() -> None:
     rows: list[tuple[str, float]] = []
 
     def row(name: str, fn: Callable[[], object], calls: int = args.calls) -> None:
-        rows.append((name, host_us(fn, calls, device)))
+        rows.append((name, host_us(fn, calls)))
 
     a = torch.randn(m, k // world, device=device, dtype=bf)
     b = torch.randn(k // world, n, device=device, dtype=bf)
@@ -297,15 +257,15 @@ def main() -> None:
     elif rank == 0:
         print(f"no C++ sequence rows: {why}")
     layers["torch.cuda.current_stream()"] = torch.cuda.current_stream
-    interleaved = host_us_interleaved(layers, args.calls, 9, device)
+    interleaved = host_us_interleaved(layers, args.calls, 9)
 
     by_position = {
-        "torch.mm": host_us_by_position(lambda: torch.mm(a, b), 8, 8, device),
+        "torch.mm": host_us_by_position(lambda: torch.mm(a, b), 8, 8),
         "mm + dist.reduce_scatter_tensor": host_us_by_position(
-            lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), 8, 8, device
+            lambda: dist.reduce_scatter_tensor(rs_out, torch.mm(a, b)), 8, 8
         ),
         "matmul_reduce_scatter via torch.ops": host_us_by_position(
-            lambda: torch.ops.fluxcompile.matmul_reduce_scatter.default(*rs_args), 8, 8, device
+            lambda: torch.ops.fluxcompile.matmul_reduce_scatter.default(*rs_args), 8, 8
         ),
     }
     torch.cuda.synchronize(device)

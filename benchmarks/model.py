@@ -39,7 +39,6 @@ import dataclasses
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -47,6 +46,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import timing
 import torch
 import torch.distributed as dist
 from torch._inductor import custom_graph_pass
@@ -220,41 +220,7 @@ def timed_rounds(
     perf_counter on CPU. On GPU, ``host`` (if given) receives each fn's median host time per call (the
     time to enqueue it): where that is near the GPU time, the GPU waits for the host."""
     cuda = device == "cuda"
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    host_samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            if cuda:
-                ev = [
-                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    for _ in range(per_round)
-                ]
-                for start, end in ev:
-                    t0 = time.perf_counter()
-                    start.record()
-                    fn()
-                    end.record()
-                    host_samples[name].append((time.perf_counter() - t0) * 1e6)
-                torch.cuda.synchronize()
-                samples[name] += [s.elapsed_time(e) * 1e3 for s, e in ev]
-            else:
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    fn()
-                    samples[name].append((time.perf_counter() - t0) * 1e6)
-    med = torch.tensor([statistics.median(v) for v in samples.values()], dtype=torch.float64, device=device)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    if cuda and host is not None:
-        hmed = torch.tensor([statistics.median(v) for v in host_samples.values()], dtype=torch.float64, device=device)
-        dist.all_reduce(hmed, op=dist.ReduceOp.MAX)
-        host.update(zip(fns, hmed.tolist()))
-    return dict(zip(fns, med.tolist()))
+    return timing.interleaved_us(fns, warmup, rounds, per_round, cuda=cuda, host=host if cuda else None)
 
 
 def _errors(got: Any, ref: Any, names: list[str]) -> dict[str, float]:

@@ -17,9 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load():
-    """benchmarks/model.py as module ``bench_model`` (registered first: its dataclass needs it)."""
+    """benchmarks/model.py as module ``bench_model`` (registered first: its dataclass needs it; benchmarks/ on the
+    path: it imports ``timing``)."""
     if "bench_model" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_model", os.path.join(ROOT, "benchmarks", "model.py"))
+        bench = os.path.join(ROOT, "benchmarks")
+        if bench not in sys.path:
+            sys.path.append(bench)
+        spec = importlib.util.spec_from_file_location("bench_model", os.path.join(bench, "model.py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules["bench_model"] = mod
         spec.loader.exec_module(mod)
