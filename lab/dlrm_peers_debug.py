@@ -58,7 +58,7 @@ def main() -> None:
             w, i, o = operands(g, tables, bags_local * world, dim, dtype, rank)
             out_shape = [bags_local * world, tables * dim]
             nbytes = lo.data_bytes(w, o, False, out_shape, [], [], world)
-            comm = lo.comm_for(group, world, nbytes)
+            comm = lo.group_comm(group, world, nbytes)
             data, flags = comm.data, comm.flags
             say(dtype, "data bytes needed", nbytes, "have", data.nbytes, "flags", flags.nbytes)
             say(

@@ -28,7 +28,7 @@ from fluxcompile.kernels import cutlass_build, cutlass_gemm, slot_reduction
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
-from fluxcompile.symm_mem import ErrorWords, FlagArray
+from fluxcompile.symm_mem import Comm, ErrorWords, FlagArray
 from fluxcompile.testing.numerics import assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -477,7 +477,7 @@ def _simulate(world: int, data_bytes: int, flag_bytes: int, calls: list, init) -
     ranks = OneGpuRanks(world, data_bytes, flag_bytes, device="cpu")
     words = cutlass_gemm.ERR_WORDS
     comms = [
-        ag.Comm(
+        Comm(
             data=ranks.data.ranks[r],
             flags=ranks.flags.ranks[r],
             side=_Stream(),

@@ -217,12 +217,19 @@ def _ag_triton(mp, mode) -> list[torch.Tensor]:
     return [errors.err, errors.host]
 
 
-def _ag_cutlass(mp, mode) -> list[torch.Tensor]:
-    from fluxcompile.lowerings.all_gather_matmul import cutlass as m
+def _comm_for(mp, mode) -> list[torch.Tensor]:
+    """The communication context of the CUTLASS all-gather: its error words and an address table."""
+    from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 
     mp.setattr(errors_module, "persistent", mode.persistent)
-    errors = m.make_errors(torch.device("cuda", 0))
-    return [errors.err, errors.host]
+    mp.setattr(comm_module, "persistent", mode.persistent)
+    mp.setattr(comm_module, "_comms", {})
+    mp.setattr(comm_module, "_errors", {})
+    mp.setattr(comm_module, "_watches", {})
+    mp.setattr(comm_module, "workspace", lambda *a, **k: _workspace())
+    mp.setattr(comm_module, "side_stream", lambda: None)
+    comm = comm_module.comm_for("g", ag.TAG, data_bytes=1024, flag_bytes=ag.FLAG_BYTES, errors=ag.ERRORS)
+    return [comm.errors.err, comm.errors.host, comm.addresses(comm.data)]
 
 
 def _moe(mp, mode) -> list[torch.Tensor]:
@@ -271,7 +278,7 @@ def _async_input_mm(mp, mode) -> list[torch.Tensor]:
 
 
 CREATORS = [
-    _decode_kernels, _schedules, _rs_triton, _ag_triton, _ag_cutlass, _moe, _dlrm, _cutlass_scratch, _async_input_mm,
+    _decode_kernels, _schedules, _rs_triton, _ag_triton, _comm_for, _moe, _dlrm, _cutlass_scratch, _async_input_mm,
 ]  # fmt: skip
 
 

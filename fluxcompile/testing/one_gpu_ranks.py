@@ -1,7 +1,7 @@
 """Several ranks of a group simulated on one GPU: each rank's calls run on its own main and side streams, with a
-share of the SMs, over symmetric workspaces that are slices of one allocation. The protocols of the CUTLASS
-choices (lowerings/*/cutlass.py) run unchanged against it: their ``Comm`` takes the workspaces, the side stream,
-the SM count and the flag initialization explicitly.
+share of the SMs, over symmetric workspaces that are slices of one allocation. The protocols of the CUTLASS, MoE
+and DLRM choices run unchanged against it: their communication context (``symm_mem.Comm``) takes the workspaces,
+the side stream, the SM count and the flag initialization explicitly.
 
     ranks = OneGpuRanks(world, data_bytes, flag_bytes, tag="ag")
     outs = ranks.run(lambda r, comm: all_gather_matmul_on(comm, A[r], ...))       # eager: every rank at once
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..symm_mem import FlagArray, LocalHandle, Workspace
+from ..symm_mem import Comm, ErrorWords, FlagArray, LocalHandle, Workspace
 
 RESERVED_SMS = 24
 _ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
@@ -209,7 +209,7 @@ class OneGpuRanks:
         self._initialized: set[tuple[int, int, int]] = set()
         self._init_lock = threading.Lock()
         self._streams: list[tuple[torch.cuda.Stream, torch.cuda.Stream]] | None = None
-        self._comms: dict[int, Any] = {}
+        self._comms: dict[int, Comm] = {}
 
     # -- the pieces of a rank's Comm
 
@@ -249,18 +249,20 @@ class OneGpuRanks:
             ]
         return self._streams[rank]
 
-    def comm(self, rank: int):
-        """The CUTLASS choices' ``Comm`` of ``rank`` (made on first use, eagerly: its error buffer is pinned)."""
-        from ..lowerings.all_gather_matmul.cutlass import Comm, make_errors
+    def comm(self, rank: int) -> Comm:
+        """The communication context of ``rank`` (made on first use, eagerly: its error buffer is pinned), with
+        error words of the CUTLASS GEMM's layout."""
+        from ..kernels import cutlass_gemm
 
         if rank not in self._comms:
             self._comms[rank] = Comm(
                 data=self.data.ranks[rank],
                 flags=self.flags.ranks[rank],
                 side=self.streams(rank)[1],
-                errors=make_errors(self.device),
+                errors=ErrorWords.make(self.device, cutlass_gemm.ERR_WORDS, "the CUTLASS choices"),
                 sm_count=self.sm_count,
                 init_flags=self.init_flags,
+                group_name=self.tag,
             )
         return self._comms[rank]
 

@@ -25,6 +25,7 @@ from fluxcompile import config, ops
 from fluxcompile.kernels import embedding_bag as eb
 from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
+from fluxcompile.symm_mem.comm import cached_comm
 from fluxcompile.testing.numerics import assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -264,5 +265,5 @@ def test_registered_choice_between_processes():
                 want = op(*args, choice="reference")
                 assert_close(got, want, TOL[dtype], f"rank {rank} {dtype} {variant} call {call}")
         torch.cuda.synchronize()
-        errors = lo._errors[torch.cuda.current_device()].err.tolist() if world > 1 else [0] * eb.ERR_WORDS
+        errors = cached_comm(group.group_name, lo.TAG).errors.err.tolist() if world > 1 else [0] * eb.ERR_WORDS
         assert not errors[0], eb.error_message(errors, "registered choice")

@@ -27,9 +27,8 @@ import torch
 
 from fluxcompile import ops
 from fluxcompile.kernels import embedding_bag as eb
-from fluxcompile.lowerings.all_gather_matmul.cutlass import Comm
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
-from fluxcompile.symm_mem import ErrorWords
+from fluxcompile.symm_mem import Comm, ErrorWords
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
