@@ -6,9 +6,9 @@ CUDA graph replays, for kernel variants built side by side (in parallel):
 
 A variant is ``cur`` (the product's gemv_ar.cu as it is), ``NAME=cur`` (the same under another name) or
 ``NAME=FILE``, each optionally followed by ``@``-separated nvcc flags (``nohint=cur@-DGEMV_WG_HINT=0``: the
-kernel's lab knobs are macros). FILE is a patch of the product's gemv_ar.cu (``*.patch`` or ``*.diff``, e.g.
-``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a copy of it, or another whole gemv_ar.cu with the same
-header and binding (e.g. a past version, ``git show REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel
+kernel's settings in csrc/gemv_ar_tuning.h are macros). FILE is a patch of the product's gemv_ar.cu (``*.patch`` or
+``*.diff``, e.g. ``git diff -- fluxcompile/csrc/gemv_ar.cu``), applied to a copy of it, or another whole gemv_ar.cu
+with the same headers and binding (e.g. a past version, ``git show REV:fluxcompile/csrc/gemv_ar.cu``). The lab keeps no kernel
 sources of its own. Every output is checked against an fp32 reference first. Prints time and weight GB/s per method;
 the ``read`` column is the bandwidth ceiling the GEMV could reach, the ``tile*`` columns the same bytes read in the
 kernel's tile shapes. ``--tail`` adds the residual + RMSNorm tail; ``--cold`` times every call on a weight that is
@@ -197,8 +197,8 @@ def build_variants(spec: str, prefix: str = "") -> dict:
         src = str(CSRC)
         if path and path != "cur":  # NAME=cur: the product's kernel under another name (with other flags)
             d = Path(tempfile.mkdtemp())
-            for f in ("gemv_ar.h", "gemv_ar_binding.cpp"):
-                shutil.copy(CSRC / f, d / f)
+            for f in [*CSRC.glob("*.h"), *CSRC.glob("*.cuh"), CSRC / "gemv_ar_binding.cpp"]:  # what gemv_ar.cu includes
+                shutil.copy(f, d / f.name)
             if path.endswith((".patch", ".diff")):
                 # -o with the original named: the patch's own file names do not matter.
                 subprocess.run(["patch", "-s", "-o", str(d / "gemv_ar.cu"), str(CSRC / "gemv_ar.cu"), path], check=True)

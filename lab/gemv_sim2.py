@@ -32,15 +32,18 @@ TIMEOUT_NS = int(2e8)  # 0.2 s: a launch that never meets its peer ends in an er
 
 def _wg_min_m(item: str) -> int:
     """The smallest m on the wgmma loader (GEMV_WG_MIN_M) of a ``--variants`` item: its -D flag, else the
-    #define of its source (the product's for ``cur`` and patches)."""
+    #define of its source (a whole past gemv_ar.cu may hold it), else the product's tuning header's."""
     v, *flags = item.split("@")
     for f in flags:
         if f.startswith("-DGEMV_WG_MIN_M="):
             return int(f.split("=", 1)[1])
     path = v.partition("=")[2]
-    src = Path(path) if path and path != "cur" and not path.endswith((".patch", ".diff")) else CSRC / "gemv_ar.cu"
-    found = re.search(r"^#define GEMV_WG_MIN_M (\d+)$", src.read_text(), re.M)
-    return int(found.group(1)) if found else 17
+    whole = path and path != "cur" and not path.endswith((".patch", ".diff"))
+    for src in [*([Path(path)] if whole else []), CSRC / "gemv_ar_tuning.h"]:
+        found = re.search(r"^#define GEMV_WG_MIN_M (\d+)$", src.read_text(), re.M)
+        if found:
+            return int(found.group(1))
+    return 17
 
 
 class Rank:

@@ -26,7 +26,7 @@ from . import cutlass_build
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, shipped inside the package
 SOURCES: dict[str, tuple[str, ...]] = {
     # module name -> its sources (headers are hashed too, so an edited header rebuilds)
-    "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h"),
+    "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h", "gemv_ar_tuning.h"),
     # host code only: the cuBLAS-pipelined choices' stream sequences (sequences.h names each file's part)
     "pipelined": (
         "sequences.h", "sequences.cpp", "sequences_ag.cpp", "sequences_rs.cpp", "memops.h", "memops.cpp", "streams.h",
