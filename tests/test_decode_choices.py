@@ -79,12 +79,8 @@ def _cuda_args(monkeypatch, world: int):
     """Arguments of a bf16 call the CUDA kernel takes, on a stub group of ``world`` ranks (the checks shared
     with the other kernels pass)."""
 
-    class Group:
-        def size(self):
-            return world
-
     monkeypatch.setattr(decode_ar, "_common_supports", lambda *a, **k: None)
-    monkeypatch.setattr(decode_ar, "group", lambda name: Group())
+    monkeypatch.setattr(decode_ar, "group_size", lambda name: world)
     a = torch.randn(4, 64, dtype=torch.bfloat16)
     b = torch.randn(32, 64, dtype=torch.bfloat16).t()  # nn.Linear's weight, transposed
     return ([a], [b], None, [4, 32], "sum", "0")
@@ -124,7 +120,7 @@ def test_ll128_lines_fit_the_ll_region():
 def _resolved_size() -> int:
     import torch.distributed as dist
 
-    return decode_ar.group(dist.group.WORLD.group_name).size()
+    return decode_ar.group_size(dist.group.WORLD.group_name)
 
 
 def test_group_resolves_a_real_process_group(ranks):

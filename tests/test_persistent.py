@@ -159,19 +159,28 @@ def _group(world: int = 2) -> SimpleNamespace:
     return SimpleNamespace(size=lambda: world, rank=lambda: 0)
 
 
+def _fake_comm_for(mp, mode) -> None:
+    """``symm_mem.comm_for`` over stand-in workspaces (no symmetric memory, no collective)."""
+    mp.setattr(comm_module, "persistent", mode.persistent)
+    mp.setattr(comm_module, "_comms", {})
+    mp.setattr(comm_module, "_errors", {})
+    mp.setattr(comm_module, "_watches", {})
+    mp.setattr(comm_module, "workspace", lambda *a, **k: _workspace())
+    mp.setattr(comm_module, "side_stream", lambda: None)
+    mp.setattr(comm_module, "symm_init_flags", lambda *a: None)
+
+
 def _decode_kernels(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.matmul_all_reduce import fused_kernels as m
 
     mp.setattr(m, "persistent", mode.persistent)
     mp.setattr(errors_module, "persistent", mode.persistent)
+    _fake_comm_for(mp, mode)
     mp.setattr(m, "_states", {})
     mp.setattr(m, "_kept", [])
-    mp.setattr(m, "group", lambda name: _group())
-    mp.setattr(m, "workspace", lambda *a, **k: _workspace())
-    mp.setattr(m, "init_flags", lambda *a: None)
-    mp.setattr(torch.cuda, "current_device", lambda: 0)
-    st = m._get_state("triton", "g")
-    m._data(st, "triton", "g", 2, 4096)
+    mp.setattr(m, "group_size", lambda name: 2)
+    a, b = torch.zeros(4, 8), torch.zeros(8, 16)
+    st, _ = m._begin("triton", a, b, "g")
     return [st.state, st.errors.err, st.errors.host, st.peer_flags, st.peer_data]
 
 
@@ -201,20 +210,8 @@ def _rs_triton(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.matmul_reduce_scatter import triton as m
 
     mp.setattr(m, "persistent", mode.persistent)
-    mp.setattr(errors_module, "persistent", mode.persistent)
     mp.setattr(m, "_states", {})
-    fws = _workspace()
-    st = m._state_for(fws)
-    return [st.state, st.errors.err, st.errors.host, *m._peers(st, _workspace(), fws)]
-
-
-def _ag_triton(mp, mode) -> list[torch.Tensor]:
-    from fluxcompile.lowerings.all_gather_matmul import triton as m
-
-    mp.setattr(errors_module, "persistent", mode.persistent)
-    mp.setattr(m, "_errors", {})
-    errors = m._error_words()
-    return [errors.err, errors.host]
+    return [m._state(Comm(data=_workspace(), flags=_workspace()))]
 
 
 def _comm_for(mp, mode) -> list[torch.Tensor]:
@@ -222,12 +219,7 @@ def _comm_for(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 
     mp.setattr(errors_module, "persistent", mode.persistent)
-    mp.setattr(comm_module, "persistent", mode.persistent)
-    mp.setattr(comm_module, "_comms", {})
-    mp.setattr(comm_module, "_errors", {})
-    mp.setattr(comm_module, "_watches", {})
-    mp.setattr(comm_module, "workspace", lambda *a, **k: _workspace())
-    mp.setattr(comm_module, "side_stream", lambda: None)
+    _fake_comm_for(mp, mode)
     comm = comm_module.comm_for("g", ag.TAG, data_bytes=1024, flag_bytes=ag.FLAG_BYTES, errors=ag.ERRORS)
     return [comm.errors.err, comm.errors.host, comm.addresses(comm.data)]
 
@@ -278,7 +270,7 @@ def _async_input_mm(mp, mode) -> list[torch.Tensor]:
 
 
 CREATORS = [
-    _decode_kernels, _schedules, _rs_triton, _ag_triton, _comm_for, _moe, _dlrm, _cutlass_scratch, _async_input_mm,
+    _decode_kernels, _schedules, _rs_triton, _comm_for, _moe, _dlrm, _cutlass_scratch, _async_input_mm,
 ]  # fmt: skip
 
 

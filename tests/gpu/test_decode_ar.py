@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import config, ops
+from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import gemv_ar
 from fluxcompile.lowerings import choices_for
 from fluxcompile.lowerings.matmul_all_reduce import fused_kernels
@@ -32,10 +33,9 @@ VARIANTS = ((False, None), (True, None), (False, "before"), (True, "after"))
 
 @pytest.fixture(autouse=True)
 def experimental(monkeypatch):
-    monkeypatch.setattr(config, "experimental_decode", True)
-    monkeypatch.setattr(config, "experimental_gemv_peers", True)  # what these tests are to validate between GPUs
+    # Every family listed: decode, gemv_peers (what these tests are to validate between GPUs) and schedules among them.
+    monkeypatch.setattr(config, "implementations", IMPLEMENTATIONS)
     monkeypatch.setattr(config, "check_signals", True)  # a timed-out wait fails the call at once
-    monkeypatch.setattr(config, "experimental_schedules", True)
 
 
 def _out_shape(m: int, n: int) -> list[int]:
@@ -223,7 +223,7 @@ def test_second_group_has_its_own_state():
                 A, B, b, _ = _inputs(m, 512, True, None, shared_seed())
                 args = _args(op, A, B, b, None, m, 512, g.group_name)
                 _check(op, choice.fn(*args), _reference(op, args), f"{name} on group {g.group_name}")
-    states = {key[1] for key in fused_kernels._states}
+    states = {comm.group_name for comm in fused_kernels._states}
     assert {world.group_name, other.group_name} <= states
 
 
@@ -354,14 +354,14 @@ def test_missing_peer_is_a_bounded_error(monkeypatch, name):
     args = _args("matmul_all_reduce", A, B, b, None, 16, 256, lonely.group_name)
     choice.fn(*args)  # together: creates the state and synchronizes the first call
     fused_kernels.check_errors()
-    monkeypatch.setattr(config, "decode_timeout_s", 0.5)
+    monkeypatch.setattr(config, "wait_timeout_s", 0.5)
     if dist.get_rank() == 0:
         t0 = time.perf_counter()
         choice.fn(*args)
         with pytest.raises(RuntimeError, match=r"rank 0 of group .* timed out waiting for rank 1's"):
             fused_kernels.check_errors()
         assert time.perf_counter() - t0 < 30
-        for key, st in fused_kernels._states.items():  # leave the sticky error to that group only
-            if key[1] == lonely.group_name:
+        for comm, st in fused_kernels._states.items():  # leave the sticky error to that group only
+            if comm.group_name == lonely.group_name:
                 st.errors.clear()
     dist.barrier()

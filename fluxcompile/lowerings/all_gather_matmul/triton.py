@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...symm_mem import ErrorWords, FlagArray, init_flags, side_stream, stream_write, workspace
+from ...symm_mem import ErrorSpec, FlagArray, comm_for, stream_write
 from ...symm_mem.exchange import gather_send_order, send
 from .cublas_pipelined import layout_supports, shard_layout
 
@@ -33,9 +33,9 @@ except ImportError:  # no Triton: the choices are not registered (__init__.py)
 
 _ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow them
 _FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
+TAG = "ag_triton"
+_ERRORS = ErrorSpec(4, "the Triton all_gather_matmul")  # kernels/ag_gemm.py's layout, one set per device
 VARIANTS = ag_gemm.VARIANTS if ag_gemm is not None else {}  # the kernel's tile variants, one choice each
-
-_errors: dict[int, ErrorWords] = {}  # per device
 
 
 def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:
@@ -75,19 +75,20 @@ def all_gather_matmul(
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     chunk_rows = max(block[0], -(-rows // chunks))
     n_chunks = -(-rows // chunk_rows)
-    ws = workspace(group_name, group_size * rows * k * A.element_size(), tag="ag_triton")
-    rank, world = ws.rank, ws.world_size
+    nbytes = group_size * rows * k * A.element_size()
+    comm = comm_for(group_name, TAG, data_bytes=nbytes, flag_bytes=_FLAG_BYTES, errors=_ERRORS)
+    ws, fws = comm.data, comm.flags
+    rank, world = comm.rank, comm.world
     if world * n_chunks > _ARRIVED_FLAGS:
         raise ValueError(f"fluxcompile: {world} x {n_chunks} chunks exceed the flag space")
-    fws = workspace(group_name, _FLAG_BYTES, tag="ag_triton.flags")
     arrived_all, done = FlagArray(fws, 0, _ARRIVED_FLAGS), FlagArray(fws, 4 * _ARRIVED_FLAGS, world)
-    init_flags(arrived_all, 0)
-    init_flags(done, 1)
-    errors, check = _error_words(), _checker(rank, group_name)
+    comm.init_flags(arrived_all, 0)
+    comm.init_flags(done, 1)
+    errors, check = comm.errors, _checker(rank, group_name)
     what = f"the Triton all_gather_matmul ({variant.block})"
     errors.check_previous(what, check)
 
-    main, side = torch.cuda.current_stream(), side_stream()
+    main, side = torch.cuda.current_stream(), comm.side
     slots = ws.view(rank, (world, rows, k), A.dtype)  # slot s: rows pushed by rank s
     arrived = fws.view(rank, (world, n_chunks), torch.int32)
     a_local = A.view(rows, k)
@@ -118,13 +119,6 @@ def all_gather_matmul(
         stream_write(main, done.addr(p, rank), 1)
     errors.report(what, check)
     return A_gathered, outs
-
-
-def _error_words() -> ErrorWords:
-    device = torch.cuda.current_device()
-    if device not in _errors:
-        _errors[device] = ErrorWords.make(torch.device("cuda", device), 4, "the Triton all_gather_matmul")
-    return _errors[device]
 
 
 @functools.cache

@@ -31,12 +31,22 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ...config import config
 from ...kernels import gemv_ar
-from ...symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
+from ...symm_mem import (
+    Comm,
+    ErrorSpec,
+    ErrorWords,
+    FlagArray,
+    Workspace,
+    comm_for,
+    group_size,
+    host_barrier,
+    persistent,
+    process_group,
+)
 
 try:
     from ...kernels import gemm_ar
@@ -54,19 +64,29 @@ Tail = tuple[Tensor, Tensor, float, bool] | None
 TRITON_VARIANTS = gemm_ar.VARIANTS if gemm_ar is not None else {}
 
 
+# The data workspaces' tags (the flag workspaces': ``<tag>.flags``) and the error words, per kernel family.
+TAGS = {"cuda": "matmul_all_reduce.cuda", "triton": "matmul_all_reduce.triton"}
+_ERRORS = {  # ERR_WORDS, kernels/gemm_ar.py's layout (csrc/gemv_ar.cu writes the same), one set per group
+    family: ErrorSpec(ERR_WORDS, f"the {family} decode kernel", per_group=True) for family in TAGS
+}
+
+
 @dataclasses.dataclass
 class _State:
-    """One kernel family's runtime on one (group, device)."""
+    """One kernel family's protocol state beside its communication context on one (group, device)."""
 
-    flags: Workspace
+    comm: Comm
     state: Tensor  # int32 [4]
-    errors: ErrorWords  # ERR_WORDS, kernels/gemm_ar.py's layout (csrc/gemv_ar.cu writes the same)
-    data: Workspace | None = None
+    peer_flags: Tensor  # int64 [world]: flag buffers as mapped here (Triton)
+    data: Workspace | None = None  # the data workspace the kernels were last given
     peer_data: Tensor | None = None  # int64 [world]: data buffers as mapped here (Triton)
-    peer_flags: Tensor | None = None  # int64 [world]: flag buffers as mapped here (Triton)
+
+    @property
+    def errors(self) -> ErrorWords:
+        return self.comm.errors
 
 
-_states: dict[tuple[str, str, int], _State] = {}
+_states: dict[Comm, _State] = {}
 # Every workspace and pointer table a kernel was ever launched with: a CUDA graph captured over one keeps
 # using it after a larger workspace replaced it, so none may be freed.
 _kept: list[object] = []
@@ -77,28 +97,16 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def group(group_name: str) -> dist.ProcessGroup:
-    """The c10d process group of ``group_name``."""
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
-def _get_state(family: str, group_name: str) -> _State:
-    key = (family, group_name, torch.cuda.current_device())
-    st = _states.get(key)
+def _state(family: str, comm: Comm) -> _State:
+    """The family's state on ``comm`` (made on its first call, eagerly: its flags zeroed on every rank first)."""
+    st = _states.get(comm)
     if st is None:
         if _capturing():
             raise RuntimeError(f"fluxcompile: run the {family} decode kernel once eagerly before graph capture")
-        world = group(group_name).size()
-        fws = workspace(group_name, (world + 1) * MAX_TILES * 4, tag=f"matmul_all_reduce.{family}.flags")
-        init_flags(FlagArray(fws, 0, (world + 1) * MAX_TILES), 0)  # host barrier: zeroed everywhere first
-        errors = ErrorWords.make(torch.device("cuda", key[2]), ERR_WORDS, f"the {family} decode kernel")
-        st = _states[key] = persistent(
-            lambda: _State(
-                flags=fws,
-                state=torch.zeros(4, dtype=torch.int32, device="cuda"),
-                errors=errors,
-                peer_flags=fws.addresses(),
-            ),
+        comm.init_flags(FlagArray(comm.flags, 0, (comm.world + 1) * MAX_TILES), 0)  # host barrier
+        peer_flags = comm.addresses(comm.flags)
+        st = _states[comm] = persistent(
+            lambda: _State(comm=comm, state=torch.zeros(4, dtype=torch.int32, device="cuda"), peer_flags=peer_flags),
             f"the {family} decode kernel's state",
         )
     return st
@@ -108,23 +116,22 @@ def _slots(family: str, world: int) -> int:
     return 6 * world + 2 if family == "cuda" else 2 * world + 2  # csrc/gemv_ar.h; kernels/gemm_ar.py
 
 
-def _data(st: _State, family: str, group_name: str, world: int, slot_need: int) -> tuple[Workspace, int]:
-    """The data workspace with slots of at least ``slot_need`` bytes, and its slot size. The slot size follows
-    from the buffer's capacity (equal on all ranks), so calls of any shape agree on where a slot starts."""
-    slots = _slots(family, world)
-    need = slots * (-(-slot_need // _SLOT_ALIGN) * _SLOT_ALIGN)
-    ws = workspace(group_name, need, tag=f"matmul_all_reduce.{family}")  # a collective when it grows (never in capture)
+def _slot_bytes(st: _State, family: str, group_name: str, slots: int) -> int:
+    """The slot size of the context's data workspace: it follows from the buffer's capacity (equal on all ranks),
+    so calls of any shape agree on where a slot starts. A workspace the kernels have not been given yet is
+    zeroed first where the family needs it, and its address table made."""
+    ws = st.comm.data
     if st.data is not ws:
         if family == "cuda":
             # LL words are read by their content: no stale bytes of an earlier owner of this memory may pass
             # for one. Zeroed on every rank before any rank's kernel writes into it.
             ws.buffer.zero_()
             torch.cuda.synchronize()
-            host_barrier(group(group_name))
+            host_barrier(process_group(group_name))
         st.data = ws
-        st.peer_data = persistent(ws.addresses, f"the {family} decode kernel's address table")
+        st.peer_data = st.comm.addresses(ws)
         _kept.extend((ws, st.peer_data))
-    return ws, (ws.nbytes // slots) // _SLOT_ALIGN * _SLOT_ALIGN
+    return (ws.nbytes // slots) // _SLOT_ALIGN * _SLOT_ALIGN
 
 
 @functools.cache
@@ -137,8 +144,8 @@ def _checker(group_name: str) -> Callable[[Tensor, str], None]:
 def check_errors() -> None:
     """Synchronize and raise if any decode kernel's wait timed out on this rank (tests, after graph replays)."""
     torch.cuda.synchronize()
-    for (_, group_name, _), st in _states.items():
-        _checker(group_name)(st.errors.err.cpu(), "a decode kernel")
+    for comm, st in _states.items():
+        _checker(comm.group_name)(st.errors.err.cpu(), "a decode kernel")
 
 
 def _sync_ranks_once(key: tuple, group_name: str) -> None:
@@ -148,7 +155,7 @@ def _sync_ranks_once(key: tuple, group_name: str) -> None:
     if _capturing():
         raise RuntimeError("fluxcompile: the decode kernel's first call for a shape must be eager (warm up first)")
     torch.cuda.synchronize()
-    host_barrier(group(group_name))
+    host_barrier(process_group(group_name))
     _ready.add(key)
 
 
@@ -175,7 +182,7 @@ def _common_supports(As, Bs, bias, out_shape, reduce_op, group_name, x=None, tai
         return "out_shape is not a view of [m, n]"
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.dtype != a.dtype):
         return "a bias that is not [n] of the operands' dtype"
-    if group(group_name).size() > MAX_WORLD:
+    if group_size(group_name) > MAX_WORLD:
         return f"more than {MAX_WORLD} ranks"
     if tail is not None:
         residual, weight, _, _ = tail
@@ -205,7 +212,7 @@ def cuda_supports(mode: str, As, Bs, bias, out_shape, reduce_op, group_name, x=N
         return "k, n and row strides must be multiples of 8 elements (16-byte vectors)"
     if n * b.stride(1) >= 2**31 or m * a.stride(0) >= 2**31:
         return "an operand of 2^31 elements or more (the kernel's row offsets are 32-bit)"
-    world = group(group_name).size()
+    world = group_size(group_name)
     if gemv_ar.MODES[mode] and world < 2:
         return "LL words travel between ranks: with one rank this is the one-shot choice"
     if world > 1 and (why := config.family_declines("gemv_peers")):
@@ -228,7 +235,7 @@ def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name
     if not v.min_m <= m <= v.max_m:
         return f"m = {m} outside this tile's range [{v.min_m}, {v.max_m}]"
     tiles = -(-m // v.block[0]) * -(-n // v.block[1])
-    if tiles > MAX_TILES or (v.two_shot and tiles < group(group_name).size()):
+    if tiles > MAX_TILES or (v.two_shot and tiles < group_size(group_name)):
         return f"{tiles} tiles do not fit the flags (or are fewer than the ranks)"
     return None
 
@@ -237,18 +244,20 @@ def triton_supports(variant: str, As, Bs, bias, out_shape, reduce_op, group_name
 # The calls.
 
 
-def _begin(
-    family: str, a: Tensor, b: Tensor, group_name: str, slot_need: int = 0
-) -> tuple[int, int, _State, Workspace, int]:
-    """The start of a launch: (rank, world, the family's state, its data workspace, the slot size, at least
-    the partial's bytes and ``slot_need``); raises if an earlier call's kernel reported a timeout."""
-    pg = group(group_name)
-    rank, world = pg.rank(), pg.size()
-    st = _get_state(family, group_name)
-    st.errors.check_previous(f"the {family} decode kernel", _checker(group_name))
+def _begin(family: str, a: Tensor, b: Tensor, group_name: str, slot_need: int = 0) -> tuple[_State, int]:
+    """The start of a launch: (the family's state on its context, the slot size, at least the partial's bytes and
+    ``slot_need``); raises if an earlier call's kernel reported a timeout. The context's data workspace has a slot
+    per source rank and parity and the two-shot results; its flag workspace ``(world + 1) * MAX_TILES`` int32."""
+    world = group_size(group_name)
+    slots = _slots(family, world)
     need = max(a.shape[0] * b.shape[1] * a.element_size(), slot_need)
-    ws, slot_bytes = _data(st, family, group_name, world, need)
-    return rank, world, st, ws, slot_bytes
+    comm = comm_for(
+        group_name, TAGS[family], data_bytes=slots * (-(-need // _SLOT_ALIGN) * _SLOT_ALIGN),
+        flag_bytes=(world + 1) * MAX_TILES * 4, errors=_ERRORS[family],
+    )  # fmt: skip
+    st = _state(family, comm)
+    st.errors.check_previous(f"the {family} decode kernel", _checker(group_name))
+    return st, _slot_bytes(st, family, group_name, slots)
 
 
 def _outputs(a: Tensor, out_shape: Sequence[int], tail: Tail) -> tuple[Tensor, Tensor | None]:
@@ -267,12 +276,13 @@ def run_cuda(mode: str, As, Bs, bias, out_shape, group_name: str, tail: Tail = N
         raise ValueError("fluxcompile: the CUDA GEMV kernel needs a 16-byte aligned weight")
     m, k = a.shape
     n = b.shape[1]
-    rank, world, st, ws, slot_bytes = _begin("cuda", a, b, group_name, gemv_ar.slot_need(m, n, a.element_size()))
+    st, slot_bytes = _begin("cuda", a, b, group_name, gemv_ar.slot_need(m, n, a.element_size()))
+    comm = st.comm
     out, normed = _outputs(a, out_shape, tail)
     _sync_ranks_once(("cuda", mode, a.dtype, m, n, k, tail is not None, group_name), group_name)
     gemv_ar.gemv_ar(
-        a, b, bias, out, int(ws.handle.buffer_ptrs_dev), int(st.flags.handle.buffer_ptrs_dev), slot_bytes,
-        st.state, st.errors.err, rank, world,
+        a, b, bias, out, int(comm.data.handle.buffer_ptrs_dev), int(comm.flags.handle.buffer_ptrs_dev), slot_bytes,
+        st.state, st.errors.err, comm.rank, comm.world,
         mode=mode, timeout_ns=int(config.wait_timeout_s * 1e9), tail=(normed, *tail) if tail is not None else None,
     )  # fmt: skip
     st.errors.report(f"the cuda decode kernel ({mode})", _checker(group_name))
@@ -286,7 +296,8 @@ def run_triton(
     a, b = As[0], Bs[0]
     m, k = a.shape
     n = b.shape[1]
-    rank, world, st, _, slot_bytes = _begin("triton", a, b, group_name)
+    st, slot_bytes = _begin("triton", a, b, group_name)
+    rank, world = st.comm.rank, st.comm.world
     out, normed = _outputs(a, out_shape, tail)
     tail_args, ss_part = None, None
     if tail is not None:

@@ -9,7 +9,7 @@ import math
 from torch import Tensor
 
 from ... import ops
-from .fused_kernels import group
+from ...symm_mem import group_size
 from .torch_symm_mem import product_dtype
 
 
@@ -24,7 +24,7 @@ def supports(program: str, x, As, Bs, bias, out_shape, reduce_op, group_name) ->
     dtype = product_dtype(x, As, Bs)
     if dtype not in DTYPES:
         return f"dtype {dtype}"
-    world = group(group_name).size()
+    world = group_size(group_name)
     numel = math.prod(out_shape)
     if numel == 0 or (program == "two_shot" and numel % world):
         return f"{numel} elements do not split into {world} chunks"

@@ -12,8 +12,7 @@ from torch import Tensor
 
 from ... import ops
 from ...config import config
-from ...symm_mem import workspace
-from .fused_kernels import group
+from ...symm_mem import comm_for, group_size
 
 
 def product_dtype(x, As, Bs) -> torch.dtype:
@@ -29,7 +28,7 @@ def supports(two_shot: bool, x, As, Bs, bias, out_shape, reduce_op, group_name) 
     if reduce_op != "sum":
         return f"reduce_op {reduce_op!r} (PyTorch's symm_mem all-reduces only sum)"
     name = "two_shot_all_reduce_out" if two_shot else "one_shot_all_reduce_out"
-    if two_shot and group(group_name).size() < 2:
+    if two_shot and group_size(group_name) < 2:
         return "PyTorch's two-shot all-reduce needs 2+ ranks (it raises 'Not implemented for world_size=1')"
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, name):
         return f"torch.ops.symm_mem.{name} is not available"
@@ -48,9 +47,10 @@ def all_reduce(two_shot: bool, x, As, Bs, bias, out_shape, group_name) -> Tensor
     shape = list(out_shape)
     numel = math.prod(shape)
     first = x if x is not None else As[0]
-    ws = workspace(group_name, numel * torch.empty((), dtype=dtype).element_size(), tag="matmul_all_reduce.torch_symm_mem")
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    ws = comm_for(group_name, "matmul_all_reduce.torch_symm_mem", data_bytes=nbytes).data
     # A view of the rendezvoused allocation from its start: PyTorch's op finds it by the storage.
-    buf = ws.buffer[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
+    buf = ws.buffer[:nbytes].view(dtype)
     if x is not None:
         buf.view(x.shape).copy_(x)
     elif len(As) == 1:

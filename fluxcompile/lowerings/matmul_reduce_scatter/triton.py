@@ -14,14 +14,13 @@ Experimental (family ``triton_rs``): it declines every call unless ``config.expe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ...symm_mem import ErrorWords, FlagArray, init_flags, persistent, workspace
+from ...symm_mem import Comm, ErrorSpec, FlagArray, capturing, comm_for, persistent
 from ...symm_mem.exchange import slot_bytes
 from .cublas_pipelined import layout_supports, row_layout
 
@@ -31,18 +30,9 @@ except ImportError:  # no Triton: the choices are not registered (__init__.py)
     gemm_rs = None
 
 VARIANTS = gemm_rs.VARIANTS if gemm_rs is not None else {}  # the kernel's tile variants, one choice each
-
-
-@dataclasses.dataclass
-class _State:
-    """Per (device, flag buffer): the epoch counter, the error words, peer addresses."""
-
-    state: Tensor
-    errors: ErrorWords  # kernels/gemm_rs.py's layout
-    peers: dict[int, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)  # data buffer -> addresses
-
-
-_states: dict[tuple[int, int], _State] = {}
+TAG = "matmul_reduce_scatter.triton"
+_ERRORS = ErrorSpec(8, "the Triton matmul_reduce_scatter", per_group=True)  # kernels/gemm_rs.py's layout
+_states: dict[Comm, Tensor] = {}  # the epoch counter of a context (int32 [2]), advanced by the kernel
 
 
 def supports(
@@ -85,53 +75,42 @@ def matmul_reduce_scatter(
     dtype = As[0].dtype
     es = torch.empty((), dtype=dtype).element_size()
     slot_elems = slot_bytes(rows * n * es) // es
-    ws = workspace(group_name, 2 * group_size * slot_elems * es, tag="matmul_reduce_scatter.triton", world=group_size)
-    rank, world = ws.rank, ws.world_size
+    comm = comm_for(
+        group_name, TAG, world=group_size, data_bytes=2 * group_size * slot_elems * es,
+        flag_bytes=4 * group_size * gemm_rs.MAX_TILES, errors=_ERRORS,
+    )  # fmt: skip
+    ws, fws = comm.data, comm.flags
+    rank, world = comm.rank, comm.world
     # The parities are the two halves of the *buffer*, not of this call's request: a call of another shape
     # then still writes a half that no owner may be reading (see kernels/gemm_rs.py on parities).
     parity_elems = (ws.nbytes // 2) // 256 * 256 // es
-    fws = workspace(group_name, 4 * world * gemm_rs.MAX_TILES, tag="matmul_reduce_scatter.triton.flags")
-    init_flags(FlagArray(fws, 0, world * gemm_rs.MAX_TILES), 0)
-    st = _state_for(fws)
-    peer_data, peer_flags = _peers(st, ws, fws)
+    comm.init_flags(FlagArray(fws, 0, world * gemm_rs.MAX_TILES), 0)
+    state = _state(comm)
+    peer_data, peer_flags = comm.addresses(ws), comm.addresses(fws)
     what = f"the Triton matmul_reduce_scatter ({variant.block})"
-    st.errors.check_previous(what, _checker(group_name))
+    comm.errors.check_previous(what, _checker(group_name))
 
     out = torch.empty(shape, dtype=dtype, device=As[0].device)
     gemm_rs.gemm_rs(
         list(As), list(Bs), bias.reshape(-1).contiguous() if bias is not None else None, out.view(rows, n),
-        peer_data, peer_flags, slot_elems, parity_elems, st.state, st.errors.err, rank, world,
+        peer_data, peer_flags, slot_elems, parity_elems, state, comm.errors.err, rank, world,
         block=variant.block, group_m=variant.group_m, num_warps=variant.num_warps, num_stages=variant.num_stages,
     )  # fmt: skip
-    st.errors.report(what, _checker(group_name))
+    comm.errors.report(what, _checker(group_name))
     return out
 
 
-def _state_for(fws) -> _State:
-    key = (torch.cuda.current_device(), fws.buffer.data_ptr())
-    st = _states.get(key)
-    if st is None:
-        if torch.cuda.is_current_stream_capturing():
+def _state(comm: Comm) -> Tensor:
+    """The epoch counter of ``comm`` (made on its first call, eagerly, outside any CUDA graph pool)."""
+    state = _states.get(comm)
+    if state is None:
+        if capturing(comm.flags.buffer.device):
             raise RuntimeError("fluxcompile: run the Triton matmul_reduce_scatter once eagerly before graph capture")
-        errors = ErrorWords.make(torch.device("cuda", key[0]), 8, "the Triton matmul_reduce_scatter")
-        st = _states[key] = persistent(
-            lambda: _State(state=torch.zeros(2, dtype=torch.int32, device="cuda"), errors=errors),
+        state = _states[comm] = persistent(
+            lambda: torch.zeros(2, dtype=torch.int32, device=comm.flags.buffer.device),
             "the Triton matmul_reduce_scatter's state",
         )
-    return st
-
-
-def _peers(st: _State, ws, fws) -> tuple[Tensor, Tensor]:
-    """Every rank's data and flag buffer address, as int64 device tensors (made once per data buffer, eagerly:
-    a host-to-device copy cannot be captured)."""
-    key = ws.buffer.data_ptr()
-    if key not in st.peers:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fluxcompile: the Triton matmul_reduce_scatter's workspace changed during capture")
-        st.peers[key] = persistent(
-            lambda: (ws.addresses(), fws.addresses()), "the Triton matmul_reduce_scatter's address tables"
-        )
-    return st.peers[key]
+    return state
 
 
 @functools.cache
