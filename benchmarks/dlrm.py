@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fluxcompile import config, ops
+from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 
@@ -261,7 +262,7 @@ def peers_main(args) -> None:
 
     say(f"== {world} x {torch.cuda.get_device_name()} torch {torch.__version__}")
     g = torch.Generator().manual_seed(rank)
-    with config.patch(experimental_dlrm=True):
+    with config.patch(implementations=IMPLEMENTATIONS):  # every family, dlrm among them
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             t_local = max(1, TABLES // world)

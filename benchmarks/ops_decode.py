@@ -49,10 +49,10 @@ EPS = 1e-5
 
 def bench(args: argparse.Namespace) -> list[dict]:
     import fluxcompile
+    from fluxcompile.config import IMPLEMENTATIONS
 
-    # The experimental kernels are what this benchmark is for.
-    fluxcompile.config.experimental_decode = True
-    fluxcompile.config.experimental_gemv_peers = True
+    # The decode kernels (families decode and gemv_peers, listed with every other) are what this benchmark is for.
+    fluxcompile.config.implementations = IMPLEMENTATIONS
     rows = []
     for model, proj, n, k in SHAPES:
         for m in MS:

@@ -53,7 +53,7 @@ def main() -> None:
         lo.device_table = host_table
     g = torch.Generator().manual_seed(1234 + rank)
     bags_local, tables, dim = 64, 3, 128
-    with config.patch(experimental_dlrm=True, check_signals=False):
+    with config.patch(check_signals=False):  # family dlrm is on by default
         for dtype in (torch.float32, torch.bfloat16):
             w, i, o = operands(g, tables, bags_local * world, dim, dtype, rank)
             out_shape = [bags_local * world, tables * dim]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import config, ops
+from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import cutlass_gemm
 from fluxcompile.lowerings import choices_for
 from fluxcompile.testing.numerics import assert_close
@@ -45,7 +46,7 @@ RS_CASES = {
 @pytest.fixture(autouse=True)
 def _enabled():
     cutlass_gemm.load()  # built before any rank waits on another
-    with config.patch(experimental_cutlass=True, check_signals=True, cutlass_timeout_s=10.0):
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=True, wait_timeout_s=10.0):
         yield
 
 

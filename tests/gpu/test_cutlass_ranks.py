@@ -18,6 +18,7 @@ import torch
 from gpu_helpers import poison_allocator
 
 from fluxcompile import config
+from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import cutlass_gemm
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
@@ -51,7 +52,7 @@ def _bounded():
     """Kernel waits give up after 5 s (an error, not a hang); the flags stay as in production. The extension is
     built first: the simulated ranks' host calls run on threads, which would build it while a peer waits."""
     cutlass_gemm.load()
-    with config.patch(experimental_cutlass=True, cutlass_timeout_s=5.0, check_signals=False):
+    with config.patch(implementations=IMPLEMENTATIONS, wait_timeout_s=5.0, check_signals=False):
         yield
 
 
@@ -322,7 +323,7 @@ def test_gemm_waits_for_chunks(variant):
     assert err.tolist() == [0] * cutlass_gemm.ERR_WORDS
     assert_close(out, a.float() @ b.float(), TOL, "waiting GEMM")
     flags[3 * chunks + 1] = 0  # rank 3's second chunk never arrives
-    with config.patch(cutlass_timeout_s=0.2):
+    with config.patch(wait_timeout_s=0.2):
         cutlass_gemm.gemm(a, b, out, variant=variant, wait=(flags, rows, chunk_rows, 1), err=err, rank=1)
     torch.cuda.synchronize()
     assert err.tolist()[:4] == [1, 1, 3, 1]

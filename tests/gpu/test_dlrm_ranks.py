@@ -22,6 +22,7 @@ import torch.distributed as dist
 from gpu_helpers import poison_allocator
 
 from fluxcompile import config, ops
+from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
 from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
@@ -46,7 +47,7 @@ def _queues(world: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _config():
-    with config.patch(experimental_dlrm=True, check_signals=False):
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
         yield
 
 
