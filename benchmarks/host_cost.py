@@ -30,15 +30,16 @@ import torch.distributed as dist
 
 def loopback_peers() -> None:
     """Make the cuBLAS-pipelined choices' workspaces and their handshake flags (this process, from now on)
-    2-rank loopbacks of this 1-rank group: ``workspace`` as the two cublas_pipelined modules call it, and the
-    exchange's ``ready_done_flags`` (symm_mem/exchange.py's handshake takes its flags from there)."""
+    2-rank loopbacks of this 1-rank group: ``workspace`` as ``symm_mem.comm_for`` calls it for the two
+    cublas_pipelined choices' data (their tags; every other workspace stays as it is), and the exchange's
+    ``ready_done_flags`` (symm_mem/exchange.py's handshake takes its flags from there)."""
     import dataclasses
 
-    from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as agp
-    from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rsp
     from fluxcompile.symm_mem import LocalHandle, exchange
+    from fluxcompile.symm_mem import comm as comm_module
 
-    real_workspace, real_flags = rsp.workspace, exchange.ready_done_flags
+    looped = ("all_gather_matmul", "matmul_reduce_scatter")  # the cublas_pipelined choices' data workspaces
+    real_workspace, real_flags = comm_module.workspace, exchange.ready_done_flags
     seen: dict[int, tuple[object, object]] = {}
 
     def loop(ws):
@@ -52,6 +53,8 @@ def loopback_peers() -> None:
         return seen[id(ws)][1]
 
     def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | None = None):
+        if tag not in looped:
+            return real_workspace(group_name, nbytes, tag=tag, world=world)
         # ``world``: the caller's group size, checked against the loopback's two ranks (not the real group's one).
         if world is not None and world != 2:
             raise ValueError(f"host_cost --loopback: group_size={world}, but the loopback has 2 ranks")
@@ -64,7 +67,7 @@ def loopback_peers() -> None:
         ws = loop(ready.ws)
         return dataclasses.replace(ready, ws=ws), dataclasses.replace(done, ws=ws)
 
-    agp.workspace = rsp.workspace = workspace
+    comm_module.workspace = workspace
     exchange.ready_done_flags = ready_done_flags
 
 

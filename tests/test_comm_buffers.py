@@ -15,6 +15,7 @@ its end; any other shard is published into the workspace after their ``done``, a
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -261,13 +262,12 @@ def _trace_call(monkeypatch: pytest.MonkeyPatch, symmetric: bool, world: int = 3
 
     monkeypatch.setattr(aim, "stream_consume", consume)
     monkeypatch.setattr(aim, "stream_write", write)
-    monkeypatch.setattr(aim, "side_stream", lambda: side)
+    comm = SimpleNamespace(data=shards, side=side, rank=0, world=world, note=lambda stream: None)
+    monkeypatch.setattr(aim, "comm_for", lambda *args, **kwargs: comm)
     monkeypatch.setattr(aim, "symmetric_source", lambda a, g: (shards, 0) if symmetric else None)
     monkeypatch.setattr(aim, "pull_flags", lambda g, w: flags)
     monkeypatch.setattr(aim, "ready_done_flags", lambda g, tag, w: flags)
-    monkeypatch.setattr(aim, "workspace", lambda g, n, tag: shards)
     monkeypatch.setattr(aim, "_signal_buffer", lambda g, w: torch.zeros(w, dtype=torch.int32))
-    monkeypatch.setattr(aim, "_note", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", _Using)
     monkeypatch.setattr(torch.cuda, "Event", _Event)

@@ -1,5 +1,5 @@
-"""The plans of the cuBLAS-pipelined choices (slot views and flag addresses, what csrc/pipelined.cpp is given),
-built on CPU over fake symmetric workspaces for 2, 4 and 8 ranks: each peer's slot is where the protocol
+"""The plans of the cuBLAS-pipelined choices (slot views and flag addresses, what csrc/sequences.h's sequences are
+given), built on CPU over fake symmetric workspaces for 2, 4 and 8 ranks: each peer's slot is where the protocol
 says, and the flag lists pair up across ranks (what rank r sets in p is what p waits for from r)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as ag
 from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs
+from fluxcompile.symm_mem import comm as comm_module
 from fluxcompile.symm_mem import exchange
 from fluxcompile.symm_mem.signals import FlagArray
 
@@ -62,8 +63,10 @@ def fake(monkeypatch):
         return FlagArray(ws, 0, world), FlagArray(ws, 256, world)
 
     for mod in (rs, ag):
-        monkeypatch.setattr(mod, "workspace", workspace)
         monkeypatch.setattr(mod, "_plans", {})
+    monkeypatch.setattr(comm_module, "workspace", workspace)
+    monkeypatch.setattr(comm_module, "side_stream", lambda: None)
+    monkeypatch.setattr(comm_module, "_comms", {})
     monkeypatch.setattr(exchange, "ready_done_flags", ready_done_flags)
     monkeypatch.setattr(exchange, "watch", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -75,6 +78,7 @@ def _become(state: dict, rank: int, world: int) -> None:
     state["rank"], state["world"] = rank, world
     rs._plans.clear()
     ag._plans.clear()
+    comm_module._comms.clear()  # the contexts too: they hold the rank's workspaces
 
 
 def _flag(tag: str, owner: int, which: str, index: int) -> int:
@@ -92,7 +96,7 @@ def test_rs_plan_slots_and_flags(fake, world, variant):
         plan = rs.plan([world * rows, n], 0, world, "g", torch.bfloat16, variant == "push", variant == "unsplit")
         hs = plan.hs
         assert sorted(hs.recv_from) == [p for p in range(world) if p != rank] and hs.recv_from[0] == (rank + 1) % world
-        assert hs.send_to == hs.recv_from  # a reduce-scatter sends in ring order: csrc/pipelined.cpp pairs them
+        assert hs.send_to == hs.recv_from  # a reduce-scatter sends in ring order: csrc/sequences_rs.cpp pairs them
         for j, p in enumerate(hs.recv_from):
             # Our partial of p's rows goes to slot `rank` of p's buffer, and p's of ours arrives in slot p here.
             assert plan.peer_slots[j].data_ptr() == plan.ws.view(p, (rows, n), torch.bfloat16, 0).data_ptr() + (

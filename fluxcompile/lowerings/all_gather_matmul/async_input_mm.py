@@ -21,7 +21,8 @@ Per call, on rank r (peers p in ring order, symm_mem/exchange.py):
                 (peer-to-peer: the copy engine) -> signals[p] = 1 (the GEMM's tiles of p's rows start)
                 -> set done_r on p
 The two cases keep flags of their own (``done`` starts 1 for a copied A: the workspace starts free; 0 for a
-symmetric A: nothing was pulled yet). Every wait is a stream memory operation, bounded by the watchdog
+symmetric A: nothing was pulled yet), each case a communication context of its own (``symm_mem.comm_for``:
+workspaces, side stream, watch). Every wait is a stream memory operation, bounded by the watchdog
 (symm_mem/watchdog.py) after each eager call. All ranks take the same case: they run the same generated code.
 Constraints of the kernel (checked in ``supports``): bf16, one weight, no bias, [K, N] or [N, K]-transposed
 weight, shard rows a multiple of its 128-row tile.
@@ -38,11 +39,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...symm_mem import FlagArray, init_flags, ready_done_flags, side_stream, stream_consume, stream_write, workspace
+from ...symm_mem import Comm, FlagArray, comm_for, init_flags, ready_done_flags, stream_consume, stream_write, workspace
 from ...symm_mem.exchange import ring_order
 from ...symm_mem.persistent import persistent
 from ...symm_mem.signals import MAX_HANDSHAKE_RANKS
-from ...symm_mem.watchdog import Watch, flag_report, watch
+from ...symm_mem.watchdog import flag_report
 from ...symm_mem.workspace import enable_group
 from .cublas_pipelined import shard_layout
 
@@ -50,10 +51,12 @@ NAME = "async_input_mm"
 log = logging.getLogger("fluxcompile.async_input_mm")
 _TILE_M = 128
 _signals: dict[tuple[str, int], Tensor] = {}
-_watches: dict[tuple[str, str, int], Watch] = {}
 _rendezvoused: set[tuple[int, str]] = set()  # (storage address, group): symmetric shards met in an eager call
+_COPY_TAG = "async_input_mm"  # the copied shard's workspace; its handshake's flags are _COPY_FLAGS
 _COPY_FLAGS = "async_input_mm.flags"
+_PULL_TAG = "async_input_mm.pull"  # the context of a symmetric shard: no workspace of its own, flags _PULL_FLAGS
 _PULL_FLAGS = "async_input_mm.pull_flags"
+_HANDSHAKE_BYTES = 512  # ready_done_flags' layout: ready at 0, done at 256
 
 
 def supports(
@@ -174,11 +177,21 @@ def pull_flags(group_name: str, world: int) -> tuple[FlagArray, FlagArray]:
     return ready, done
 
 
+def _describe(comm: Comm) -> str:
+    """The watchdog's report: the ready and done flags of the context's handshake (ready_done_flags' layout)."""
+    ready, done = FlagArray(comm.flags, 0, comm.world), FlagArray(comm.flags, 256, comm.world)
+    return flag_report(ready, done, list(ring_order(comm.rank, comm.world)))
+
+
 def _gather_symmetric(
     a: Tensor, source: tuple[Any, int], b: Tensor, group_name: str, gathered_shape: list[int]
 ) -> tuple[Tensor, list[Tensor]]:
     handle, offset = source
     rank, world = handle.rank, handle.world_size
+    comm = comm_for(
+        group_name, _PULL_TAG, flag_bytes=_HANDSHAKE_BYTES, flags_tag=_PULL_FLAGS, describe=_describe,
+        what=f"all_gather_matmul ({NAME}, {_PULL_FLAGS}, group {group_name})",
+    )  # fmt: skip
     ready, done = pull_flags(group_name, world)
     main = torch.cuda.current_stream()
     order = ring_order(rank, world)
@@ -187,10 +200,12 @@ def _gather_symmetric(
     def peer_shard(p: int) -> Tensor:
         return handle.get_buffer(p, [rows, k], a.dtype, offset)
 
-    A_gathered, out = _gemm_with_pulls(a, b, group_name, gathered_shape, ready, done, rank, order, peer_shard)
+    A_gathered, out = _gemm_with_pulls(
+        a, b, group_name, gathered_shape, ready, done, rank, order, peer_shard, comm.side
+    )
     for p in order:  # our A may be written again (the next producer) once every peer has pulled it
         stream_consume(main, done.addr(rank, p))
-    _note(_PULL_FLAGS, group_name, rank, ready, done, order, main)
+    comm.note(main)
     return A_gathered, [out]
 
 
@@ -199,8 +214,12 @@ def _gather_symmetric(
 
 
 def _gather_copied(a: Tensor, b: Tensor, group_name: str, gathered_shape: list[int]) -> tuple[Tensor, list[Tensor]]:
-    ws = workspace(group_name, a.numel() * a.element_size(), tag="async_input_mm")
-    rank, world = ws.rank, ws.world_size
+    comm = comm_for(
+        group_name, _COPY_TAG, data_bytes=a.numel() * a.element_size(), flag_bytes=_HANDSHAKE_BYTES,
+        describe=_describe, what=f"all_gather_matmul ({NAME}, {_COPY_FLAGS}, group {group_name})",
+    )  # fmt: skip
+    ws = comm.data
+    rank, world = comm.rank, comm.world
     ready, done = ready_done_flags(group_name, _COPY_FLAGS, world)
     main = torch.cuda.current_stream()
     order = ring_order(rank, world)
@@ -213,8 +232,10 @@ def _gather_copied(a: Tensor, b: Tensor, group_name: str, gathered_shape: list[i
     def peer_shard(p: int) -> Tensor:
         return ws.view(p, (rows, k), a.dtype)
 
-    A_gathered, out = _gemm_with_pulls(a, b, group_name, gathered_shape, ready, done, rank, order, peer_shard)
-    _note(_COPY_FLAGS, group_name, rank, ready, done, order, main)
+    A_gathered, out = _gemm_with_pulls(
+        a, b, group_name, gathered_shape, ready, done, rank, order, peer_shard, comm.side
+    )
+    comm.note(main)
     return A_gathered, [out]
 
 
@@ -224,14 +245,15 @@ def _gather_copied(a: Tensor, b: Tensor, group_name: str, gathered_shape: list[i
 
 def _gemm_with_pulls(
     a: Tensor, b: Tensor, group_name: str, gathered_shape: list[int], ready: FlagArray, done: FlagArray, rank: int,
-    order: Sequence[int], peer_shard: Callable[[int], Tensor],
+    order: Sequence[int], peer_shard: Callable[[int], Tensor], side: torch.cuda.Stream,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Our rows into A_gathered, ``ready`` raised on every peer, the GEMM launched; on the side stream each peer's
-    shard pulled into its rows, its signal set, its ``done`` raised. Returns with the main stream after the pulls."""
+    """Our rows into A_gathered, ``ready`` raised on every peer, the GEMM launched; on the ``side`` stream each
+    peer's shard pulled into its rows, its signal set, its ``done`` raised. Returns with the main stream after the
+    pulls."""
     world = len(order) + 1
     rows, k = a.shape
     signals = _signal_buffer(group_name, world)
-    main, side = torch.cuda.current_stream(), side_stream()
+    main = torch.cuda.current_stream()
     A_gathered = torch.empty(gathered_shape, dtype=a.dtype, device=a.device)
     rows_of = A_gathered.view(world, rows, k)
 
@@ -253,23 +275,6 @@ def _gemm_with_pulls(
             stream_write(side, done.addr(p, rank), 1)
     main.wait_stream(side)
     return A_gathered, out
-
-
-def _note(
-    tag: str, group_name: str, rank: int, ready: FlagArray, done: FlagArray, order: Sequence[int], stream
-) -> None:
-    """After an eager call, for the watchdog (captured calls are not watched: replays do not come back)."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    key = (tag, group_name, torch.cuda.current_device())
-    w = _watches.get(key)
-    if w is None:
-        what = f"all_gather_matmul ({NAME}, {tag}, group {group_name})"
-        w = watch(what, rank, lambda: flag_report(ready, done, list(order)))
-        if w is None:  # the watchdog is off
-            return
-        _watches[key] = w
-    w.note(stream)
 
 
 def _signal_buffer(group_name: str, world: int) -> Tensor:

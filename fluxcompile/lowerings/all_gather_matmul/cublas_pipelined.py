@@ -1,5 +1,5 @@
 """all_gather_matmul, ``cublas_pipelined``: cuBLAS does the math, the copy engine moves the shards (push), and
-the C++ sequencer (csrc/pipelined.cpp) issues each call's stream operations.
+the C++ sequencer (csrc/sequences_ag.cpp) issues each call's stream operations.
 
 Per call, on rank r of a group of w (peers in the exchange's orders, symm_mem/exchange.py):
 
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ...kernels.sequencer import graph_limit, sequencer, unavailable
-from ...symm_mem import Workspace, side_stream, workspace
+from ...symm_mem import Comm, Workspace, comm_for
 from ...symm_mem.exchange import Handshake, gather_send_order, handshake, slice_rows, slot_bytes, stage_plan
 from ...symm_mem.workspace import generation as workspace_generation
 
@@ -120,8 +120,9 @@ def shard_layout(A: Tensor, gather_dim: int, group_size: int) -> tuple[Tensor, i
 @dataclasses.dataclass
 class Plan:
     """What a call signature needs besides its operands: slot views and flag addresses (their meaning:
-    csrc/pipelined.cpp). ``peer_slots`` follow the handshake's send order, ``my_slots`` its ring order."""
+    csrc/sequences_ag.cpp). ``peer_slots`` follow the handshake's send order, ``my_slots`` its ring order."""
 
+    comm: Comm  # the group's context: the data workspace ``ws`` and the side stream
     ws: Workspace
     rank: int
     world: int
@@ -144,8 +145,9 @@ def plan(shard_rows: int, k: int, dtype: torch.dtype, group_size: int, group_nam
         return p
     nbytes = shard_rows * k * dtype.itemsize
     slot = slot_bytes(nbytes)
-    ws = workspace(group_name, slot * group_size, tag="all_gather_matmul", world=group_size)
-    rank, world = ws.rank, ws.world_size
+    comm = comm_for(group_name, "all_gather_matmul", world=group_size, data_bytes=slot * group_size)
+    ws = comm.data
+    rank, world = comm.rank, comm.world
     hs = handshake(
         group_name, "all_gather_matmul.flags", rank, world, gather_send_order(rank, world),
         f"all_gather_matmul ({NAME}, {key})",
@@ -155,7 +157,7 @@ def plan(shard_rows: int, k: int, dtype: torch.dtype, group_size: int, group_nam
         return ws.view(owner, (shard_rows, k), dtype, src * slot)
 
     p = Plan(
-        ws=ws, rank=rank, world=world,
+        comm=comm, ws=ws, rank=rank, world=world,
         peer_slots=[view(q, rank) for q in hs.send_to],
         my_slots=[view(rank, q) for q in hs.recv_from],
         hs=hs,
@@ -178,7 +180,7 @@ def all_gather_matmul(
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     p = plan(rows, k, A.dtype, group_size, group_name)
     a = A.view(rows, k)
-    seq, side = sequencer(), side_stream().cuda_stream
+    seq, side = sequencer(), p.comm.side.cuda_stream
     common = (a, list(Bs), list(biases), gathered_shape, p.peer_slots)
     if lead or groups:
         if p.buffer is None or (lead and slice_rows(rows, lead) == 0):
@@ -205,7 +207,7 @@ _streams: dict[tuple[int, str, int], torch.cuda.Stream] = {}
 
 def _compute_stream(i: int) -> torch.cuda.Stream:
     """``:concurrent``'s GEMM stream for the i-th peer: high priority, like the sequences' own GEMM stream
-    (csrc/pipelined.cpp, ``gemm_stream``), so that the SM copies beside a GEMM take only the SMs it leaves."""
+    (csrc/streams.cpp, ``gemm_stream``), so that the SM copies beside a GEMM take only the SMs it leaves."""
     return _stream("gemm", i, priority=-1)
 
 

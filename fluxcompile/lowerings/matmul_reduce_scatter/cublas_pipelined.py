@@ -1,5 +1,5 @@
 """matmul_reduce_scatter, ``cublas_pipelined``: cuBLAS does the math and its output is the communication; the C++
-sequencer (csrc/pipelined.cpp) issues each call's stream operations.
+sequencer (csrc/sequences_rs.cpp) issues each call's stream operations.
 
 Rank o owns rows ``o * rows ..`` of ``P = sum_i As[i] @ Bs[i] (+ bias)`` (``[world * rows, N]``); its result is
 the sum over ranks of their partials of those rows. Every rank's symmetric buffer has one slot per source rank:
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ...kernels.sequencer import graph_limit, sequencer, unavailable
-from ...symm_mem import Workspace, side_stream, workspace
+from ...symm_mem import Comm, Workspace, comm_for
 from ...symm_mem.exchange import Handshake, handshake, ring_order, slice_rows, slot_bytes, stage_plan
 from ...symm_mem.workspace import generation as workspace_generation
 
@@ -170,8 +170,9 @@ def stages_supports(groups: int) -> Callable[..., str | None]:
 @dataclasses.dataclass
 class Plan:
     """What a call signature needs besides its operands: slot views and flag addresses (their meaning:
-    csrc/pipelined.cpp; ``j`` runs over the peers in ring order)."""
+    csrc/sequences_rs.cpp; ``j`` runs over the peers in ring order)."""
 
+    comm: Comm  # the group's context: the data workspace ``ws`` and the side stream
     ws: Workspace
     rank: int
     world: int
@@ -211,8 +212,9 @@ def plan(
     # Slots 0..world-1: the partials of our rows by source rank; push stages ours in world..2*world-1; unsplit
     # puts our whole partial after the slots.
     stage_bytes = slot * group_size if push else rows * group_size * n * itemsize if unsplit else 0
-    ws = workspace(group_name, slot * group_size + stage_bytes, tag="matmul_reduce_scatter", world=group_size)
-    rank, world = ws.rank, ws.world_size
+    comm = comm_for(group_name, "matmul_reduce_scatter", world=group_size, data_bytes=slot * group_size + stage_bytes)
+    ws = comm.data
+    rank, world = comm.rank, comm.world
     hs = handshake(
         group_name, "matmul_reduce_scatter.flags", rank, world, ring_order(rank, world),
         f"matmul_reduce_scatter ({NAME}, {key})",
@@ -223,7 +225,7 @@ def plan(
 
     mine = ws.view(rank, (world * slot // itemsize,), dtype).view(world, -1)[:, : rows * n]
     p = Plan(
-        ws=ws, rank=rank, world=world, rows=rows, n=n, shape=shape,
+        comm=comm, ws=ws, rank=rank, world=world, rows=rows, n=n, shape=shape,
         peer_slots=[view(q, rank) for q in hs.send_to],
         stage_slots=[view(rank, world + q) for q in hs.send_to] if push else [],
         own_slot=view(rank, rank),
@@ -259,13 +261,13 @@ def matmul_reduce_scatter(
             raise ValueError(f"fluxcompile: {NAME}:pushadd does not apply to {p.rows} rows per rank")
         out = seq.rs_addmm(
             As, Bs, bias, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *flags, split,
-            side_stream().cuda_stream if push else 0, graph_limit(),
+            p.comm.side.cuda_stream if push else 0, graph_limit(),
         )  # fmt: skip
     elif groups:
         js, flat = stage_plan(p.rank, p.world, p.rows, groups)
         out = seq.rs_stages(
             As, Bs, bias, p.stage_all, p.peer_slots, p.own_slot, p.own_slots, *flags, js, flat,
-            side_stream().cuda_stream, graph_limit(),
+            p.comm.side.cuda_stream, graph_limit(),
         )  # fmt: skip
     elif whole:
         rows = slice_rows(p.rows, tail) if tail else 0
@@ -273,12 +275,12 @@ def matmul_reduce_scatter(
             raise ValueError(f"fluxcompile: {NAME} tail={tail} does not apply to {p.rows} rows per rank")
         out = seq.rs_tail(
             As, Bs, bias, p.stage_all, p.peer_slots, p.own_slot, p.own_slots, *flags, rows,
-            side_stream().cuda_stream, graph_limit(),
+            p.comm.side.cuda_stream, graph_limit(),
         )  # fmt: skip
     else:
         out = seq.rs_pipelined(
             As, Bs, bias, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *flags, push,
-            side_stream().cuda_stream if push else 0, graph_limit(),
+            p.comm.side.cuda_stream if push else 0, graph_limit(),
         )  # fmt: skip
     p.hs.note()
     return out
