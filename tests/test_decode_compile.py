@@ -56,8 +56,22 @@ def test_arch_flag_and_build_dir():
     assert extensions.build_dir("gemv_ar", (9, 0)) == extensions.build_dir("gemv_ar", (9, 0))
 
 
+def test_sources_name_every_csrc_file_their_module_includes():
+    """Each module's SOURCES name every csrc file that its sources include (so that the build key hashes it: an
+    edited header rebuilds), and every file of csrc belongs to a module."""
+    import re
+
+    for name, sources in extensions.SOURCES.items():
+        for source in sources:
+            for inc in re.findall(r'^#include "([^"]+)"', (extensions.CSRC / source).read_text(), re.M):
+                if (extensions.CSRC / inc).is_file():
+                    assert inc in sources, f"{name}: {source} includes {inc}, which SOURCES[{name!r}] does not name"
+    named = {s for sources in extensions.SOURCES.values() for s in sources}
+    assert {p.name for p in extensions.CSRC.iterdir() if p.name != "README.md"} <= named
+
+
 def test_pipelined_finds_the_cublas_wheels_headers(tmp_path, monkeypatch):
-    """pipelined.cpp's cuBLASLt header comes from the nvidia-cublas wheel, searched after every other directory;
+    """cublaslt_addmm.cpp's cuBLASLt header comes from the nvidia-cublas wheel, searched after every other directory;
     without it the module builds without cuBLASLt (no flag)."""
     import importlib.machinery
     import importlib.util

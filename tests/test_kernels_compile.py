@@ -31,7 +31,7 @@ def compile_sm90(kernel, constexprs: dict, types: dict[str, str], num_warps: int
 
 
 def _ag_cases():
-    from fluxcompile.lowerings.all_gather_matmul.triton import VARIANTS
+    from fluxcompile.kernels.ag_gemm import VARIANTS
 
     for name, v in VARIANTS.items():
         for b_t in (False, True) if v.tma else (False,):

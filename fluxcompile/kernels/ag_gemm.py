@@ -24,13 +24,39 @@ GPUs by tests/gpu/test_ag_matmul.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from . import tma_scratch
+
 MAX_WEIGHTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One point of the template space offered to the autotuner."""
+
+    block: tuple[int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K
+    chunks: int  # communication chunks per shard (Flux 4.3: decoupled from the GEMM tile)
+    tma: bool = True
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+
+# The tile shapes offered (BENCHMARKS.md has their timings); TMA with BLOCK_N = 256 is not offered: it computes
+# wrong results under Triton 3.6.
+VARIANTS = {
+    "tma-256x128x64-c1": Variant((256, 128, 64), 1),
+    "tma-256x128x64-c4": Variant((256, 128, 64), 4),
+    "tma-128x128x64-s4-c1": Variant((128, 128, 64), 1, num_stages=4),
+    "tma-128x128x64-w4s4-c1": Variant((128, 128, 64), 1, num_warps=4, num_stages=4),
+}
+DEFAULT = "tma-256x128x64-c1"
 
 
 @triton.jit
@@ -297,7 +323,7 @@ def ag_gemm(
         if why:
             raise ValueError(f"ag_gemm: TMA variant: {why}")
         b_t = Bs[0].stride(0) == 1 and Bs[0].shape[1] > 1
-        set_allocator()
+        tma_scratch.set_allocator()
     if num_programs is None:
         num_programs = torch.cuda.get_device_properties(a_local.device).multi_processor_count if a_local.is_cuda else 4
     if a_out is not None and (not a_out.is_contiguous() or a_out.numel() != world * rows * k):
@@ -342,18 +368,6 @@ def tma_unsupported(a_local: torch.Tensor, slot_stride: int, Bs: Sequence[torch.
     if len(layouts) > 1:
         return "weights of different layouts ([K, N] and [N, K])"
     return None
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def set_allocator() -> None:
-    """Device-side tensor descriptors need global scratch, which Triton asks its allocator for at launch
-    (inside a CUDA graph capture the allocation comes from the graph's pool, like any other). Triton keeps the
-    allocator in a context variable, which a new thread starts without: set it on every launch that needs it."""
-    triton.set_allocator(_scratch)
 
 
 def check_error(err: torch.Tensor, rank: int, group_name: str) -> None:
