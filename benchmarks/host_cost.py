@@ -230,6 +230,7 @@ def main() -> None:
     # config read), the side stream, the watchdog note after the call.
     from fluxcompile.kernels import sequencer
     from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as agp
+    from fluxcompile.lowerings.all_gather_matmul import layout as ag_layout
     from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rsp
     from fluxcompile.symm_mem import side_stream
 
@@ -237,7 +238,7 @@ def main() -> None:
     ag_plan = lambda: agp.plan(m // world, k, bf, world, group)  # noqa: E731
     layers["matmul_reduce_scatter plan lookup"] = rs_plan
     layers["all_gather_matmul plan lookup"] = ag_plan
-    layers["all_gather_matmul shard_layout"] = lambda: agp.shard_layout(ag_a, 0, world)
+    layers["all_gather_matmul shard_layout"] = lambda: ag_layout.shard_layout(ag_a, 0, world)
     hs = rs_plan().hs
     layers["handshake note (watchdog event)"] = hs.note
     layers["side_stream()"] = side_stream

@@ -10,6 +10,7 @@ import torch
 from fluxcompile import config
 from fluxcompile.lowerings import choices_for
 from fluxcompile.lowerings.matmul_reduce_scatter import cublas_pipelined as rs_cublas_pipelined
+from fluxcompile.lowerings.matmul_reduce_scatter import layout as rs_layout
 from fluxcompile.lowerings.matmul_reduce_scatter import torch_symm_mem
 from fluxcompile.lowerings.matmul_reduce_scatter import triton as rs_triton
 
@@ -32,8 +33,8 @@ def test_choices_registered_and_cuda_impl():
 
 
 def test_row_layout():
-    assert rs_cublas_pipelined.row_layout([1, 8, 16], 1, 2) == (8, 16, 4, [1, 4, 16])
-    assert rs_cublas_pipelined.row_layout([12, 5], -2, 3) == (12, 5, 4, [4, 5])
+    assert rs_layout.row_layout([1, 8, 16], 1, 2) == (8, 16, 4, [1, 4, 16])
+    assert rs_layout.row_layout([12, 5], -2, 3) == (12, 5, 4, [4, 5])
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ from ...symm_mem.persistent import persistent
 from ...symm_mem.signals import MAX_HANDSHAKE_RANKS
 from ...symm_mem.watchdog import flag_report
 from ...symm_mem.workspace import enable_group
-from .cublas_pipelined import shard_layout
+from .layout import shard_layout
 
 NAME = "async_input_mm"
 log = logging.getLogger("fluxcompile.async_input_mm")

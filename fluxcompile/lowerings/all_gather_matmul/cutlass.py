@@ -35,7 +35,7 @@ from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, stream_write
 from ...symm_mem.exchange import gather_send_order, send
 from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
-from .cublas_pipelined import layout_supports, shard_layout
+from .layout import layout_supports, shard_layout
 
 NAME = "cutlass"
 MAX_WORLD = cutlass_gemm.MAX_WORLD

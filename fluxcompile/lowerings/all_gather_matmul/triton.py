@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ...symm_mem import ErrorSpec, FlagArray, comm_for, stream_write
 from ...symm_mem.exchange import gather_send_order, send
-from .cublas_pipelined import layout_supports, shard_layout
+from .layout import layout_supports, shard_layout
 
 try:
     from ...kernels import ag_gemm

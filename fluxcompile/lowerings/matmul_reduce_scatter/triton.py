@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ...symm_mem import Comm, ErrorSpec, FlagArray, capturing, comm_for, persistent
 from ...symm_mem.exchange import slot_bytes
-from .cublas_pipelined import layout_supports, row_layout
+from .layout import layout_supports, row_layout
 
 try:
     from ...kernels import gemm_rs
