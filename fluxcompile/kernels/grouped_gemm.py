@@ -89,7 +89,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .waits import timed_wait
+from . import tma_scratch
+from .waits import record_error, timed_wait
 
 MAX_WEIGHTS = 3
 MAX_WORLD = 64
@@ -224,17 +225,6 @@ def _locate(rows, table, world):
         start = tl.where(past, end, start)
         lo = end
     return who, start
-
-
-@triton.jit
-def _record(err, rank, peer, tile, value, kind):
-    """Record an error that is not a timeout (the first error of a launch wins, as in bounded_wait)."""
-    if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
-        tl.atomic_xchg(err + 1, rank)
-        tl.atomic_xchg(err + 2, peer)
-        tl.atomic_xchg(err + 3, tile)
-        tl.atomic_xchg(err + 4, value)
-        tl.atomic_xchg(err + 5, kind)
 
 
 @triton.jit
@@ -444,7 +434,7 @@ def grouped_gemm_kernel(
             my_off = tl.load(my_flags + _INFO + 2 * rank, cache_modifier=".cg")
             if pid == 0:
                 if total != n_pull:
-                    _record(err, rank, -1, total, n_pull, 6)
+                    record_error(err, rank, -1, total, n_pull, 6)  # not a timeout: the splits disagree
                 if ORDERED:  # the segments' bounds, before this program copies
                     _segments(
                         my_flags + _TABLE, row_index, offs, my_flags, n_a, R, E, group_rows, world,
@@ -856,9 +846,7 @@ def _launch(
         and a.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0
     )  # fmt: skip
     if b_t is not None or a_tma:
-        from .ag_gemm import set_allocator
-
-        set_allocator()
+        tma_scratch.set_allocator()
     # Rows of peers' buffers are 16-byte aligned where the row length is (the buffers themselves are).
     row_bytes = k * es if pull is not None else widths[0] * (4 if scatter is not None and scatter.accumulate else es)
     align = 16 if row_bytes % 16 == 0 else 1

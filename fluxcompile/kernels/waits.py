@@ -1,9 +1,10 @@
-"""The bounded acquire-wait on a peer's flag that the Triton kernels share (gemm_ar.py, gemm_rs.py,
-schedules/plan_exec.py): a wait that times out records who waited for what in the kernel's error words instead of
-hanging, and once one wait of a launch has timed out the others give up at once.
+"""The bounded acquire-wait on a peer's flag that the Triton kernels share (gemm_ar.py, gemm_rs.py, grouped_gemm.py,
+embedding_bag.py, schedules/plan_exec.py): a wait that times out records who waited for what in the kernel's error
+words instead of hanging, and once one wait of a launch has timed out the others give up at once.
 
-Error words: ``err[0]`` set to 1 by the first timeout; then ``err[1..5]`` = the waiting rank, the peer
-(-1: none), the tile or message, the awaited value, and a code for which wait it was (``kind``, per kernel).
+Error words: ``err[0]`` set to 1 by the first timeout (or another error a kernel records with
+:func:`record_error`); then ``err[1..5]`` = the waiting rank, the peer (-1: none), the tile or message, the
+awaited value, and a code for which wait it was (``kind``, per kernel).
 :func:`dependency_wait` records into a second set of words of the same layout (schedules/wait_errors.py).
 """
 
@@ -14,8 +15,9 @@ import triton.language as tl
 
 
 @triton.jit
-def record_timeout(err, rank, peer, tile, e, kind):
-    """The first timeout of a launch fills the error words; later ones leave them."""
+def record_error(err, rank, peer, tile, e, kind):
+    """The first error of a launch (a timeout, or another a kernel detects) fills the error words; later ones
+    leave them."""
     if tl.atomic_cas(err, 0, 1, sem="acq_rel", scope="gpu") == 0:
         tl.atomic_xchg(err + 1, rank)
         tl.atomic_xchg(err + 2, peer)
@@ -43,7 +45,7 @@ def bounded_wait(flag, e, err, max_spin, rank, peer, tile, kind, SYS: tl.constex
     ok = (seen - e) >= 0
     if (seen - e) < 0:
         if bail == 0:
-            record_timeout(err, rank, peer, tile, e, kind)
+            record_error(err, rank, peer, tile, e, kind)
     return ok
 
 
@@ -63,7 +65,7 @@ def dependency_wait(flag, e, err, dep_err, max_spin, rank, tile, kind):
     ok = (seen - e) >= 0
     if (seen - e) < 0:
         if bail == 0:
-            record_timeout(dep_err, rank, -1, tile, e, kind)
+            record_error(dep_err, rank, -1, tile, e, kind)
     return ok
 
 
@@ -103,7 +105,7 @@ def timed_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS: tl.constexp
         ok = (seen - e) >= 0
         if (seen - e) < 0:
             if bail == 0:
-                record_timeout(err, rank, peer, tile, e, kind)
+                record_error(err, rank, peer, tile, e, kind)
     else:
         ok = bounded_wait(flag, e, err, budget_us, rank, peer, tile, kind, SYS)
     return ok
