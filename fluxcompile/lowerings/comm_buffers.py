@@ -32,6 +32,7 @@ import torch
 from torch.fx import Node
 from torch.fx.operator_schemas import normalize_function
 
+from ..symm_mem.tensors import can_tell_symmetric
 from ..symm_mem.topology import no_peer_access
 from ..symm_mem.workspace import enable_group
 
@@ -99,8 +100,6 @@ def why_not_symm_mem(A: Any, node: Node | None) -> str | None:
     device = A.get_device()
     if device is None or device.type != "cuda":
         return f"the shard is on {device}, not on CUDA"
-    from .all_gather_matmul.async_input_mm import can_tell_symmetric
-
     if not can_tell_symmetric():
         return "this torch cannot tell a symmetric tensor (no is_symm_mem_tensor): no choice would read it there"
     return None

@@ -30,6 +30,7 @@ import fluxcompile
 from fluxcompile import ops
 from fluxcompile.lowerings import autotune
 from fluxcompile.lowerings.all_gather_matmul import async_input_mm
+from fluxcompile.symm_mem.tensors import can_tell_symmetric
 from fluxcompile.testing import fresh_compiles
 from fluxcompile.testing.numerics import rel_err
 
@@ -39,7 +40,7 @@ REPLAYS = 50
 DIM, N = 256, 384
 REF = ops.REFERENCES["all_gather_matmul"]
 # Where torch cannot tell a symmetric tensor, no choice could read the shard there, so none is realized.
-SYMMETRIC = async_input_mm.can_tell_symmetric()
+SYMMETRIC = can_tell_symmetric()
 c10d = torch.ops._c10d_functional
 _P2P = re.compile(r"\b(\w+) = empty_strided_p2p\(")
 _FUSED = re.compile(
@@ -182,7 +183,7 @@ def _symmetric(rows: int) -> torch.Tensor:
 
 
 def _skip_without_symmetric_check() -> None:
-    if not async_input_mm.can_tell_symmetric():
+    if not can_tell_symmetric():
         pytest.skip(f"torch {torch.__version__} has no is_symm_mem_tensor: every shard is copied")
 
 

@@ -30,7 +30,6 @@ weight, shard rows a multiple of its 128-row tile.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from ...symm_mem import Comm, FlagArray, comm_for, init_flags, ready_done_flags,
 from ...symm_mem.exchange import ring_order
 from ...symm_mem.persistent import persistent
 from ...symm_mem.signals import MAX_HANDSHAKE_RANKS
+from ...symm_mem.tensors import is_symm_mem_tensor
 from ...symm_mem.watchdog import flag_report
 from ...symm_mem.workspace import enable_group
 from .layout import shard_layout
@@ -103,26 +103,6 @@ def all_gather_matmul(
 
 # ---------------------------------------------------------------------------------------------
 # The shard in symmetric memory.
-
-
-@functools.cache
-def _symm_mem_check() -> Callable[[Tensor], bool] | None:
-    from torch.distributed import _symmetric_memory as symm
-
-    check = getattr(symm, "is_symm_mem_tensor", None)
-    return check or getattr(torch._C._distributed_c10d._SymmetricMemory, "is_symm_mem_tensor", None)
-
-
-def can_tell_symmetric() -> bool:
-    """Whether this torch tells symmetric tensors apart (``is_symm_mem_tensor``); without it every shard is
-    copied."""
-    return _symm_mem_check() is not None
-
-
-def is_symm_mem_tensor(t: Tensor) -> bool:
-    """Whether ``t`` lies in a symmetric-memory allocation (False where this torch cannot tell)."""
-    check = _symm_mem_check()
-    return bool(check is not None and check(t))
 
 
 def symmetric_source(a: Tensor, group_name: str) -> tuple[Any, int] | None:
