@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..config import config
+from ..symm_mem.groups import process_group
 from ..symm_mem.persistent import persistent
 from ..symm_mem.topology import no_peer_access
 from ..version import __version__
@@ -190,7 +190,7 @@ def pick(
             f"fluxcompile: {op_name} needs autotuning during CUDA graph capture, which cannot time or "
             "synchronize; run the model once (warm-up) before capturing, with the same shapes"
         )
-    group = _resolve_process_group(group_name)
+    group = process_group(group_name)
     device = _collective_device(group, args)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         # On persistent's worker: whatever tuning leaves behind (the choices' state and workspaces, the tensors
@@ -460,7 +460,7 @@ def _ms(t: float) -> str:
 
 
 def _key(op_name: str, args: tuple, group_name: str, key_extra: str, candidates: list[Choice]) -> str:
-    group = _resolve_process_group(group_name)
+    group = process_group(group_name)
     run_device = _run_device(args)
     key = {
         "op": op_name,
