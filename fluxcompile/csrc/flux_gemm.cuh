@@ -24,6 +24,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "bounded_wait.cuh"
 #include "flux_gemm.h"
 
 namespace fluxcompile::flux {
@@ -38,12 +39,6 @@ CUTLASS_DEVICE unsigned ld_acquire_sys(const unsigned* p) {
   return v;
 }
 
-CUTLASS_DEVICE unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Tile index `idx` of `tiles` along an axis, rotated to start at the tile of element `elems` (tiles past the
 // last, padding of a cluster, stay where they are).
 CUTLASS_DEVICE int rotated(int idx, int tiles, int tile, int elems) {
@@ -53,28 +48,14 @@ CUTLASS_DEVICE int rotated(int idx, int tiles, int tile, int elems) {
   return r >= tiles ? r - tiles : r;
 }
 
-// Bounded wait of a whole warp (every lane polls, so every lane's later reads are ordered after its acquire)
-// until *flag != 0. False when it timed out or another wait already had; the first timeout fills err.
+// Bounded wait (bounded_wait.cuh) of a whole warp (every lane polls, so every lane's later reads are ordered after
+// its acquire) until *flag != 0. False when it timed out or another wait already had; the first timeout fills err
+// (from lane 0; err may be null) with value 1 and kind 1 (chunk arrival).
 CUTLASS_DEVICE bool wait_flag(const unsigned* flag, FluxGemmSync const& s, int peer, int chunk) {
   unsigned long long t0 = 0;
   for (unsigned iter = 0;; ++iter) {
     if (ld_acquire_sys(flag) != 0) return true;
-    if ((iter & 255u) == 0) {
-      unsigned long long now = global_ns();
-      if (t0 == 0) t0 = now;
-      if (s.err != nullptr && *reinterpret_cast<volatile int*>(s.err) != 0) return false;
-      if (static_cast<long long>(now - t0) > s.timeout_ns) {
-        if (s.err != nullptr && (threadIdx.x & 31) == 0 && atomicCAS(s.err, 0, 1) == 0) {
-          s.err[1] = s.rank;
-          s.err[2] = peer;
-          s.err[3] = chunk;
-          s.err[4] = 1;
-          s.err[5] = 1;
-          __threadfence_system();
-        }
-        return false;
-      }
-    }
+    if (bounded_wait_gives_up<true>(iter, t0, s, (threadIdx.x & 31) == 0, peer, chunk, 1, 1)) return false;
   }
 }
 

@@ -43,9 +43,9 @@
 // e + 2 before having received something the peer produced in call e + 1 (one-shot: every tile; two-shot:
 // every rank owns >= 1 tile), i.e. after the peer finished reading call e.
 //
-// Every wait is bounded (timeout_ns on %globaltimer): the first timeout records (rank, peer, tile, epoch,
-// kind) in err, and every later wait of the call gives up at once, so a missing peer costs one timeout.
-// The host checks err afterwards and raises an error naming them.
+// Every wait is bounded (timeout_ns on %globaltimer, bounded_wait.cuh): the first timeout records (rank, peer,
+// tile, epoch, kind) in err, and every later wait of the call gives up at once, so a missing peer costs one
+// timeout. The host checks err afterwards and raises an error naming them.
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -56,6 +56,7 @@
 
 #include <type_traits>
 
+#include "bounded_wait.cuh"
 #include "gemv_ar.h"
 #include "gemv_ar_tuning.h"  // the GEMV_* settings (lab builds override them)
 
@@ -166,31 +167,13 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
 __device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
-// The bookkeeping of a bounded wait, called every spin with its iteration count: true once the wait must
-// give up, because another wait of this call already timed out or because this one has now (the first
-// timeout records rank, peer, tile, epoch and kind in err).
+// The bookkeeping of a bounded wait (bounded_wait.cuh) with this call's bound and error words, called every spin
+// with its iteration count: true once the wait must give up (the first timeout records rank, peer, tile, epoch and
+// kind in err).
 __device__ __forceinline__ bool give_up(unsigned iter, unsigned long long& t0, unsigned e, const GemvArParams& p,
                                         int peer, int tile, int kind) {
-  if (iter & 255u) return false;
-  const unsigned long long now = global_ns();
-  if (t0 == 0) t0 = now;
-  if (*reinterpret_cast<volatile int*>(p.err) != 0) return true;
-  if (static_cast<long long>(now - t0) <= p.timeout_ns) return false;
-  if (atomicCAS(p.err, 0, 1) == 0) {
-    p.err[1] = p.rank;
-    p.err[2] = peer;
-    p.err[3] = tile;
-    p.err[4] = static_cast<int>(e);
-    p.err[5] = kind;
-    __threadfence_system();
-  }
-  return true;
+  return bounded_wait_gives_up(iter, t0, p, true, peer, tile, static_cast<int>(e), kind);
 }
 
 // Bounded wait (one thread) until *flag has reached epoch e. False on timeout or when another wait of

@@ -26,14 +26,14 @@ from . import cutlass_build
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, shipped inside the package
 SOURCES: dict[str, tuple[str, ...]] = {
     # module name -> its sources (headers are hashed too, so an edited header rebuilds)
-    "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h", "gemv_ar_tuning.h"),
+    "gemv_ar": ("gemv_ar.cu", "gemv_ar_binding.cpp", "gemv_ar.h", "gemv_ar_tuning.h", "bounded_wait.cuh"),
     # host code only: the cuBLAS-pipelined choices' stream sequences (sequences.h names each file's part)
     "pipelined": (
         "sequences.h", "sequences.cpp", "sequences_ag.cpp", "sequences_rs.cpp", "memops.h", "memops.cpp", "streams.h",
         "streams.cpp", "replays.h", "replays.cpp", "cublaslt_addmm.h", "cublaslt_addmm.cpp", "pipelined_binding.cpp",
     ),
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
-    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp"),
+    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh"),
 }  # fmt: skip
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 # Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build
