@@ -44,7 +44,7 @@ IMPLEMENTATIONS = (
     "gemv_peers",
     "moe",  # off by default: the MoE dispatch and combine kernels (kernels/grouped_gemm.py)
     "dlrm",  # the DLRM embedding-bag exchange kernel (kernels/embedding_bag.py)
-    "cublas_pipelined",  # cuBLAS GEMMs behind copy-engine transfers (csrc/pipelined.cpp's sequences)
+    "cublas_pipelined",  # cuBLAS GEMMs behind copy-engine transfers (csrc/sequences.h's sequences)
     "ag_stages",  # off by default: all_gather_matmul's "cublas_pipelined:stages<g>" (one GEMM per group of peers)
     "rs_stages",  # off by default: matmul_reduce_scatter's "cublas_pipelined:stages<g>"
     "async_input_mm",  # PyTorch's CUTLASS GEMM that waits on per-chunk signals
@@ -138,7 +138,7 @@ class Config:
     direct_calls: bool = True
 
     # The cuBLAS-pipelined choices' C++ stream sequences: a call whose arguments (pointers included) were
-    # seen before is captured once as a CUDA graph and replayed (csrc/pipelined.cpp, "Replays"). At most this
+    # seen before is captured once as a CUDA graph and replayed (csrc/replays.h). At most this
     # many graphs per process; 0 turns it off.
     sequence_graphs: int = 1024
 

@@ -1,10 +1,10 @@
-"""The C++ host sequencer of the cuBLAS-pipelined choices (csrc/pipelined.cpp).
+"""The C++ host sequencer of the cuBLAS-pipelined choices (csrc's pipelined module, csrc/sequences.h).
 
 A pipelined call issues ten to thirty stream operations (GEMMs, copies, events, flag memory operations).
 Issued from Python each costs as much host time as a small GEMM's GPU time, so the sequences live in C++ alone,
 fed with precomputed slot views and flag addresses (each choice's "plan"). Where the module cannot be built
 (no GPU, no nvcc, a failed build) the choices built on it decline with the reason. The sequences also replay
-calls seen before as CUDA graphs (``config.sequence_graphs``, csrc/pipelined.cpp's "Replays").
+calls seen before as CUDA graphs (``config.sequence_graphs``, csrc/replays.h).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def unavailable() -> str | None:
     try:
         sequencer()
     except extensions.Unavailable as e:
-        return f"the C++ sequencer (csrc/pipelined.cpp) is unavailable: {e}"
+        return f"the C++ sequencer (csrc's pipelined module) is unavailable: {e}"
     return None
 
 

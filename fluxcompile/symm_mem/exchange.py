@@ -103,7 +103,7 @@ class Handshake:
 
     @property
     def lists(self) -> tuple[list[int], ...]:
-        """(recv_from, done_mine, ready_theirs, ready_mine, done_theirs): csrc/pipelined.cpp's argument order."""
+        """(recv_from, done_mine, ready_theirs, ready_mine, done_theirs): csrc/sequences.h's argument order."""
         return list(self.recv_from), self.done_mine, self.ready_theirs, self.ready_mine, self.done_theirs
 
     def note(self) -> None:
@@ -130,7 +130,7 @@ def handshake(group_name: str, tag: str, rank: int, world: int, send_to: Sequenc
 
 def send(stream: torch.cuda.Stream, free: int, pieces: Iterable[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
     """On ``stream``: once the flag at ``free`` says the peer freed its slot, each ``(dst, src, flag)`` piece: the
-    copy engine moves ``src`` into the peer's ``dst`` (peer to peer), then ``flag`` is set. csrc/pipelined.cpp's
+    copy engine moves ``src`` into the peer's ``dst`` (peer to peer), then ``flag`` is set. csrc/sequences.cpp's
     ``send_block`` is the same with one piece."""
     stream_consume(stream, free)
     for dst, src, flag in pieces:

@@ -14,7 +14,7 @@ def poison_allocator(nbytes: int = 1 << 30) -> None:
 
 
 def require_sequencer() -> None:
-    """The cuBLAS-pipelined choices run only through the C++ sequencer (csrc/pipelined.cpp): fail with the
+    """The cuBLAS-pipelined choices run only through the C++ sequencer (csrc's pipelined module): fail with the
     reason where it did not build, rather than let the choices decline and their tests pass by skipping."""
     from fluxcompile.kernels import sequencer
 

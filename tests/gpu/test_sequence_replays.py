@@ -1,4 +1,4 @@
-"""The C++ sequences' CUDA-graph replays (csrc/pipelined.cpp, "Replays"; config.sequence_graphs).
+"""The C++ sequences' CUDA-graph replays (csrc/replays.h; config.sequence_graphs).
 
 A call whose arguments were seen before is captured once and replayed from then on. Every call here gets
 fresh values in the same input tensors, so an output the replay failed to write would still hold the
