@@ -146,37 +146,39 @@ def test_turnstile_turn_is_bounded():
 
 
 def test_protocols_launch_through_their_listed_functions():
-    """The harness orders the launches that ``LAUNCHES`` names (patched on their modules while a call runs): each
-    is a function the protocol calls through its module, so the patch reaches every launch."""
+    """The harness orders the launches that fluxcompile/testing/launches.py names (patched on their modules while a
+    call runs): each is a function the protocol calls through its module, so the patch reaches every launch."""
     import inspect
 
     from fluxcompile.kernels import grouped_gemm as gg
     from fluxcompile.lowerings.all_to_all import triton as moe
     from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
+    from fluxcompile.testing import launches
 
     dlrm = inspect.getsource(lo.protocol)
-    assert [name for _, name in lo.LAUNCHES] == ["publish", "fetch_offsets", "pool", "wait", "copy_out"]
-    for owner, name in lo.LAUNCHES:
-        assert callable(getattr(owner, name)) and f"eb.{name}(" in dlrm, name
+    assert [name for _, name in launches.DLRM] == ["publish", "fetch_offsets", "pool", "wait", "copy_out"]
+    for owner, name in launches.DLRM:
+        assert owner is lo.eb and callable(getattr(owner, name)) and f"eb.{name}(" in dlrm, name
     moe_src = "".join(inspect.getsource(f) for f in (moe.all_to_all_matmul_on, moe.stage_rows, moe.matmul_all_to_all_on))
-    for owner, name in moe.LAUNCHES:
+    for owner, name in launches.MOE:
         assert owner is gg and callable(getattr(gg, name)), name
         assert f"gg.{name}(" in moe_src or f"{name}(" in inspect.getsource(gg.grouped_gemm), name
 
 
 def test_cutlass_protocols_launch_through_their_listed_functions():
     """The CUTLASS choices' GEMMs (one kernel per layout and dtype, loaded at its first launch) and the
-    reduce-scatter's reduction go through the functions their ``LAUNCHES`` name."""
+    reduce-scatter's reduction go through the functions fluxcompile/testing/launches.py names."""
     import inspect
 
     from fluxcompile.kernels import cutlass_gemm, slot_reduction
     from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
     from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
+    from fluxcompile.testing import launches
 
     ag_src = inspect.getsource(ag.all_gather_matmul_on)
-    assert ag.LAUNCHES == ((cutlass_gemm, "gemm"),) and "cutlass_gemm.gemm(" in ag_src
+    assert launches.CUTLASS_ALL_GATHER == ((cutlass_gemm, "gemm"),) and "cutlass_gemm.gemm(" in ag_src
     rs_src = inspect.getsource(rs)
-    assert rs.LAUNCHES == ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
+    assert launches.CUTLASS_REDUCE_SCATTER == ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
     assert "cutlass_gemm.gemm(" in rs_src and "slot_reduction.load_reduction(" in rs_src
 
 

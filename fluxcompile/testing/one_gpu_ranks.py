@@ -29,9 +29,9 @@ Launch order: every simulated rank shares one CUDA context, and loading a kernel
 of a specialization, a lazily loaded library kernel) waits until the device's queued work has drained while it
 holds the context's lock. A rank whose thread loads a module after a peer has queued a kernel that waits for this
 rank's next launch stalls until that wait times out (between GPUs each process has its own context and nothing
-stalls). ``launches`` names the protocol's launch functions (``(module, name)`` pairs, patched while a call
-runs): they pass a :class:`Turnstile`, so a rank's k-th launch (its compilation and module load included) comes
-after every rank's (k-1)-th and after the k-th of the ranks before it. A protocol whose launch needs no peer's
+stalls). ``launches`` names the protocol's launch functions (``(module, name)`` pairs, listed per protocol in
+testing/launches.py, patched while a call runs): they pass a :class:`Turnstile`, so a rank's k-th launch (its
+compilation and module load included) comes after every rank's (k-1)-th and after the k-th of the ranks before it. A protocol whose launch needs no peer's
 launch of the same or a later position (tests/kernel_checks/moe_protocol_interpreted.py checks the MoE
 protocols so) then only ever queues waits that the queued work satisfies, and every load's drain ends.
 

@@ -22,6 +22,7 @@ from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import cutlass_gemm
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
+from fluxcompile.testing import launches
 from fluxcompile.testing.numerics import TOLERANCE, assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -113,7 +114,7 @@ def test_all_gather_matmul_between_simulated_ranks(world, variant):
     _queues(world)
     case = AgCase(world)
     ranks = OneGpuRanks(
-        world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}", launches=ag.LAUNCHES
+        world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}", launches=launches.CUTLASS_ALL_GATHER
     )
 
     def fn(r, comm):
@@ -149,7 +150,7 @@ def test_all_gather_matmul_sequence_parallel_shard():
     A = [torch.randn(1, 77, K, device="cuda", dtype=torch.float16) for _ in range(world)]
     B = torch.randn(K, N, device="cuda", dtype=torch.float16) / K**0.5
     ranks = OneGpuRanks(
-        world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp", launches=ag.LAUNCHES
+        world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp", launches=launches.CUTLASS_ALL_GATHER
     )
     results = _run(ranks, lambda r, comm: ag.all_gather_matmul_on(comm, A[r], [B], [None], 1, variant=variant))
     gathered = torch.cat(A, dim=1)
@@ -208,7 +209,7 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
     case = RsCase(world, shape_of(world), scatter_dim, reduce_op, bias)
     axis = rs.scatter_axis(case.out_shape, scatter_dim)
     ranks = OneGpuRanks(
-        world, rs.data_bytes(case.m, case.n, world, axis, BF16), rs.FLAG_BYTES, tag=f"rs{world}", launches=rs.LAUNCHES
+        world, rs.data_bytes(case.m, case.n, world, axis, BF16), rs.FLAG_BYTES, tag=f"rs{world}", launches=launches.CUTLASS_REDUCE_SCATTER
     )
     tag = f"{variant} {layout} world {world}"
 

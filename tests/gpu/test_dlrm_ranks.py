@@ -27,6 +27,7 @@ from fluxcompile.kernels import embedding_bag as eb
 from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 from fluxcompile.symm_mem.comm import cached_comm
+from fluxcompile.testing import launches
 from fluxcompile.testing.numerics import assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -154,7 +155,7 @@ def test_between_simulated_ranks(world, case):
     g = torch.Generator().manual_seed(world * 100 + len(case))
     ranks = [Rank(g, tables, bags, dim, dtype, idx_dtype, last, 6, 50 + 11 * r) for r in range(world)]
     nbytes = lo.data_bytes(ranks[0].weights, ranks[0].offsets, last, out_shape, outs_of(0), ins_of(0), world)
-    harness = OneGpuRanks(world, nbytes, lo.FLAG_BYTES, tag=f"dlrm{world}{case}", launches=lo.LAUNCHES)
+    harness = OneGpuRanks(world, nbytes, lo.FLAG_BYTES, tag=f"dlrm{world}{case}", launches=launches.DLRM)
 
     def fn(r, comm):
         o, i = ([], []) if uniform and r % 2 == 0 else (outs_of(r), ins_of(r))  # empty lists mean equal splits
@@ -229,7 +230,7 @@ def test_wait_times_out_into_error_words():
     x = Rank(g, 2, bags, dim, torch.float32, torch.int64, False, 4, 40)
     out_shape = [bags, 2 * dim]
     harness = OneGpuRanks(world, lo.data_bytes(x.weights, x.offsets, False, out_shape, [], [], world), lo.FLAG_BYTES,
-                          tag="dlrm-timeout", launches=lo.LAUNCHES)  # fmt: skip
+                          tag="dlrm-timeout", launches=launches.DLRM)  # fmt: skip
 
     def fn(r, comm):
         if r == 1:

@@ -30,6 +30,7 @@ from fluxcompile import config, ops
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
 from fluxcompile.symm_mem import Comm
+from fluxcompile.testing import launches
 from fluxcompile.testing.numerics import TOLERANCE, assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -218,7 +219,7 @@ def _equal_counts(world: int, g: torch.Generator, rows: int) -> list[list[int]]:
 def _harness(world: int, rows: int, tag: str) -> tuple[list[Comm], list[Comm], OneGpuRanks]:
     """Each rank's dispatch and combine ``Comm`` over the harness's workspaces (``rows``: the most rows a rank
     sends or gets back)."""
-    rd = OneGpuRanks(world, rows * D * 2, gg.FLAG_BYTES, tag=f"{tag}-d", launches=moe.LAUNCHES)
+    rd = OneGpuRanks(world, rows * D * 2, gg.FLAG_BYTES, tag=f"{tag}-d", launches=launches.MOE)
     rc = OneGpuRanks(world, rows * D * 4, gg.FLAG_BYTES, tag=f"{tag}-c")
     dev = torch.device("cuda", torch.cuda.current_device())
 

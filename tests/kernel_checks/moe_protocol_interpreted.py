@@ -27,6 +27,7 @@ from fluxcompile import ops
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
 from fluxcompile.symm_mem import Comm
+from fluxcompile.testing import launches
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks, Turnstile
 
 DT = torch.float16  # bf16 products are wrong in Triton 3.6's interpreter
@@ -37,7 +38,7 @@ gg.VARIANTS[TILE] = gg.Variant((16, 32, 16), num_warps=4, num_stages=2)  # two w
 def simulate(world: int, calls, data_bytes: int, progs: dict[str, int], max_spin: int = 5000):
     """Run ``calls[i](rank, comms)`` on every rank (a thread each); their results per call and rank."""
     gate = Turnstile(world, timeout_s=60.0)
-    with gate.patch(moe.LAUNCHES):
+    with gate.patch(launches.MOE):
         comms = []
         for tag in ("dispatch", "combine"):
             ranks = OneGpuRanks(world, data_bytes, gg.FLAG_BYTES, tag=tag, device="cpu")

@@ -144,13 +144,6 @@ def describe(comm: Comm) -> str:
     )
 
 
-# The protocol's launches that may load a kernel's module, in the order every rank makes them: one GEMM per weight,
-# and a weight of another layout or dtype is another kernel. The one-GPU harness orders the simulated ranks'
-# launches by them, so that no rank loads a module (which waits for the device to drain) while its own earlier GEMM
-# waits for a peer's pushes that the load holds back.
-LAUNCHES = ((cutlass_gemm, "gemm"),)
-
-
 def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,

@@ -88,9 +88,6 @@ SPLIT = "-split"  # the dispatch's variant with the pull and the GEMM in two lau
 ORDERED = "-pull"  # "<tile>-pull<N>": the dispatch's variant where N programs copy while the others multiply
 ORDERED_COPIERS = (16, 32)
 DEFAULT = "128x128x64-w8s4"
-# The protocols' launches, in the order every rank makes them (the one-GPU harness orders the simulated ranks'
-# launches by them; no launch needs a peer's launch of the same or a later position).
-LAUNCHES = tuple((gg, name) for name in ("publish", "wait_done", "_launch")) if gg is not None else ()
 
 # The choices' variants: the tile configurations of one program per SM (launches that wait run one per SM), for
 # the dispatch every configuration split (its GEMM launch waits for nothing) and the one-per-SM ones ordered.

@@ -67,9 +67,6 @@ _PUB_FLAG = 8 * MAX_WORLD
 _PUB = 16 * MAX_WORLD
 FLAG_BYTES = _PUB + 16 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a receive buffer's half is a multiple of this many elements
-# The protocol's launches, in the order every rank makes them (the one-GPU harness orders the simulated ranks'
-# launches by them; no launch needs a peer's launch of the same or a later position).
-LAUNCHES = tuple((eb, name) for name in ("publish", "fetch_offsets", "pool", "wait", "copy_out")) if eb else ()
 
 
 def timeout_s() -> float:

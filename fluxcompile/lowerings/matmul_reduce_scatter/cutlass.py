@@ -284,8 +284,3 @@ def copy_2d(stream: torch.cuda.Stream, dst: Tensor, src: Tensor) -> None:
     if int(err) != 0:
         raise RuntimeError(f"fluxcompile: cudaMemcpy2DAsync failed: {err}")
 
-
-# The protocol's launches that may load a kernel's module, in the order every rank makes them (the one-GPU harness
-# orders the simulated ranks' launches by them, so that no rank loads a module, which waits for the device, while a
-# peer's queued GEMM waits for this rank).
-LAUNCHES = ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))

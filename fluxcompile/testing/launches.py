@@ -1,0 +1,39 @@
+"""The launch functions of the protocols that the one-GPU harness orders (one_gpu_ranks.py, ``launches``): per
+protocol, ``(module, name)`` pairs of the launchers it calls through their module, in the order every rank makes
+them; the harness patches each on its module while the simulated ranks' calls run.
+
+Every simulated rank shares one CUDA context, where loading a kernel's module waits for the device to drain: the
+launches listed are those that may load one (a Triton kernel's first launch of a specialization, a CUTLASS kernel
+of another layout or dtype). Ordered by the harness's turnstile, no rank loads a module while a peer's queued
+kernel waits for this rank. No launch of these protocols needs a peer's launch of the same or a later position
+(tests/kernel_checks/moe_protocol_interpreted.py checks the MoE protocols so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..kernels import cutlass_gemm, slot_reduction
+
+try:
+    from ..kernels import embedding_bag, grouped_gemm
+except ImportError:  # no Triton: neither protocol runs
+    embedding_bag = grouped_gemm = None
+
+Launches = tuple[tuple[Any, str], ...]
+
+# all_gather_matmul's ``cutlass`` choices (lowerings/all_gather_matmul/cutlass.py): one GEMM per weight.
+CUTLASS_ALL_GATHER: Launches = ((cutlass_gemm, "gemm"),)
+# matmul_reduce_scatter's ``cutlass`` choices: the reduction's module loaded before the GEMM, then the GEMM.
+CUTLASS_REDUCE_SCATTER: Launches = ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
+# The MoE dispatch and combine (lowerings/all_to_all/triton.py): publish, the wait for the peers' reads, the
+# grouped GEMM's launch.
+MOE: Launches = (
+    tuple((grouped_gemm, name) for name in ("publish", "wait_done", "_launch")) if grouped_gemm is not None else ()
+)
+# The DLRM embedding-bag all-to-all (lowerings/embedding_bag_all_to_all/triton.py).
+DLRM: Launches = (
+    tuple((embedding_bag, name) for name in ("publish", "fetch_offsets", "pool", "wait", "copy_out"))
+    if embedding_bag is not None
+    else ()
+)
