@@ -190,11 +190,10 @@ def _schedules(mp, mode) -> list[torch.Tensor]:
 
     mp.setattr(m, "persistent", mode.persistent)
     mp.setattr(errors_module, "persistent", mode.persistent)
+    _fake_comm_for(mp, mode)
     mp.setattr(m, "_channels", {})
     mp.setattr(m, "_kept", [])
     mp.setattr(m, "_group", lambda name: _group())
-    mp.setattr(m, "workspace", lambda *a, **k: _workspace())
-    mp.setattr(m, "init_flags", lambda *a: None)
     mp.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
     mp.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
     ch = m._channel("g")

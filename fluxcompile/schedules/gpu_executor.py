@@ -1,9 +1,9 @@
 """Run a compiled ``Plan`` on CUDA tensors of a real process group: one launch of schedules/plan_exec.py per
 call and rank.
 
-Per (group, device) a *channel* holds what every plan on that group shares: a symmetric flag array (acks and
-message flags), a symmetric mailbox (grown collectively when a call needs more), the epoch ``state``, the
-local dependency flags and the error words. Per (plan, group, dtype, size) a cached *launch* holds the
+Per (group, device) a *channel* holds what every plan on that group shares: the group's communication context
+(``symm_mem.comm_for``: a symmetric flag array of acks and message flags, a symmetric mailbox grown collectively
+when a call needs more, the error words), the epoch ``state`` and the local dependency flags. Per (plan, group, dtype, size) a cached *launch* holds the
 uploaded instruction tables, the slice count and the scratch buffer. Input and output are the caller's own
 tensors (only mailboxes are written remotely), so a call is one kernel launch and no copies, unless the plan
 stores into its input buffer (then the input is first copied to a private buffer).
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import config
-from ..symm_mem import ErrorWords, FlagArray, Workspace, host_barrier, init_flags, persistent, workspace
+from ..symm_mem import Comm, ErrorSpec, ErrorWords, FlagArray, Workspace, comm_for, host_barrier, persistent
+from ..symm_mem.groups import process_group
 from .encoding import EncodedPlan, encode
 from .plan import Plan
 from .wait_errors import ERR_WORDS, check_error
@@ -36,6 +37,9 @@ ACK_WORDS = 64  # as schedules/plan_exec.py; also the largest group
 MSG_FLAGS = 1 << 16  # message flags (message id * slices + slice)
 DONE_FLAGS = 1 << 16  # dependency flags (instruction index * slices + slice)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TAG = "schedules.mailbox"  # the context's data workspace, the mailbox; its flag workspace: _FLAGS_TAG
+_FLAGS_TAG = "schedules.flags"
+_ERRORS = ErrorSpec(ERR_WORDS, "the schedule executor", per_group=True)
 # Bytes of a chunk per program: small slices spread a chunk over more SMs (bandwidth), large ones keep
 # the number of flags (latency) down. Tunable per call (``slices=``) or here.
 
@@ -51,6 +55,7 @@ class _Channel:
     done: Tensor  # int32 [DONE_FLAGS]
     errors: ErrorWords  # ERR_WORDS: a peer wait's and a dependency's slot (wait_errors.py)
     max_programs: int  # the group's smallest SM count: every program of a launch is resident
+    comm: Comm | None = None  # the group's context: ``flags``, ``errors`` and the mailbox are its
     mbox: Workspace | None = None
     peer_mbox: Tensor | None = None  # int64 [world]
 
@@ -92,7 +97,16 @@ def group_name_of(group: object) -> str:
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return process_group(group_name)
+
+
+def _comm(group_name: str, mailbox_bytes: int = 0) -> Comm:
+    """The group's context: its flag workspace and error words, and a mailbox of at least ``mailbox_bytes`` (a
+    collective where a workspace is made or grows)."""
+    return comm_for(
+        group_name, TAG, data_bytes=mailbox_bytes, flag_bytes=(ACK_WORDS + MSG_FLAGS) * 4, flags_tag=_FLAGS_TAG,
+        errors=_ERRORS,
+    )  # fmt: skip
 
 
 def _channel(group_name: str) -> _Channel:
@@ -108,8 +122,10 @@ def _channel(group_name: str) -> _Channel:
     rank, world = group.rank(), group.size()
     if world > ACK_WORDS:
         raise ValueError(f"fluxcompile.schedules: at most {ACK_WORDS} ranks, not {world}")
-    fws = workspace(group_name, (ACK_WORDS + MSG_FLAGS) * 4, tag="schedules.flags")
-    init_flags(FlagArray(fws, 0, ACK_WORDS + MSG_FLAGS), 0)  # host barrier: zeroed on every rank first
+    comm = _comm(group_name)
+    fws = comm.flags
+    comm.init_flags(FlagArray(fws, 0, ACK_WORDS + MSG_FLAGS), 0)  # host barrier: zeroed on every rank first
+    peer_flags = comm.addresses(fws)
 
     def make() -> _Channel:  # the SM-count all-reduce too: NCCL keeps its tensor past the call
         sms = torch.tensor([torch.cuda.get_device_properties().multi_processor_count], device="cuda")
@@ -119,13 +135,12 @@ def _channel(group_name: str) -> _Channel:
             rank=rank,
             world=world,
             flags=fws,
-            peer_flags=fws.addresses(),
+            peer_flags=peer_flags,
             state=torch.zeros(4, dtype=torch.int32, device="cuda"),
             done=torch.zeros(DONE_FLAGS, dtype=torch.int32, device="cuda"),
-            errors=ErrorWords.make(
-                torch.device("cuda", torch.cuda.current_device()), ERR_WORDS, "the schedule executor"
-            ),
+            errors=comm.errors,
             max_programs=int(sms.item()),
+            comm=comm,
         )
 
     ch = _channels[key] = persistent(make, f"fluxcompile.schedules' channel of group {group_name}")
@@ -134,10 +149,10 @@ def _channel(group_name: str) -> _Channel:
 
 def _mailbox(ch: _Channel, nbytes: int) -> None:
     """Make the group's mailbox hold ``nbytes`` (a collective when it grows: same sizes on every rank)."""
-    ws = workspace(ch.group_name, max(nbytes, 16), tag="schedules.mailbox")
+    ws = _comm(ch.group_name, max(nbytes, 16)).data
     if ws is not ch.mbox:
         ch.mbox = ws
-        ch.peer_mbox = persistent(ws.addresses, f"fluxcompile.schedules' mailbox table of {ch.group_name}")
+        ch.peer_mbox = ch.comm.addresses(ws)
         _kept.extend((ws, ch.peer_mbox))
 
 
