@@ -45,11 +45,11 @@ from typing import Any
 
 import sympy
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 from ..config import Config
+from ..symm_mem.groups import process_group
 from ..symm_mem.store_gather import gather_strings
 from ..symm_mem.topology import no_peer_access
 from .graph_utils import val
@@ -161,7 +161,7 @@ def _symbol_range(args: Sequence[Any], symbol: sympy.Symbol) -> tuple[int, int]:
 def _meet(group_name: str, site: str, timeout_s: float) -> None:
     """Wait until every rank of the group has reached its ``n``-th compile-time choice in this group, and check it
     is the same site everywhere; raise on a timeout or a mismatch (no collective has run yet)."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = process_group(group_name)
     rank = group.rank()
     if group.size() == 1:
         return

@@ -105,9 +105,9 @@ def static_int(x: Any) -> int | None:
 
 def group_size_of(group_name: str) -> int | None:
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from ..symm_mem.groups import group_size
 
-        return _resolve_process_group(group_name).size()
+        return group_size(group_name)
     except Exception:
         return None
 

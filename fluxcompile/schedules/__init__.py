@@ -72,12 +72,11 @@ def run(
                 "fluxcompile.schedules.run: a single tensor runs on the GPU and must be a CUDA tensor; "
                 "pass a list of every rank's CPU tensors to simulate all ranks"
             )
-        import torch.distributed as dist
-
+        from ..symm_mem.groups import group_size
         from .collectives import resolve
         from .gpu_executor import group_name_of, run_plan
 
-        size = dist.distributed_c10d._resolve_process_group(group_name_of(group)).size()
+        size = group_size(group_name_of(group))
         return run_plan(resolve(program, None, size, instances), tensors, group, **kwargs)
     if group is not None or any(t.is_cuda for t in tensors):
         raise ValueError(

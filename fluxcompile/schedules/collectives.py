@@ -71,9 +71,9 @@ def resolve(program: Program | Plan | str, collective: str | None, num_ranks: in
 
 
 def _run(collective: str, x: Tensor, group: object, program, out: Tensor | None, **kw) -> Tensor:
-    import torch.distributed as dist
+    from ..symm_mem.groups import group_size
 
-    size = dist.distributed_c10d._resolve_process_group(group_name_of(group)).size()
+    size = group_size(group_name_of(group))
     plan = resolve(program or DEFAULTS[collective], collective, size)
     return run_plan(plan, x, group, out, **kw)
 
