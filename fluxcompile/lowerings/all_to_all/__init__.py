@@ -1,6 +1,6 @@
-"""fluxcompile.all_to_all_matmul and fluxcompile.matmul_all_to_all: their choices. Both run their reference
-implementation (``all_to_all_single`` + matmuls, registered by lowerings/choices.py) on every device; their
-fused kernels register here, as the other ops' do in their folders.
+"""fluxcompile.all_to_all_matmul and fluxcompile.matmul_all_to_all: their choices. Their fused kernels register
+here, as the other ops' do in their folders; a call no fused choice takes runs the reference implementation
+(``all_to_all_single`` + matmuls, registered by lowerings/choices.py).
 
 Choices, in registration order:
 * ``triton:<tile>`` and, for the dispatch, ``triton:<tile>-split`` (triton.py, family ``moe``,
