@@ -812,11 +812,11 @@ def grouped_gemm(
         num_programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     kw = dict(offs=offs, row_index=row_index, gather=gather, R=R, sig=sig, v=v, num_programs=num_programs, tma=tma)
     if len(Bs) <= 2:
-        _launch(a, list(Bs), outs, pull=pull, gemm=gemm, scatter=scatter, copiers=copiers, **kw)
+        launch_grouped(a, list(Bs), outs, pull=pull, gemm=gemm, scatter=scatter, copiers=copiers, **kw)
     else:  # the first two weights (after the pull), then the third from the rows now local
-        _launch(a, list(Bs[:2]), outs[:2], pull=pull, gemm=gemm, scatter=None, copiers=copiers, **kw)
+        launch_grouped(a, list(Bs[:2]), outs[:2], pull=pull, gemm=gemm, scatter=None, copiers=copiers, **kw)
         if gemm:
-            _launch(a, list(Bs[2:]), outs[2:], pull=None, gemm=True, scatter=None, **kw)
+            launch_grouped(a, list(Bs[2:]), outs[2:], pull=None, gemm=True, scatter=None, **kw)
     return outs
 
 
@@ -828,7 +828,7 @@ def launch_block(v: Variant, dual: bool) -> tuple[int, int, int]:
     return bm, min(bn // 2 if dual else bn, 128), bk
 
 
-def _launch(
+def launch_grouped(
     a, Bs, outs, *, offs, row_index, gather, R, pull, gemm, scatter, sig, v, num_programs, tma, copiers=0
 ) -> None:
     """One launch of ``grouped_gemm_kernel`` for one or two weights (see :func:`grouped_gemm`)."""

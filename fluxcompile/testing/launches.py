@@ -29,7 +29,7 @@ CUTLASS_REDUCE_SCATTER: Launches = ((slot_reduction, "load_reduction"), (cutlass
 # The MoE dispatch and combine (lowerings/all_to_all/triton.py): publish, the wait for the peers' reads, the
 # grouped GEMM's launch.
 MOE: Launches = (
-    tuple((grouped_gemm, name) for name in ("publish", "wait_done", "_launch")) if grouped_gemm is not None else ()
+    tuple((grouped_gemm, name) for name in ("publish", "wait_done", "launch_grouped")) if grouped_gemm is not None else ()
 )
 # The DLRM embedding-bag all-to-all (lowerings/embedding_bag_all_to_all/triton.py).
 DLRM: Launches = (
