@@ -9,8 +9,8 @@ Tile order: the local rank's rows first (no wait), then the other ranks in ring 
 rank — the order their chunks arrive in — and, inside one source rank, Flux's grouped swizzle
 (GROUP_M row blocks sweep the N blocks) so the tiles of one arriving chunk run together. Before a
 remote tile, the program spin-waits (acquire) on the flags of the chunks its rows cover. The wait is
-bounded: after ``max_spin`` polls it records (1, source rank, chunk) in ``err`` and skips the tile,
-so a missing peer gives an error naming the rank and the signal (see :func:`check_error`), not a hang.
+bounded (kernels/waits.py): after ``max_spin`` polls it records the source rank and chunk in ``err`` and
+skips the tile, so a missing peer gives an error naming the rank and the signal (see :func:`check_error`), not a hang.
 
 Several weights sharing the gathered input run in one launch (``Bs`` up to 4: their N blocks are one
 index space); each has an optional bias added in the epilogue. The tiles of the first N block also store
@@ -32,8 +32,10 @@ import triton
 import triton.language as tl
 
 from . import tma_scratch
+from .waits import bounded_wait
 
 MAX_WEIGHTS = 4
+ERR_WORDS = 8  # kernels/waits.py's layout: flag, waiting rank, source rank, chunk, awaited value, kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,17 +205,7 @@ def ag_gemm_kernel(
             c_lo = row0 // chunk_rows
             c_hi = (tl.minimum(row0 + BLOCK_M, rows) - 1) // chunk_rows
             for c in range(c_lo, c_hi + 1):
-                flag = flags + src * n_chunks + c
-                spins = 0
-                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                while (seen != 1) & (spins < max_spin):
-                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                    spins += 1
-                if seen != 1:
-                    if ready == 1:
-                        tl.atomic_xchg(err + 1, src)
-                        tl.atomic_xchg(err + 2, c)
-                        tl.atomic_xchg(err + 0, 1)
+                if bounded_wait(flags + src * n_chunks + c, 1, err, max_spin, rank, src, c, 0, SYS=True) == 0:
                     ready = 0
 
         if ready == 1:
@@ -291,7 +283,7 @@ def ag_gemm(
     """Launch the kernel: ``outs[i] = gathered_rows @ Bs[i] (+ biases[i])``, rows in rank order.
 
     a_local: ``[rows, K]`` this rank's shard; a_slots: ``[world, rows, K]`` (slot ``rank`` unused);
-    flags: int32 ``[world, ceil(rows / chunk_rows)]``, 1 where a chunk has arrived; err: int32 ``[4]``.
+    flags: int32 ``[world, ceil(rows / chunk_rows)]``, 1 where a chunk has arrived; err: int32 ``[ERR_WORDS]``.
     a_out: if given, contiguous ``world * rows * K`` elements that receive the gathered rows (rank order).
     tma: load through device-side tensor descriptors (Hopper), see :func:`tma_unsupported`.
     """
@@ -372,7 +364,7 @@ def tma_unsupported(a_local: torch.Tensor, slot_stride: int, Bs: Sequence[torch.
 
 def check_error(err: torch.Tensor, rank: int, group_name: str) -> None:
     """Raise if a wait in the kernel timed out (reads ``err``: a host synchronization)."""
-    code, src, chunk = (int(x) for x in err[:3].tolist())
+    code, _, src, chunk = (int(x) for x in err[:4].tolist())
     if code:
         raise RuntimeError(
             f"fluxcompile: rank {rank} of group {group_name} timed out waiting for rank {src}'s "

@@ -9,7 +9,7 @@ import sys
 import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
 
-from fluxcompile.kernels.ag_gemm import ag_gemm, check_error
+from fluxcompile.kernels.ag_gemm import ERR_WORDS, ag_gemm, check_error
 
 
 def case(
@@ -27,7 +27,7 @@ def case(
         Bs = [b.t().contiguous().t() for b in Bs]
     biases = [torch.randn(n, generator=g) if bias else None for n in widths]
     flags = torch.ones(world, -(-rows // chunk), dtype=torch.int32)
-    err = torch.zeros(4, dtype=torch.int32)
+    err = torch.zeros(ERR_WORDS, dtype=torch.int32)
     outs = [torch.full((world * rows, n), float("nan")) for n in widths]  # poisoned
     a_out = torch.full((world * rows, k), float("nan"))
     ag_gemm(
@@ -49,7 +49,7 @@ def timeout_case() -> str:
     slots = torch.randn(world, rows, k)
     flags = torch.ones(world, 2, dtype=torch.int32)
     flags[1, 1] = 0  # rank 1's second chunk never arrives
-    err = torch.zeros(4, dtype=torch.int32)
+    err = torch.zeros(ERR_WORDS, dtype=torch.int32)
     ag_gemm(
         a, slots, flags, [torch.randn(k, 8)], [None], rank, world, 4, err, num_programs=2, block=(4, 8, 16), max_spin=50
     )

@@ -6,7 +6,7 @@ Per call, on rank r (peers p in the exchange's gather send order, symm_mem/excha
                 symmetric buffer (peer-to-peer, copy engine) -> set arrived[r, c] on p
   main stream:  one kernel launch (local tiles at once; remote tiles spin-wait, bounded, on arrived[p, c])
                 -> clear our arrived flags -> fill the gathered output -> set done_r on every p
-A wait that times out records (rank, chunk) in error words (``symm_mem.ErrorWords``) copied to pinned host
+A wait that times out records (source rank, chunk) in error words (``symm_mem.ErrorWords``) copied to pinned host
 memory at the end of the call and checked at the start of the next one (no synchronization on the hot path),
 or after every call with ``config.check_signals``.
 
@@ -34,7 +34,7 @@ except ImportError:  # no Triton: the choices are not registered (__init__.py)
 _ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow them
 _FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
 TAG = "ag_triton"
-_ERRORS = ErrorSpec(4, "the Triton all_gather_matmul")  # kernels/ag_gemm.py's layout, one set per device
+_ERRORS = ErrorSpec(ag_gemm.ERR_WORDS if ag_gemm is not None else 0, "the Triton all_gather_matmul")  # per device
 VARIANTS = ag_gemm.VARIANTS if ag_gemm is not None else {}  # the kernel's tile variants, one choice each
 
 
