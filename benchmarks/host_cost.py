@@ -6,6 +6,14 @@ times the host time. Prints one table (rank 0; max over ranks) and a cProfile of
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/host_cost.py
 
+The CUTLASS all-gather choice (``cutlass:<variant>`` of all_gather_matmul, ``--cutlass-variant``, default the first
+of kernels/cutlass_build.VARIANTS) has rows of its own in the op path's layers, whatever the autotuner picks: its
+registered fn (as the op's CUDA implementation calls it), the op's direct entry with it as the compiled choice,
+each with the C++ sequences' replays on and off, and its whole call captured by hand and replayed (the floor);
+profiled like the winners. Where the choice declines (no CUTLASS headers, not Hopper, ...) or under
+``--loopback`` (which loops back the cuBLAS-pipelined choices' workspaces only: the CUTLASS protocol's pushes
+and waits need a real peer), one line says why and its rows are left out.
+
 ``--loopback`` (one process, one GPU: ``python benchmarks/host_cost.py --loopback``) runs the fused ops'
 2-rank host sequence against this rank itself: the peer's slots are views of our own buffer and its flags
 alias ours (``addr(peer, i) == addr(rank, i + 1)``), so each wait is satisfied by our own write and the
@@ -118,6 +126,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--profile-calls", type=int, default=300)
     p.add_argument("--loopback", action="store_true", help="one process, two ranks' host sequence (see above)")
+    p.add_argument(
+        "--cutlass-variant",
+        help="the CUTLASS all-gather choice's variant timed beside the winners (default: the first of "
+        "fluxcompile.kernels.cutlass_build.VARIANTS)",
+    )
     args = p.parse_args()
 
     if args.loopback:
@@ -129,7 +142,19 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=device)
     rank = dist.get_rank()
     import fluxcompile  # registers the ops and their CUDA implementations
+    from fluxcompile.kernels.cutlass_build import VARIANTS as CUTLASS_VARIANTS
     from fluxcompile.lowerings import choices_for, direct_calls, pick
+    from fluxcompile.lowerings.all_gather_matmul import cutlass as ag_cutlass
+
+    variant = args.cutlass_variant or next(iter(CUTLASS_VARIANTS))
+    if variant not in CUTLASS_VARIANTS:
+        p.error(f"--cutlass-variant {variant}: not one of {', '.join(CUTLASS_VARIANTS)}")
+    cutlass_name = f"{ag_cutlass.NAME}:{variant}"
+    # Both ops' CUTLASS choices (family "cutlass") take workspaces of their own, which --loopback leaves as they are.
+    loopback_declines = (
+        "--loopback loops back the cuBLAS-pipelined choices' workspaces only: "
+        "the CUTLASS protocol's pushes and waits need a real peer"
+    )
 
     world = dist.get_world_size()
     if args.loopback:
@@ -179,7 +204,8 @@ def main() -> None:
     ag_args = (ag_a, [ag_b], [None], 0, world, group)
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
         for choice in choices_for(op):
-            if choice.declines(*op_args) is None:
+            looped_out = args.loopback and choice.family == ag_cutlass.NAME  # see loopback_declines
+            if not looped_out and choice.declines(*op_args) is None:
                 try:
                     row(f"{op} {choice.name} (direct)", lambda c=choice, x=op_args: c.fn(*x))
                 except Exception as e:  # a table row, not a crash
@@ -223,6 +249,46 @@ def main() -> None:
         graph.replay()
         torch.cuda.synchronize(device)
         layers[f"{op} {winner.name} captured by hand: graph.replay()"] = graph.replay
+    # The CUTLASS all-gather choice, whatever the autotuner picked: as the op's CUDA implementation runs a choice (its
+    # registered fn), and as Inductor's generated code calls a site compiled to it (the direct entry, ``choice``).
+    cutlass_choice = {c.name: c for c in choices_for("all_gather_matmul")}.get(cutlass_name)
+    if args.loopback:
+        cutlass_why = loopback_declines
+    elif cutlass_choice is None:
+        cutlass_why = "not offered: config.implementations leaves its family out"
+    else:
+        cutlass_why = cutlass_choice.declines(*ag_args)
+    cutlass_direct = f"all_gather_matmul {cutlass_name} (direct)"
+    if cutlass_why is None:
+        try:
+            cutlass_choice.fn(*ag_args)  # the extension and the workspaces, before anything is timed or captured
+            torch.cuda.synchronize(device)
+        except Exception as e:  # the rows left out, not a crash
+            cutlass_why = f"{type(e).__name__}: {e}"
+    if cutlass_why is None:
+        run_cutlass = lambda c=cutlass_choice, x=ag_args: c.fn(*x)  # noqa: E731
+        layers[cutlass_direct] = run_cutlass
+        layers[f"{cutlass_direct}, replays off"] = without_replays(run_cutlass)
+        direct = direct_calls.registered().get("all_gather_matmul")
+        if direct is not None:
+            compiled = (*ag_args, None, None, None, False, cutlass_name)
+            layers[f"all_gather_matmul via its direct entry, compiled choice {cutlass_name}"] = (
+                lambda f=direct, x=compiled: f(*x)
+            )
+            layers[f"all_gather_matmul via its direct entry, compiled choice {cutlass_name}, replays off"] = (
+                without_replays(lambda f=direct, x=compiled: f(*x))
+            )
+        # Its whole call captured by hand and replayed: the floor of its host time.
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                run_cutlass()
+            graph.replay()
+            torch.cuda.synchronize(device)
+            layers[f"all_gather_matmul {cutlass_name} captured by hand: graph.replay()"] = graph.replay
+        except Exception as e:
+            if rank == 0:
+                print(f"{cutlass_name} captured by hand: {type(e).__name__}: {e}")
     out_like = torch.empty(m, n, device=device, dtype=bf)
     layers["torch.empty_like (an output)"] = lambda: torch.empty_like(out_like)
     # Pieces of the winners' Python side (the entries of the two cublas_pipelined modules), each as the entry
@@ -272,6 +338,8 @@ def main() -> None:
             lambda: torch.ops.fluxcompile.matmul_reduce_scatter.default(*rs_args), 8, 8
         ),
     }
+    if cutlass_why is None:
+        by_position[cutlass_direct] = host_us_by_position(run_cutlass, 8, 8)
     torch.cuda.synchronize(device)
     stats = sequencer.replay_stats() if why is None else {}
     if rank == 0:
@@ -282,22 +350,30 @@ def main() -> None:
         print("== the op path's layers, interleaved (median of 9 rounds)")
         for name, t in interleaved.items():
             print(f"  {name:<64} {t:8.1f}")
+        if cutlass_why is not None:
+            print(f"  (no rows of {cutlass_name}, the CUTLASS all-gather choice: {cutlass_why})")
         print("== host µs of the 1st..8th call after a synchronize + barrier (benchmarks/ops.py's rounds)")
         for name, ts in by_position.items():
             print(f"  {name:<64} " + " ".join(f"{t:8.1f}" for t in ts))
+    # (what, how it is called, the call): both ops via torch.ops, and the CUTLASS all-gather choice's fn.
+    profiled: list[tuple[str, str, Callable[[], object]]] = []
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
-        # What the host spends inside the C++ sequence: aten ops and CUDA runtime calls (torch.profiler).
         fused = getattr(torch.ops.fluxcompile, op).default
+        profiled.append((op, " via torch.ops", lambda f=fused, x=op_args: f(*x)))
+    if cutlass_why is None:
+        profiled.append((cutlass_direct, "", run_cutlass))
+    for op, via, fused in profiled:
+        # What the host spends inside the C++ sequence: aten ops and CUDA runtime calls (torch.profiler).
         calls = 50
         dist.barrier()
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as kprof:
             for _ in range(calls):
-                fused(*op_args)
+                fused()
             torch.cuda.synchronize(device)
         if rank == 0:
-            print(f"== torch.profiler of {calls} calls of {op} via torch.ops (host µs per call)")
+            print(f"== torch.profiler of {calls} calls of {op}{via} (host µs per call)")
             for e in sorted(kprof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:24]:
                 print(f"  {e.key[:60]:<60} {e.count / calls:6.1f}x {e.self_cpu_time_total / calls:8.1f} self "
                       f"{e.cpu_time_total / calls:8.1f} total")  # fmt: skip
@@ -305,7 +381,7 @@ def main() -> None:
         dist.barrier()
         prof.enable()
         for i in range(args.profile_calls):
-            fused(*op_args)
+            fused()
             if i % 50 == 49:
                 torch.cuda.synchronize(device)
         prof.disable()
