@@ -87,8 +87,25 @@ std::vector<std::string> names() {
 
 }  // namespace
 
+// The C entry that the pipelined module's sequences launch the GEMM through (csrc/flux_problem.h's FluxGemmRun;
+// Python hands them its address, run_address): the variant at `index`, called as its FluxGemmVariant::run. A
+// plain function pointer, so the sequences build without CUTLASS and this module without the sequences.
+extern "C" cudaError_t fluxcompile_flux_gemm_run(int index, const fluxcompile::FluxGemmProblem* p, cudaStream_t stream,
+                                                 size_t* workspace_bytes) {
+  int count = 0;
+  const fluxcompile::FluxGemmVariant* table = fluxcompile::flux_gemm_variants(&count);
+  if (p == nullptr || index < 0 || index >= count) return cudaErrorInvalidValue;
+  try {
+    return table[index].run(*p, stream, workspace_bytes);
+  } catch (...) {  // no exception crosses the C entry
+    return cudaErrorUnknown;
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "one Flux-style GEMM (variant index, problem, sync, stream)");
   m.def("workspace_bytes", &workspace_bytes, "bytes of workspace a call needs (stream-K variants)");
   m.def("names", &names, "the compiled variants, in index order");
+  m.def("run_address", [] { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&fluxcompile_flux_gemm_run)); },
+        "the address of fluxcompile_flux_gemm_run, the C entry the pipelined module's sequences call");
 }

@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_unsplit", &ag_unsplit, "all-gather by the copy engine, then one GEMM per weight");
   m.def("ag_stages", &ag_stages, "all-gather -> GEMM: our rows, then one GEMM per group of peers");
   m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");
+  m.def("ag_flux", &ag_flux, "all-gather -> GEMM: one Flux-style CUTLASS GEMM per weight whose tiles wait for their chunks");
   m.def("replay_stats", [] { return replays().stats(); },
         "[replays, captures, direct calls, failed captures, graphs held] since the last clear");
   m.def("clear_replays", [] { replays().clear(); }, "drop every captured sequence (tests; stale workspaces)");

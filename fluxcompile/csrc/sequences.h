@@ -6,9 +6,10 @@
 // once per call signature by the Python side (its "plan", with the order and flags of
 // fluxcompile/symm_mem/exchange.py); this module only issues the GEMMs, copies, events and flag memory operations.
 //
-// The module's files: the sequences (sequences_ag.cpp, sequences_rs.cpp; their shared steps in sequences.cpp), built
-// from flag memops (memops.h), stream steps (streams.h), cuBLASLt's addmm (cublaslt_addmm.h) and replayed as CUDA
-// graphs (replays.h); pipelined_binding.cpp makes them the Python module.
+// The module's files: the sequences (sequences_ag.cpp, sequences_rs.cpp, sequences_flux.cpp; their shared steps in
+// sequences.cpp), built from flag memops (memops.h), stream steps (streams.h), cuBLASLt's addmm (cublaslt_addmm.h),
+// the Flux-style CUTLASS GEMM through the flux_gemm module's entry (flux_problem.h) and replayed as CUDA graphs
+// (replays.h); pipelined_binding.cpp makes them the Python module.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,7 +25,7 @@ namespace fluxcompile::pipelined {
 
 // Which sequence a key belongs to (its first word).
 enum SequenceId : int64_t {
-  kRsPipelined = 1, kAgPipelined, kRsTail, kAgUnsplit, kAgLead, kAgStages, kRsStages, kRsAddmm
+  kRsPipelined = 1, kAgPipelined, kRsTail, kAgUnsplit, kAgLead, kAgStages, kRsStages, kRsAddmm, kAgFlux
 };
 
 // ---- steps shared by both families (sequences.cpp) ----
@@ -105,5 +106,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
     const std::vector<std::vector<int64_t>>& group_js, const std::vector<std::vector<int64_t>>& group_ranges,
     int64_t side_handle, int64_t graphs);
+
+// all-gather -> the Flux-style CUTLASS GEMM (sequences_flux.cpp; the GEMM through flux_problem.h)
+std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
+    const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
+    const std::vector<at::Tensor>& peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& chunk_bounds,
+    const std::vector<int64_t>& done_mine, const std::vector<int64_t>& arrived_theirs,
+    const std::vector<int64_t>& done_theirs, const at::Tensor& arrived, const at::Tensor& err, int64_t rank,
+    int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs);
 
 }  // namespace fluxcompile::pipelined

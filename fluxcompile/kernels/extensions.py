@@ -30,7 +30,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # host code only: the cuBLAS-pipelined choices' stream sequences (sequences.h names each file's part)
     "pipelined": (
         "sequences.h", "sequences.cpp", "sequences_ag.cpp", "sequences_rs.cpp", "memops.h", "memops.cpp", "streams.h",
-        "streams.cpp", "replays.h", "replays.cpp", "cublaslt_addmm.h", "cublaslt_addmm.cpp", "pipelined_binding.cpp",
+        "streams.cpp", "replays.h", "replays.cpp", "cublaslt_addmm.h", "cublaslt_addmm.cpp", "sequences_flux.cpp", "flux_problem.h", "flux_gemm.h",
+        "pipelined_binding.cpp",
     ),
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
     "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh"),

@@ -1,0 +1,119 @@
+// The sequences of the Flux-style CUTLASS GEMM's choices (lowerings/*/cutlass.py): one persistent GEMM per weight
+// whose tiles wait for the chunks holding their rows, launched through the flux_gemm module's entry
+// (flux_problem.h), with the pushes and flags around it issued here.
+#include "sequences.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include "flux_problem.h"
+#include "memops.h"
+#include "replays.h"
+#include "streams.h"
+
+namespace fluxcompile::pipelined {
+
+// ---------------------------------------------------------------------------------------------
+// all-gather -> GEMM (all_gather_matmul/cutlass.py). Our symmetric buffer `buffer` reads as the gathered
+// [world * rows, k]: slot s (rows s * rows ..) holds rank s's rows. The send lists peer_slots (slot `rank` in a
+// peer's buffer), done_mine, done_theirs and arrived_theirs (peer j's arrival flag of our chunk c at
+// j * chunks + c) run over the peers in the send order (exchange.gather_send_order); chunk_bounds holds our
+// chunks' rows flattened [lo0, hi0, lo1, hi1, ...]; `arrived`: our arrival flags, int32 [world * chunks] (rank
+// s's chunk c at s * chunks + c), which the GEMMs' tiles wait on; err: the GEMMs' error words. gemm: the launch
+// words of flux_launch (flux_problem.h).
+//   side:  join main -> for each peer j: consume done_mine[j] -> per chunk c: our rows [lo_c, hi_c) into
+//          peer_slots[j] (peer to peer, copy engine) -> set arrived_theirs[j * chunks + c]
+//   main:  our rows into our slot of `buffer` -> per weight the GEMM over `buffer` (tiles from our rows on, each
+//          other tile waiting, bounded, for its chunks) -> zero `arrived` -> the gathered output from `buffer`
+//          -> join side -> set done_theirs[j] (our slot in peer j's buffer may be written again)
+std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
+    const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
+    const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
+    const std::vector<at::Tensor>& peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& chunk_bounds,
+    const std::vector<int64_t>& done_mine, const std::vector<int64_t>& arrived_theirs,
+    const std::vector<int64_t>& done_theirs, const at::Tensor& arrived, const at::Tensor& err, int64_t rank,
+    int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs) {
+  TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  TORCH_CHECK(0 <= rank && rank < world, "fluxcompile: rank out of range");
+  const size_t peers = peer_slots.size();
+  TORCH_CHECK(static_cast<int64_t>(peers) == world - 1, "fluxcompile: one peer slot per peer");
+  check_lengths(peers, {done_mine.size(), done_theirs.size()});
+  TORCH_CHECK(!chunk_bounds.empty() && chunk_bounds.size() % 2 == 0, "fluxcompile: chunk bounds come as lo, hi pairs");
+  const size_t chunks = chunk_bounds.size() / 2;
+  check_lengths(peers * chunks, {arrived_theirs.size()});
+  TORCH_CHECK(a_local.dim() == 2, "fluxcompile: the shard must be [rows, k]");
+  const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
+  TORCH_CHECK(chunk_rows > 0 && static_cast<int64_t>(chunks) == (rows + chunk_rows - 1) / chunk_rows,
+              "fluxcompile: the chunks must be the shard's rows in chunk_rows pieces");
+  for (size_t c = 0; c < chunks; ++c) {
+    const int64_t lo = chunk_bounds[2 * c], hi = chunk_bounds[2 * c + 1];
+    TORCH_CHECK(0 <= lo && lo < hi && hi <= rows, "fluxcompile: a chunk out of the shard's rows");
+  }
+  TORCH_CHECK(buffer.dim() == 2 && buffer.size(0) == m && buffer.size(1) == k,
+              "fluxcompile: the buffer must be [world * rows, k]");
+  for (const auto& slot : peer_slots) {
+    TORCH_CHECK(slot.dim() == 2 && slot.size(0) == rows && slot.size(1) == k, "fluxcompile: a peer slot is not [rows, k]");
+  }
+  TORCH_CHECK(arrived.scalar_type() == at::kInt && arrived.is_contiguous() &&
+                  arrived.numel() == world * static_cast<int64_t>(chunks),
+              "fluxcompile: the arrival flags must be int32 [world * chunks]");
+  TORCH_CHECK(err.scalar_type() == at::kInt && err.is_contiguous() && err.numel() >= 6,
+              "fluxcompile: the error words must be int32 [6]");
+  const FluxLaunch launch = flux_launch(gemm);
+  const auto device = a_local.device().index();
+  c10::cuda::CUDAGuard guard(a_local.device());
+  const auto side = external(side_handle, device);
+
+  std::vector<std::optional<at::Tensor>> bias_c;  // the kernel reads a contiguous [N]
+  bias_c.reserve(biases.size());
+  for (const auto& b : biases) bias_c.push_back(b.has_value() ? std::optional<at::Tensor>(b->contiguous()) : std::nullopt);
+  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
+  TORCH_CHECK(gathered.numel() == m * k, "fluxcompile: the gathered shape does not hold world * rows rows");
+  std::vector<at::Tensor> outs;
+  outs.reserve(Bs.size());
+  for (const auto& b : Bs) outs.push_back(at::empty({m, b.size(-1)}, a_local.options()));
+
+  // Our rows' tiles first (nothing to wait for); every other tile waits for the chunks holding its rows.
+  FluxGemmSync sync;
+  sync.rotate_axis = 0;
+  sync.rotate_elems = static_cast<int>(rank * rows);
+  sync.wait_flags = static_cast<const unsigned*>(arrived.data_ptr());
+  sync.rows_per_rank = static_cast<int>(rows);
+  sync.chunk_rows = static_cast<int>(chunk_rows);
+  sync.chunks_per_rank = static_cast<int>(chunks);
+  sync.skip_rank = static_cast<int>(rank);
+  sync.err = static_cast<int*>(err.data_ptr());
+  sync.rank = static_cast<int>(rank);
+  std::vector<FluxGemmProblem> problems;
+  problems.reserve(Bs.size());
+  for (size_t i = 0; i < Bs.size(); ++i) problems.push_back(flux_problem(buffer, Bs[i], outs[i], bias_c[i], launch, sync));
+
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    join(side, main);
+    for (size_t j = 0; j < peers; ++j) {
+      consume_flag(side, done_mine[j]);  // the peer has freed our slot
+      for (size_t c = 0; c < chunks; ++c) {
+        const int64_t lo = chunk_bounds[2 * c], hi = chunk_bounds[2 * c + 1];
+        copy_async(peer_slots[j].narrow(0, lo, hi - lo), a_local.narrow(0, lo, hi - lo), side);
+        write_flag(side, arrived_theirs[j * chunks + c], 1);
+      }
+    }
+    copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);  // our rows: in place before the launch
+    for (const auto& p : problems) flux_gemm(launch, p, main.stream());
+    // Every wait of this call is over: the next call starts from 0.
+    C10_CUDA_CHECK(cudaMemsetAsync(arrived.data_ptr(), 0, arrived.nbytes(), main.stream()));
+    copy_async(gathered.view({m, k}), buffer, main);
+    join(main, side);
+    for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
+  };
+  replays().run(key_of(int64_t{kAgFlux}, a_local, Bs, bias_c, peer_slots, buffer, chunk_bounds, done_mine,
+                       arrived_theirs, done_theirs, arrived, err, rank, world, chunk_rows, gemm, side_handle, gathered,
+                       outs),
+                graphs, device, issue);
+  return {gathered, outs};
+}
+
+}  // namespace fluxcompile::pipelined
