@@ -67,6 +67,7 @@ def _rs_args(As=None, Bs=None, bias=None, out_shape=(800, 768), scatter_dim=0, r
 def hopper(monkeypatch):
     """Every family on (cutlass among them) and the kernels said to be available (the checks after that one)."""
     monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
+    monkeypatch.setattr(cutlass_gemm, "sequence_unavailable", lambda: None)
     with config.patch(implementations=IMPLEMENTATIONS):
         yield
 
@@ -382,7 +383,8 @@ def test_harness_flags_are_set_on_every_rank_once():
 # blocks the thread); flags are int32 words in the harness's one allocation, written and awaited through their
 # addresses; the GEMM is torch's, waiting for the chunks (all-gather) and counting tiles (reduce-scatter) as the
 # kernel does. This checks the protocols' indexing and handshakes (slots, chunk flags, counters, done/ready over
-# several calls of changing shapes) with real interleavings; the kernels and streams are checked on GPUs.
+# several calls of changing shapes) with real interleavings; the kernels and streams are checked on GPUs. The
+# all-gather's C++ sequence (csrc/sequences_flux.cpp) is stood in for by _ag_sequence, over the plan it is given.
 
 
 class _Stream:
@@ -447,6 +449,34 @@ def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, ra
     return out
 
 
+def _ag_sequence(a_local, Bs, biases, gathered_shape, *plan, rank, world, chunk_rows, variant, side, **_):
+    """csrc/sequences_flux.cpp's ``ag_flux``, its checks and then its operations in its order (the side stream's
+    first, streams not simulated)."""
+    peer_slots, buffer, chunk_bounds, done_mine, arrived_theirs, done_theirs, arrived, err = plan
+    rows, k = a_local.shape
+    peers, chunks = len(peer_slots), len(chunk_bounds) // 2
+    bounds = list(zip(chunk_bounds[::2], chunk_bounds[1::2]))
+    assert peers == world - 1 == len(done_mine) == len(done_theirs) and len(arrived_theirs) == peers * chunks
+    assert chunks == -(-rows // chunk_rows) and all(0 <= lo < hi <= rows for lo, hi in bounds)
+    assert tuple(buffer.shape) == (world * rows, k) and all(tuple(t.shape) == (rows, k) for t in peer_slots)
+    assert arrived.dtype == torch.int32 and arrived.numel() == world * chunks
+    for j in range(peers):
+        _consume(side, done_mine[j])
+        for c, (lo, hi) in enumerate(bounds):
+            peer_slots[j][lo:hi].copy_(a_local[lo:hi])
+            _write(side, arrived_theirs[j * chunks + c], 1)
+    buffer[rank * rows : (rank + 1) * rows].copy_(a_local)
+    outs = [torch.empty(world * rows, b.shape[1], dtype=a_local.dtype) for b in Bs]
+    for b, bias, out in zip(Bs, biases, outs):
+        _gemm(buffer, b, out, bias, variant=variant, wait=(arrived, rows, chunk_rows, rank), err=err, rank=rank)
+    arrived.zero_()
+    gathered = torch.empty(gathered_shape, dtype=a_local.dtype)
+    gathered.view(world * rows, k).copy_(buffer)
+    for addr in done_theirs:
+        _write(None, addr, 1)
+    return gathered, outs
+
+
 def _reduce(slots, own, out, rank, scale) -> None:
     acc = own.float()
     for j in range(1, slots.shape[0]):
@@ -464,10 +494,11 @@ def simulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     fakes = {"stream_write": _write, "stream_wait": _wait, "stream_consume": _consume}
-    for mod, names in ((ag, ["stream_write"]), (exchange, ["stream_write", "stream_consume"]), (rs, list(fakes))):
+    for mod, names in ((exchange, ["stream_write", "stream_consume"]), (rs, list(fakes))):
         for name in names:
             monkeypatch.setattr(mod, name, fakes[name])
     monkeypatch.setattr(cutlass_gemm, "gemm", _gemm)
+    monkeypatch.setattr(cutlass_gemm, "ag_sequence", _ag_sequence)
     monkeypatch.setattr(rs, "copy_2d", lambda stream, dst, src: dst.copy_(src))
     monkeypatch.setattr(slot_reduction, "reduce_slots", _reduce)
 

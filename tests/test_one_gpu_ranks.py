@@ -176,7 +176,7 @@ def test_cutlass_protocols_launch_through_their_listed_functions():
     from fluxcompile.testing import launches
 
     ag_src = inspect.getsource(ag.all_gather_matmul_on)
-    assert launches.CUTLASS_ALL_GATHER == ((cutlass_gemm, "gemm"),) and "cutlass_gemm.gemm(" in ag_src
+    assert launches.CUTLASS_ALL_GATHER == ((cutlass_gemm, "ag_sequence"),) and "cutlass_gemm.ag_sequence(" in ag_src
     rs_src = inspect.getsource(rs)
     assert launches.CUTLASS_REDUCE_SCATTER == ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
     assert "cutlass_gemm.gemm(" in rs_src and "slot_reduction.load_reduction(" in rs_src

@@ -19,6 +19,8 @@ from ..config import config
 from ..symm_mem import persistent
 from . import extensions
 from .cutlass_build import VARIANTS, cutlass_include
+from .sequencer import graph_limit, sequencer
+from .sequencer import unavailable as sequencer_unavailable
 
 RASTERS = {"auto": 0, "m": 1, "n": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -164,6 +166,77 @@ def gemm(
         q[16] = _workspace(device, stream, ext.workspace_bytes(which, q, s))
     ext.run(which, q, s, stream)
     return out
+
+
+@functools.cache
+def run_address() -> int:
+    """The address of the extension's C entry (csrc/flux_gemm_binding.cpp, ``fluxcompile_flux_gemm_run``) through
+    which the pipelined module's sequences launch the GEMM (csrc/flux_problem.h)."""
+    return int(load().run_address())
+
+
+def sequence_unavailable() -> str | None:
+    """Why the sequences that issue a call's protocol around the GEMM (csrc's pipelined module) cannot run here,
+    or None."""
+    return sequencer_unavailable()
+
+
+@functools.cache
+def _stream_k_bytes(which: int, q: tuple[int, ...], s: tuple[int, ...]) -> int:
+    return int(load().workspace_bytes(which, list(q), list(s)))
+
+
+def ag_sequence(
+    a_local: Tensor,
+    Bs: list[Tensor],
+    biases: list[Tensor | None],
+    gathered_shape: list[int],
+    peer_slots: list[Tensor],
+    buffer: Tensor,
+    chunk_bounds: list[int],
+    done_mine: list[int],
+    arrived_theirs: list[int],
+    done_theirs: list[int],
+    arrived: Tensor,
+    err: Tensor,
+    *,
+    rank: int,
+    world: int,
+    chunk_rows: int,
+    variant: str,
+    sm_count: int,
+    side: torch.cuda.Stream,
+    raster: str = "auto",
+    swizzle: int = 1,
+) -> tuple[Tensor, list[Tensor]]:
+    """(gathered A, one output per weight): the all-gather's per-call protocol (lowerings/all_gather_matmul/
+    cutlass.py) issued by the pipelined module's ``ag_flux`` (csrc/sequences_flux.cpp, where the arguments are
+    described) on the current stream and ``side``, one GEMM per weight over ``buffer`` ``[world * rows, k]`` with
+    ``wait=(arrived, rows, chunk_rows, rank)`` and ``rotate=(0, rank * rows)`` as :func:`gemm` takes them; a call
+    seen before is replayed as a CUDA graph (``config.sequence_graphs``)."""
+    workspace = 0
+    if VARIANTS[variant].stream_k:
+        device = a_local.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        m, k = buffer.shape
+        rows = m // world
+        s = (0, rank * rows, arrived.data_ptr(), rows, chunk_rows, -(-rows // chunk_rows), rank, 0, 0, 0,
+             err.data_ptr(), rank, int(config.wait_timeout_s * 1e9))  # fmt: skip
+        nbytes = 0
+        for b in Bs:
+            layout = weight_layout(b)
+            q = (0, 0, 0, 0, m, b.shape[1], k, buffer.stride(0), b.stride(0) if layout == "kn" else b.stride(1), b.shape[1],
+                 int(layout == "nk"), DTYPES[buffer.dtype], sm_count, RASTERS[raster], swizzle, index, 0)  # fmt: skip
+            nbytes = max(nbytes, _stream_k_bytes(_index(variant), q, s))
+        workspace = _workspace(device, stream, nbytes)  # one scratch for the call's GEMMs: they run one after another
+    launch = [
+        run_address(), _index(variant), sm_count, RASTERS[raster], swizzle, int(config.wait_timeout_s * 1e9), workspace
+    ]  # fmt: skip
+    return sequencer().ag_flux(
+        a_local, Bs, biases, gathered_shape, peer_slots, buffer, chunk_bounds, done_mine, arrived_theirs, done_theirs,
+        arrived, err, rank, world, chunk_rows, launch, side.cuda_stream, graph_limit(),
+    )  # fmt: skip
 
 
 def tiles_per_chunk(variant: str, m: int, n: int, chunk_elems: int, axis: int) -> list[int]:

@@ -22,8 +22,9 @@ except ImportError:  # no Triton: neither protocol runs
 
 Launches = tuple[tuple[Any, str], ...]
 
-# all_gather_matmul's ``cutlass`` choices (lowerings/all_gather_matmul/cutlass.py): one GEMM per weight.
-CUTLASS_ALL_GATHER: Launches = ((cutlass_gemm, "gemm"),)
+# all_gather_matmul's ``cutlass`` choices (lowerings/all_gather_matmul/cutlass.py): one C++ sequence per call
+# (its pushes, then one GEMM per weight).
+CUTLASS_ALL_GATHER: Launches = ((cutlass_gemm, "ag_sequence"),)
 # matmul_reduce_scatter's ``cutlass`` choices: the reduction's module loaded before the GEMM, then the GEMM.
 CUTLASS_REDUCE_SCATTER: Launches = ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
 # The MoE dispatch and combine (lowerings/all_to_all/triton.py): publish, the wait for the peers' reads, the

@@ -11,6 +11,9 @@ symmetric data buffer reads as the gathered ``[w * rows, k]``: slot s (rows ``s 
                 nothing to wait for; every other tile waits, bounded, for the chunks holding its rows)
                 -> clear our arrived flags -> A_gathered = a copy of the buffer -> join the side stream
                 -> set done_r on every p (its slot in our buffer may be written again)
+The C++ sequencer (csrc/sequences_flux.cpp, through ``cutlass_gemm.ag_sequence``) issues these operations, a
+call seen before as one CUDA graph (``config.sequence_graphs``); the slot views, chunk bounds and flag addresses
+are computed once per call signature (:func:`plan`). Without the sequencer the choices decline.
 A wait that times out fills an error buffer (``cutlass_gemm.ERR_WORDS`` words), copied to pinned host memory
 at the end of the call and checked at the start of the next eager one (no synchronization on the hot path), or
 after every call with ``config.check_signals``. Flags are 0/1, reset by their waiter: CUDA graphs replay them.
@@ -25,14 +28,16 @@ Family ``cutlass``, on by default: its choices decline every call while ``config
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ...kernels import cutlass_gemm
-from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, stream_write
-from ...symm_mem.exchange import gather_send_order, send
+from ...symm_mem import Comm, ErrorSpec, FlagArray, Workspace, comm_for
+from ...symm_mem.exchange import gather_send_order
 from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
 from .layout import layout_supports, shard_layout
@@ -94,7 +99,7 @@ def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
             return why
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
             return "a bias that is not [N]"
-    return None
+    return cutlass_gemm.sequence_unavailable()
 
 
 def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
@@ -159,6 +164,58 @@ def all_gather_matmul(
     return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant)
 
 
+@dataclasses.dataclass
+class Plan:
+    """What a call signature needs besides its operands (csrc/sequences_flux.cpp's ``ag_flux`` reads them): the
+    views into the symmetric workspaces and the flag addresses, lists over the peers in the send order
+    (``gather_send_order``: shards land in the order the peers' tiles take them)."""
+
+    data: Workspace  # the workspaces the views are of: the plan holds while the context keeps them
+    flags: Workspace
+    chunk_rows: int
+    peer_slots: list[Tensor]  # slot rank in peer send_to[j]'s buffer, [rows, k]: our shard goes there
+    buffer: Tensor  # our whole buffer as the gathered [world * rows, k] (slot s: rows pushed by rank s)
+    chunk_bounds: list[int]  # our chunks' rows, flattened [lo0, hi0, lo1, hi1, ...]
+    done_mine: list[int]  # done[rank, p]: p has freed our slot in its buffer
+    arrived_theirs: list[int]  # arrived[p, rank * chunks + c] at j * chunks + c: our chunk c has landed in p's
+    done_theirs: list[int]  # done[p, rank]: p's slot in our buffer is free again
+    arrived: Tensor  # our arrival flags, int32 [world * chunks]: what our GEMMs' tiles wait on
+
+
+# Per context (compared by identity; dropped with it), per (rows, k, dtype, variant).
+_plans: weakref.WeakKeyDictionary[Comm, dict[tuple, Plan]] = weakref.WeakKeyDictionary()
+
+
+def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Plan:
+    """The plan of shards of ``rows`` x ``k`` on ``comm``, made on the signature's first call and kept while the
+    context keeps its workspaces (a grown one is a new workspace)."""
+    key = (rows, k, dtype, variant)
+    plans = _plans.setdefault(comm, {})
+    p = plans.get(key)
+    if p is not None and p.data is comm.data and p.flags is comm.flags:
+        return p
+    rank, world = comm.rank, comm.world
+    if comm.data.nbytes < data_bytes(rows, k, world, dtype):
+        what = f"all_gather_matmul ({NAME}:{variant})"
+        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
+    chunk_rows, n_chunks = chunking(rows, cutlass_gemm.VARIANTS[variant].tile[0])
+    arrived_all, done = _flag_views(comm)
+    send_to = gather_send_order(rank, world)
+    slot_offset = rank * rows * k * dtype.itemsize
+    p = Plan(
+        data=comm.data, flags=comm.flags, chunk_rows=chunk_rows,
+        peer_slots=[comm.data.view(q, (rows, k), dtype, slot_offset) for q in send_to],
+        buffer=comm.data.view(rank, (world * rows, k), dtype),
+        chunk_bounds=[x for c in range(n_chunks) for x in (c * chunk_rows, min(rows, (c + 1) * chunk_rows))],
+        done_mine=[done.addr(rank, q) for q in send_to],
+        arrived_theirs=[arrived_all.addr(q, rank * n_chunks + c) for q in send_to for c in range(n_chunks)],
+        done_theirs=[done.addr(q, rank) for q in send_to],
+        arrived=comm.flags.view(rank, (world * n_chunks,), torch.int32, _ARRIVED_OFFSET),
+    )  # fmt: skip
+    plans[key] = p
+    return p
+
+
 def all_gather_matmul_on(
     comm: Comm, A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, *, variant: str
 ) -> tuple[Tensor, list[Tensor]]:
@@ -166,47 +223,15 @@ def all_gather_matmul_on(
     the module's docstring, on the current stream and ``comm.side``."""
     rank, world = comm.rank, comm.world
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, world)
-    dtype, es = A.dtype, A.element_size()
     what = f"all_gather_matmul ({NAME}:{variant})"
-    chunk_rows, n_chunks = chunking(rows, cutlass_gemm.VARIANTS[variant].tile[0])
-    if comm.data.nbytes < data_bytes(rows, k, world, dtype):
-        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
-    arrived_all, done = flag_arrays(comm)
+    p = plan(comm, rows, k, A.dtype, variant)
+    flag_arrays(comm)
     comm.errors.check_previous(what, cutlass_gemm.check_error)
-
-    main, side = current_stream(), comm.side
-    a_local = A.view(rows, k)
-    gathered = comm.data.view(rank, (world * rows, k), dtype)  # slot s: rows pushed by rank s
-    arrived = comm.flags.view(rank, (world * n_chunks,), torch.int32, _ARRIVED_OFFSET)
-    send_to = gather_send_order(rank, world)  # shards land in the order the peers' tiles take them
-    bounds = [(c * chunk_rows, min(rows, (c + 1) * chunk_rows)) for c in range(n_chunks)]
-
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for p in send_to:
-            peer_slot = comm.data.view(p, (rows, k), dtype, rank * rows * k * es)
-            pieces = [
-                (peer_slot[lo:hi], a_local[lo:hi], arrived_all.addr(p, rank * n_chunks + c))
-                for c, (lo, hi) in enumerate(bounds)
-            ]
-            send(side, done.addr(rank, p), pieces)
-
-    gathered[rank * rows : (rank + 1) * rows].copy_(a_local)  # our rows: in place before the launch
-    outs = []
-    for b, bias in zip(Bs, biases):
-        out = torch.empty(world * rows, b.shape[1], dtype=dtype, device=A.device)
-        cutlass_gemm.gemm(
-            gathered, b, out, bias.contiguous() if bias is not None else None,
-            variant=variant, sm_count=comm.sm_count, rotate=(0, rank * rows),
-            wait=(arrived, rows, chunk_rows, rank), err=comm.errors.err, rank=rank,
-        )  # fmt: skip
-        outs.append(out)
-    arrived.zero_()  # every wait of this call is over: the next call starts from 0
-    A_gathered = torch.empty(gathered_shape, dtype=dtype, device=A.device)
-    A_gathered.view(world * rows, k).copy_(gathered)
-    main.wait_stream(side)
-    for p in send_to:
-        stream_write(main, done.addr(p, rank), 1)
+    A_gathered, outs = cutlass_gemm.ag_sequence(
+        A.view(rows, k), list(Bs), list(biases), gathered_shape, p.peer_slots, p.buffer, p.chunk_bounds,
+        p.done_mine, p.arrived_theirs, p.done_theirs, p.arrived, comm.errors.err,
+        rank=rank, world=world, chunk_rows=p.chunk_rows, variant=variant, sm_count=comm.sm_count, side=comm.side,
+    )  # fmt: skip
     comm.errors.report(what, cutlass_gemm.check_error)
-    comm.note(main)
+    comm.note(current_stream())
     return A_gathered, outs
