@@ -12,7 +12,7 @@ from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import config, ops
 from fluxcompile.config import IMPLEMENTATIONS
-from fluxcompile.kernels import cutlass_gemm
+from fluxcompile.kernels import cutlass_gemm, sequencer
 from fluxcompile.lowerings import choices_for
 from fluxcompile.testing.numerics import assert_close
 
@@ -46,6 +46,7 @@ RS_CASES = {
 @pytest.fixture(autouse=True)
 def _enabled():
     cutlass_gemm.load()  # built before any rank waits on another
+    sequencer.sequencer()  # the pipelined module: the all-gather's sequence
     with config.patch(implementations=IMPLEMENTATIONS, check_signals=True, wait_timeout_s=10.0):
         yield
 

@@ -19,7 +19,7 @@ from gpu_helpers import poison_allocator
 
 from fluxcompile import config
 from fluxcompile.config import IMPLEMENTATIONS
-from fluxcompile.kernels import cutlass_gemm
+from fluxcompile.kernels import cutlass_gemm, sequencer
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
 from fluxcompile.testing import launches
@@ -50,9 +50,11 @@ def _queues(world: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _bounded():
-    """Kernel waits give up after 5 s (an error, not a hang); the flags stay as in production. The extension is
-    built first: the simulated ranks' host calls run on threads, which would build it while a peer waits."""
+    """Kernel waits give up after 5 s (an error, not a hang); the flags stay as in production. The extensions are
+    built first (the GEMM's, and the pipelined module, whose sequence issues the all-gather's calls): the
+    simulated ranks' host calls run on threads, which would build them while a peer waits."""
     cutlass_gemm.load()
+    sequencer.sequencer()
     with config.patch(implementations=IMPLEMENTATIONS, wait_timeout_s=5.0, check_signals=False):
         yield
 
