@@ -6,7 +6,10 @@ Every simulated rank shares one CUDA context, where loading a kernel's module wa
 launches listed are those that may load one (a Triton kernel's first launch of a specialization, a CUTLASS kernel
 of another layout or dtype). Ordered by the harness's turnstile, no rank loads a module while a peer's queued
 kernel waits for this rank. No launch of these protocols needs a peer's launch of the same or a later position
-(tests/kernel_checks/moe_protocol_interpreted.py checks the MoE protocols so).
+(tests/kernel_checks/moe_protocol_interpreted.py checks the MoE protocols so), but for the CUTLASS all-gather's C++
+sequence: one launch that pushes this rank's rows and runs the GEMMs that wait for the peers' pushes, which their
+sequences of the same position make. It returns without waiting for the device only where its kernels are
+loaded already: its callers load them first (tests/gpu/test_cutlass_ranks.py).
 """
 
 from __future__ import annotations

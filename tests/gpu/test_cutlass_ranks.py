@@ -83,6 +83,17 @@ def _no_errors(ranks: OneGpuRanks) -> None:
     assert all(not w[0] for w in errors), f"wait errors: {errors}"
 
 
+def _load_kernels(variant: str, weights) -> None:
+    """Load the GEMM's kernel for each weight's layout and dtype before the simulated ranks run. The all-gather's
+    C++ sequence is one launch of the turnstile that holds both of a call's GEMMs; a first launch of a kernel loads
+    its module, which waits for the device to drain, while the first GEMM of the same sequence already waits for
+    the pushes of the peers' sequences, which come later: so no kernel may load inside it (testing/launches.py)."""
+    for b in weights:
+        a = torch.zeros(128, b.shape[0], dtype=b.dtype, device=b.device)
+        cutlass_gemm.gemm(a, b, torch.empty(128, b.shape[1], dtype=b.dtype, device=b.device), variant=variant)
+    torch.cuda.synchronize()
+
+
 # --- all_gather_matmul --------------------------------------------------------------------------------------
 
 
@@ -115,6 +126,7 @@ class AgCase:
 def test_all_gather_matmul_between_simulated_ranks(world, variant):
     _queues(world)
     case = AgCase(world)
+    _load_kernels(variant, case.Bs[0])
     ranks = OneGpuRanks(
         world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}", launches=launches.CUTLASS_ALL_GATHER
     )
@@ -151,6 +163,7 @@ def test_all_gather_matmul_sequence_parallel_shard():
     world, variant = 2, DATA_PARALLEL[0]
     A = [torch.randn(1, 77, K, device="cuda", dtype=torch.float16) for _ in range(world)]
     B = torch.randn(K, N, device="cuda", dtype=torch.float16) / K**0.5
+    _load_kernels(variant, [B])
     ranks = OneGpuRanks(
         world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp", launches=launches.CUTLASS_ALL_GATHER
     )
