@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..config import config
 from .persistent import capturing, persistent
+from .workspace import current_stream
 
 Check = Callable[[Tensor, str], None]
 
@@ -66,8 +67,9 @@ class ErrorWords:
             return
         self.host.copy_(self.err, non_blocking=True)
         self.reported = what
-        self.event = torch.cuda.Event()
-        self.event.record()
+        if self.event is None:  # one event, recorded again by every call (creating one per call costs host time)
+            self.event = torch.cuda.Event()
+        self.event.record(current_stream())
         if config.check_signals:
             self.event.synchronize()
             check(self.host, what)
