@@ -103,8 +103,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
     }
     copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);  // our rows: in place before the launch
     for (const auto& p : problems) flux_gemm(launch, p, main.stream());
-    // Every wait of this call is over: the next call starts from 0.
-    C10_CUDA_CHECK(cudaMemsetAsync(arrived.data_ptr(), 0, arrived.nbytes(), main.stream()));
+    // Every wait of this call is over: the next call starts from 0 (ATen's fill on `main`, the current stream).
+    arrived.zero_();
     copy_async(gathered.view({m, k}), buffer, main);
     join(main, side);
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);

@@ -91,6 +91,7 @@ def _load_kernels(variant: str, weights) -> None:
     for b in weights:
         a = torch.zeros(128, b.shape[0], dtype=b.dtype, device=b.device)
         cutlass_gemm.gemm(a, b, torch.empty(128, b.shape[1], dtype=b.dtype, device=b.device), variant=variant)
+    torch.zeros(4, dtype=torch.int32, device="cuda").zero_()  # the sequence's reset of its arrival flags
     torch.cuda.synchronize()
 
 
