@@ -92,10 +92,11 @@ class Replays {
  public:
   // issue() enqueues the sequence on the current stream; it runs directly, or into a new graph (then
   // replayed), or not at all where its graph is replayed. gemm_streams: the streams other than the current
-  // one that issue() runs GEMMs on.
+  // one that issue() runs GEMMs on. blas: whether issue() runs cuBLAS (whose handles and workspaces are made
+  // before a capture); a sequence without cuBLAS makes none.
   template <class F>
   void run(std::vector<int64_t> key, int64_t limit, c10::DeviceIndex device, F&& issue,
-           const std::vector<c10::cuda::CUDAStream>& gemm_streams = {}) {
+           const std::vector<c10::cuda::CUDAStream>& gemm_streams = {}, bool blas = true) {
     const auto current = c10::cuda::getCurrentCUDAStream(device);
     if (limit <= 0 || capturing(current)) return direct(issue);
     key.push_back(device);
@@ -110,7 +111,7 @@ class Replays {
         first_sight(key))
       return direct(issue);
     std::string why;
-    std::unique_ptr<Graph> graph = capture(device, issue, gemm_streams, why);
+    std::unique_ptr<Graph> graph = capture(device, issue, gemm_streams, blas, why);
     if (!graph) {
       refused_.emplace(std::move(key), true);
       last_failure_ = why;
@@ -148,10 +149,12 @@ class Replays {
   // nothing, their outputs come before.
   template <class F>
   std::unique_ptr<Graph> capture(c10::DeviceIndex device, F&& issue,
-                                 const std::vector<c10::cuda::CUDAStream>& gemm_streams, std::string& why) {
+                                 const std::vector<c10::cuda::CUDAStream>& gemm_streams, bool blas, std::string& why) {
     const auto cs = capture_stream(device);
-    warm_blas(cs);  // before the count: they may allocate
-    for (const auto& s : gemm_streams) warm_blas(s);
+    if (blas) {
+      warm_blas(cs);  // before the count: they may allocate
+      for (const auto& s : gemm_streams) warm_blas(s);
+    }
     Handed before;
     if (!handed_out(device, before)) {
       why = "the caching allocator keeps no statistics here";

@@ -112,7 +112,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
   replays().run(key_of(int64_t{kAgFlux}, a_local, Bs, bias_c, peer_slots, buffer, chunk_bounds, done_mine,
                        arrived_theirs, done_theirs, arrived, err, rank, world, chunk_rows, gemm, side_handle, gathered,
                        outs),
-                graphs, device, issue);
+                graphs, device, issue, {}, /*blas=*/false);  // the CUTLASS GEMMs need no cuBLAS handle
   return {gathered, outs};
 }
 
