@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fluxcompile import config
 from fluxcompile.config import IMPLEMENTATIONS
-from fluxcompile.kernels import cutlass_build, cutlass_gemm, slot_reduction
+from fluxcompile.kernels import cutlass_build, cutlass_gemm, sequencer, slot_reduction
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
@@ -67,7 +67,7 @@ def _rs_args(As=None, Bs=None, bias=None, out_shape=(800, 768), scatter_dim=0, r
 def hopper(monkeypatch):
     """Every family on (cutlass among them) and the kernels said to be available (the checks after that one)."""
     monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
-    monkeypatch.setattr(cutlass_gemm, "sequence_unavailable", lambda: None)
+    monkeypatch.setattr(sequencer, "unavailable", lambda: None)
     with config.patch(implementations=IMPLEMENTATIONS):
         yield
 

@@ -20,7 +20,6 @@ from ..symm_mem import persistent
 from . import extensions
 from .cutlass_build import VARIANTS, cutlass_include
 from .sequencer import graph_limit, sequencer
-from .sequencer import unavailable as sequencer_unavailable
 
 RASTERS = {"auto": 0, "m": 1, "n": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -173,12 +172,6 @@ def run_address() -> int:
     """The address of the extension's C entry (csrc/flux_gemm_binding.cpp, ``fluxcompile_flux_gemm_run``) through
     which the pipelined module's sequences launch the GEMM (csrc/flux_problem.h)."""
     return int(load().run_address())
-
-
-def sequence_unavailable() -> str | None:
-    """Why the sequences that issue a call's protocol around the GEMM (csrc's pipelined module) cannot run here,
-    or None."""
-    return sequencer_unavailable()
 
 
 @functools.cache

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...kernels import cutlass_gemm
+from ...kernels import cutlass_gemm, sequencer
 from ...symm_mem import Comm, ErrorSpec, FlagArray, Workspace, comm_for
 from ...symm_mem.exchange import gather_send_order
 from ...symm_mem.watchdog import read_flags
@@ -99,7 +99,7 @@ def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
             return why
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
             return "a bias that is not [N]"
-    return cutlass_gemm.sequence_unavailable()
+    return sequencer.unavailable()  # the pipelined module issues the protocol (kernels/cutlass_gemm.ag_sequence)
 
 
 def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
