@@ -432,7 +432,7 @@ def _consume(stream, addr: int) -> None:
     _write(stream, addr, 0)
 
 
-def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, rank=0, **_):
+def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, rank=0, local=None, **_):
     assert err is not None or (wait is None and signal is None)
     if wait is not None:
         flags, rows_per_rank, chunk_rows, skip = wait
@@ -441,6 +441,12 @@ def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, ra
             for c in range(chunks) if s != skip else ():
                 addr = flags.data_ptr() + 4 * (s * chunks + c)
                 _spin(lambda addr=addr: _word(addr).value != 0, f"rank {rank}: chunk {c} of rank {s}")
+    if local is not None:  # our rows read where the shard is (the kernel's second TMA descriptor)
+        shard, row0 = local
+        tm = cutlass_gemm.VARIANTS[variant].tile[0]
+        assert wait is not None and row0 % tm == 0 and wait[1] % tm == 0 and shard.shape[0] == wait[1]
+        a = a.clone()
+        a[row0 : row0 + shard.shape[0]] = shard
     out.copy_(a.float() @ b.float() + (bias.float() if bias is not None else 0))
     if signal is not None:
         counters, chunk, axis = signal
@@ -449,9 +455,11 @@ def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, ra
     return out
 
 
-def _ag_sequence(a_local, Bs, biases, gathered_shape, *plan, rank, world, chunk_rows, variant, side, **_):
+def _ag_sequence(
+    a_local, Bs, biases, gathered_shape, *plan, rank, world, chunk_rows, variant, side, in_place, return_A, **_
+):
     """csrc/sequences_flux.cpp's ``ag_flux``, its checks and then its operations in its order (the side stream's
-    first, streams not simulated)."""
+    first, streams not simulated). In place, our slot of the buffer is poisoned: the GEMM must not read it."""
     peer_slots, buffer, chunk_bounds, done_mine, arrived_theirs, done_theirs, arrived, err = plan
     rows, k = a_local.shape
     peers, chunks = len(peer_slots), len(chunk_bounds) // 2
@@ -465,13 +473,23 @@ def _ag_sequence(a_local, Bs, biases, gathered_shape, *plan, rank, world, chunk_
         for c, (lo, hi) in enumerate(bounds):
             peer_slots[j][lo:hi].copy_(a_local[lo:hi])
             _write(side, arrived_theirs[j * chunks + c], 1)
-    buffer[rank * rows : (rank + 1) * rows].copy_(a_local)
+    ours = slice(rank * rows, (rank + 1) * rows)
+    if in_place:
+        buffer[ours].fill_(float("nan"))
+    else:
+        buffer[ours].copy_(a_local)
+    local = (a_local, rank * rows) if in_place else None
     outs = [torch.empty(world * rows, b.shape[1], dtype=a_local.dtype) for b in Bs]
     for b, bias, out in zip(Bs, biases, outs):
-        _gemm(buffer, b, out, bias, variant=variant, wait=(arrived, rows, chunk_rows, rank), err=err, rank=rank)
+        wait = (arrived, rows, chunk_rows, rank)
+        _gemm(buffer, b, out, bias, variant=variant, wait=wait, err=err, rank=rank, local=local)
     arrived.zero_()
-    gathered = torch.empty(gathered_shape, dtype=a_local.dtype)
-    gathered.view(world * rows, k).copy_(buffer)
+    gathered = None
+    if return_A:
+        gathered = torch.empty(gathered_shape, dtype=a_local.dtype)
+        gathered.view(world * rows, k).copy_(buffer)
+        if in_place:
+            gathered.view(world * rows, k)[ours] = a_local
     for addr in done_theirs:
         _write(None, addr, 1)
     return gathered, outs
@@ -542,7 +560,9 @@ def _simulate(world: int, data_bytes: int, flag_bytes: int, calls: list, init) -
 def test_all_gather_protocol_simulated(simulated, world):
     variant = next(n for n, v in cutlass_gemm.VARIANTS.items() if not v.stream_k)
     g = torch.Generator().manual_seed(world)
-    shapes = [((200, 64), 0), ((40, 64), 0), ((1, 77, 64), 1), ((200, 64), 0)]  # rows: 2 chunks, 1, 1, 2
+    # rows: 2 chunks, 1, 1, 2 chunks in place (rows a multiple of the tile's M), 2 (gathered A not returned)
+    shapes = [((200, 64), 0), ((40, 64), 0), ((1, 77, 64), 1), ((256, 64), 0), ((200, 64), 0)]
+    return_A = [True, True, True, True, False]
     inputs = [
         [
             (
@@ -556,15 +576,15 @@ def test_all_gather_protocol_simulated(simulated, world):
     ]
 
     def call(i, r, comm):
-        return ag.all_gather_matmul_on(comm, *inputs[i][r], shapes[i][1], variant=variant)
+        return ag.all_gather_matmul_on(comm, *inputs[i][r], shapes[i][1], variant=variant, return_A=return_A[i])
 
     calls = [functools.partial(call, i) for i in range(len(shapes))]
-    nbytes = ag.data_bytes(200, 64, world, BF16)
+    nbytes = ag.data_bytes(256, 64, world, BF16)
     results = _simulate(world, nbytes, ag.FLAG_BYTES, calls, ag.flag_arrays)
     for i, (_, dim) in enumerate(shapes):
         gathered = torch.cat([inputs[i][r][0] for r in range(world)], dim=dim)
         for r, (A_gathered, outs) in enumerate(results[i]):
-            assert torch.equal(A_gathered, gathered), (i, r)
+            assert (A_gathered is None) if not return_A[i] else torch.equal(A_gathered, gathered), (i, r)
             _, Bs, biases = inputs[i][r]
             for out, b, bias in zip(outs, Bs, biases):
                 want = gathered.reshape(-1, 64).float() @ b.float() + (bias.float() if bias is not None else 0)

@@ -10,6 +10,7 @@
 // Each variant file (flux_gemm_<variant>.cu) instantiates one tile configuration with FLUX_GEMM_VARIANT.
 #pragma once
 
+#include <cuda.h>
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -76,8 +77,35 @@ CUTLASS_DEVICE void wait_rows(FluxGemmSync const& s, int lo, int hi) {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// --- host helpers -----------------------------------------------------------------------------------------
+
+// Points a TMA descriptor at another global address (the driver's cuTensorMapReplaceAddress; `address` is
+// 16-byte aligned, the rest of the descriptor unchanged).
+inline cudaError_t replace_address(TmaDescriptor const* desc, void const* address) {
+  using Fn = CUresult (*)(CUtensorMap*, void*);
+  static Fn fn = [] {
+    void* pfn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapReplaceAddress", &pfn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      pfn = nullptr;
+    }
+    return reinterpret_cast<Fn>(pfn);
+  }();
+  if (fn == nullptr) return cudaErrorNotSupported;
+  return fn(const_cast<CUtensorMap*>(reinterpret_cast<CUtensorMap const*>(desc)), const_cast<void*>(address)) ==
+                 CUDA_SUCCESS
+             ? cudaSuccess
+             : cudaErrorInvalidValue;
+}
+
 // --- the mainloop: rotate, wait, then CUTLASS's TMA loads -----------------------------------------------
 
+// With sync.local_a set, the m-tiles of our rows load through a second set of CUTLASS's mainloop parameters
+// (`local`: the TMA descriptor of our shard, where the caller keeps it), every other tile through the first (the
+// gathered operand's buffer). The local descriptor's address is replaced per call (Gemm::run), so the parameter
+// cache does not grow with the caller's pointers.
 template <class Base>
 struct WaitingMainloop : Base {
   struct Arguments : Base::Arguments {
@@ -86,18 +114,47 @@ struct WaitingMainloop : Base {
   struct Params : Base::Params {
     FluxGemmSync sync;
     int m, n;
+    typename Base::Params local;
+    int local_tile0 = 0, local_tiles = 0;  // m-tiles [local_tile0, local_tile0 + local_tiles) load from `local`
   };
 
   template <class ProblemShape>
   static constexpr Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
                                                   void* workspace) {
+    constexpr int TM = size<0>(typename Base::TileShape{});
     Params p;
     static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
     p.sync = args.sync;
     auto mnkl = append<4>(problem_shape, 1);
     p.m = int(get<0>(mnkl));
     p.n = int(get<1>(mnkl));
+    p.local = static_cast<typename Base::Params&>(p);
+    if (args.sync.local_a != nullptr) {
+      typename Base::Arguments local = args;
+      local.ptr_A = static_cast<decltype(local.ptr_A)>(args.sync.local_a);
+      get<0>(local.dA) = args.sync.local_lda;
+      get<2>(local.dA) = int64_t(args.sync.rows_per_rank) * args.sync.local_lda;
+      p.local = Base::to_underlying_arguments(
+          make_shape(args.sync.rows_per_rank, int(get<1>(mnkl)), int(get<2>(mnkl)), 1), local, workspace);
+      p.local_tile0 = args.sync.local_row0 / TM;
+      p.local_tiles = args.sync.rows_per_rank / TM;
+    }
     return p;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+    if (params.local_tiles > 0) Base::prefetch_tma_descriptors(params.local);
+  }
+
+  // CUTLASS's (gA, gB) of the whole operand, then gA of our shard.
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& params) const {
+    constexpr int TM = size<0>(typename Base::TileShape{});
+    auto whole = Base::load_init(problem_shape_MNKL, params);
+    auto [M, N, K, L] = problem_shape_MNKL;
+    auto ours = Base::load_init(make_shape(int(cute::max(params.local_tiles, 1) * TM), N, K, L), params.local);
+    return cute::make_tuple(get<0>(whole), get<1>(whole), get<0>(ours));
   }
 
   template <class Pipeline, class PipelineState, class LoadInputs, class BlockCoord, class... Rest>
@@ -112,9 +169,15 @@ struct WaitingMainloop : Base {
     } else {
       n = rotated(n, (params.n + TN - 1) / TN, TN, s.rotate_elems);
     }
+    int ours = m - params.local_tile0;
+    if (params.local_tiles > 0 && 0 <= ours && ours < params.local_tiles) {
+      Base::load(params.local, pipeline, state, cute::make_tuple(get<2>(inputs), get<1>(inputs)),
+                 make_coord(ours, n, get<2>(blk_coord), get<3>(blk_coord)), static_cast<Rest&&>(rest)...);
+      return;
+    }
     wait_rows(s, m * TM, min(params.m, (m + 1) * TM));
-    Base::load(params, pipeline, state, inputs, make_coord(m, n, get<2>(blk_coord), get<3>(blk_coord)),
-               static_cast<Rest&&>(rest)...);
+    Base::load(params, pipeline, state, cute::make_tuple(get<0>(inputs), get<1>(inputs)),
+               make_coord(m, n, get<2>(blk_coord), get<3>(blk_coord)), static_cast<Rest&&>(rest)...);
   }
 };
 
@@ -296,16 +359,18 @@ struct Gemm {
                                       epilogue, hw, sched};
   }
 
-  // Kernel parameters per problem (every field of it, pointers included), made once: a repeated call (steady
-  // state, CUDA-graph capture) skips the TMA descriptor encoding and the attribute call.
-  using Key = std::array<int64_t, 30>;
+  // Kernel parameters per problem (every field of it, pointers included but our shard's), made once: a repeated
+  // call (steady state, CUDA-graph capture) skips the TMA descriptor encoding and the attribute call; our shard's
+  // descriptor only gets its address replaced.
+  using Key = std::array<int64_t, 32>;
   static Key key_of(FluxGemmProblem const& p) {
     auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
     auto const& s = p.sync;
     return Key{i(p.a), i(p.b), i(p.d), i(p.bias), p.m, p.n, p.k, p.lda, p.ldb, p.ldd, p.b_kmajor, p.dtype,
                p.sm_count, p.raster, p.swizzle, p.device, i(p.workspace), s.rotate_axis, s.rotate_elems,
                i(s.wait_flags), s.rows_per_rank, s.chunk_rows, s.chunks_per_rank, s.skip_rank,
-               i(s.signal_counters), s.signal_axis, s.signal_elems, i(s.err), s.rank, s.timeout_ns};
+               i(s.signal_counters), s.signal_axis, s.signal_elems, i(s.err), s.rank, s.timeout_ns,
+               s.local_a != nullptr ? s.local_lda : -1, s.local_row0};
   }
   struct KeyHash {
     size_t operator()(Key const& k) const {
@@ -344,6 +409,10 @@ struct Gemm {
         it = cache.emplace(key, Kernel::to_underlying_arguments(args, p.workspace)).first;
       }
       params = it->second;
+    }
+    if (p.sync.local_a != nullptr) {
+      cudaError_t rc = replace_address(params.mainloop.local.tma_load_a.get_tma_descriptor(), p.sync.local_a);
+      if (rc != cudaSuccess) return rc;
     }
     if constexpr (StreamK) {
       // Stream-K's tile locks start from zero every call (a memset on the stream, captured with it).

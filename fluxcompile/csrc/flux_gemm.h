@@ -26,6 +26,13 @@ struct FluxGemmSync {
   int chunk_rows = 0;
   int chunks_per_rank = 0;
   int skip_rank = -1;
+  // All-gather, our rows in place: rows [local_row0, local_row0 + rows_per_rank) of A are read from `local_a`
+  // (this rank's shard, row-major with leading dimension local_lda, 16-byte aligned) through a TMA descriptor of
+  // their own instead of from `a`, whose rows there are never written. Null: every row from `a`. local_row0 and
+  // rows_per_rank are multiples of the tile's M (no tile straddles our rows and a peer's; the host checks).
+  const void* local_a = nullptr;
+  long long local_lda = 0;
+  int local_row0 = 0;
   // Reduce-scatter: once a tile's stores have landed, +1 (release, system scope) on signal_counters[c] for every
   // chunk c of `signal_elems` elements along `signal_axis` (0: rows, 1: columns) that the tile overlaps.
   unsigned* signal_counters = nullptr;

@@ -108,12 +108,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
     int64_t side_handle, int64_t graphs);
 
 // all-gather -> the Flux-style CUTLASS GEMM (sequences_flux.cpp; the GEMM through flux_problem.h)
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     const std::vector<at::Tensor>& peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& chunk_bounds,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& arrived_theirs,
     const std::vector<int64_t>& done_theirs, const at::Tensor& arrived, const at::Tensor& err, int64_t rank,
-    int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs);
+    int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs,
+    bool in_place, bool return_A);
 
 }  // namespace fluxcompile::pipelined

@@ -23,18 +23,24 @@ namespace fluxcompile::pipelined {
 // chunks' rows flattened [lo0, hi0, lo1, hi1, ...]; `arrived`: our arrival flags, int32 [world * chunks] (rank
 // s's chunk c at s * chunks + c), which the GEMMs' tiles wait on; err: the GEMMs' error words. gemm: the launch
 // words of flux_launch (flux_problem.h).
+// in_place: rows is a multiple of the tile's M, so the GEMMs read our rows where a_local is (their own TMA
+// descriptor, FluxGemmSync::local_a) and our slot of `buffer` stays unwritten; taken per call where a_local's
+// address and rows are 16-byte aligned, else our rows are copied into our slot first. return_A: whether the
+// gathered operand is produced (else None).
 //   side:  join main -> for each peer j: consume done_mine[j] -> per chunk c: our rows [lo_c, hi_c) into
 //          peer_slots[j] (peer to peer, copy engine) -> set arrived_theirs[j * chunks + c]
-//   main:  our rows into our slot of `buffer` -> per weight the GEMM over `buffer` (tiles from our rows on, each
-//          other tile waiting, bounded, for its chunks) -> zero `arrived` -> the gathered output from `buffer`
-//          -> join side -> set done_theirs[j] (our slot in peer j's buffer may be written again)
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
+//   main:  [our rows into our slot of `buffer`] -> per weight the GEMM over `buffer` (tiles from our rows on,
+//          each other tile waiting, bounded, for its chunks) -> zero `arrived` -> [the gathered output from
+//          `buffer`, our rows from a_local] -> join side -> set done_theirs[j] (our slot in peer j's buffer may be
+//          written again)
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     const std::vector<at::Tensor>& peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& chunk_bounds,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& arrived_theirs,
     const std::vector<int64_t>& done_theirs, const at::Tensor& arrived, const at::Tensor& err, int64_t rank,
-    int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs) {
+    int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs,
+    bool in_place, bool return_A) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   TORCH_CHECK(0 <= rank && rank < world, "fluxcompile: rank out of range");
   const size_t peers = peer_slots.size();
@@ -69,8 +75,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
   std::vector<std::optional<at::Tensor>> bias_c;  // the kernel reads a contiguous [N]
   bias_c.reserve(biases.size());
   for (const auto& b : biases) bias_c.push_back(b.has_value() ? std::optional<at::Tensor>(b->contiguous()) : std::nullopt);
-  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
-  TORCH_CHECK(gathered.numel() == m * k, "fluxcompile: the gathered shape does not hold world * rows rows");
+  TORCH_CHECK(a_local.is_contiguous(), "fluxcompile: the shard must be contiguous");
+  const auto row_bytes = static_cast<uint64_t>(k * a_local.element_size());
+  in_place = in_place && reinterpret_cast<uintptr_t>(a_local.data_ptr()) % 16 == 0 && row_bytes % 16 == 0;
+  std::optional<at::Tensor> gathered;
+  if (return_A) {
+    gathered = at::empty(gathered_shape, a_local.options());
+    TORCH_CHECK(gathered->numel() == m * k, "fluxcompile: the gathered shape does not hold world * rows rows");
+  }
   std::vector<at::Tensor> outs;
   outs.reserve(Bs.size());
   for (const auto& b : Bs) outs.push_back(at::empty({m, b.size(-1)}, a_local.options()));
@@ -86,6 +98,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
   sync.skip_rank = static_cast<int>(rank);
   sync.err = static_cast<int*>(err.data_ptr());
   sync.rank = static_cast<int>(rank);
+  if (in_place) {
+    sync.local_a = a_local.data_ptr();
+    sync.local_lda = a_local.stride(0);
+    sync.local_row0 = static_cast<int>(rank * rows);
+  }
   std::vector<FluxGemmProblem> problems;
   problems.reserve(Bs.size());
   for (size_t i = 0; i < Bs.size(); ++i) problems.push_back(flux_problem(buffer, Bs[i], outs[i], bias_c[i], launch, sync));
@@ -101,17 +118,27 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_flux(
         write_flag(side, arrived_theirs[j * chunks + c], 1);
       }
     }
-    copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);  // our rows: in place before the launch
+    if (!in_place) copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);  // before the launch
     for (const auto& p : problems) flux_gemm(launch, p, main.stream());
     // Every wait of this call is over: the next call starts from 0 (ATen's fill on `main`, the current stream).
     arrived.zero_();
-    copy_async(gathered.view({m, k}), buffer, main);
+    if (gathered.has_value()) {
+      const at::Tensor g = gathered->view({m, k});
+      if (in_place) {  // the peers' rows from the buffer, ours from where they are
+        if (rank > 0) copy_async(g.narrow(0, 0, rank * rows), buffer.narrow(0, 0, rank * rows), main);
+        copy_async(g.narrow(0, rank * rows, rows), a_local, main);
+        const int64_t after = m - (rank + 1) * rows;
+        if (after > 0) copy_async(g.narrow(0, (rank + 1) * rows, after), buffer.narrow(0, (rank + 1) * rows, after), main);
+      } else {
+        copy_async(g, buffer, main);
+      }
+    }
     join(main, side);
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
   };
   replays().run(key_of(int64_t{kAgFlux}, a_local, Bs, bias_c, peer_slots, buffer, chunk_bounds, done_mine,
                        arrived_theirs, done_theirs, arrived, err, rank, world, chunk_rows, gemm, side_handle, gathered,
-                       outs),
+                       outs, static_cast<int64_t>(in_place)),
                 graphs, device, issue, {}, /*blas=*/false);  // the CUTLASS GEMMs need no cuBLAS handle
   return {gathered, outs};
 }

@@ -122,6 +122,7 @@ def gemm(
     signal: tuple[Tensor, int, int] | None = None,
     err: Tensor | None = None,
     rank: int = 0,
+    local: tuple[Tensor, int] | None = None,
 ) -> Tensor:
     """``out = a @ b (+ bias)`` on the current stream with the variant ``variant`` (a name of VARIANTS).
 
@@ -131,6 +132,9 @@ def gemm(
       fills ``err``, int32 [ERR_WORDS]).
     signal: (counters, chunk_elems, axis): once a tile's stores have landed, +1 on counters[c] for each chunk of
       chunk_elems rows (axis 0) or columns (axis 1) it overlaps; see :func:`tiles_per_chunk`.
+    local: (shard, row0): rows ``[row0, row0 + rows_per_rank)`` of ``a`` are read from ``shard`` (row-major,
+      16-byte aligned) instead, through their own TMA descriptor; ``row0`` and ``rows_per_rank`` (of ``wait``)
+      multiples of the tile's M.
     """
     v = VARIANTS[variant]
     m, k = a.shape
@@ -157,6 +161,14 @@ def gemm(
         counters.data_ptr() if counters is not None else 0, sig_axis, sig_elems,
         err.data_ptr() if err is not None else 0, rank, int(config.wait_timeout_s * 1e9),
     ]  # fmt: skip
+    if local is not None:
+        shard, row0 = local
+        tm = v.tile[0]
+        if wait is None or rows_per_rank % tm or row0 % tm or shard.shape != (rows_per_rank, k):
+            raise ValueError("fluxcompile: a local shard needs wait's rows_per_rank rows at a tile boundary")
+        if shard.stride(1) != 1 or shard.data_ptr() % 16 or (shard.stride(0) * shard.element_size()) % 16:
+            raise ValueError("fluxcompile: a local shard must be row-major and 16-byte aligned")
+        s += [shard.data_ptr(), shard.stride(0), row0]
     ext = load()
     which = _index(variant)
     # The raw handle: torch.cuda.current_stream() builds a Stream object per call.
@@ -201,12 +213,15 @@ def ag_sequence(
     side: torch.cuda.Stream,
     raster: str = "auto",
     swizzle: int = 1,
-) -> tuple[Tensor, list[Tensor]]:
-    """(gathered A, one output per weight): the all-gather's per-call protocol (lowerings/all_gather_matmul/
-    cutlass.py) issued by the pipelined module's ``ag_flux`` (csrc/sequences_flux.cpp, where the arguments are
-    described) on the current stream and ``side``, one GEMM per weight over ``buffer`` ``[world * rows, k]`` with
-    ``wait=(arrived, rows, chunk_rows, rank)`` and ``rotate=(0, rank * rows)`` as :func:`gemm` takes them; a call
-    seen before is replayed as a CUDA graph (``config.sequence_graphs``)."""
+    in_place: bool = False,
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:
+    """(gathered A or None, one output per weight): the all-gather's per-call protocol (lowerings/
+    all_gather_matmul/cutlass.py) issued by the pipelined module's ``ag_flux`` (csrc/sequences_flux.cpp, where the
+    arguments are described) on the current stream and ``side``, one GEMM per weight over ``buffer``
+    ``[world * rows, k]`` with ``wait=(arrived, rows, chunk_rows, rank)`` and ``rotate=(0, rank * rows)`` as
+    :func:`gemm` takes them (with ``in_place``, also ``local=(a_local, rank * rows)`` where ``a_local`` is
+    aligned); a call seen before is replayed as a CUDA graph (``config.sequence_graphs``)."""
     workspace = 0
     if VARIANTS[variant].stream_k:
         device = a_local.device
@@ -228,7 +243,7 @@ def ag_sequence(
     ]  # fmt: skip
     return sequencer().ag_flux(
         a_local, Bs, biases, gathered_shape, peer_slots, buffer, chunk_bounds, done_mine, arrived_theirs, done_theirs,
-        arrived, err, rank, world, chunk_rows, launch, side.cuda_stream, graph_limit(),
+        arrived, err, rank, world, chunk_rows, launch, side.cuda_stream, graph_limit(), in_place, return_A,
     )  # fmt: skip
 
 

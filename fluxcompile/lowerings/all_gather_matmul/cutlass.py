@@ -6,11 +6,15 @@ Per call, on rank r of w (peers p in the exchange's gather send order, r-1 first
 symmetric data buffer reads as the gathered ``[w * rows, k]``: slot s (rows ``s * rows ..``) holds rank s's rows.
   side stream:  for p: wait done_p -> for each chunk c of our rows: copy it into slot r of p's buffer (peer to
                 peer, copy engine) -> set arrived[r, c] on p
-  main stream:  copy A into our slot r -> per weight: ``gemm`` over the whole buffer with
+  main stream:  [copy A into our slot r] -> per weight: ``gemm`` over the whole buffer with
                 ``wait=(arrived, rows, chunk_rows, r)`` and ``rotate=(0, r * rows)`` (our rows' tiles first,
                 nothing to wait for; every other tile waits, bounded, for the chunks holding its rows)
-                -> clear our arrived flags -> A_gathered = a copy of the buffer -> join the side stream
-                -> set done_r on every p (its slot in our buffer may be written again)
+                -> clear our arrived flags -> [A_gathered = a copy of the buffer, our rows from A]
+                -> join the side stream -> set done_r on every p (its slot in our buffer may be written again)
+Our rows are read where A is (``local=`` of ``gemm``: a TMA descriptor of their own) when ``rows`` is a multiple
+of the tile's M and A is 16-byte aligned; otherwise (a tile would straddle our rows and a peer's) A is copied into
+our slot first. A_gathered is produced only where the caller reads it (the op's ``return_A``, set by the graph
+pass from the gathered tensor's users); else the choice returns None for it.
 The C++ sequencer (csrc/sequences_flux.cpp, through ``cutlass_gemm.ag_sequence``) issues these operations, a
 call seen before as one CUDA graph (``config.sequence_graphs``); the slot views, chunk bounds and flag addresses
 are computed once per call signature (:func:`plan`). Without the sequencer the choices decline.
@@ -107,8 +111,10 @@ def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Call
     if variant not in cutlass_gemm.VARIANTS:
         raise ValueError(f"fluxcompile: no CUTLASS variant {variant!r}")
 
-    def run(A, Bs, biases, gather_dim, group_size, group_name):
-        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant)
+    def run(A, Bs, biases, gather_dim, group_size, group_name, return_A=True):
+        return all_gather_matmul(
+            A, Bs, biases, gather_dim, group_size, group_name, variant=variant, return_A=return_A
+        )
 
     return run, supports
 
@@ -153,7 +159,8 @@ def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,
     variant: str,
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
     k = A.shape[-1]
     rows = A.numel() // k
@@ -161,7 +168,7 @@ def all_gather_matmul(
     comm = comm_for(
         group_name, TAG, world=group_size, data_bytes=nbytes, flag_bytes=FLAG_BYTES, errors=ERRORS, describe=describe
     )
-    return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant)
+    return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant, return_A=return_A)
 
 
 @dataclasses.dataclass
@@ -173,6 +180,7 @@ class Plan:
     data: Workspace  # the workspaces the views are of: the plan holds while the context keeps them
     flags: Workspace
     chunk_rows: int
+    in_place: bool  # rows a multiple of the tile's M: the GEMMs may read our rows where A is
     peer_slots: list[Tensor]  # slot rank in peer send_to[j]'s buffer, [rows, k]: our shard goes there
     buffer: Tensor  # our whole buffer as the gathered [world * rows, k] (slot s: rows pushed by rank s)
     chunk_bounds: list[int]  # our chunks' rows, flattened [lo0, hi0, lo1, hi1, ...]
@@ -198,12 +206,13 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Pla
     if comm.data.nbytes < data_bytes(rows, k, world, dtype):
         what = f"all_gather_matmul ({NAME}:{variant})"
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
-    chunk_rows, n_chunks = chunking(rows, cutlass_gemm.VARIANTS[variant].tile[0])
+    tile_m = cutlass_gemm.VARIANTS[variant].tile[0]
+    chunk_rows, n_chunks = chunking(rows, tile_m)
     arrived_all, done = _flag_views(comm)
     send_to = gather_send_order(rank, world)
     slot_offset = rank * rows * k * dtype.itemsize
     p = Plan(
-        data=comm.data, flags=comm.flags, chunk_rows=chunk_rows,
+        data=comm.data, flags=comm.flags, chunk_rows=chunk_rows, in_place=rows % tile_m == 0,
         peer_slots=[comm.data.view(q, (rows, k), dtype, slot_offset) for q in send_to],
         buffer=comm.data.view(rank, (world * rows, k), dtype),
         chunk_bounds=[x for c in range(n_chunks) for x in (c * chunk_rows, min(rows, (c + 1) * chunk_rows))],
@@ -217,8 +226,9 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Pla
 
 
 def all_gather_matmul_on(
-    comm: Comm, A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, *, variant: str
-) -> tuple[Tensor, list[Tensor]]:
+    comm: Comm, A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, *, variant: str,
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     """The op's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
     the module's docstring, on the current stream and ``comm.side``."""
     rank, world = comm.rank, comm.world
@@ -231,6 +241,7 @@ def all_gather_matmul_on(
         A.view(rows, k), list(Bs), list(biases), gathered_shape, p.peer_slots, p.buffer, p.chunk_bounds,
         p.done_mine, p.arrived_theirs, p.done_theirs, p.arrived, comm.errors.err,
         rank=rank, world=world, chunk_rows=p.chunk_rows, variant=variant, sm_count=comm.sm_count, side=comm.side,
+        in_place=p.in_place, return_A=return_A,
     )  # fmt: skip
     comm.errors.report(what, cutlass_gemm.check_error)
     comm.note(current_stream())
