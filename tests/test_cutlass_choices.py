@@ -331,7 +331,9 @@ def test_reduction_kernel_compiles_for_sm90(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     types = {"slots": "*bf16", "own": "*bf16", "out": "*bf16", "scale": "fp32"}
-    k = compile_sm90(slot_reduction.reduce_slots_kernel, dict(BLOCK_R=16, BLOCK_C=256), types, num_warps=4, num_stages=1)
+    k = compile_sm90(
+        slot_reduction.reduce_slots_kernel, dict(BLOCK_R=16, BLOCK_C=256), types, num_warps=4, num_stages=1
+    )
     assert "ld.global" in k.asm["ptx"]
 
 

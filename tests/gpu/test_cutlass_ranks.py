@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 BF16 = torch.bfloat16
 TOL = TOLERANCE[BF16]
 ROWS, K, N, N2 = 200, 512, 768, 256  # rows per rank not a multiple of any tile
+IN_PLACE_ROWS = 256  # a multiple of every tile's M: the all-gather's GEMMs read our rows where they are
 WORLDS = (2, 4, 8)
 DATA_PARALLEL = [name for name, v in cutlass_gemm.VARIANTS.items() if not v.stream_k]
 STREAM_K = [name for name, v in cutlass_gemm.VARIANTS.items() if v.stream_k]
@@ -92,6 +93,17 @@ def _load_kernels(variant: str, weights) -> None:
         a = torch.zeros(128, b.shape[0], dtype=b.dtype, device=b.device)
         cutlass_gemm.gemm(a, b, torch.empty(128, b.shape[1], dtype=b.dtype, device=b.device), variant=variant)
     torch.zeros(4, dtype=torch.int32, device="cuda").zero_()  # the sequence's reset of its arrival flags
+    # The process's first captures of the sequence (csrc/replays.h: at a signature's second sight) may wait for
+    # the device where a peer's queued GEMM waits for this rank: the sequence at one rank, three times (direct,
+    # captured, replayed), makes them here first.
+    side = torch.cuda.Stream()
+    a = torch.randn(128, weights[0].shape[0], dtype=weights[0].dtype, device="cuda")
+    for _ in range(3):
+        cutlass_gemm.ag_sequence(
+            a, list(weights), [None] * len(weights), [128, a.shape[1]], [], torch.empty_like(a), [0, 128], [], [], [],
+            torch.ones(1, dtype=torch.int32, device="cuda"), torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32,
+            device="cuda"), rank=0, world=1, chunk_rows=128, variant=variant, sm_count=0, side=side, in_place=True,
+        )  # fmt: skip
     torch.cuda.synchronize()
 
 
@@ -113,35 +125,50 @@ class AgCase:
         for a in self.A:
             a.copy_(torch.randn_like(a))
 
-    def check(self, results, what: str) -> None:
+    def check(self, results, what: str, return_A: bool = True) -> None:
         gathered = torch.cat(self.A)
         for r, (A_gathered, outs) in enumerate(results):
-            assert torch.equal(A_gathered, gathered), f"{what}: rank {r}'s gathered A"
+            if not return_A:
+                assert A_gathered is None, f"{what}: rank {r} returned the gathered A unasked"
+            else:
+                assert torch.equal(A_gathered, gathered), f"{what}: rank {r}'s gathered A"
             for i, (out, b, bias) in enumerate(zip(outs, self.Bs[r], self.biases[r])):
                 want = gathered.float() @ b.float() + (bias.float() if bias is not None else 0)
                 assert_close(out, want, TOL, f"{what}: rank {r}'s output {i}")
 
 
+@pytest.mark.parametrize("rows", (ROWS, IN_PLACE_ROWS))
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("variant", AG_VARIANTS)
-def test_all_gather_matmul_between_simulated_ranks(world, variant):
+def test_all_gather_matmul_between_simulated_ranks(world, variant, rows):
+    """Rows per rank ragged (our rows copied into our slot) and a multiple of the tile (read where they are; our
+    slot keeps the harness's 0xFF poison); the second eager call without the gathered operand."""
     _queues(world)
-    case = AgCase(world)
+    case = AgCase(world, rows)
     _load_kernels(variant, case.Bs[0])
     ranks = OneGpuRanks(
-        world, ag.data_bytes(ROWS, K, world, BF16), ag.FLAG_BYTES, tag=f"ag{world}", launches=launches.CUTLASS_ALL_GATHER
+        world,
+        ag.data_bytes(rows, K, world, BF16),
+        ag.FLAG_BYTES,
+        tag=f"ag{world}",
+        launches=launches.CUTLASS_ALL_GATHER,
     )
+    return_A = True
 
     def fn(r, comm):
-        return ag.all_gather_matmul_on(comm, case.A[r], case.Bs[r], case.biases[r], 0, variant=variant)
+        return ag.all_gather_matmul_on(
+            comm, case.A[r], case.Bs[r], case.biases[r], 0, variant=variant, return_A=return_A
+        )
 
     for call in range(EAGER_CALLS):
         case.refresh()
         poison_allocator(1 << 28)
         delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
+        return_A = call != 1
         results = _run(ranks, fn, **delay)
         _no_errors(ranks)
-        case.check(results, f"{variant} world {world} eager call {call}")
+        case.check(results, f"{variant} world {world} rows {rows} eager call {call}", return_A)
+    return_A = True
 
     graph, results = ranks.capture(fn)
     for replay in range(REPLAYS):
@@ -151,11 +178,11 @@ def test_all_gather_matmul_between_simulated_ranks(world, variant):
             for out in outs:
                 out.fill_(float("nan"))
         _replay(ranks, graph)
-        case.check(results, f"{variant} world {world} replay {replay}")
+        case.check(results, f"{variant} world {world} rows {rows} replay {replay}")
     _no_errors(ranks)
     # an eager call after the replays (flags left as the graph found them)
     case.refresh()
-    case.check(_run(ranks, fn), f"{variant} world {world} eager after replays")
+    case.check(_run(ranks, fn), f"{variant} world {world} rows {rows} eager after replays")
 
 
 def test_all_gather_matmul_sequence_parallel_shard():
@@ -166,7 +193,11 @@ def test_all_gather_matmul_sequence_parallel_shard():
     B = torch.randn(K, N, device="cuda", dtype=torch.float16) / K**0.5
     _load_kernels(variant, [B])
     ranks = OneGpuRanks(
-        world, ag.data_bytes(77, K, world, torch.float16), ag.FLAG_BYTES, tag="ag-sp", launches=launches.CUTLASS_ALL_GATHER
+        world,
+        ag.data_bytes(77, K, world, torch.float16),
+        ag.FLAG_BYTES,
+        tag="ag-sp",
+        launches=launches.CUTLASS_ALL_GATHER,
     )
     results = _run(ranks, lambda r, comm: ag.all_gather_matmul_on(comm, A[r], [B], [None], 1, variant=variant))
     gathered = torch.cat(A, dim=1)
@@ -225,7 +256,11 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
     case = RsCase(world, shape_of(world), scatter_dim, reduce_op, bias)
     axis = rs.scatter_axis(case.out_shape, scatter_dim)
     ranks = OneGpuRanks(
-        world, rs.data_bytes(case.m, case.n, world, axis, BF16), rs.FLAG_BYTES, tag=f"rs{world}", launches=launches.CUTLASS_REDUCE_SCATTER
+        world,
+        rs.data_bytes(case.m, case.n, world, axis, BF16),
+        rs.FLAG_BYTES,
+        tag=f"rs{world}",
+        launches=launches.CUTLASS_REDUCE_SCATTER,
     )
     tag = f"{variant} {layout} world {world}"
 
@@ -322,6 +357,40 @@ def test_gemm_signals_count_tiles(variant, axis):
     assert counters[: len(want)].tolist() == want
     assert counters[len(want) :].eq(0).all()
     assert_close(out, a.float() @ b.float(), TOL, "signalling GEMM")
+
+
+@pytest.mark.parametrize(
+    "variant", [*AG_VARIANTS, next(n for n, v in cutlass_gemm.VARIANTS.items() if v.schedule == "pp")]
+)
+def test_gemm_reads_our_rows_where_they_are(variant):
+    """``local=``: the m-tiles of our rows load from our shard (their own TMA descriptor), never from the poisoned
+    rows of ``a``; a second shard at another address (the descriptor's address replaced, the cached parameters
+    reused) and a call without ``local`` after it."""
+    world, rank, rows, chunk_rows = 4, 2, IN_PLACE_ROWS, 128
+    flags = torch.ones(world * (rows // chunk_rows), dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    a = torch.randn(world * rows, K, device="cuda", dtype=BF16)
+    ours = slice(rank * rows, (rank + 1) * rows)
+    for b in (_weight("kn", BF16), _weight("nk", BF16, N2)):
+        for i in range(2):
+            shard = torch.randn(rows, K, device="cuda", dtype=BF16)
+            a[ours] = float("nan")
+            out = torch.full((world * rows, b.shape[1]), float("nan"), device="cuda", dtype=BF16)
+            wait = (flags, rows, chunk_rows, rank)
+            cutlass_gemm.gemm(a, b, out, variant=variant, wait=wait, err=err, rank=rank, rotate=(0, rank * rows),
+                              local=(shard, rank * rows))  # fmt: skip
+            want = a.float()
+            want[ours] = shard.float()
+            assert_close(out, want @ b.float(), TOL, f"{variant}: our rows read where they are, shard {i}")
+        a[ours] = shard
+        out = torch.full((world * rows, b.shape[1]), float("nan"), device="cuda", dtype=BF16)
+        cutlass_gemm.gemm(a, b, out, variant=variant, wait=wait, err=err, rank=rank)
+        assert_close(out, a.float() @ b.float(), TOL, f"{variant}: every row from a")
+    torch.cuda.synchronize()
+    assert err.tolist() == [0] * cutlass_gemm.ERR_WORDS
+    with pytest.raises(ValueError, match="tile boundary"):
+        cutlass_gemm.gemm(a, b, out, variant=variant, wait=(flags, rows, chunk_rows, rank), err=err, rank=rank,
+                          local=(shard[: rows - 8], rank * rows))  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", AG_VARIANTS)

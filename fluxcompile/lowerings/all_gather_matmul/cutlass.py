@@ -112,9 +112,7 @@ def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Call
         raise ValueError(f"fluxcompile: no CUTLASS variant {variant!r}")
 
     def run(A, Bs, biases, gather_dim, group_size, group_name, return_A=True):
-        return all_gather_matmul(
-            A, Bs, biases, gather_dim, group_size, group_name, variant=variant, return_A=return_A
-        )
+        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant, return_A=return_A)
 
     return run, supports
 
