@@ -115,6 +115,6 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& arrived_theirs,
     const std::vector<int64_t>& done_theirs, const at::Tensor& arrived, const at::Tensor& err, int64_t rank,
     int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs,
-    bool in_place, bool return_A);
+    bool in_place, bool return_A, const std::optional<at::Tensor>& err_host, const std::vector<int64_t>& events);
 
 }  // namespace fluxcompile::pipelined

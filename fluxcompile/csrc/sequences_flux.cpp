@@ -26,7 +26,8 @@ namespace fluxcompile::pipelined {
 // in_place: rows is a multiple of the tile's M, so the GEMMs read our rows where a_local is (their own TMA
 // descriptor, FluxGemmSync::local_a) and our slot of `buffer` stays unwritten; taken per call where a_local's
 // address and rows are 16-byte aligned, else our rows are copied into our slot first. return_A: whether the
-// gathered operand is produced (else None).
+// gathered operand is produced (else None). err_host: the error words' pinned host copy, written after the GEMMs;
+// events: recorded on the current stream after an eager call (symm_mem's ErrorWords and watchdog read them).
 //   side:  join main -> for each peer j: consume done_mine[j] -> per chunk c: our rows [lo_c, hi_c) into
 //          peer_slots[j] (peer to peer, copy engine) -> set arrived_theirs[j * chunks + c]
 //   main:  [our rows into our slot of `buffer`] -> per weight the GEMM over `buffer` (tiles from our rows on,
@@ -40,7 +41,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& arrived_theirs,
     const std::vector<int64_t>& done_theirs, const at::Tensor& arrived, const at::Tensor& err, int64_t rank,
     int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs,
-    bool in_place, bool return_A) {
+    bool in_place, bool return_A, const std::optional<at::Tensor>& err_host, const std::vector<int64_t>& events) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   TORCH_CHECK(0 <= rank && rank < world, "fluxcompile: rank out of range");
   const size_t peers = peer_slots.size();
@@ -67,6 +68,9 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
               "fluxcompile: the arrival flags must be int32 [world * chunks]");
   TORCH_CHECK(err.scalar_type() == at::kInt && err.is_contiguous() && err.numel() >= 6,
               "fluxcompile: the error words must be int32 [6]");
+  TORCH_CHECK(!err_host.has_value() || (err_host->scalar_type() == at::kInt && err_host->is_contiguous() &&
+                                        err_host->numel() == err.numel() && err_host->is_pinned()),
+              "fluxcompile: the error words' host copy must be pinned int32 of the words' size");
   const FluxLaunch launch = flux_launch(gemm);
   const auto device = a_local.device().index();
   c10::cuda::CUDAGuard guard(a_local.device());
@@ -120,6 +124,10 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     }
     if (!in_place) copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);  // before the launch
     for (const auto& p : problems) flux_gemm(launch, p, main.stream());
+    if (err_host.has_value()) {  // the words to the host, checked by the next eager call (symm_mem/errors.py)
+      C10_CUDA_CHECK(cudaMemcpyAsync(err_host->data_ptr(), err.data_ptr(), err.nbytes(), cudaMemcpyDeviceToHost,
+                                     main.stream()));
+    }
     // Every wait of this call is over: the next call starts from 0 (ATen's fill on `main`, the current stream).
     arrived.zero_();
     if (gathered.has_value()) {
@@ -138,8 +146,15 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
   };
   replays().run(key_of(int64_t{kAgFlux}, a_local, Bs, bias_c, peer_slots, buffer, chunk_bounds, done_mine,
                        arrived_theirs, done_theirs, arrived, err, rank, world, chunk_rows, gemm, side_handle, gathered,
-                       outs, static_cast<int64_t>(in_place)),
+                       outs, static_cast<int64_t>(in_place), err_host),
                 graphs, device, issue, {}, /*blas=*/false);  // the CUTLASS GEMMs need no cuBLAS handle
+  // The end of an eager call, for the error words' check and the watchdog (not under a caller's capture).
+  const auto current = c10::cuda::getCurrentCUDAStream(device);
+  cudaStreamCaptureStatus status{};
+  C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
+  if (status == cudaStreamCaptureStatusNone) {
+    for (const int64_t e : events) C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), current.stream()));
+  }
   return {gathered, outs};
 }
 

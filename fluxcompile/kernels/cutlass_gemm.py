@@ -11,6 +11,7 @@ count) are arguments of :func:`gemm`. CUTLASS's headers come from the ``nvidia-c
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -215,13 +216,17 @@ def ag_sequence(
     swizzle: int = 1,
     in_place: bool = False,
     return_A: bool = True,
+    err_host: Tensor | None = None,
+    events: Sequence[int] = (),
 ) -> tuple[Tensor | None, list[Tensor]]:
     """(gathered A or None, one output per weight): the all-gather's per-call protocol (lowerings/
     all_gather_matmul/cutlass.py) issued by the pipelined module's ``ag_flux`` (csrc/sequences_flux.cpp, where the
     arguments are described) on the current stream and ``side``, one GEMM per weight over ``buffer``
     ``[world * rows, k]`` with ``wait=(arrived, rows, chunk_rows, rank)`` and ``rotate=(0, rank * rows)`` as
     :func:`gemm` takes them (with ``in_place``, also ``local=(a_local, rank * rows)`` where ``a_local`` is
-    aligned); a call seen before is replayed as a CUDA graph (``config.sequence_graphs``)."""
+    aligned); a call seen before is replayed as a CUDA graph (``config.sequence_graphs``). ``err_host``: the error
+    words' pinned host copy, written in the sequence; ``events``: raw event handles recorded after an eager call
+    (``symm_mem.Comm.sequence_events``)."""
     workspace = 0
     if VARIANTS[variant].stream_k:
         device = a_local.device
@@ -244,6 +249,7 @@ def ag_sequence(
     return sequencer().ag_flux(
         a_local, Bs, biases, gathered_shape, peer_slots, buffer, chunk_bounds, done_mine, arrived_theirs, done_theirs,
         arrived, err, rank, world, chunk_rows, launch, side.cuda_stream, graph_limit(), in_place, return_A,
+        err_host, list(events),
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .errors import ErrorWords
+from .errors import Check, ErrorWords
 from .local_handle import init_local_flags, local_workspace
 from .persistent import capturing, persistent
 from .signals import FlagArray
@@ -72,6 +72,20 @@ class Comm:
         are not watched: replays do not come back)."""
         if self.watch is not None and not torch.cuda.is_current_stream_capturing():
             self.watch.note(stream)
+
+    def sequence_events(self) -> list[int]:
+        """The events a C++ sequence records at the end of an eager call (not under capture), after copying the
+        error words to their host copy itself: the error words' and the watchdog's."""
+        events = [self.errors.sequence_event()]
+        if self.watch is not None:
+            events.append(self.watch.sequence_event())
+        return events
+
+    def after_sequence(self, what: str, check: Check) -> None:
+        """After such a sequence's call: what :meth:`ErrorWords.report` and :meth:`note` do after theirs."""
+        self.errors.issued(what, check)
+        if self.watch is not None:
+            self.watch.noted()
 
     def addresses(self, ws: Workspace) -> Tensor:
         """Every rank's buffer of ``ws`` as int64 addresses seen from here, on ``ws``'s device (made once per

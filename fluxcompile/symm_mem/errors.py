@@ -74,6 +74,22 @@ class ErrorWords:
             self.event.synchronize()
             check(self.host, what)
 
+    def sequence_event(self) -> int:
+        """The raw handle of the event that a C++ sequence records once it has itself copied the words to ``host``
+        (the event made here on first use, on the current stream)."""
+        if self.event is None:
+            self.event = torch.cuda.Event()
+            self.event.record(current_stream())
+        return int(self.event.cuda_event)
+
+    def issued(self, what: str, check: Check) -> None:
+        """After a C++ sequence that copied the words to ``host`` and recorded :meth:`sequence_event` (an eager
+        call): as :meth:`report` after its copy."""
+        self.reported = what
+        if config.check_signals and not capturing(self.err.device):
+            self.event.synchronize()
+            check(self.host, what)
+
     def clear(self) -> None:
         """Zero the words and their host copy (a test that broke a group on purpose, so later checks stay
         clean)."""

@@ -72,6 +72,18 @@ class Watch:
         self.event.record(stream)
         self.last = time.monotonic()
 
+    def sequence_event(self) -> int:
+        """The raw handle of the event that a C++ sequence records at the end of each eager call (made here on
+        first use); :meth:`noted` then marks the call."""
+        if self.event is None:
+            self.event = self._event_factory()
+            self.event.record()
+        return int(self.event.cuda_event)
+
+    def noted(self) -> None:
+        """After an eager call whose end a C++ sequence recorded on :meth:`sequence_event`."""
+        self.last = time.monotonic()
+
     def stuck_for(self, now: float) -> float:
         """Seconds the last noted call has been pending (0 if it completed or none was noted)."""
         if not self.last or self.event is None or self.event.query():

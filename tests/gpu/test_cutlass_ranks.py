@@ -185,6 +185,24 @@ def test_all_gather_matmul_between_simulated_ranks(world, variant, rows):
     case.check(_run(ranks, fn), f"{variant} world {world} rows {rows} eager after replays")
 
 
+def test_all_gather_timeout_raised_by_the_next_call():
+    """Rank 0 calls alone: its GEMM's bounded wait for rank 1 gives up; the sequence copies the error words to the
+    host and records the event itself, and the next call raises naming rank, peer and chunk."""
+    variant, rows = AG_VARIANTS[0], IN_PLACE_ROWS
+    case = AgCase(2, rows)
+    _load_kernels(variant, case.Bs[0])
+    ranks = OneGpuRanks(2, ag.data_bytes(rows, K, 2, BF16), ag.FLAG_BYTES, tag="ag-timeout")
+    comm = ranks.comm(0)
+    ag.flag_arrays(comm)
+    with config.patch(wait_timeout_s=0.2):
+        ag.all_gather_matmul_on(comm, case.A[0], case.Bs[0], case.biases[0], 0, variant=variant)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="rank 0 timed out waiting for rank 1's chunk 0"):
+            ag.all_gather_matmul_on(comm, case.A[0], case.Bs[0], case.biases[0], 0, variant=variant)
+    torch.cuda.synchronize()
+    comm.errors.clear()
+
+
 def test_all_gather_matmul_sequence_parallel_shard():
     """A [1, S/w, K] shard gathered on dim 1 (the gathered output keeps its 3-D shape), fp16."""
     _queues(2)

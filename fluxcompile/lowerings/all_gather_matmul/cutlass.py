@@ -19,8 +19,8 @@ The C++ sequencer (csrc/sequences_flux.cpp, through ``cutlass_gemm.ag_sequence``
 call seen before as one CUDA graph (``config.sequence_graphs``); the slot views, chunk bounds and flag addresses
 are computed once per call signature (:func:`plan`). Without the sequencer the choices decline.
 A wait that times out fills an error buffer (``cutlass_gemm.ERR_WORDS`` words), copied to pinned host memory
-at the end of the call and checked at the start of the next eager one (no synchronization on the hot path), or
-after every call with ``config.check_signals``. Flags are 0/1, reset by their waiter: CUDA graphs replay them.
+by the sequence and checked at the start of the next eager call (no synchronization on the hot path), or after
+every call with ``config.check_signals``; the sequence also records the watchdog's event. Flags are 0/1, reset by their waiter: CUDA graphs replay them.
 
 The communication context (``symm_mem.Comm``) carries everything the protocol takes from its group (workspaces,
 side stream, SM count, flag initialization, error buffer, watchdog); :func:`all_gather_matmul_on` takes it
@@ -186,6 +186,10 @@ class Plan:
     arrived_theirs: list[int]  # arrived[p, rank * chunks + c] at j * chunks + c: our chunk c has landed in p's
     done_theirs: list[int]  # done[p, rank]: p's slot in our buffer is free again
     arrived: Tensor  # our arrival flags, int32 [world * chunks]: what our GEMMs' tiles wait on
+    # On CUDA the sequence copies the error words to their pinned host copy and records the context's events
+    # itself (Comm.sequence_events); elsewhere (the CPU simulation) the choice reports them.
+    err_host: Tensor | None
+    events: list[int]
 
 
 # Per context (compared by identity; dropped with it), per (rows, k, dtype, variant).
@@ -218,6 +222,8 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Pla
         arrived_theirs=[arrived_all.addr(q, rank * n_chunks + c) for q in send_to for c in range(n_chunks)],
         done_theirs=[done.addr(q, rank) for q in send_to],
         arrived=comm.flags.view(rank, (world * n_chunks,), torch.int32, _ARRIVED_OFFSET),
+        err_host=comm.errors.host if comm.errors.err.is_cuda else None,
+        events=comm.sequence_events() if comm.errors.err.is_cuda else [],
     )  # fmt: skip
     plans[key] = p
     return p
@@ -239,8 +245,11 @@ def all_gather_matmul_on(
         A.view(rows, k), list(Bs), list(biases), gathered_shape, p.peer_slots, p.buffer, p.chunk_bounds,
         p.done_mine, p.arrived_theirs, p.done_theirs, p.arrived, comm.errors.err,
         rank=rank, world=world, chunk_rows=p.chunk_rows, variant=variant, sm_count=comm.sm_count, side=comm.side,
-        in_place=p.in_place, return_A=return_A,
+        in_place=p.in_place, return_A=return_A, err_host=p.err_host, events=p.events,
     )  # fmt: skip
-    comm.errors.report(what, cutlass_gemm.check_error)
-    comm.note(current_stream())
+    if p.err_host is not None:
+        comm.after_sequence(what, cutlass_gemm.check_error)
+    else:
+        comm.errors.report(what, cutlass_gemm.check_error)
+        comm.note(current_stream())
     return A_gathered, outs
