@@ -75,10 +75,46 @@ def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
         f"m={m} n={n} k={k}",
     )
     methods = {"nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+    methods.update(_cutlass_methods(args, a_shard, a_full, b, ref, group))
     tune_args = (a_shard, [b], [None], 0, world, group)
     return overlap_row(
         args, "all_gather_matmul", group, model, (m, n, k), (a_full, b), methods, pipelined_only, tune_args
     )
+
+
+def _cutlass_methods(args, a_shard, a_full, b, ref, group: str) -> dict:
+    """The CUTLASS all-gather choice ``cutlass:<args.cutlass_variant>`` forced (``cutlass``, gathered operand
+    returned as the op's default does; ``cutlass_noA`` without it) and the same variant's GEMM alone over the
+    gathered rows with every arrival flag preset (``cutlass_alone``): their difference is the protocol's cost.
+    Empty where the choice declines."""
+    from fluxcompile.kernels import cutlass_gemm
+    from fluxcompile.lowerings.all_gather_matmul import cutlass as ag_cutlass
+
+    variant = args.cutlass_variant
+    world, rank = dist.get_world_size(), dist.get_rank()
+    call = (a_shard, [b], [None], 0, world, group)
+    why = ag_cutlass.supports(*call)
+    if why is not None or not variant:
+        if rank == 0:
+            print(f"cutlass:{variant} left out: {why}", flush=True)
+        return {}
+    rows = a_shard.shape[0]
+    tile_m = cutlass_gemm.VARIANTS[variant].tile[0]
+    chunk_rows, chunks = ag_cutlass.chunking(rows, tile_m)
+    flags = torch.ones(world * chunks, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    out = torch.empty(a_full.shape[0], b.shape[1], device="cuda", dtype=b.dtype)
+    local = (a_shard, rank * rows) if rows % tile_m == 0 else None
+
+    def forced(return_A: bool = True):
+        return ag_cutlass.all_gather_matmul(*call, variant=variant, return_A=return_A)
+
+    def alone():
+        return cutlass_gemm.gemm(a_full, b, out, variant=variant, wait=(flags, rows, chunk_rows, rank), err=err,
+                                 rank=rank, rotate=(0, rank * rows), local=local)  # fmt: skip
+
+    check_numerics({"cutlass": lambda: forced()[1][0], "cutlass_alone": alone}, ref, f"cutlass:{variant}")
+    return {"cutlass": forced, "cutlass_noA": lambda: forced(False), "cutlass_alone": alone}
 
 
 def table(rows: list[dict]) -> str:
@@ -94,6 +130,14 @@ def table(rows: list[dict]) -> str:
             f"  {r['choice']:<16} {r['pipelined']:6.0f}/{r['pipelined_min']:.0f}/{r['pipelined_max']:.0f}/{r['pipelined_graph']:.0f}"
             f"  host µs ours {r.get('host_fluxcompile', 0):.0f}, NCCL+mm {r.get('host_nccl_cublas', 0):.0f}"
         )
+    for r in rows:
+        if "cutlass" in r:
+            oe = 1 - (r["cutlass"] - r["gemm"]) / (r["nccl_cublas"] - r["gemm"])
+            lines.append(
+                f"  cutlass, {r['op']} m={r['m']} n={r['n']} k={r['k']} (µs): forced {r['cutlass']:.1f} (OE {oe:.0%}), "
+                f"without the gathered A {r['cutlass_noA']:.1f}, GEMM alone with flags preset "
+                f"{r['cutlass_alone']:.1f}, protocol cost {r['cutlass'] - r['cutlass_alone']:.1f}"
+            )
     for r in rows:
         if r.get("choices_ms"):
             times = ", ".join(f"{n} {t * 1e3:.0f}" for n, t in r["choices_ms"].items() if t is not None)
@@ -159,6 +203,11 @@ def main() -> None:
         help="decode: every call reads the next of enough weight copies that none is in L2 (as in a model)",
     )
     p.add_argument("--ops", default="ag,rs,decode", help="comma-separated: ag, rs (ops_rs.py), decode (ops_decode.py)")
+    p.add_argument(
+        "--cutlass-variant",
+        default="128x256x64_c2x1",
+        help="all-gather: the CUTLASS choice's variant timed forced and alone (empty: left out)",
+    )
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
