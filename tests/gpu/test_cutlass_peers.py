@@ -202,3 +202,89 @@ def test_second_group(op):
         args = _ag_args("sp", g, seed + i) if op == "all_gather_matmul" else _rs_args("sp-avg", g, seed + i)
         _supported(choice, args)
         _check(op, choice.fn(*args), args, f"{choice.name} group {g.group_name}")
+
+
+@pytest.mark.parametrize("variant", [DATA_PARALLEL[0], "128x256x64_c2x1_sk"])
+def test_without_the_gathered_operand(variant):
+    """``return_A=False``: no gathered operand, the same products; rows a multiple of the tile (ours read in place)
+    and ragged."""
+    choice = _choice("all_gather_matmul", variant)
+    for case in ("plain", "qkv-ragged-bias"):
+        args = _ag_args(case, dist.group.WORLD, shared_seed())
+        _supported(choice, args)
+        poison_allocator(1 << 28)
+        got = choice.fn(*args, return_A=False)
+        assert_on_every_rank(None if got[0] is None else f"{choice.name}: a gathered operand returned unasked")
+        _check("all_gather_matmul", (ops.REFERENCES["all_gather_matmul"](*args)[0], got[1]), args, f"{case} no A")
+
+
+class _SequenceParallelMlp(torch.nn.Module):
+    """all-gather of the sequence -> column-parallel matmul -> GELU -> row-parallel matmul -> reduce-scatter of
+    the sequence, as torch's funcol collectives (what the graph pass matches)."""
+
+    def __init__(self, k: int, hidden: int, group, seed: int):
+        super().__init__()
+        w = group.size()
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        up = torch.randn(k, hidden, device="cuda", dtype=BF16, generator=g) / k**0.5
+        down = torch.randn(hidden, k, device="cuda", dtype=BF16, generator=g) / hidden**0.5
+        r = group.rank()
+        self.up = torch.nn.Parameter(up.chunk(w, dim=1)[r].contiguous())
+        self.down = torch.nn.Parameter(down.chunk(w, dim=0)[r].contiguous())
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        full = funcol.all_gather_tensor(x, 0, self.group)
+        h = torch.nn.functional.gelu(full @ self.up)
+        return funcol.reduce_scatter_tensor(h @ self.down, "sum", 0, self.group)
+
+
+@pytest.mark.parametrize("rows", [256, 200])
+def test_compiled_model_with_the_cutlass_choices(rows, tmp_path, monkeypatch):
+    """A sequence-parallel MLP compiled with every site's fused op on its first CUTLASS choice (no autotuning, no
+    compile-time choice): under ``mode="reduce-overhead"`` replayed with fresh inputs (no gathered operand kept:
+    inference), then a training step's forward and backward against eager (the backward reads the gathered
+    operand)."""
+    import fluxcompile
+
+    monkeypatch.setattr(fluxcompile.config, "cache_dir", str(tmp_path))
+    monkeypatch.setattr(fluxcompile.config, "implementations", ("cutlass",))
+    monkeypatch.setattr(fluxcompile.config, "autotune", False)
+    monkeypatch.setattr(fluxcompile.config, "choose_at_compile", "never")
+    group = dist.group.WORLD
+    seed = shared_seed()
+    model = _SequenceParallelMlp(512, 1024, group, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1 + dist.get_rank())
+    x = torch.randn(rows, 512, device="cuda", dtype=BF16, generator=g)
+    errors = []
+    torch._dynamo.reset()
+    try:
+        with fluxcompile.collect_reports() as rep:
+            compiled = torch.compile(model, backend="fluxcompile", mode="reduce-overhead", dynamic=False)
+            with torch.no_grad():
+                for step in range(6):
+                    x.copy_(torch.randn(x.shape, device="cuda", dtype=BF16, generator=g))
+                    out = compiled(x).clone()
+                    err = float((out.float() - model(x).float()).norm() / model(x).float().norm())
+                    if not err <= 1e-2:
+                        errors.append(f"rows {rows} inference step {step}: relative error {err:.3e}")
+        fused = [e for e in rep.entries() if e.fused]
+        if len(fused) != 2:
+            errors.append(f"{len(fused)} fused sites, expected 2:\n{rep.format()}")
+        torch._dynamo.reset()
+        trained = torch.compile(model, backend="fluxcompile", dynamic=False)
+        xm, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        gy = torch.randn(x.shape, device="cuda", dtype=BF16, generator=g)
+        trained(xm).backward(gy)
+        grads = [xm.grad] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(xe).backward(gy)
+        for name, a, b in zip(["x", "up", "down"], grads, [xe.grad, model.up.grad, model.down.grad]):
+            err = float((a.float() - b.float()).norm() / b.float().norm())
+            if not err <= 1e-2:
+                errors.append(f"rows {rows} training: grad of {name} relative error {err:.3e}")
+    finally:
+        torch._dynamo.reset()
+    assert_on_every_rank("\n".join(errors) or None)
