@@ -63,9 +63,12 @@ graph may still read it, sizes that may be symbolic as ``SymInt[]`` and sizes kn
 
 The ops
 -------
-``all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name) -> (A_gathered, outs)``
+``all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, ..., return_A) -> (A_gathered, outs)``
     ``A_gathered = all_gather(A, dim=gather_dim)`` (N-D, contiguous);
     ``outs[i] = addmm(biases[i], A_gathered.reshape(-1, K), Bs[i])`` — several weights share one gather.
+    ``return_A`` (default True; PyTorch's ``symm_mem.fused_all_gather_matmul`` has the same flag) says whether
+    the caller reads ``A_gathered``: the rewrite sets it False where only the fused matmuls read the gathered
+    tensor, and the op then returns None in its place, so an implementation need not produce it.
 ``matmul_reduce_scatter(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> out``
     ``out = reduce_scatter(P.reshape(out_shape), dim=scatter_dim)``; ``scatter_dim`` may be the last (feature) dim.
 ``matmul_all_reduce(As, Bs, bias, out_shape, reduce_op, group_name) -> out``
@@ -119,14 +122,13 @@ _lib = torch.library.Library("fluxcompile", "DEF")
 _SCALING = "Tensor[]? B_scales=None, ScalarType? out_dtype=None, bool use_fast_accum=False"
 _CHOICE = 'str choice=""'
 _SCALING_TAIL = f"{_SCALING}, {_CHOICE}"
-_CONSUMER_TAIL = f"Tensor? A_scale=None, {_SCALING_TAIL}"
 _PRODUCER_TAIL = f"Tensor[]? A_scales=None, {_SCALING_TAIL}"
 # The all-to-all ops' expert arguments (see "Expert matmuls"), before ``choice``.
 _EXPERTS = "Tensor? offs=None, Tensor? row_index=None"
 
 _lib.define(
     "all_gather_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, int gather_dim, int group_size, str group_name, "
-    f"{_CONSUMER_TAIL}) -> (Tensor, Tensor[])"
+    f"Tensor? A_scale=None, {_SCALING}, bool return_A=True, {_CHOICE}) -> (Tensor?, Tensor[])"
 )
 _lib.define(
     "matmul_reduce_scatter(Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, int scatter_dim,"
@@ -355,13 +357,14 @@ def _check_dim(dim: int, ndim: int, what: str, last: bool = False) -> int:
 @torch.library.impl(_lib, "all_gather_matmul", "CompositeExplicitAutograd")
 def _all_gather_matmul_ref(
     A, Bs, biases, gather_dim, group_size, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, return_A=True, choice="",
 ):  # fmt: skip
     gather_dim = _check_dim(gather_dim, A.dim(), "gather_dim")
     A_gathered = gather(A, gather_dim, group_size, group_name)
     if _row_scale(A, A_scale):
         A_scale = gather(A_scale, gather_dim, group_size, group_name)
-    return A_gathered, _consumer_matmuls(A_gathered, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
+    outs = _consumer_matmuls(A_gathered, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
+    return (A_gathered if return_A else None), outs
 
 
 @torch.library.impl(_lib, "matmul_reduce_scatter", "CompositeExplicitAutograd")
@@ -549,13 +552,13 @@ def _product_dtype(
 @torch.library.register_fake("fluxcompile::all_gather_matmul")
 def _all_gather_matmul_fake(
     A, Bs, biases, gather_dim, group_size, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, return_A=True, choice="",
 ):  # fmt: skip
     gather_dim = _check_dim(gather_dim, A.dim(), "gather_dim")
     shape = list(A.shape)
     shape[gather_dim] = shape[gather_dim] * group_size
     A_out = A.new_empty(shape)
-    return A_out, _rows_out(A_out, Bs, out_dtype)
+    return (A_out if return_A else None), _rows_out(A_out, Bs, out_dtype)
 
 
 @torch.library.register_fake("fluxcompile::matmul_reduce_scatter")

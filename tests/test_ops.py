@@ -41,12 +41,18 @@ def _same_layout(real, fake, what: str) -> None:
     )
 
 
-def _check_fake(opname: str, args: tuple, real) -> None:
+def _check_fake(opname: str, args: tuple, real, **kwargs) -> None:
     mode = FakeTensorMode()
     fake_args = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, args)
     with mode:
-        fake = ops.op(opname)(*fake_args)
+        fake = ops.op(opname)(*fake_args, **kwargs)
+    assert torch.utils._pytree.tree_structure(fake) == torch.utils._pytree.tree_structure(real), (
+        f"{opname}: fake {torch.utils._pytree.tree_structure(fake)} vs real {torch.utils._pytree.tree_structure(real)}"
+    )
     for i, (r, f) in enumerate(zip(torch.utils._pytree.tree_leaves(real), torch.utils._pytree.tree_leaves(fake))):
+        if r is None or f is None:  # an optional result left out (all_gather_matmul's with return_A=False)
+            assert r is None and f is None, f"{opname} output {i}: real {r!r} vs fake {f!r}"
+            continue
         _same_layout(r, f, f"{opname} output {i}")
 
 
@@ -69,6 +75,13 @@ def references(dtype_name: str) -> list[str]:
         ref = full.reshape(-1, 24).float() @ b.float() + (0 if bias is None else bias.float())
         assert_close(outs[i], ref, tol, f"all_gather_matmul out {i}")
     _check_fake("all_gather_matmul", args, (A, outs))
+    # return_A=False: no gathered tensor, the same products (the reference still gathers to compute them).
+    no_A, outs_without_A = ops.op("all_gather_matmul")(*args, return_A=False)
+    assert no_A is None, "all_gather_matmul with return_A=False returned the gathered tensor"
+    assert len(outs_without_A) == len(outs)
+    for i, (out, out_without_A) in enumerate(zip(outs, outs_without_A)):
+        assert_close(out_without_A, out, 0.0, f"all_gather_matmul out {i}, return_A=False")
+    _check_fake("all_gather_matmul", args, (None, outs_without_A), return_A=False)
     checked.append("all_gather_matmul")
 
     # matmul_reduce_scatter: sum of two matmuls with a bias, viewed [2, 6*ws, 40], scattered on dim 1.
@@ -190,6 +203,10 @@ def scaled_and_last_dim() -> list[str]:
             assert outs[i].dtype == bf16
             assert_close(outs[i], _scaled(full, b, full_scale, sb), tol, f"scaled all_gather_matmul out {i}")
         _check_fake("all_gather_matmul", args, (A, outs))
+        no_A, outs_without_A = ops.op("all_gather_matmul")(*args, return_A=False)
+        assert no_A is None, "scaled all_gather_matmul with return_A=False returned the gathered tensor"
+        for i, (out, out_without_A) in enumerate(zip(outs, outs_without_A)):
+            assert_close(out_without_A.float(), out.float(), 0.0, f"scaled all_gather_matmul out {i}, return_A=False")
     checked.append("all_gather_matmul")
 
     # matmul_reduce_scatter: two scaled terms with a bias, scattered along rows and along the last dim.
