@@ -224,6 +224,8 @@ def keys() -> dict[str, bool]:
             "layout": cache_key("test_op_key", (torch.ones(8, 4).t(), 1, g), g) != base,
             "int arg": cache_key("test_op_key", (x, 0, g), g) != base,
             "key_extra": cache_key("test_op_key", (x, 1, g), g, key_extra="bias") != base,
+            "kwargs": cache_key("test_op_key", (x, 1, g), g, kwargs={"return_A": False}) != base,
+            "same args, empty kwargs": cache_key("test_op_key", (x, 1, g), g, kwargs={}) != base,
         }
         with config.patch(implementations=("reference",)):
             differs["choices"] = cache_key("test_op_key", (x, 1, g), g) != base
@@ -245,6 +247,58 @@ def reference_of_a_fused_op(cache: str) -> tuple[str, float]:
         out = choice.fn(*args)
     err = (out - ops.op("matmul_all_reduce")(*args)).abs().max().item()
     return choice.name, err
+
+
+def call_kwargs(cache: str) -> tuple[str, str, str, list[bool], int]:
+    """A call with keyword arguments for the choices (all_gather_matmul's return_A) is tuned apart, its
+    candidates timed as it calls them: fake:a is the faster with the flag, fake:b without it."""
+    seen: list[bool] = []
+
+    def timed(ms_with: float, ms_without: float):
+        def fn(x: torch.Tensor, dim: int, group_name: str, flag: bool = True) -> torch.Tensor:
+            seen.append(flag)
+            time.sleep((ms_with if flag else ms_without) / 1e3)
+            return x
+
+        return fn
+
+    _register(
+        "test_op_kwargs",
+        Choice("fake:a", timed(2, 60)),
+        Choice("fake:b", timed(20, 20)),
+        Choice("reference", timed(90, 90)),
+    )
+    group = dist.group.WORLD.group_name
+    with _tuning(cache):
+        plain = pick("test_op_kwargs", _args(), group)
+        flags_plain, seen[:] = list(seen), []
+        without = pick("test_op_kwargs", _args(), group, kwargs={"flag": False})
+        flags_without, seen[:] = list(seen), []
+        again = pick("test_op_kwargs", _args(), group, kwargs={})  # no kwargs: the plain call's signature
+        assert not seen, "an empty kwargs tuned again"
+        assert set(flags_plain) == {True} and set(flags_without) == {False}, (flags_plain, flags_without)
+        return plain.name, without.name, again.name, [bool(flags_plain), bool(flags_without)], len(_files(cache))
+
+
+def all_gather_matmul_without_A(cache: str) -> tuple[bool, bool, bool, int]:
+    """all_gather_matmul's implementation with return_A False (on CPU: the reference, chosen by the autotuner):
+    no gathered tensor, the same products; its call signature is tuned apart from the one that returns it."""
+    from fluxcompile.lowerings.all_gather_matmul import all_gather_matmul_cuda
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    group = dist.group.WORLD.group_name
+    args = (torch.randn(4, 16, generator=g), [torch.randn(16, 8, generator=g)], [None], 0, 2, group)
+    with _tuning(cache):
+        gathered, outs = all_gather_matmul_cuda(*args)
+        no_A, outs_without_A = all_gather_matmul_cuda(*args, return_A=False)
+        choice = pick("all_gather_matmul", args, group, kwargs={"return_A": False})
+        from_choice, _ = choice.fn(*args, return_A=False)
+    return (
+        gathered is not None and no_A is None,
+        torch.equal(outs[0], outs_without_A[0]),
+        choice.name == "reference" and from_choice is None,
+        len(_files(cache)),
+    )
 
 
 def capture(cache: str) -> tuple[str, str]:
@@ -342,7 +396,33 @@ def test_autotune_off_takes_first_supported_without_timing(ranks, tmp_path):
 
 def test_key_covers_shapes_dtypes_layout_and_args(ranks):
     for differs in ranks(2).run(keys):
-        assert differs == {k: k != "same args" for k in differs}, differs
+        assert differs == {k: not k.startswith("same args") for k in differs}, differs
+
+
+def test_all_gather_matmul_without_A(ranks, tmp_path):
+    for result in ranks(2).run(all_gather_matmul_without_A, str(tmp_path)):
+        assert result == (True, True, True, 2), result
+
+
+def test_every_all_gather_matmul_choice_takes_return_A():
+    """The op's implementation calls every choice with ``return_A`` as a keyword (the GPU choices run on GPUs
+    only: their signatures are checked here)."""
+    import inspect
+
+    import fluxcompile.lowerings  # noqa: F401  (registers the choices)
+
+    args = (torch.ones(4, 8), [torch.ones(8, 4)], [None], 0, 2, "group")
+    names = []
+    for choice in registry._REGISTRY["all_gather_matmul"].values():
+        inspect.signature(choice.fn).bind(*args, return_A=False)
+        names.append(choice.name.partition(":")[0])
+    assert {"cublas_pipelined", "torch_symm_mem", "async_input_mm", "cutlass", "reference"} <= set(names), names
+
+
+def test_call_kwargs_are_tuned_apart_and_timed_as_called(ranks, tmp_path):
+    for plain, without, again, timed, files in ranks(2).run(call_kwargs, str(tmp_path)):
+        assert (plain, without, again) == ("fake:a", "fake:b", "fake:a")
+        assert timed == [True, True] and files == 2
 
 
 def test_reference_choice_of_a_fused_op(ranks, tmp_path):

@@ -119,9 +119,9 @@ def _fake(op: str) -> Choice:
     """A fused choice that supports CPU tensors and computes with the op's reference; counts its calls."""
     reference = ops.REFERENCES[op]
 
-    def fn(*args):
+    def fn(*args, **kwargs):  # kwargs: all_gather_matmul's return_A
         CALLS[op] += 1
-        return reference(*args)
+        return reference(*args, **kwargs)
 
     return Choice(f"fake:{op}", fn)
 

@@ -49,9 +49,9 @@ def inputs(seed: int) -> tuple[torch.Tensor, ...]:
 def peer_choice(op: str) -> Choice:
     reference = ops.REFERENCES[op]
 
-    def fn(*args):
+    def fn(*args, **kwargs):  # kwargs: all_gather_matmul's return_A
         CALLS[op] += 1
-        return reference(*args)
+        return reference(*args, **kwargs)
 
     return Choice(f"peer:{op}", fn)
 

@@ -42,6 +42,7 @@ Rules for callers and choices:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -151,13 +152,21 @@ def cache_path(op_name: str, key: str) -> Path:
     return cache_dir() / f"{op_name}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def cache_key(op_name: str, args: tuple, group_name: str, key_extra: str = "") -> str:
+def cache_key(
+    op_name: str, args: tuple, group_name: str, key_extra: str = "", kwargs: dict[str, Any] | None = None
+) -> str:
     """The call signature that a winner is valid for, as a JSON string (the memo key, hashed for the file)."""
-    return _key(op_name, args, group_name, key_extra, choices_for(op_name))
+    return _key(op_name, args, group_name, _with_kwargs(key_extra, kwargs), choices_for(op_name))
 
 
 def pick(
-    op_name: str, args: tuple, group_name: str, key_extra: str = "", compiled: str = "", key_args: tuple | None = None
+    op_name: str,
+    args: tuple,
+    group_name: str,
+    key_extra: str = "",
+    compiled: str = "",
+    key_args: tuple | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> Choice:
     """The choice to run ``op_name(*args)`` with, identical on every rank of ``group_name``.
 
@@ -166,9 +175,14 @@ def pick(
     callers). ``key_args`` (default ``args``) is what the call signature is made of: an op whose arguments differ
     between ranks or calls (an all-to-all's split sizes and row counts) passes what is equal on every rank and
     stable across its calls, so every rank hits or misses the memo alike and a new routing is no new tuning.
+    ``kwargs``: the keyword arguments the caller passes to the choice's ``fn`` beside ``args`` (an op's flags,
+    e.g. all_gather_matmul's ``return_A``); the candidates are timed with them, and they are part of the call
+    signature (empty or None: the key of a call without them).
     """
     key_args = args if key_args is None else key_args
     fast = _fast_key(op_name, key_args, group_name, f"{key_extra}|{compiled}" if compiled else key_extra)
+    if kwargs:
+        fast += tuple(kwargs.items())
     hit = _fast.get(fast)
     if hit is not None:
         return hit
@@ -179,7 +193,7 @@ def pick(
     candidates = choices_for(op_name)
     if not candidates:
         raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")
-    key = _key(op_name, key_args, group_name, key_extra, candidates)
+    key = _key(op_name, key_args, group_name, _with_kwargs(key_extra, kwargs), candidates)
     memo_key = key if config.autotune else key + "|fixed"
     choice = _memo.get(memo_key)
     if choice is not None:
@@ -195,7 +209,9 @@ def pick(
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         # On persistent's worker: whatever tuning leaves behind (the choices' state and workspaces, the tensors
         # NCCL keeps of its collectives) stays out of the caller's CUDA graph pool (reduce-overhead's warm-up).
-        choice = persistent(lambda: _select(op_name, args, candidates, key, group, device), f"tuning {op_name}")
+        choice = persistent(
+            lambda: _select(op_name, args, candidates, key, group, device, kwargs or {}), f"tuning {op_name}"
+        )
     _memo[memo_key] = choice
     _fast[fast] = choice
     return choice
@@ -206,7 +222,13 @@ def pick(
 
 
 def _select(
-    op_name: str, args: tuple, candidates: list[Choice], key: str, group: dist.ProcessGroup, device: torch.device
+    op_name: str,
+    args: tuple,
+    candidates: list[Choice],
+    key: str,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    kwargs: dict[str, Any],
 ) -> Choice:
     names = [c.name for c in candidates]
     path = cache_path(op_name, key)
@@ -245,7 +267,8 @@ def _select(
         return by_name[cached]
 
     graphs = _run_device(args).type == "cuda" and bool(_graph_timed.get(op_name, lambda a: False)(args))
-    local = _benchmark(supported, args, group, device, graphs)
+    timed = [_with_call_kwargs(c, kwargs) for c in supported] if kwargs else supported
+    local = _benchmark(timed, args, group, device, graphs)
     worst = torch.tensor(local, dtype=torch.float64, device=device)
     dist.all_reduce(worst, dist.ReduceOp.MAX, group=group)
     times = worst.tolist()
@@ -262,6 +285,11 @@ def _select(
     # Ranks sharing rank 0's disk that look the key up again (a new process) must find the file.
     _barrier(group, device)
     return winner
+
+
+def _with_call_kwargs(choice: Choice, kwargs: dict[str, Any]) -> Choice:
+    """``choice`` whose ``fn`` is called with ``kwargs`` (a timed candidate, as the caller will call it)."""
+    return dataclasses.replace(choice, fn=functools.partial(choice.fn, **kwargs))
 
 
 def _benchmark(
@@ -457,6 +485,13 @@ def _ms(t: float) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # The key.
+
+
+def _with_kwargs(key_extra: str, kwargs: dict[str, Any] | None) -> str:
+    """``key_extra`` with the call's keyword arguments (by name), unchanged where there are none."""
+    if not kwargs:
+        return key_extra
+    return "|".join([key_extra, *(f"{name}={value!r}" for name, value in sorted(kwargs.items()))])
 
 
 def _key(op_name: str, args: tuple, group_name: str, key_extra: str, candidates: list[Choice]) -> str:

@@ -62,9 +62,17 @@ def _skip_if_declined(variant: str, args: tuple) -> None:
             pytest.skip(f"stages{g} declines: {reason}")
 
 
-def _gather_matmul(variant: str, args: tuple):
+def _gather_matmul(variant: str, args: tuple, return_A: bool = True):
     """The variant's all_gather_matmul (C++ sequencer)."""
-    return pipelined.all_gather_matmul(*args, **VARIANTS[variant])
+    return pipelined.all_gather_matmul(*args, **VARIANTS[variant], return_A=return_A)
+
+
+def _check_gathered(got_A, ref_A, return_A: bool, what: str) -> None:
+    """The gathered operand as the reference has it, or None where the caller did not ask for it."""
+    if return_A:
+        assert_close(got_A, ref_A, 0.0, what)
+    else:
+        assert got_A is None, f"{what}: returned with return_A=False"
 
 
 @pytest.fixture(autouse=True)
@@ -83,10 +91,11 @@ def test_pipelined_matches_reference(shape, dim, ns, bias, variant):
     assert pipelined.supports(*args) is None
     _skip_if_declined(variant, args)
     ref_A, ref_outs = REF(*args)
-    for _ in range(3):  # repeated calls reuse the workspace: stale data must never show
+    for call in range(3):  # repeated calls reuse the workspace: stale data must never show
         poison_allocator()
-        got_A, got_outs = _gather_matmul(variant, args)
-        assert_close(got_A, ref_A, 0.0, "gathered A")
+        return_A = call != 1  # the second call does not ask for the gathered operand
+        got_A, got_outs = _gather_matmul(variant, args, return_A)
+        _check_gathered(got_A, ref_A, return_A, "gathered A")
         for i, (o, r) in enumerate(zip(got_outs, ref_outs)):
             assert o.shape == r.shape and o.stride() == r.stride()
             assert_close(o, r, 1e-2, f"out {i}")
@@ -137,6 +146,24 @@ def test_second_group_gets_its_own_workspace():
     assert w1.buffer.data_ptr() != w2.buffer.data_ptr()
 
 
+def test_torch_symm_mem_return_A():
+    """PyTorch's fused_all_gather_matmul takes return_A itself: the choice passes it."""
+    from fluxcompile.lowerings.all_gather_matmul import torch_symm_mem
+
+    group = dist.group.WORLD
+    A, Bs, _ = _inputs((256, 128), (192, 64), False, shared_seed())
+    args = (A, Bs, [None, None], 0, group.size(), group.group_name)
+    why = torch_symm_mem.supports(*args)
+    if why is not None:
+        pytest.skip(why)
+    ref_A, ref = REF(*args)
+    for return_A in (True, False):
+        got_A, got = torch_symm_mem.all_gather_matmul(*args, return_A=return_A)
+        _check_gathered(got_A, ref_A, return_A, f"gathered A (return_A={return_A})")
+        for i, (o, r) in enumerate(zip(got, ref)):
+            assert_close(o, r, 1e-2, f"out {i} (return_A={return_A})")
+
+
 # The experimental Triton choice (kernels/ag_gemm.py): validated here before it may be enabled by default.
 TRITON_VARIANTS = sorted(triton_choice.VARIANTS)
 
@@ -151,11 +178,12 @@ def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
     args = (A, Bs, biases, dim, group.size(), group.group_name)
     run, supports = triton_choice.make(variant)
     assert supports(*args) is None
-    for _ in range(3):
+    for call in range(3):
         poison_allocator()
-        got_A, got = run(*args)
+        return_A = call != 1  # the second call does not ask for the gathered operand: the kernel stores no A
+        got_A, got = run(*args, return_A=return_A)
         ref_A, ref = REF(*args)
-        assert_close(got_A, ref_A, 0.0, "gathered A")
+        _check_gathered(got_A, ref_A, return_A, "gathered A")
         for i, (o, r) in enumerate(zip(got, ref)):
             assert_close(o, r, 1e-2, f"{variant} out {i}")
         A.normal_()
@@ -205,11 +233,12 @@ def test_async_input_mm_matches_reference(shape, dim, layout):
     if why is not None and "not in this torch" in why:
         pytest.skip(why)
     assert why is None, why
-    for _ in range(3):
+    for call in range(3):
         poison_allocator()
-        got_A, got = async_input_mm.all_gather_matmul(*args)
+        return_A = call != 1  # the second call does not ask for the gathered operand
+        got_A, got = async_input_mm.all_gather_matmul(*args, return_A=return_A)
         ref_A, ref = REF(*args)
-        assert_close(got_A, ref_A, 0.0, "gathered A")
+        _check_gathered(got_A, ref_A, return_A, "gathered A")
         assert_close(got[0], ref[0], 1e-2, "out")
         A.normal_()
 

@@ -27,6 +27,11 @@ def test_dispatch_picks_a_choice_and_matches_reference():
     assert_close(got_A, ref_A, 0.0, "gathered A")
     for o, r in zip(got, ref):
         assert_close(o, r, 1e-2, "out")
+    # A caller that does not read the gathered operand: its own call signature (tuned apart), no first result.
+    no_A, got = torch.ops.fluxcompile.all_gather_matmul(*args, return_A=False)
+    assert no_A is None, "the gathered operand returned with return_A=False"
+    for o, r in zip(got, ref):
+        assert_close(o, r, 1e-2, "out (return_A=False)")
     # Captured after that warm-up call: the choice is memoized, the workspace exists.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -11,6 +11,10 @@ Choices, in registration order (the autotuner's tie-break order within a family)
 * ``cutlass:<variant>`` (cutlass.py, experimental): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
   tiles wait for the chunks of the gathered rows, fed by copy-engine pushes;
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
+
+Every choice is called ``fn(A, Bs, biases, gather_dim, group_size, group_name, return_A=True)`` and returns
+``(A_gathered, outs)``, or ``(None, outs)`` with ``return_A`` False (the caller does not read the gathered
+operand): a choice that makes the gathered tensor only to return it skips it then.
 """
 
 from __future__ import annotations
@@ -52,17 +56,24 @@ for _choice in _CHOICES:
     register_choice(OP, _choice)
 
 
+# The choices' keyword arguments of a call that does not read the gathered operand (its own call signature).
+_WITHOUT_A = {"return_A": False}
+
+
 @cuda_impl(OP, probe=lambda args: args[0])
 def all_gather_matmul_cuda(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     A_scale: Tensor | None = None, B_scales: Sequence[Tensor] | None = None, out_dtype: torch.dtype | None = None,
-    use_fast_accum: bool = False, choice: str = "",
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature. Scaled
-    matmuls run the reference (no fused choice takes scales)."""
+    use_fast_accum: bool = False, return_A: bool = True, choice: str = "",
+) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (a call
+    with ``return_A`` False is tuned apart: a choice may skip producing the gathered operand). Scaled matmuls run
+    the reference (no fused choice takes scales)."""
     if A_scale is not None or B_scales is not None:
         return REFERENCES[OP](
-            A, Bs, biases, gather_dim, group_size, group_name, A_scale, B_scales, out_dtype, use_fast_accum
+            A, Bs, biases, gather_dim, group_size, group_name, A_scale, B_scales, out_dtype, use_fast_accum, return_A
         )
     args = (A, list(Bs), list(biases), gather_dim, group_size, group_name)
-    return pick(OP, args, group_name, compiled=choice).fn(*args)
+    if return_A:
+        return pick(OP, args, group_name, compiled=choice).fn(*args)
+    return pick(OP, args, group_name, compiled=choice, kwargs=_WITHOUT_A).fn(*args, **_WITHOUT_A)

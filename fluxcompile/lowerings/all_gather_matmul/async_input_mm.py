@@ -92,13 +92,18 @@ def all_gather_matmul(
     gather_dim: int,
     group_size: int,
     group_name: str,
-) -> tuple[Tensor, list[Tensor]]:
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:
+    """The fused op's signature and outputs. The gathered operand is the GEMM's input buffer, so it is made
+    either way; with ``return_A`` False it is not returned."""
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     a = A.view(rows, k)
     source = symmetric_source(a, group_name)
     if source is None:
-        return _gather_copied(a, Bs[0], group_name, gathered_shape)
-    return _gather_symmetric(a, source, Bs[0], group_name, gathered_shape)
+        A_gathered, outs = _gather_copied(a, Bs[0], group_name, gathered_shape)
+    else:
+        A_gathered, outs = _gather_symmetric(a, source, Bs[0], group_name, gathered_shape)
+    return (A_gathered if return_A else None), outs
 
 
 # ---------------------------------------------------------------------------------------------

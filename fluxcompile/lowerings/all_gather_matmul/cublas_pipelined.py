@@ -145,8 +145,11 @@ def all_gather_matmul(
     unsplit: bool = False,
     lead: int = 0,
     groups: int = 0,
-) -> tuple[Tensor, list[Tensor]]:
-    """The fused op's signature and outputs; at most one of the variant arguments is set (see the module)."""
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:
+    """The fused op's signature and outputs; at most one of the variant arguments is set (see the module). The C++
+    sequences assemble the gathered output either way (``:unsplit``'s GEMMs read it); with ``return_A`` False it
+    is not returned."""
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     p = plan(rows, k, A.dtype, group_size, group_name)
     a = A.view(rows, k)
@@ -157,19 +160,20 @@ def all_gather_matmul(
             raise ValueError(f"fluxcompile: {NAME} lead={lead} groups={groups} does not apply to {rows} x {k} shards")
         if lead:
             aux = _copy_stream().cuda_stream  # the copy of our other rows into our slot
-            outs = seq.ag_lead(
+            result = seq.ag_lead(
                 *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, aux, graph_limit()
             )
         else:
             js, flat = stage_plan(p.rank, p.world, rows, groups)
-            outs = seq.ag_stages(*common, p.buffer, *p.hs.lists, p.rank, p.world, js, flat, side, graph_limit())
+            result = seq.ag_stages(*common, p.buffer, *p.hs.lists, p.rank, p.world, js, flat, side, graph_limit())
     elif unsplit:
-        outs = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit())
+        result = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit())
     else:
         compute = [_compute_stream(j).cuda_stream for j in range(p.world - 1)] if concurrent else []
-        outs = seq.ag_pipelined(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit())
+        result = seq.ag_pipelined(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit())
     p.hs.note()
-    return outs
+    A_gathered, outs = result
+    return (A_gathered if return_A else None), outs
 
 
 _streams: dict[tuple[int, str, int], torch.cuda.Stream] = {}

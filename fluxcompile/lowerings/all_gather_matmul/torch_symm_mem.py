@@ -25,8 +25,9 @@ def supports(
 
 
 def all_gather_matmul(
-    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
-) -> tuple[Tensor, list[Tensor]]:
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     enable_group(group_name)
-    A_gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(A, list(Bs), gather_dim, group_name)
+    A_gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(A, list(Bs), gather_dim, group_name, return_A=return_A)
     return A_gathered, [o.reshape(-1, o.shape[-1]) for o in outs]

@@ -4,8 +4,10 @@ remote tiles wait for their communication chunk, fed by copy-engine pushes chunk
 Per call, on rank r (peers p in the exchange's gather send order, symm_mem/exchange.py):
   side stream:  for p: wait done_p -> for each chunk c: copy our rows of chunk c into slot r of p's
                 symmetric buffer (peer-to-peer, copy engine) -> set arrived[r, c] on p
-  main stream:  one kernel launch (local tiles at once; remote tiles spin-wait, bounded, on arrived[p, c])
-                -> clear our arrived flags -> fill the gathered output -> set done_r on every p
+  main stream:  one kernel launch (local tiles at once; remote tiles spin-wait, bounded, on arrived[p, c]; the
+                tiles of the first N-tile column also store the A rows they load into the gathered output,
+                unless the caller does not read it: ``return_A`` False) -> clear our arrived flags -> set done_r
+                on every p
 A wait that times out records (source rank, chunk) in error words (``symm_mem.ErrorWords``) copied to pinned host
 memory at the end of the call and checked at the start of the next one (no synchronization on the hot path),
 or after every call with ``config.check_signals``.
@@ -59,8 +61,8 @@ def make(name: str):
             why = ag_gemm.tma_unsupported(a, a.numel(), Bs)
         return why
 
-    def run(A, Bs, biases, gather_dim, group_size, group_name):
-        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant)
+    def run(A, Bs, biases, gather_dim, group_size, group_name, return_A=True):
+        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant, return_A=return_A)
 
     return run, supports_variant
 
@@ -69,7 +71,8 @@ def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,
     variant: ag_gemm.Variant | None = None,
-) -> tuple[Tensor, list[Tensor]]:
+    return_A: bool = True,
+) -> tuple[Tensor | None, list[Tensor]]:
     variant = variant if variant is not None else ag_gemm.VARIANTS[ag_gemm.DEFAULT]
     block, chunks = variant.block, variant.chunks
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
@@ -92,7 +95,7 @@ def all_gather_matmul(
     slots = ws.view(rank, (world, rows, k), A.dtype)  # slot s: rows pushed by rank s
     arrived = fws.view(rank, (world, n_chunks), torch.int32)
     a_local = A.view(rows, k)
-    A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device)
+    A_gathered = torch.empty(gathered_shape, dtype=A.dtype, device=A.device) if return_A else None
     outs = [torch.empty(world * rows, b.shape[1], dtype=A.dtype, device=A.device) for b in Bs]
     send_to = gather_send_order(rank, world)  # shards land in the order the kernel's tiles take them
 
@@ -107,7 +110,7 @@ def all_gather_matmul(
             ]
             send(side, done.addr(rank, p), pieces)
 
-    # The kernel also writes the gathered rows into A_gathered (no copy kernel after it).
+    # The kernel also writes the gathered rows into A_gathered (no copy kernel after it); without it, nothing.
     ag_gemm.ag_gemm(
         a_local, slots, arrived, Bs, biases, rank, world, chunk_rows, errors.err,
         block=block, outs=outs, a_out=A_gathered, tma=variant.tma, group_m=variant.group_m,
