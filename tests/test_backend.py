@@ -83,6 +83,58 @@ def test_compile_ways(ranks):
     assert "fluxcompile.all_gather_matmul" in r["explain"] and "fluxcompile.matmul_reduce_scatter" in r["explain"]
 
 
+def _gather_flags(graph: torch.fx.Graph) -> list[tuple[bool, bool]]:
+    """(return_A, whether anything reads result 0) of each fluxcompile.all_gather_matmul of a post-grad graph."""
+    op = torch.ops.fluxcompile.all_gather_matmul.default
+    return [
+        (n.kwargs.get("return_A", True), any(u.args[1] == 0 for u in n.users))
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is op
+    ]
+
+
+def return_A_from_users() -> dict[str, object]:
+    """The rewrite sets all_gather_matmul's return_A from the gathered tensor's users: an inference graph reads
+    only the products; a training forward also saves the gathered tensor for the backward (w1's gradient), and
+    the backward's gathered output gradient also feeds w2's gradient. Results and gradients match eager."""
+    group = dist.group.WORLD
+    torch.manual_seed(dist.get_rank())
+    x, w1, w2 = torch.randn(6, 16), torch.randn(16, 32), torch.randn(32, 16)
+    graphs: list[list[tuple[bool, bool]]] = []
+    options = {"post_grad_custom_post_pass": lambda g: graphs.append(_gather_flags(g))}
+    result = {}
+    with fresh_compiles():
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(_tp_mlp, backend="fluxcompile", options=options)(x, w1, w2, group)
+        assert_close(out, _tp_mlp(x, w1, w2, group), 1e-5, "inference")
+        result["inference"] = list(graphs)
+
+        graphs.clear()
+        torch._dynamo.reset()
+        params = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        eager = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        out = torch.compile(_tp_mlp, backend="fluxcompile", options=options)(*params, group)
+        ref = _tp_mlp(*eager, group)
+        assert_close(out, ref, 1e-5, "training forward")
+        grad = torch.randn_like(ref)
+        out.backward(grad)
+        ref.backward(grad)
+        for name, a, b in zip(("x", "w1", "w2"), params, eager):
+            assert_close(a.grad, b.grad, 1e-5, f"gradient of {name}")
+        result["training"] = list(graphs)
+    return result
+
+
+def test_return_A_from_users(ranks):
+    for r in ranks(2).run(return_A_from_users):
+        # One graph without grad: only the mm reads the gathered tensor, so it is not returned (nothing reads it).
+        assert r["inference"] == [[(False, False)]], r
+        # The forward saves the gathered x for w1's gradient; the backward's gathered output gradient feeds the
+        # input-gradient mm and, as the right operand, w2's gradient: both return it and read it.
+        assert r["training"] == [[(True, True)], [(True, True)]], r
+
+
 def test_uuid_follows_config():
     p = FluxcompilePass()
     before = p.uuid()

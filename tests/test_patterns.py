@@ -787,6 +787,15 @@ def run_case(name: str, dtype_name: str, seed: int) -> list[tuple[str, str | Non
     assert len(left) == case.kept, f"collectives left: {left}{graph}"
     outs = [len(n.meta["val"][1]) for n in fused if n.target in (ops.op(AGMM), ops.op(A2AMM))]
     assert tuple(outs) == case.mm_outputs, f"matmul outputs per consumer-side fused op: {outs}{graph}"
+    # all_gather_matmul returns the gathered tensor (return_A, default True) exactly where something besides its
+    # matmuls reads it, which the report says ("also kept for N other user(s)"); its first result is read only then.
+    kept = [any("also kept for" in s for s in subs) for _, op, subs in case.entries if op == AGMM]
+    gathers = [n for n in fused if n.target is ops.op(AGMM)]
+    flags = [n.kwargs.get("return_A", True) for n in gathers]
+    assert flags == kept, f"return_A {flags}, expected {kept}{graph}"
+    reads = [any(u.args[1] == 0 for u in n.users) for n in gathers]
+    assert reads == kept, f"result 0 read {reads}, expected {kept}{graph}"
+    assert all(n.meta["val"][0] is None for n in gathers if not n.kwargs.get("return_A", True)), graph
     assert _output_layouts(gm) == layouts, f"output layouts {_output_layouts(gm)} != {layouts}{graph}"
 
     # Real values, shapes and strides against f run eagerly.

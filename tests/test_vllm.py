@@ -84,6 +84,11 @@ def test_vllm_decoder_layer(ranks, sp, vllm_backend):
     assert not any(
         "vllm.all_reduce" in g or "vllm.all_gather" in g or "vllm.reduce_scatter" in g for g in by_config.graphs
     )
+    # Only the fused matmuls read each gathered tensor (a forward without grad): the op is told not to return it.
+    gathers = [op for g in by_config.graphs for op in g.split(" fluxcompile.")[1:] if op.startswith("all_gather")]
+    assert len(gathers) == want.get("all_gather_matmul", 0) and all(
+        op.startswith("all_gather_matmul.default [no A]") for op in gathers
+    ), by_config.graphs
     for r in (by_config, by_plugin):
         if vllm_backend:  # the pass ran inside vLLM's PostGradPassManager, once
             assert r.manager_passes and all(p.count("FluxcompileVllmPass") == 1 for p in r.manager_passes), (

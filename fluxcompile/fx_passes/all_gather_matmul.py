@@ -7,6 +7,10 @@ Matched forms, after ``wait_tensor(all_gather_into_tensor(shard))``:
     backend), with the chunks in rank order;
 then optionally a permute that keeps the last dim last (moved onto the shard: gathering the permuted
 shard gives the permuted gathered tensor), then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``.
+
+The fused op returns the gathered tensor only where something besides the fused matmuls reads it (another op, or
+the graph's output: a training forward saves it for the backward's weight gradients); elsewhere ``return_A`` is
+False, so its implementation need not produce it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class AllGatherMatmulMatch:
     group_name: str
     consumers: Consumers
     shard_perm: list[int] | None = None  # a permute between gather and mm, moved onto the shard
+
+    def flags(self) -> dict[str, bool]:
+        """The fused op's ``return_A``, where it is not the default: False when only the fused matmuls read the
+        gathered tensor (no other op, no graph output: in a training forward, what the backward saves is one)."""
+        return {} if self.consumers.others else {"return_A": False}
 
     def fused_args(self, shard: Node | None = None) -> tuple:
         mms = self.consumers.matmuls
@@ -167,7 +176,7 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     if isinstance(found, str):
         return Entry(node.name, "all_gather_into_tensor", group, None, found)
     shard_val = val(found.shard) if found.shard_perm is None else val(found.shard).permute(found.shard_perm)
-    decision = decide(PATTERN, found.fused_args(shard_val), found.group_name, cfg)
+    decision = decide(PATTERN, found.fused_args(shard_val), found.group_name, cfg, found.flags())
     if decision.keep:
         return Entry(node.name, "all_gather_into_tensor", group, None, decision.keep)
     shard = None
@@ -176,7 +185,7 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
             shard = call(graph, aten.permute.default, (found.shard, found.shard_perm))
     rewrite_consumers(
         graph, node, ops.op(PATTERN), found.fused_args(shard), found.gathered, found.consumers, found.layout_nodes,
-        decision.kwargs(),
+        {**found.flags(), **decision.kwargs()}, reads_result=bool(found.consumers.others),
     )  # fmt: skip
     mms = ", ".join(mm.node.name for mm in found.consumers.matmuls)
     kept = (

@@ -68,9 +68,11 @@ class Decision:
         return {"choice": self.choice} if self.choice else {}
 
 
-def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> Decision:
-    """The decision for a site to be rewritten into ``op_name(*args)`` (Nodes or fake tensors in place of
-    tensors)."""
+def decide(
+    op_name: str, args: Sequence[Any], group_name: str, cfg: Config, kwargs: dict[str, Any] | None = None
+) -> Decision:
+    """The decision for a site to be rewritten into ``op_name(*args, **kwargs)`` (Nodes or fake tensors in place of
+    tensors; ``kwargs``: the op's flags that its choices take, e.g. all_gather_matmul's ``return_A``)."""
     if cfg.choose_at_compile == "never":
         return Decision(note="chosen at run time (choose_at_compile=never)")
     fakes = _tensors(args)
@@ -88,7 +90,7 @@ def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> D
     symbols = _free_symbols(args)
     if not symbols:
         _meet(group_name, f"{op_name}{[tuple(t.shape) for t in fakes]}", cfg.choose_timeout_s)
-        name = _pick(op_name, args, group_name, device, {})
+        name = _pick(op_name, args, group_name, device, {}, kwargs)
         if name == REFERENCE:
             return Decision(
                 f"autotuned at compile time: the unfused collective + matmul beat {op_name}'s supported choices, "
@@ -101,7 +103,7 @@ def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> D
     (symbol,) = symbols
     points = _dispatch_points(op_name, args, symbol, cfg.dispatch_rows)
     _meet(group_name, f"{op_name}{[tuple(map(str, t.shape)) for t in fakes]}@{[v for v, _ in points]}", cfg.choose_timeout_s)
-    names = [_pick(op_name, args, group_name, device, {symbol: v}) for v, _ in points]
+    names = [_pick(op_name, args, group_name, device, {symbol: v}, kwargs) for v, _ in points]
     rows = [r for _, r in points]
     tuned = ", ".join(f"{r}: {n}" for r, n in zip(rows, names))
     if all(n == REFERENCE for n in names):
@@ -113,11 +115,16 @@ def decide(op_name: str, args: Sequence[Any], group_name: str, cfg: Config) -> D
     return Decision(choice=spec, note=f"range-based dispatch on {symbol} (rows {tuned}): {spec}")
 
 
-def _pick(op_name: str, args: Sequence[Any], group_name: str, device: torch.device, subs: dict) -> str:
-    """The autotuner's choice for the site's arguments made real (sizes substituted by ``subs``)."""
+def _pick(
+    op_name: str, args: Sequence[Any], group_name: str, device: torch.device, subs: dict, kwargs: dict[str, Any] | None
+) -> str:
+    """The autotuner's choice for the site's arguments made real (sizes substituted by ``subs``), called with
+    ``kwargs`` as the fused op's implementation will call its choices."""
     from ..lowerings import pick
 
-    return _on_fresh_thread(lambda: pick(op_name, tuple(_materialize(args, subs)), group_name).name, device)
+    return _on_fresh_thread(
+        lambda: pick(op_name, tuple(_materialize(args, subs)), group_name, kwargs=kwargs).name, device
+    )
 
 
 def _dispatch_points(

@@ -23,20 +23,26 @@ def rewrite_consumers(
     consumers: Consumers,
     layout_nodes: Sequence[Node],
     kwargs: dict[str, Any] | None = None,
+    reads_result: bool = True,
 ) -> Node:
     """Replace ``collective -> ... -> result`` and the consuming matmuls with one fused op.
 
     The fused op returns ``(result, [mm outputs])``; users of ``result`` that are not fused matmuls (saved
-    activations, weight-gradient matmuls) read its first output.
+    activations, weight-gradient matmuls) read its first output. With ``reads_result`` False there are none
+    (``consumers.others`` is empty: the op was told not to return it), and nothing reads the first output.
     """
+    if not reads_result and consumers.others:
+        raise ValueError(f"fluxcompile: {result.name} is read by {[n.name for n, _ in consumers.others]}")
     with graph.inserting_before(collective):
         fused = call(graph, target, args, kwargs)
-        new_result = call(graph, operator.getitem, (fused, 0))
+        new_result = call(graph, operator.getitem, (fused, 0)) if reads_result else None
         outs = call(graph, operator.getitem, (fused, 1))
         for i, mm in enumerate(consumers.matmuls):
             mm.node.replace_all_uses_with(call(graph, operator.getitem, (outs, i)))
-    result.replace_all_uses_with(new_result)
-    erase_dead(graph, [*(mm.node for mm in consumers.matmuls), *layout_nodes, collective])
+    if new_result is not None:
+        result.replace_all_uses_with(new_result)
+    dead = [*(mm.node for mm in consumers.matmuls), *layout_nodes, collective]
+    erase_dead(graph, dead if reads_result else [*dead, result])
     return fused
 
 

@@ -160,7 +160,11 @@ def fuse_all_gather(graph: Graph, node: Node, cfg: Config) -> Entry:
         world_size,
         group_name,
     )
-    rewrite_consumers(graph, node, ops.op(all_gather_matmul.PATTERN), args, gathered, consumers, layout)
+    reads_gathered = bool(consumers.others)  # else the fused op need not return it (return_A False)
+    rewrite_consumers(
+        graph, node, ops.op(all_gather_matmul.PATTERN), args, gathered, consumers, layout,
+        None if reads_gathered else {"return_A": False}, reads_result=reads_gathered,
+    )  # fmt: skip
     mms = ", ".join(mm.node.name for mm in consumers.matmuls)
     others = f"; gathered tensor also kept for {len(consumers.others)} other user(s)" if consumers.others else ""
     return Entry(

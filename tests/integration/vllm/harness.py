@@ -367,7 +367,12 @@ def _record_rewritten_graphs() -> None:
 
     def recording(graph: Any, *args: Any, **kwargs: Any) -> Any:
         report = rewrite(graph, *args, **kwargs)
-        ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        # A fused op told not to return its first result (all_gather_matmul's return_A) is marked "[no A]".
+        ops = [
+            str(n.target) + (" [no A]" if n.kwargs.get("return_A", True) is False else "")
+            for n in graph.nodes
+            if n.op == "call_function"
+        ]
         _GRAPHS.append(" ".join(ops))
         return report
 
