@@ -77,7 +77,9 @@ def hopper(monkeypatch):
 
 def test_one_choice_per_variant_for_both_ops():
     for op in OPS:
-        assert list(_cutlass(op)) == [f"cutlass:{v}" for v in cutlass_gemm.VARIANTS], op
+        want = [f"cutlass:{v}" for v in (ag.NAMES if op == "all_gather_matmul" else cutlass_gemm.VARIANTS)]
+        assert list(_cutlass(op)) == want, op
+    assert set(cutlass_gemm.VARIANTS) < set(ag.NAMES)  # every variant, then its launch options
 
 
 def test_on_by_default_and_declined_when_switched_off():
@@ -237,6 +239,19 @@ def test_rs_chunk_layout():
     assert rs.data_bytes(800, 768, 4, 0, BF16) == 4 * 200 * 768 * 2 + 800 * 768 * 2
 
 
+def test_ag_launch_options():
+    assert ag.parse("128x256x64_c2x1") == ("128x256x64_c2x1", ag.Launch())
+    assert ag.parse("128x256x64_c2x1:c8") == ("128x256x64_c2x1", ag.Launch(chunks=8))
+    assert ag.parse("256x128x64_c2x1:n")[1].raster == "n" and ag.Launch().raster in cutlass_gemm.RASTERS
+    for name in ag.NAMES:
+        _, launch = ag.parse(name)
+        assert launch.raster in cutlass_gemm.RASTERS and 1 <= launch.chunks <= ag.MAX_CHUNKS
+    for bad in ("128x256x64_c2x1:c3", "nope", "128x256x64_c2x1:"):
+        with pytest.raises(ValueError, match="no CUTLASS all-gather choice"):
+            ag.make(bad)
+    assert ag.chunking(4096, 128, 8) == (512, 8) and ag.chunking(4096, 128, 2) == (2048, 2)
+
+
 def test_ag_chunking():
     assert ag.chunking(200, 128) == (128, 2)
     assert ag.chunking(4096, 128) == (1024, 4)
@@ -375,7 +390,7 @@ def test_harness_flags_are_set_on_every_rank_once():
     flags[2].local()[3] = 0  # a rank consumed one
     ranks.init_flags(flags[1], 1)  # once per array: no reset
     assert int(flags[2].local()[3]) == 0
-    arrived = FlagArray(ranks.flags.ranks[0], ag._ARRIVED_OFFSET, ag.MAX_WORLD * ag.CHUNKS)
+    arrived = FlagArray(ranks.flags.ranks[0], ag._ARRIVED_OFFSET, ag.MAX_WORLD * ag.MAX_CHUNKS)
     ranks.init_flags(arrived, 0)
     assert int(flags[2].local()[0]) == 1  # the arrays do not overlap
 
@@ -577,8 +592,12 @@ def test_all_gather_protocol_simulated(simulated, world):
         for shape, _ in shapes
     ]
 
+    launches = [ag.Launch(), ag.Launch(), ag.Launch(), ag.Launch(chunks=8), ag.Launch(raster="n", chunks=2)]
+
     def call(i, r, comm):
-        return ag.all_gather_matmul_on(comm, *inputs[i][r], shapes[i][1], variant=variant, return_A=return_A[i])
+        return ag.all_gather_matmul_on(
+            comm, *inputs[i][r], shapes[i][1], variant=variant, launch=launches[i], return_A=return_A[i]
+        )
 
     calls = [functools.partial(call, i) for i in range(len(shapes))]
     nbytes = ag.data_bytes(256, 64, world, BF16)

@@ -8,7 +8,7 @@ Choices, in registration order (the autotuner's tie-break order within a family)
 * ``async_input_mm`` (async_input_mm.py): PyTorch's CUTLASS GEMM that waits on per-chunk signals, fed by
   copy-engine pulls;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/ag_gemm.py;
-* ``cutlass:<variant>`` (cutlass.py, experimental): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
+* ``cutlass:<variant>[:<launch option>]`` (cutlass.py): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
   tiles wait for the chunks of the gathered rows, fed by copy-engine pushes;
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 
@@ -25,7 +25,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...kernels import cutlass_gemm
 from ...ops import REFERENCES
 from ..autotune import pick
 from ..choices import Choice, register_choice
@@ -50,7 +49,7 @@ _CHOICES = [
     Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_matmul, torch_symm_mem.supports),
     Choice(async_input_mm.NAME, async_input_mm.all_gather_matmul, async_input_mm.supports),
     *(Choice(f"triton:{name}", *triton.make(name), family="triton_ag") for name in triton.VARIANTS),
-    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.VARIANTS),
+    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass.NAMES),
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)

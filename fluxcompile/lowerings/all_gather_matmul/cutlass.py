@@ -49,11 +49,12 @@ from .layout import layout_supports, shard_layout
 NAME = "cutlass"
 MAX_WORLD = cutlass_gemm.MAX_WORLD
 MAX_WEIGHTS = 4
-CHUNKS = 4  # communication chunks per shard (each at least one tile of M rows where the shard has them)
+CHUNKS = 4  # communication chunks per shard by default (each at least one tile of M rows where the shard has them)
+MAX_CHUNKS = 8
 _DTYPES = (torch.bfloat16, torch.float16)
-# The flag workspace: arrived (int32, [world, CHUNKS], starts 0), then done (int32, [world], starts 1).
+# The flag workspace: arrived (int32, [world, MAX_CHUNKS], starts 0), then done (int32, [world], starts 1).
 _ARRIVED_OFFSET = 0
-_DONE_OFFSET = 4 * MAX_WORLD * CHUNKS
+_DONE_OFFSET = 4 * MAX_WORLD * MAX_CHUNKS
 FLAG_BYTES = _DONE_OFFSET + 4 * MAX_WORLD
 TAG = "all_gather_matmul.cutlass"
 
@@ -106,13 +107,38 @@ def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
     return sequencer.unavailable()  # the pipelined module issues the protocol (kernels/cutlass_gemm.ag_sequence)
 
 
-def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Callable[..., str | None]]:
-    """(fn, supports) of the choice ``cutlass:<variant>``."""
-    if variant not in cutlass_gemm.VARIANTS:
-        raise ValueError(f"fluxcompile: no CUTLASS variant {variant!r}")
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A choice's launch options that cost no compilation: the tile scheduler's raster order (``gemm``'s
+    ``raster``) and the communication chunks per shard."""
+
+    raster: str = "auto"
+    chunks: int = CHUNKS
+
+
+# Name suffixes of the launch options offered beside each variant's defaults (``cutlass:<variant>:<suffix>``),
+# and the variants they are offered for: the autotuner picks per (world, shape) among them.
+LAUNCHES = {"n": Launch(raster="n"), "c2": Launch(chunks=2), "c8": Launch(chunks=8)}
+TUNED_VARIANTS = ("128x256x64_c2x1", "256x128x64_c2x1", "128x256x64_c1x2")
+NAMES = [*cutlass_gemm.VARIANTS, *(f"{v}:{o}" for v in TUNED_VARIANTS for o in LAUNCHES)]
+
+
+def parse(name: str) -> tuple[str, Launch]:
+    """(variant, launch options) of a choice name's part after ``cutlass:``."""
+    variant, sep, option = name.partition(":")
+    if variant not in cutlass_gemm.VARIANTS or ((sep or option) and option not in LAUNCHES):
+        raise ValueError(f"fluxcompile: no CUTLASS all-gather choice {name!r}")
+    return variant, LAUNCHES[option] if option else Launch()
+
+
+def make(name: str) -> tuple[Callable[..., tuple[Tensor | None, list[Tensor]]], Callable[..., str | None]]:
+    """(fn, supports) of the choice ``cutlass:<name>`` (a variant, optionally ``:<launch option>``)."""
+    variant, launch = parse(name)
 
     def run(A, Bs, biases, gather_dim, group_size, group_name, return_A=True):
-        return all_gather_matmul(A, Bs, biases, gather_dim, group_size, group_name, variant=variant, return_A=return_A)
+        return all_gather_matmul(
+            A, Bs, biases, gather_dim, group_size, group_name, variant=variant, launch=launch, return_A=return_A
+        )
 
     return run, supports
 
@@ -120,10 +146,10 @@ def make(variant: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]], Call
 # --- the protocol ---------------------------------------------------------------------------------------
 
 
-def chunking(rows: int, tile_m: int) -> tuple[int, int]:
-    """(chunk_rows, chunks) of a shard of ``rows``: CHUNKS chunks, each at least one tile of M (fewer chunks
+def chunking(rows: int, tile_m: int, chunks: int = CHUNKS) -> tuple[int, int]:
+    """(chunk_rows, chunks) of a shard of ``rows``: ``chunks`` chunks, each at least one tile of M (fewer chunks
     for a small shard)."""
-    chunk_rows = min(rows, max(tile_m, -(-rows // CHUNKS)))
+    chunk_rows = min(rows, max(tile_m, -(-rows // chunks)))
     return chunk_rows, -(-rows // chunk_rows)
 
 
@@ -133,7 +159,7 @@ def data_bytes(rows: int, k: int, world: int, dtype: torch.dtype) -> int:
 
 
 def _flag_views(comm: Comm) -> tuple[FlagArray, FlagArray]:
-    return FlagArray(comm.flags, _ARRIVED_OFFSET, MAX_WORLD * CHUNKS), FlagArray(comm.flags, _DONE_OFFSET, MAX_WORLD)
+    return FlagArray(comm.flags, _ARRIVED_OFFSET, MAX_WORLD * MAX_CHUNKS), FlagArray(comm.flags, _DONE_OFFSET, MAX_WORLD)
 
 
 def flag_arrays(comm: Comm) -> tuple[FlagArray, FlagArray]:
@@ -157,6 +183,7 @@ def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
     *,
     variant: str,
+    launch: Launch = Launch(),
     return_A: bool = True,
 ) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
@@ -166,7 +193,7 @@ def all_gather_matmul(
     comm = comm_for(
         group_name, TAG, world=group_size, data_bytes=nbytes, flag_bytes=FLAG_BYTES, errors=ERRORS, describe=describe
     )
-    return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant, return_A=return_A)
+    return all_gather_matmul_on(comm, A, Bs, biases, gather_dim, variant=variant, launch=launch, return_A=return_A)
 
 
 @dataclasses.dataclass
@@ -196,10 +223,10 @@ class Plan:
 _plans: weakref.WeakKeyDictionary[Comm, dict[tuple, Plan]] = weakref.WeakKeyDictionary()
 
 
-def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Plan:
+def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, launch: Launch = Launch()) -> Plan:
     """The plan of shards of ``rows`` x ``k`` on ``comm``, made on the signature's first call and kept while the
     context keeps its workspaces (a grown one is a new workspace)."""
-    key = (rows, k, dtype, variant)
+    key = (rows, k, dtype, variant, launch)
     plans = _plans.setdefault(comm, {})
     p = plans.get(key)
     if p is not None and p.data is comm.data and p.flags is comm.flags:
@@ -209,7 +236,7 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Pla
         what = f"all_gather_matmul ({NAME}:{variant})"
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     tile_m = cutlass_gemm.VARIANTS[variant].tile[0]
-    chunk_rows, n_chunks = chunking(rows, tile_m)
+    chunk_rows, n_chunks = chunking(rows, tile_m, launch.chunks)
     arrived_all, done = _flag_views(comm)
     send_to = gather_send_order(rank, world)
     slot_offset = rank * rows * k * dtype.itemsize
@@ -231,21 +258,21 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str) -> Pla
 
 def all_gather_matmul_on(
     comm: Comm, A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, *, variant: str,
-    return_A: bool = True,
+    launch: Launch = Launch(), return_A: bool = True,
 ) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     """The op's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol of
     the module's docstring, on the current stream and ``comm.side``."""
     rank, world = comm.rank, comm.world
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, world)
     what = f"all_gather_matmul ({NAME}:{variant})"
-    p = plan(comm, rows, k, A.dtype, variant)
+    p = plan(comm, rows, k, A.dtype, variant, launch)
     flag_arrays(comm)
     comm.errors.check_previous(what, cutlass_gemm.check_error)
     A_gathered, outs = cutlass_gemm.ag_sequence(
         A.view(rows, k), list(Bs), list(biases), gathered_shape, p.peer_slots, p.buffer, p.chunk_bounds,
         p.done_mine, p.arrived_theirs, p.done_theirs, p.arrived, comm.errors.err,
         rank=rank, world=world, chunk_rows=p.chunk_rows, variant=variant, sm_count=comm.sm_count, side=comm.side,
-        in_place=p.in_place, return_A=return_A, err_host=p.err_host, events=p.events,
+        in_place=p.in_place, return_A=return_A, err_host=p.err_host, events=p.events, raster=launch.raster,
     )  # fmt: skip
     if p.err_host is not None:
         comm.after_sequence(what, cutlass_gemm.check_error)
