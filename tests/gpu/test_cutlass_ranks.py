@@ -53,10 +53,18 @@ def _queues(world: int) -> None:
 def _bounded():
     """Kernel waits give up after 5 s (an error, not a hang); the flags stay as in production. The extensions are
     built first (the GEMM's, and the pipelined module, whose sequence issues the all-gather's calls): the
-    simulated ranks' host calls run on threads, which would build them while a peer waits."""
+    simulated ranks' host calls run on threads, which would build them while a peer waits.
+
+    The all-gather's C++ sequence runs directly, never captured as a graph of its own (``sequence_graphs=0``):
+    on one GPU a capture at a signature's second sight may wait for the device, where the peers' queued GEMMs
+    wait for this rank's pushes, which come after it (with replays on, 2 of 12 all-gather cases here timed out
+    so). Between GPUs no rank's device holds another's work: the replays run in tests/gpu/test_cutlass_peers.py
+    and test_sequence_replays.py; the graphs of every rank's call below are torch's captures."""
     cutlass_gemm.load()
     sequencer.sequencer()
-    with config.patch(implementations=IMPLEMENTATIONS, wait_timeout_s=5.0, check_signals=False):
+    with config.patch(
+        implementations=IMPLEMENTATIONS, wait_timeout_s=5.0, check_signals=False, sequence_graphs=0
+    ):
         yield
 
 
@@ -93,17 +101,6 @@ def _load_kernels(variant: str, weights) -> None:
         a = torch.zeros(128, b.shape[0], dtype=b.dtype, device=b.device)
         cutlass_gemm.gemm(a, b, torch.empty(128, b.shape[1], dtype=b.dtype, device=b.device), variant=variant)
     torch.zeros(4, dtype=torch.int32, device="cuda").zero_()  # the sequence's reset of its arrival flags
-    # The process's first captures of the sequence (csrc/replays.h: at a signature's second sight) may wait for
-    # the device where a peer's queued GEMM waits for this rank: the sequence at one rank, three times (direct,
-    # captured, replayed), makes them here first.
-    side = torch.cuda.Stream()
-    a = torch.randn(128, weights[0].shape[0], dtype=weights[0].dtype, device="cuda")
-    for _ in range(3):
-        cutlass_gemm.ag_sequence(
-            a, list(weights), [None] * len(weights), [128, a.shape[1]], [], torch.empty_like(a), [0, 128], [], [], [],
-            torch.ones(1, dtype=torch.int32, device="cuda"), torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32,
-            device="cuda"), rank=0, world=1, chunk_rows=128, variant=variant, sm_count=0, side=side, in_place=True,
-        )  # fmt: skip
     torch.cuda.synchronize()
 
 
@@ -197,7 +194,7 @@ def test_all_gather_timeout_raised_by_the_next_call():
     with config.patch(wait_timeout_s=0.2):
         ag.all_gather_matmul_on(comm, case.A[0], case.Bs[0], case.biases[0], 0, variant=variant)
         torch.cuda.synchronize()
-        with pytest.raises(RuntimeError, match="rank 0 timed out waiting for rank 1's chunk 0"):
+        with pytest.raises(RuntimeError, match=r"rank 0 timed out waiting for rank 1's chunk \d"):
             ag.all_gather_matmul_on(comm, case.A[0], case.Bs[0], case.biases[0], 0, variant=variant)
     torch.cuda.synchronize()
     comm.errors.clear()
