@@ -101,6 +101,18 @@ def _load_kernels(variant: str, weights) -> None:
         a = torch.zeros(128, b.shape[0], dtype=b.dtype, device=b.device)
         cutlass_gemm.gemm(a, b, torch.empty(128, b.shape[1], dtype=b.dtype, device=b.device), variant=variant)
     torch.zeros(4, dtype=torch.int32, device="cuda").zero_()  # the sequence's reset of its arrival flags
+    # The sequence's other operations (its copies, the error words' copy to pinned memory, the event records) made
+    # once at one rank: the first in a process may wait for the device (a first all-gather case failed so).
+    a = torch.randn(128, weights[0].shape[0], dtype=weights[0].dtype, device="cuda")
+    event = torch.cuda.Event()
+    event.record()
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    cutlass_gemm.ag_sequence(
+        a, list(weights), [None] * len(weights), [128, a.shape[1]], [], torch.empty_like(a), [0, 128], [], [], [],
+        torch.ones(1, dtype=torch.int32, device="cuda"), err, rank=0, world=1, chunk_rows=128, variant=variant,
+        sm_count=0, side=torch.cuda.Stream(), err_host=torch.zeros_like(err, device="cpu").pin_memory(),
+        events=[event.cuda_event],
+    )  # fmt: skip
     torch.cuda.synchronize()
 
 
