@@ -250,6 +250,41 @@ def test_ag_launch_options():
         with pytest.raises(ValueError, match="no CUTLASS all-gather choice"):
             ag.make(bad)
     assert ag.chunking(4096, 128, 8) == (512, 8) and ag.chunking(4096, 128, 2) == (2048, 2)
+    assert ag.parse("128x256x64_c1x2:g8")[1] == ag.Launch(group_m=8)
+
+
+def _tile_order(group_m, cm, cn, tiles_m, tiles_n, rotate_tile, m, n):
+    """csrc/flux_gemm.cuh's tile_order for a grouped order, in Python."""
+    mb_count, nb_count = -(-tiles_m // cm), -(-tiles_n // cn)
+    mb, nb = m // cm, n // cn
+    if mb >= mb_count or nb >= nb_count:
+        return m, n
+    group = max(1, group_m // cm)
+    linear = mb * nb_count + nb
+    first = linear // (group * nb_count) * group
+    size = min(group, mb_count - first)
+    within = linear % (group * nb_count)
+    mb2 = (first + within % size + rotate_tile // cm) % mb_count
+    return mb2 * cm + m % cm, within // size * cn + n % cn
+
+
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("group_m", [4, 8, 16])
+def test_grouped_tile_order_is_a_bijection_by_clusters(cluster, group_m):
+    """Every tile once; a cluster's tiles stay one cluster (the TMA multicast shares A or B within it); the first
+    tiles handed out (the scheduler along N) are the rotation's rows."""
+    cm, cn = cluster
+    for tiles_m, tiles_n, rotate_tile in ((32, 96, 16), (7, 5, 2), (9, 11, 0), (64, 112, 48)):
+        grid_m, grid_n = -(-tiles_m // cm) * cm, -(-tiles_n // cn) * cn  # the scheduler's, padded to clusters
+        seen = {}
+        for m in range(grid_m):
+            for n in range(grid_n):
+                seen[(m, n)] = _tile_order(group_m, cm, cn, tiles_m, tiles_n, rotate_tile, m, n)
+                m0, n0 = seen[(m, n)]
+                assert (m0 % cm, n0 % cn) == (m % cm, n % cn)
+        assert sorted(seen.values()) == sorted(seen), "not a bijection"
+        first = seen[(0, 0)][0]
+        assert first // cm == (rotate_tile // cm) % (-(-tiles_m // cm)), (first, rotate_tile)
 
 
 def test_ag_chunking():

@@ -49,6 +49,35 @@ CUTLASS_DEVICE int rotated(int idx, int tiles, int tile, int elems) {
   return r >= tiles ? r - tiles : r;
 }
 
+// The tile (m, n) that the scheduler's tile (m, n) stands for, of tiles_m x tiles_n (FluxGemmSync's tile order:
+// rotated along one axis, or grouped with an M rotation). The mainloop and the epilogue map alike.
+CUTLASS_DEVICE void tile_order(FluxGemmSync const& s, int tiles_m, int tiles_n, int tile_m, int tile_n, int& m,
+                               int& n) {
+  if (s.group_m <= 0) {
+    if (s.rotate_axis == 0) {
+      m = rotated(m, tiles_m, tile_m, s.rotate_elems);
+    } else {
+      n = rotated(n, tiles_n, tile_n, s.rotate_elems);
+    }
+    return;
+  }
+  // Clusters of cluster_m x cluster_n tiles; the scheduler (along N, no swizzle) hands out cluster mb * nb_count + nb.
+  const int cm = s.cluster_m, cn = s.cluster_n;
+  const int mb_count = (tiles_m + cm - 1) / cm, nb_count = (tiles_n + cn - 1) / cn;
+  const int mb = m / cm, nb = n / cn;
+  if (mb >= mb_count || nb >= nb_count) return;  // a cluster's padding past the grid stays where it is
+  const int group = cute::max(1, s.group_m / cm);  // rows of clusters per group
+  const int linear = mb * nb_count + nb;
+  const int first = (linear / (group * nb_count)) * group;
+  const int size = cute::min(group, mb_count - first);
+  const int within = linear % (group * nb_count);
+  int mb2 = first + within % size;
+  const int nb2 = within / size;
+  mb2 = (mb2 + (s.rotate_elems / tile_m) / cm) % mb_count;
+  m = mb2 * cm + m % cm;
+  n = nb2 * cn + n % cn;
+}
+
 // Bounded wait (bounded_wait.cuh) of a whole warp (every lane polls, so every lane's later reads are ordered after
 // its acquire) until *flag != 0. False when it timed out or another wait already had; the first timeout fills err
 // (from lane 0; err may be null) with value 1 and kind 1 (chunk arrival).
@@ -164,11 +193,7 @@ struct WaitingMainloop : Base {
     constexpr int TN = size<1>(typename Base::TileShape{});
     FluxGemmSync const& s = params.sync;
     int m = get<0>(blk_coord), n = get<1>(blk_coord);
-    if (s.rotate_axis == 0) {
-      m = rotated(m, (params.m + TM - 1) / TM, TM, s.rotate_elems);
-    } else {
-      n = rotated(n, (params.n + TN - 1) / TN, TN, s.rotate_elems);
-    }
+    tile_order(s, (params.m + TM - 1) / TM, (params.n + TN - 1) / TN, TM, TN, m, n);
     int ours = m - params.local_tile0;
     if (params.local_tiles > 0 && 0 <= ours && ours < params.local_tiles) {
       Base::load(params.local, pipeline, state, cute::make_tuple(get<2>(inputs), get<1>(inputs)),
@@ -213,11 +238,7 @@ struct SignallingEpilogue : Base {
     constexpr int TN = size<1>(TileMNK{});
     int M = int(get<0>(problem)), N = int(get<1>(problem));
     int m = get<0>(coord), n = get<1>(coord);
-    if (sync_.rotate_axis == 0) {
-      m = rotated(m, (M + TM - 1) / TM, TM, sync_.rotate_elems);
-    } else {
-      n = rotated(n, (N + TN - 1) / TN, TN, sync_.rotate_elems);
-    }
+    tile_order(sync_, (M + TM - 1) / TM, (N + TN - 1) / TN, TM, TN, m, n);
     flush();
     auto result = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem, tile_shape,
                               make_coord(m, n, get<2>(coord), get<3>(coord)), static_cast<Rest&&>(rest)...);
@@ -334,7 +355,10 @@ struct Gemm {
     mainloop.dA = sa;
     mainloop.ptr_B = static_cast<Element const*>(p.b);
     mainloop.dB = sb;
-    mainloop.sync = p.sync;
+    FluxGemmSync sync = p.sync;  // with the cluster shape the grouped tile order maps by
+    sync.cluster_m = CM;
+    sync.cluster_n = CN;
+    mainloop.sync = sync;
 
     typename Kernel::EpilogueArguments epilogue{};
     epilogue.thread.alpha = 1.0f;
@@ -343,7 +367,7 @@ struct Gemm {
     epilogue.ptr_C = nullptr;
     epilogue.ptr_D = static_cast<Element*>(p.d);
     epilogue.dD = sd;
-    epilogue.sync = p.sync;
+    epilogue.sync = sync;
 
     cutlass::KernelHardwareInfo hw;
     hw.device_id = p.device;
@@ -354,6 +378,10 @@ struct Gemm {
     using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
     sched.raster_order = p.raster == 1 ? Raster::AlongM : p.raster == 2 ? Raster::AlongN : Raster::Heuristic;
     sched.max_swizzle_size = p.swizzle;
+    if (p.sync.group_m > 0) {  // the grouped tile order maps the scheduler's order along N, unswizzled
+      sched.raster_order = Raster::AlongN;
+      sched.max_swizzle_size = 1;
+    }
 
     return typename Kernel::Arguments{cutlass::gemm::GemmUniversalMode::kGemm, {p.m, p.n, p.k, 1}, mainloop,
                                       epilogue, hw, sched};
@@ -362,7 +390,7 @@ struct Gemm {
   // Kernel parameters per problem (every field of it, pointers included but our shard's), made once: a repeated
   // call (steady state, CUDA-graph capture) skips the TMA descriptor encoding and the attribute call; our shard's
   // descriptor only gets its address replaced.
-  using Key = std::array<int64_t, 32>;
+  using Key = std::array<int64_t, 33>;
   static Key key_of(FluxGemmProblem const& p) {
     auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
     auto const& s = p.sync;
@@ -370,7 +398,7 @@ struct Gemm {
                p.sm_count, p.raster, p.swizzle, p.device, i(p.workspace), s.rotate_axis, s.rotate_elems,
                i(s.wait_flags), s.rows_per_rank, s.chunk_rows, s.chunks_per_rank, s.skip_rank,
                i(s.signal_counters), s.signal_axis, s.signal_elems, i(s.err), s.rank, s.timeout_ns,
-               s.local_a != nullptr ? s.local_lda : -1, s.local_row0};
+               s.local_a != nullptr ? s.local_lda : -1, s.local_row0, s.group_m};
   }
   struct KeyHash {
     size_t operator()(Key const& k) const {

@@ -18,6 +18,12 @@ struct FluxGemmSync {
   // whose results leave first (reduce-scatter: the next rank's rows) come first.
   int rotate_axis = 0;
   int rotate_elems = 0;
+  // Grouped tile order (group_m > 0, M rotation only): the scheduler runs along N with no swizzle, and its k-th
+  // cluster of tiles takes, in groups of group_m rows of tiles, the k-th of the group's clusters M-first (each
+  // wave works on few rows of tiles and reuses their A and B in L2, as Triton's GROUP_M), the groups starting at
+  // the tile of rotate_elems. cluster_m/n: the kernel's cluster shape (set by the kernel's host side).
+  int group_m = 0;
+  int cluster_m = 1, cluster_n = 1;
   // All-gather: before loading a tile, the producer waits until wait_flags[s * chunks_per_rank + c] != 0 for
   // every chunk c of every rank s whose rows the tile covers (rank s holds rows [s * rows_per_rank, ...),
   // chunk c its rows [c * chunk_rows, ...)); rows of `skip_rank` are in place before the launch.

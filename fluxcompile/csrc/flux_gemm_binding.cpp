@@ -25,9 +25,9 @@ const fluxcompile::FluxGemmVariant& variant(int64_t index) {
 
 // problem: a, b, d, bias, m, n, k, lda, ldb, ldd, b_kmajor, dtype, sm_count, raster, swizzle, device, workspace
 // sync: rotate_axis, rotate_elems, wait_flags, rows_per_rank, chunk_rows, chunks_per_rank, skip_rank,
-//       signal_counters, signal_axis, signal_elems, err, rank, timeout_ns[, local_a, local_lda, local_row0]
+//       signal_counters, signal_axis, signal_elems, err, rank, timeout_ns[, local_a, local_lda, local_row0, group_m]
 fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::vector<int64_t>& s) {
-  if (q.size() != 17 || (s.size() != 13 && s.size() != 16)) {
+  if (q.size() != 17 || (s.size() != 13 && s.size() != 17)) {
     throw std::invalid_argument("fluxcompile flux_gemm: bad argument count");
   }
   fluxcompile::FluxGemmProblem p{};
@@ -62,10 +62,11 @@ fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::v
   y.err = ptr<int*>(s[10]);
   y.rank = static_cast<int>(s[11]);
   y.timeout_ns = s[12];
-  if (s.size() == 16) {
+  if (s.size() == 17) {
     y.local_a = ptr<const void*>(s[13]);
     y.local_lda = s[14];
     y.local_row0 = static_cast<int>(s[15]);
+    y.group_m = static_cast<int>(s[16]);
   }
   return p;
 }

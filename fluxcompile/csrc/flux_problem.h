@@ -32,12 +32,13 @@ struct FluxLaunch {
   int sm_count = 0, raster = 0, swizzle = 1;  // FluxGemmProblem's
   long long timeout_ns = 0;                   // FluxGemmSync's
   void* workspace = nullptr;                  // stream-K's scratch (null: none)
+  int group_m = 0;                            // FluxGemmSync's grouped tile order (0: off)
 };
 
-// The launch options from Python's 7 words: the run entry's address, the variant's index, sm_count, raster,
-// swizzle, the waits' timeout (ns), the workspace's address (0: none).
+// The launch options from Python's 8 words: the run entry's address, the variant's index, sm_count, raster,
+// swizzle, the waits' timeout (ns), the workspace's address (0: none), group_m.
 inline FluxLaunch flux_launch(const std::vector<int64_t>& w) {
-  TORCH_CHECK(w.size() == 7, "fluxcompile: the Flux GEMM's launch takes 7 words");
+  TORCH_CHECK(w.size() == 8, "fluxcompile: the Flux GEMM's launch takes 8 words");
   TORCH_CHECK(w[0] != 0, "fluxcompile: no address of the Flux GEMM's entry");
   FluxLaunch l;
   l.run = reinterpret_cast<FluxGemmRun>(static_cast<intptr_t>(w[0]));
@@ -47,6 +48,7 @@ inline FluxLaunch flux_launch(const std::vector<int64_t>& w) {
   l.swizzle = static_cast<int>(w[4]);
   l.timeout_ns = w[5];
   l.workspace = reinterpret_cast<void*>(static_cast<intptr_t>(w[6]));
+  l.group_m = static_cast<int>(w[7]);
   return l;
 }
 
@@ -105,6 +107,7 @@ inline FluxGemmProblem flux_problem(const at::Tensor& a, const at::Tensor& b, co
   p.workspace = launch.workspace;
   p.sync = sync;
   p.sync.timeout_ns = launch.timeout_ns;
+  p.sync.group_m = launch.group_m;
   return p;
 }
 

@@ -124,6 +124,7 @@ def gemm(
     err: Tensor | None = None,
     rank: int = 0,
     local: tuple[Tensor, int] | None = None,
+    group_m: int = 0,
 ) -> Tensor:
     """``out = a @ b (+ bias)`` on the current stream with the variant ``variant`` (a name of VARIANTS).
 
@@ -136,6 +137,8 @@ def gemm(
     local: (shard, row0): rows ``[row0, row0 + rows_per_rank)`` of ``a`` are read from ``shard`` (row-major,
       16-byte aligned) instead, through their own TMA descriptor; ``row0`` and ``rows_per_rank`` (of ``wait``)
       multiples of the tile's M.
+    group_m: the grouped tile order (csrc/flux_gemm.h): groups of ``group_m`` rows of tiles, each worked through
+      M-first, the groups from the tile of ``rotate``'s element along M on (0: ``rotate`` alone).
     """
     v = VARIANTS[variant]
     m, k = a.shape
@@ -170,6 +173,11 @@ def gemm(
         if shard.stride(1) != 1 or shard.data_ptr() % 16 or (shard.stride(0) * shard.element_size()) % 16:
             raise ValueError("fluxcompile: a local shard must be row-major and 16-byte aligned")
         s += [shard.data_ptr(), shard.stride(0), row0]
+    else:
+        s += [0, 0, 0]
+    if group_m and rotate[0] != 0:
+        raise ValueError("fluxcompile: the grouped tile order rotates along M only")
+    s.append(group_m)
     ext = load()
     which = _index(variant)
     # The raw handle: torch.cuda.current_stream() builds a Stream object per call.
@@ -215,6 +223,7 @@ def ag_sequence(
     raster: str = "auto",
     swizzle: int = 1,
     in_place: bool = False,
+    group_m: int = 0,
     return_A: bool = True,
     err_host: Tensor | None = None,
     events: Sequence[int] = (),
@@ -244,7 +253,8 @@ def ag_sequence(
             nbytes = max(nbytes, _stream_k_bytes(_index(variant), q, s))
         workspace = _workspace(device, stream, nbytes)  # one scratch for the call's GEMMs: they run one after another
     launch = [
-        run_address(), _index(variant), sm_count, RASTERS[raster], swizzle, int(config.wait_timeout_s * 1e9), workspace
+        run_address(), _index(variant), sm_count, RASTERS[raster], swizzle, int(config.wait_timeout_s * 1e9), workspace,
+        group_m,
     ]  # fmt: skip
     return sequencer().ag_flux(
         a_local, Bs, biases, gathered_shape, peer_slots, buffer, chunk_bounds, done_mine, arrived_theirs, done_theirs,

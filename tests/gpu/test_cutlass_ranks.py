@@ -420,6 +420,27 @@ def test_gemm_reads_our_rows_where_they_are(variant):
                           local=(shard[: rows - 8], rank * rows))  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", list(cutlass_gemm.VARIANTS))
+def test_gemm_grouped_tile_order(variant):
+    """``group_m``: every tile computed once whatever the group, the rotation and the cluster (ragged M and N,
+    poisoned output), with waits and our rows in place."""
+    world, rank, rows, chunk_rows = 4, 1, IN_PLACE_ROWS, 128
+    flags = torch.ones(world * (rows // chunk_rows), dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    for m, n, group_m in ((world * rows, N, 8), (1000, N2 + 8, 4), (world * rows, N2, 16)):
+        a = torch.randn(m, K, device="cuda", dtype=BF16)
+        b = _weight("nk", BF16, n)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=BF16)
+        in_place = m == world * rows
+        kw = {"wait": (flags, rows, chunk_rows, rank), "err": err, "rank": rank} if in_place else {}
+        if in_place:
+            kw["local"] = (a[rank * rows : (rank + 1) * rows].clone(), rank * rows)
+        cutlass_gemm.gemm(a, b, out, variant=variant, rotate=(0, rank * rows), group_m=group_m, **kw)
+        assert_close(out, a.float() @ b.float(), TOL, f"{variant} m={m} n={n} group_m={group_m}")
+    torch.cuda.synchronize()
+    assert err.tolist() == [0] * cutlass_gemm.ERR_WORDS
+
+
 @pytest.mark.parametrize("variant", AG_VARIANTS)
 def test_gemm_waits_for_chunks(variant):
     """Flags set: the result; one chunk's flag missing: the bounded wait gives up, naming rank, peer and chunk."""

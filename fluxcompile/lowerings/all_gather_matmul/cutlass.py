@@ -110,15 +110,22 @@ def _supports(A, Bs, biases, gather_dim, group_size) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """A choice's launch options that cost no compilation: the tile scheduler's raster order (``gemm``'s
-    ``raster``) and the communication chunks per shard."""
+    ``raster``), the communication chunks per shard, and the grouped tile order (``gemm``'s ``group_m``: rows of
+    tiles a group, 0: off; it runs the scheduler along N)."""
 
     raster: str = "auto"
     chunks: int = CHUNKS
+    group_m: int = 0
 
 
 # Name suffixes of the launch options offered beside each variant's defaults (``cutlass:<variant>:<suffix>``),
 # and the variants they are offered for: the autotuner picks per (world, shape) among them.
-LAUNCHES = {"n": Launch(raster="n"), "c2": Launch(chunks=2), "c8": Launch(chunks=8)}
+LAUNCHES = {
+    "n": Launch(raster="n"),
+    "c2": Launch(chunks=2),
+    "c8": Launch(chunks=8),
+    **{f"g{g}": Launch(group_m=g) for g in (4, 8, 16)},
+}
 TUNED_VARIANTS = ("128x256x64_c2x1", "256x128x64_c2x1", "128x256x64_c1x2")
 NAMES = [*cutlass_gemm.VARIANTS, *(f"{v}:{o}" for v in TUNED_VARIANTS for o in LAUNCHES)]
 
@@ -273,6 +280,7 @@ def all_gather_matmul_on(
         p.done_mine, p.arrived_theirs, p.done_theirs, p.arrived, comm.errors.err,
         rank=rank, world=world, chunk_rows=p.chunk_rows, variant=variant, sm_count=comm.sm_count, side=comm.side,
         in_place=p.in_place, return_A=return_A, err_host=p.err_host, events=p.events, raster=launch.raster,
+        group_m=launch.group_m,
     )  # fmt: skip
     if p.err_host is not None:
         comm.after_sequence(what, cutlass_gemm.check_error)
