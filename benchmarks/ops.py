@@ -83,37 +83,40 @@ def _ag_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
 
 
 def _cutlass_methods(args, a_shard, a_full, b, ref, group: str) -> dict:
-    """The CUTLASS all-gather choice ``cutlass:<args.cutlass_variant>`` forced (``cutlass``, gathered operand
-    returned as the op's default does; ``cutlass_noA`` without it) and the same variant's GEMM alone over the
-    gathered rows with every arrival flag preset (``cutlass_alone``): their difference is the protocol's cost.
+    """The CUTLASS all-gather choice ``cutlass:<args.cutlass_variant>`` (a variant, optionally with a launch
+    option) forced (``cutlass``, gathered operand returned as the op's default does; ``cutlass_noA`` without it)
+    and the same variant's GEMM alone over the gathered rows with every arrival flag preset (``cutlass_alone``):
+    their difference is the protocol's cost.
     Empty where the choice declines."""
     from fluxcompile.kernels import cutlass_gemm
     from fluxcompile.lowerings.all_gather_matmul import cutlass as ag_cutlass
 
-    variant = args.cutlass_variant
+    name = args.cutlass_variant
     world, rank = dist.get_world_size(), dist.get_rank()
     call = (a_shard, [b], [None], 0, world, group)
-    why = ag_cutlass.supports(*call)
-    if why is not None or not variant:
+    why = ag_cutlass.supports(*call) if name else "no --cutlass-variant"
+    if why is not None:
         if rank == 0:
-            print(f"cutlass:{variant} left out: {why}", flush=True)
+            print(f"cutlass:{name} left out: {why}", flush=True)
         return {}
+    variant, launch = ag_cutlass.parse(name)
     rows = a_shard.shape[0]
     tile_m = cutlass_gemm.VARIANTS[variant].tile[0]
-    chunk_rows, chunks = ag_cutlass.chunking(rows, tile_m)
+    chunk_rows, chunks = ag_cutlass.chunking(rows, tile_m, launch.chunks)
     flags = torch.ones(world * chunks, dtype=torch.int32, device="cuda")
     err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
     out = torch.empty(a_full.shape[0], b.shape[1], device="cuda", dtype=b.dtype)
     local = (a_shard, rank * rows) if rows % tile_m == 0 else None
 
     def forced(return_A: bool = True):
-        return ag_cutlass.all_gather_matmul(*call, variant=variant, return_A=return_A)
+        return ag_cutlass.all_gather_matmul(*call, variant=variant, launch=launch, return_A=return_A)
 
     def alone():
         return cutlass_gemm.gemm(a_full, b, out, variant=variant, wait=(flags, rows, chunk_rows, rank), err=err,
-                                 rank=rank, rotate=(0, rank * rows), local=local)  # fmt: skip
+                                 rank=rank, rotate=(0, rank * rows), local=local, raster=launch.raster,
+                                 group_m=launch.group_m)  # fmt: skip
 
-    check_numerics({"cutlass": lambda: forced()[1][0], "cutlass_alone": alone}, ref, f"cutlass:{variant}")
+    check_numerics({"cutlass": lambda: forced()[1][0], "cutlass_alone": alone}, ref, f"cutlass:{name}")
     return {"cutlass": forced, "cutlass_noA": lambda: forced(False), "cutlass_alone": alone}
 
 
@@ -206,7 +209,7 @@ def main() -> None:
     p.add_argument(
         "--cutlass-variant",
         default="128x256x64_c2x1",
-        help="all-gather: the CUTLASS choice's variant timed forced and alone (empty: left out)",
+        help="all-gather: the CUTLASS choice (<variant>[:<launch option>]) timed forced and alone (empty: left out)",
     )
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
