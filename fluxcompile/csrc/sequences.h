@@ -76,14 +76,14 @@ at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Te
                      const std::vector<std::vector<int64_t>>& group_ranges, int64_t side_handle, int64_t graphs);
 
 // all-gather -> GEMM (sequences_ag.cpp)
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots,
     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
     const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
-    const std::vector<int64_t>& compute_handles, int64_t graphs);
+    const std::vector<int64_t>& compute_handles, int64_t graphs, bool return_A);
 std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
@@ -91,21 +91,21 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
     int64_t side_handle, int64_t graphs);
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_lead(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t lead, int64_t side_handle, int64_t aux_handle, int64_t graphs);
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
+    int64_t lead, int64_t side_handle, int64_t aux_handle, int64_t graphs, bool return_A);
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_stages(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
     const std::vector<std::vector<int64_t>>& group_js, const std::vector<std::vector<int64_t>>& group_ranges,
-    int64_t side_handle, int64_t graphs);
+    int64_t side_handle, int64_t graphs, bool return_A);
 
 // all-gather -> the Flux-style CUTLASS GEMM (sequences_flux.cpp; the GEMM through flux_problem.h)
 std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(

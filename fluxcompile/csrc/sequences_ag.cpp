@@ -15,11 +15,17 @@ namespace {
 // the peer has freed it), then into our rows of the gathered output.
 void push_shard(const c10::cuda::CUDAStream& side, const c10::cuda::CUDAStream& main, const at::Tensor& a_local,
                 std::vector<at::Tensor>& peer_slots, const std::vector<int64_t>& done_mine,
-                const std::vector<int64_t>& ready_theirs, const at::Tensor& rows_of, int64_t rank) {
+                const std::vector<int64_t>& ready_theirs, const std::optional<at::Tensor>& rows_of, int64_t rank) {
   join(side, main);
   // The send lists come in the plan's send order (exchange.gather_send_order).
   for (size_t j = 0; j < peer_slots.size(); ++j) send_block(side, done_mine[j], peer_slots[j], a_local, ready_theirs[j]);
-  copy_async(rows_of.select(0, rank), a_local, side);
+  if (rows_of.has_value()) copy_async(rows_of->select(0, rank), a_local, side);
+}
+
+// The gathered output where the caller reads it (return_A), else none.
+std::optional<at::Tensor> gathered_output(bool return_A, const std::vector<int64_t>& shape, const at::Tensor& a) {
+  if (!return_A) return std::nullopt;
+  return at::empty(shape, a.options());
 }
 
 // Rows lo .. lo + a.size(0) of every output: a @ B_i (+ bias_i).
@@ -50,15 +56,15 @@ std::vector<at::Tensor> empty_outs(const std::vector<at::Tensor>& Bs, int64_t m,
 // peer's buffer: our shard goes there), done_mine and ready_theirs run over the peers in the send order
 // (exchange.gather_send_order); order, my_slots (slot order[j] in our buffer: its shard arrives there),
 // ready_mine and done_theirs over the peers in ring order. compute_handles: one stream per peer (concurrent),
-// or empty (main).
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
+// or empty (main). return_A: whether the gathered output is assembled (else None, and no copies into it).
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots,
     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
     const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
-    const std::vector<int64_t>& compute_handles, int64_t graphs) {
+    const std::vector<int64_t>& compute_handles, int64_t graphs, bool return_A) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
@@ -72,8 +78,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
   std::vector<c10::cuda::CUDAStream> gemm_streams;  // concurrent: one per peer
   for (int64_t h : compute_handles) gemm_streams.push_back(external(h, device));
 
-  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
-  at::Tensor rows_of = gathered.view({world, rows, k});  // rank i's rows (no leading dims before the gather dim)
+  const std::optional<at::Tensor> gathered = gathered_output(return_A, gathered_shape, a_local);
+  std::optional<at::Tensor> rows_of;  // rank i's rows (no leading dims before the gather dim)
+  if (gathered.has_value()) rows_of = gathered->view({world, rows, k});
   std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
 
   const auto gemms = gemm_stream(device);
@@ -93,10 +100,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_pipelined(
       const auto& s = compute[j];
       c10::cuda::CUDAStreamGuard on_s(s);
       consume_flag(s, ready_mine[j]);
-      join(side, s);
+      if (rows_of.has_value()) join(side, s);
       mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
       // After the GEMM's launch: the copy fills the SMs the GEMM leaves rather than delay its start.
-      copy_async(rows_of.select(0, order[j]), my_slots[j], side);
+      if (rows_of.has_value()) copy_async(rows_of->select(0, order[j]), my_slots[j], side);
     }
     if (concurrent) {
       for (const auto& s : compute) join(main, s);
@@ -165,13 +172,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
 // wave.
 // The lead rows are the first of ours, or the last for the last rank, so that the rest is contiguous.
 //   buffer: our whole symmetric buffer as [world * rows, k] (slot s = rows s * rows ..)
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_lead(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t lead, int64_t side_handle, int64_t aux_handle, int64_t graphs) {
+    int64_t lead, int64_t side_handle, int64_t aux_handle, int64_t graphs, bool return_A) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -184,8 +191,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
   TORCH_CHECK(0 < lead && lead < rows, "fluxcompile: lead must be in (0, rows)");
   TORCH_CHECK(buffer.size(0) == m && buffer.size(1) == k, "fluxcompile: the buffer must be [world * rows, k]");
 
-  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
-  at::Tensor rows_of = gathered.view({world, rows, k});
+  const std::optional<at::Tensor> gathered = gathered_output(return_A, gathered_shape, a_local);
+  std::optional<at::Tensor> rows_of;
+  if (gathered.has_value()) rows_of = gathered->view({world, rows, k});
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
@@ -212,8 +220,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
     const int64_t lo = rank * rows + lead_lo, hi = lo + lead;
     if (lo > 0) gemm(buffer.narrow(0, 0, lo), 0);
     if (hi < m) gemm(buffer.narrow(0, hi, m - hi), hi);
-    for (size_t j = 0; j < peers; ++j) {
-      copy_async(rows_of.select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
+    for (size_t j = 0; j < peers && rows_of.has_value(); ++j) {
+      copy_async(rows_of->select(0, order[j]), buffer.narrow(0, order[j] * rows, rows), side);
     }
     join(main, side);  // then our slots are free again
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);
@@ -229,14 +237,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_lead(
 // GEMM per group's row range(s) of our symmetric buffer (its slots abut into the gathered [world * rows, k]),
 // after a GEMM over our own rows from A. group_js[g]: indices j of the group's peers (their ready flags);
 // group_ranges[g]: its row ranges, flattened [lo0, hi0, lo1, hi1, ...].
-std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
+std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_stages(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const at::Tensor& buffer, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
     const std::vector<std::vector<int64_t>>& group_js, const std::vector<std::vector<int64_t>>& group_ranges,
-    int64_t side_handle, int64_t graphs) {
+    int64_t side_handle, int64_t graphs, bool return_A) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -248,21 +256,23 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_stages(
   const int64_t rows = a_local.size(0), k = a_local.size(1), m = world * rows;
   TORCH_CHECK(buffer.size(0) == m && buffer.size(1) == k, "fluxcompile: the buffer must be [world * rows, k]");
 
-  at::Tensor gathered = at::empty(gathered_shape, a_local.options());
-  at::Tensor all_rows = gathered.view({m, k});
+  const std::optional<at::Tensor> gathered = gathered_output(return_A, gathered_shape, a_local);
+  std::optional<at::Tensor> rows_of;
+  if (gathered.has_value()) rows_of = gathered->view({world, rows, k});
   std::vector<at::Tensor> outs = empty_outs(Bs, m, a_local.options());
   auto gemm = [&](const at::Tensor& a, int64_t lo) { mm_at(a, Bs, biases, outs, lo); };
 
   const auto gemms = gemm_stream(device);
   auto sequence = [&](const c10::cuda::CUDAStream& main) {
-    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, gathered.view({world, rows, k}), rank);
+    push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
     gemm(a_local, rank * rows);
     for (size_t g = 0; g < group_js.size(); ++g) {
       const auto& rs = group_ranges[g];
       for (int64_t j : group_js[g]) consume_flag(main, ready_mine[j]);
       join(side, main);  // the group's rows have landed: the gathered output's copies, beside its GEMMs
-      for (size_t i = 0; i < rs.size(); i += 2) {
-        copy_async(all_rows.narrow(0, rs[i], rs[i + 1] - rs[i]), buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), side);
+      for (size_t i = 0; i < rs.size() && gathered.has_value(); i += 2) {
+        copy_async(gathered->view({m, k}).narrow(0, rs[i], rs[i + 1] - rs[i]),
+                   buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), side);
       }
       for (size_t i = 0; i < rs.size(); i += 2) gemm(buffer.narrow(0, rs[i], rs[i + 1] - rs[i]), rs[i]);
     }

@@ -147,9 +147,9 @@ def all_gather_matmul(
     groups: int = 0,
     return_A: bool = True,
 ) -> tuple[Tensor | None, list[Tensor]]:
-    """The fused op's signature and outputs; at most one of the variant arguments is set (see the module). The C++
-    sequences assemble the gathered output either way (``:unsplit``'s GEMMs read it); with ``return_A`` False it
-    is not returned."""
+    """The fused op's signature and outputs; at most one of the variant arguments is set (see the module). With
+    ``return_A`` False the C++ sequences neither assemble nor return the gathered output, but ``:unsplit``, whose
+    GEMMs read it."""
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     p = plan(rows, k, A.dtype, group_size, group_name)
     a = A.view(rows, k)
@@ -161,16 +161,21 @@ def all_gather_matmul(
         if lead:
             aux = _copy_stream().cuda_stream  # the copy of our other rows into our slot
             result = seq.ag_lead(
-                *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, aux, graph_limit()
+                *common, p.buffer, *p.hs.lists, p.rank, p.world, slice_rows(rows, lead), side, aux, graph_limit(),
+                return_A,
             )
         else:
             js, flat = stage_plan(p.rank, p.world, rows, groups)
-            result = seq.ag_stages(*common, p.buffer, *p.hs.lists, p.rank, p.world, js, flat, side, graph_limit())
+            result = seq.ag_stages(
+                *common, p.buffer, *p.hs.lists, p.rank, p.world, js, flat, side, graph_limit(), return_A
+            )
     elif unsplit:
         result = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit())
     else:
         compute = [_compute_stream(j).cuda_stream for j in range(p.world - 1)] if concurrent else []
-        result = seq.ag_pipelined(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit())
+        result = seq.ag_pipelined(
+            *common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit(), return_A
+        )
     p.hs.note()
     A_gathered, outs = result
     return (A_gathered if return_A else None), outs
