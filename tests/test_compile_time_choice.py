@@ -358,6 +358,49 @@ def symbolic_rows(cache: str, small_wins: bool) -> dict[str, object]:
         }
 
 
+def reference_host_cost(cache: str) -> dict[str, object]:
+    """Real timings (no mocks): the fake all-gather choice costs 5 ms a call; the reference choice, the op's
+    Python path, 20 ms (a stand-in for host time that Inductor's generated code does not pay); the original ops as
+    Inductor issues them (lowerings/decomposition.py) cost neither. Compiled, the site keeps its original ops;
+    picked at run time against the reference (what a fused op's call does), the fake choice wins."""
+    import dataclasses
+    import time
+
+    from fluxcompile.lowerings import REFERENCE
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(dist.get_rank())
+    args = (torch.randn(4, 16, generator=g), torch.randn(16, 8, generator=g), group)
+    op = "all_gather_matmul"
+    reference = ops.REFERENCES[op]
+
+    def slow(delay_s: float) -> Callable[..., Any]:
+        def fn(*a, **kw):
+            time.sleep(delay_s)
+            return reference(*a, **kw)
+
+        return fn
+
+    registered = registry._REGISTRY[op]
+    clear_memo()
+    register_choice(op, Choice(f"fake:{op}", slow(0.005)))
+    try:
+        with (
+            config.patch(implementations=("fake", "reference"), choose_at_compile="always", cache_dir=cache),
+            mock.patch.object(autotune, "WARMUP", 1),
+            mock.patch.object(autotune, "ITERS", 3),
+            mock.patch.dict(registered, {REFERENCE: dataclasses.replace(registered[REFERENCE], fn=slow(0.02))}),
+        ):
+            out, body, report = _compile(_ag_mm, "fluxcompile", *args)
+            assert_close(out, _ag_mm(*args), 1e-5, "compiled")
+            fused_args = (args[0], [args[1]], [None], 0, group.size(), group.group_name)
+            at_run_time = autotune.pick(op, fused_args, group.group_name).name
+        return {"calls": _calls(body), "report": report, "at_run_time": at_run_time}
+    finally:
+        registered.pop(f"fake:{op}", None)
+        clear_memo()
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests.
 
@@ -425,6 +468,18 @@ def test_rank_dependent_timings_give_one_decision(ranks, tmp_path):
         assert r["tunings"] == 3
     assert results[0]["report"] == results[1]["report"]
     assert results[0]["body"] == results[1]["body"]
+
+
+def test_the_references_python_host_cost_does_not_decide(ranks, tmp_path):
+    """Timed against the reference's Python path the fake choice would win (5 < 20 ms); against the original ops
+    as Inductor issues them it loses, and the compiled site keeps them."""
+    results = ranks(2).run(reference_host_cost, str(tmp_path))
+    for r in results:
+        assert r["at_run_time"] == "fake:all_gather_matmul", r
+        assert [fused for fused, _ in r["report"]] == [None], r["report"]
+        assert r["report"][0][1].startswith(KEPT), r["report"]
+        assert not _fluxcompile_calls(r["calls"]), r["calls"]
+        assert "torch.ops._c10d_functional.all_gather_into_tensor.default" in r["calls"]
 
 
 def test_cache_on_one_rank_does_not_hang(ranks, tmp_path):

@@ -3,8 +3,10 @@
 A site the pass matched is either rewritten into its fused op or left as it is: the collective and matmuls of
 the original graph, which Inductor then compiles exactly as it compiles them without fluxcompile (the
 *decomposition*). The choice is the rank-synchronized autotuner's (lowerings/autotune.py), run here on real
-tensors shaped like the site's operands, with the decomposition timed as the fused op's reference (the same
-collective and cuBLAS matmuls). Whatever it picks is agreed on every rank of the site's group before any cache
+tensors shaped like the site's operands, with the decomposition timed in place of the fused op's reference as
+Inductor's generated code issues it (lowerings/decomposition.py: the raw functional collective and its wait, the
+cuBLAS matmuls, none of the reference's Python), so the fused choices are held to what the original ops cost,
+device and host. Whatever it picks is agreed on every rank of the site's group before any cache
 lookup, cached on disk, and kept in the process's memo, so the fused op's first call finds it without tuning.
 
 * The decomposition wins (or no fused choice supports the site, or none is registered for the op on this
@@ -123,7 +125,8 @@ def _pick(
     from ..lowerings import pick
 
     return _on_fresh_thread(
-        lambda: pick(op_name, tuple(_materialize(args, subs)), group_name, kwargs=kwargs).name, device
+        lambda: pick(op_name, tuple(_materialize(args, subs)), group_name, kwargs=kwargs, decomposed=True).name,
+        device,
     )
 
 

@@ -66,6 +66,7 @@ from ..symm_mem.persistent import persistent
 from ..symm_mem.topology import no_peer_access
 from ..version import __version__
 from . import compiled as _compiled
+from . import decomposition
 from .choices import REFERENCE, Choice, choices_for
 
 log = logging.getLogger("fluxcompile.autotune")
@@ -167,6 +168,7 @@ def pick(
     compiled: str = "",
     key_args: tuple | None = None,
     kwargs: dict[str, Any] | None = None,
+    decomposed: bool = False,
 ) -> Choice:
     """The choice to run ``op_name(*args)`` with, identical on every rank of ``group_name``.
 
@@ -177,9 +179,13 @@ def pick(
     stable across its calls, so every rank hits or misses the memo alike and a new routing is no new tuning.
     ``kwargs``: the keyword arguments the caller passes to the choice's ``fn`` beside ``args`` (an op's flags,
     e.g. all_gather_matmul's ``return_A``); the candidates are timed with them, and they are part of the call
-    signature (empty or None: the key of a call without them).
+    signature (empty or None: the key of a call without them). ``decomposed``: the site's original ops are the
+    alternative (the compile-time choice, fx_passes/decide.py): the reference candidate is timed as Inductor's
+    generated code issues them (lowerings/decomposition.py), and the choice is memoized and cached apart.
     """
     key_args = args if key_args is None else key_args
+    if decomposed:
+        key_extra = f"{key_extra}|decomposed"
     fast = _fast_key(op_name, key_args, group_name, f"{key_extra}|{compiled}" if compiled else key_extra)
     if kwargs:
         fast += tuple(kwargs.items())
@@ -193,6 +199,9 @@ def pick(
     candidates = choices_for(op_name)
     if not candidates:
         raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")
+    if decomposed and op_name in decomposition.FUNCTIONS:
+        fn = decomposition.FUNCTIONS[op_name]
+        candidates = [dataclasses.replace(c, fn=fn) if c.name == REFERENCE else c for c in candidates]
     key = _key(op_name, key_args, group_name, _with_kwargs(key_extra, kwargs), candidates)
     memo_key = key if config.autotune else key + "|fixed"
     choice = _memo.get(memo_key)
