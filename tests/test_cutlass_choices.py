@@ -9,12 +9,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
 import math
-import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fluxcompile import config
 from fluxcompile.config import IMPLEMENTATIONS
-from fluxcompile.kernels import cutlass_build, cutlass_gemm, sequencer, slot_reduction
+from fluxcompile.kernels import cutlass_build, cutlass_gemm, sequencer
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
@@ -32,7 +28,6 @@ from fluxcompile.symm_mem import Comm, ErrorWords, FlagArray
 from fluxcompile.testing.numerics import assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BF16, FP16 = torch.bfloat16, torch.float16
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 _mode = FakeTensorMode()
@@ -331,62 +326,6 @@ def test_generated_sources():
         assert f"cudaError_t flux_gemm_{name}(" in registry
 
 
-# --- the reduction kernel -----------------------------------------------------------------------------------
-
-_REDUCE = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import interpreter_compat  # noqa: F401
-import torch
-from fluxcompile.kernels.slot_reduction import reduce_slots
-
-torch.manual_seed(0)
-errors = {}
-for world, rows, cols, ld, scale in ((2, 40, 96, 96, 1.0), (4, 33, 24, 96, 0.25), (3, 5, 300, 1200, 1.0)):
-    for rank in range(world):
-        slots = torch.randn(world, rows, cols).to(torch.bfloat16)
-        slots[rank] = float("nan")  # never written: must not be read
-        big = torch.randn(rows, ld).to(torch.bfloat16)
-        own = big[:, ld - cols:] if ld > cols else big
-        out = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
-        reduce_slots(slots, own, out, rank, scale)
-        want = own.float()
-        for j in range(1, world):  # the kernel's order (ring order from rank + 1)
-            want = want + slots[(rank + j) % world].float()
-        want = (want * scale).to(torch.bfloat16).float()
-        err = (out.float() - want).abs() / want.abs().clamp(min=1.0)
-        errors[f"{world}-{rows}x{cols}-r{rank}"] = float(err.max())  # NaN (a slot read that must not be) fails
-print(json.dumps(errors))
-"""
-
-
-def test_reduction_kernel_in_interpreter():
-    pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _REDUCE, os.path.join(HERE, "kernel_checks")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    errors = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(errors) == 9
-    for name, err in errors.items():
-        # the same fp32 sum, rounded once (the interpreter may round to bf16 differently: one ulp)
-        assert err <= 2**-7, f"{name}: max relative error {err}"
-
-
-def test_reduction_kernel_compiles_for_sm90(tmp_path, monkeypatch):
-    pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
-    from test_kernels_compile import compile_sm90
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    types = {"slots": "*bf16", "own": "*bf16", "out": "*bf16", "scale": "fp32"}
-    k = compile_sm90(
-        slot_reduction.reduce_slots_kernel, dict(BLOCK_R=16, BLOCK_C=256), types, num_warps=4, num_stages=1
-    )
-    assert "ld.global" in k.asm["ptx"]
-
-
 # --- the one-GPU harness's symmetric memory ----------------------------------------------------------------
 
 
@@ -547,6 +486,42 @@ def _ag_sequence(
     return gathered, outs
 
 
+def _rs_sequence(
+    a, b, bias, partial, slots, peer_slots, owners, tiles, done_mine, ready_theirs, ready_mine, done_theirs, counters,
+    err, out_shape, *, rank, world, axis, chunk, scale, variant, side, **_,
+):  # fmt: skip
+    """csrc/sequences_flux.cpp's ``rs_flux``, its checks and then its operations in its order (the GEMM first, then
+    the side stream's, then the main stream's rest; streams not simulated)."""
+    m, n = partial.shape
+    rows, cols = (chunk, n) if axis == 0 else (m, chunk)
+    assert len(owners) == world - 1 and rank not in owners
+    assert len(peer_slots) == len(tiles) == len(done_mine) == len(ready_theirs) == len(ready_mine) == len(done_theirs)
+    assert tuple(slots.shape) == (world, rows, cols) and all(tuple(t.shape) == (rows, cols) for t in peer_slots)
+    assert chunk * world == (m if axis == 0 else n) and counters.dtype == torch.int32
+
+    def counter(p: int) -> int:
+        return counters.data_ptr() + 4 * p
+
+    def part(p: int):
+        return partial.narrow(axis, p * chunk, chunk)
+
+    _gemm(a, b, partial, bias, variant=variant, signal=(counters, chunk, axis), err=err, rank=rank)
+    _write(None, counter(rank), 0)
+    for j, p in enumerate(owners):
+        _wait(side, counter(p), tiles[j])
+        _write(side, counter(p), 0)
+        _consume(side, done_mine[j])
+        peer_slots[j].copy_(part(p))
+        _write(side, ready_theirs[j], 1)
+    for addr in ready_mine:
+        _consume(None, addr)
+    out = torch.empty(out_shape, dtype=partial.dtype)
+    _reduce(slots, part(rank), out.view(rows, cols), rank, scale)
+    for addr in done_theirs:
+        _write(None, addr, 1)
+    return out
+
+
 def _reduce(slots, own, out, rank, scale) -> None:
     acc = own.float()
     for j in range(1, slots.shape[0]):
@@ -563,14 +538,11 @@ def simulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    fakes = {"stream_write": _write, "stream_wait": _wait, "stream_consume": _consume}
-    for mod, names in ((exchange, ["stream_write", "stream_consume"]), (rs, list(fakes))):
-        for name in names:
-            monkeypatch.setattr(mod, name, fakes[name])
+    monkeypatch.setattr(exchange, "stream_write", _write)
+    monkeypatch.setattr(exchange, "stream_consume", _consume)
     monkeypatch.setattr(cutlass_gemm, "gemm", _gemm)
     monkeypatch.setattr(cutlass_gemm, "ag_sequence", _ag_sequence)
-    monkeypatch.setattr(rs, "copy_2d", lambda stream, dst, src: dst.copy_(src))
-    monkeypatch.setattr(slot_reduction, "reduce_slots", _reduce)
+    monkeypatch.setattr(cutlass_gemm, "rs_sequence", _rs_sequence)
 
 
 def _simulate(world: int, data_bytes: int, flag_bytes: int, calls: list, init) -> list[list]:

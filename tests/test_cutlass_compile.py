@@ -61,8 +61,17 @@ def _host_job(source: str) -> Callable[[Path], list[str] | str]:
     return make
 
 
+def _slot_reduce_job(workdir: Path) -> list[str] | str:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return "no nvcc"
+    return [nvcc, f"-std={torch_cxx_std()}", "-O3", extensions.arch_flag((9, 0)), f"-I{extensions.CSRC}",
+            "-Xptxas", "-v", "-c", str(extensions.CSRC / "slot_reduce.cu"), "-o", str(workdir / "r.o")]  # fmt: skip
+
+
 HOST_SOURCES = ("flux_gemm_registry.cpp", "flux_gemm_binding.cpp")
 prebuild.register("flux_gemm_sm90a", _flux_gemm_job)
+prebuild.register("slot_reduce_sm90a", _slot_reduce_job)
 for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
 
@@ -81,6 +90,17 @@ def test_flux_gemm_compiles_for_sm90a_without_spills():
     sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
+
+
+@pytest.mark.prebuild("slot_reduce_sm90a")
+def test_slot_reduction_compiles_for_sm90a_without_spills():
+    """csrc/slot_reduce.cu (the CUTLASS reduce-scatter's reduction, built into the GEMM's extension): both dtypes,
+    the 16-byte and the one-element accesses."""
+    out = prebuild.finished("slot_reduce_sm90a").out
+    assert out.returncode == 0, out.stderr[-4000:]
+    reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
+    assert len(reports) == 4, out.stderr[-3000:]  # 2 dtypes x 2 access widths
+    assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
 
 
 @pytest.mark.prebuild("host:flux_gemm_registry.cpp")

@@ -166,20 +166,19 @@ def test_protocols_launch_through_their_listed_functions():
 
 
 def test_cutlass_protocols_launch_through_their_listed_functions():
-    """The CUTLASS choices' GEMMs (one kernel per layout and dtype, loaded at its first launch) and the
-    reduce-scatter's reduction go through the functions fluxcompile/testing/launches.py names."""
+    """The CUTLASS choices' C++ sequences (their GEMMs load one kernel per layout and dtype at its first launch)
+    go through the functions fluxcompile/testing/launches.py names."""
     import inspect
 
-    from fluxcompile.kernels import cutlass_gemm, slot_reduction
+    from fluxcompile.kernels import cutlass_gemm
     from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
     from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
     from fluxcompile.testing import launches
 
     ag_src = inspect.getsource(ag.all_gather_matmul_on)
     assert launches.CUTLASS_ALL_GATHER == ((cutlass_gemm, "ag_sequence"),) and "cutlass_gemm.ag_sequence(" in ag_src
-    rs_src = inspect.getsource(rs)
-    assert launches.CUTLASS_REDUCE_SCATTER == ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
-    assert "cutlass_gemm.gemm(" in rs_src and "slot_reduction.load_reduction(" in rs_src
+    rs_src = inspect.getsource(rs.matmul_reduce_scatter_on)
+    assert launches.CUTLASS_REDUCE_SCATTER == ((cutlass_gemm, "rs_sequence"),) and "cutlass_gemm.rs_sequence(" in rs_src
 
 
 def test_simulated_ranks_keep_protocol_states_of_their_own():

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "flux_gemm.h"
+#include "slot_reduce.h"
 
 namespace {
 
@@ -110,10 +111,14 @@ extern "C" cudaError_t fluxcompile_flux_gemm_run(int index, const fluxcompile::F
   }
 }
 
+extern "C" cudaError_t fluxcompile_slot_reduce(const fluxcompile::SlotReduce* a, cudaStream_t stream);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "one Flux-style GEMM (variant index, problem, sync, stream)");
   m.def("workspace_bytes", &workspace_bytes, "bytes of workspace a call needs (stream-K variants)");
   m.def("names", &names, "the compiled variants, in index order");
   m.def("run_address", [] { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&fluxcompile_flux_gemm_run)); },
         "the address of fluxcompile_flux_gemm_run, the C entry the pipelined module's sequences call");
+  m.def("reduce_address", [] { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&fluxcompile_slot_reduce)); },
+        "the address of fluxcompile_slot_reduce (slot_reduce.cu), the reduce-scatter sequence's reduction");
 }

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "flux_problem.h"
+#include "slot_reduce.h"
 #include "memops.h"
 #include "replays.h"
 #include "streams.h"
@@ -156,6 +157,128 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     for (const int64_t e : events) C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), current.stream()));
   }
   return {gathered, outs};
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMM -> reduce-scatter (matmul_reduce_scatter/cutlass.py). P = a @ b (+ bias) is `partial` [m, n] in our
+// symmetric buffer; owner p's chunk is chunk p along `axis` (rows p * chunk .., or columns); `slots` [world, rows,
+// cols] in our buffer receive the peers' partials of our chunk (slot s: rank s's). The lists run over the owners
+// in ring order (`owners`, rank + 1 first, our own last is left out): peer_slots[j] (slot `rank` in owner j's
+// buffer), tiles[j] (the count of owner j's chunk once every tile of it is stored), done_mine[j] (owner j has freed
+// our slot), ready_theirs[j] (our partial has landed at owner j), ready_mine[j] (owner j's partial has landed here),
+// done_theirs[j] (owner j's slot here is free again). counters: our tile counters, int32 [world] (owner p's at p),
+// which the GEMM's epilogue counts on; reduce: the address of fluxcompile_slot_reduce (slot_reduce.h).
+//   side:  join main -> for each owner j: wait counters[owners[j]] == tiles[j], reset it -> consume done_mine[j]
+//          -> owner j's chunk of P into peer_slots[j] (copy engine; columns as a 2-D copy) -> set ready_theirs[j]
+//   main:  the GEMM into P, counting stored tiles per owner chunk, owners' chunks in ring order (ours last)
+//          -> reset our own chunk's counter -> consume every ready_mine[j] -> out = scale * (our chunk of P +
+//          the slots), fp32, rounded once -> set every done_theirs[j] -> join side
+at::Tensor rs_flux(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                   const at::Tensor& partial, const at::Tensor& slots, const std::vector<at::Tensor>& peer_slots,
+                   const std::vector<int64_t>& owners, const std::vector<int64_t>& tiles,
+                   const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
+                   const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
+                   const at::Tensor& counters, const at::Tensor& err, const std::optional<at::Tensor>& err_host,
+                   const std::vector<int64_t>& events, const std::vector<int64_t>& out_shape, int64_t rank,
+                   int64_t world, int64_t axis, int64_t chunk, double scale, const std::vector<int64_t>& gemm,
+                   int64_t reduce, int64_t side_handle, int64_t graphs) {
+  TORCH_CHECK(0 <= rank && rank < world && (axis == 0 || axis == 1), "fluxcompile: rank or axis out of range");
+  const size_t peers = owners.size();
+  TORCH_CHECK(static_cast<int64_t>(peers) == world - 1, "fluxcompile: one owner per peer");
+  check_lengths(peers, {peer_slots.size(), tiles.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
+                        done_theirs.size()});
+  TORCH_CHECK(a.dim() == 2 && partial.dim() == 2 && partial.size(0) == a.size(0) && partial.size(1) == b.size(1) &&
+                  partial.is_contiguous(),
+              "fluxcompile: the partial must be a contiguous [m, n]");
+  const int64_t m = partial.size(0), n = partial.size(1);
+  const int64_t rows = axis == 0 ? chunk : m, cols = axis == 0 ? n : chunk;
+  TORCH_CHECK(chunk > 0 && chunk * world == (axis == 0 ? m : n), "fluxcompile: the chunks must split the axis");
+  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == world && slots.size(1) == rows && slots.size(2) == cols &&
+                  slots.is_contiguous() && slots.scalar_type() == partial.scalar_type(),
+              "fluxcompile: the slots must be a contiguous [world, rows, cols] of the partial's dtype");
+  for (const auto& t : peer_slots) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_contiguous(),
+                "fluxcompile: a peer slot is not a contiguous [rows, cols]");
+  }
+  for (const int64_t p : owners) TORCH_CHECK(0 <= p && p < world && p != rank, "fluxcompile: an owner out of range");
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.numel() >= world,
+              "fluxcompile: the tile counters must be int32 [world]");
+  TORCH_CHECK(err.scalar_type() == at::kInt && err.is_contiguous() && err.numel() >= 6,
+              "fluxcompile: the error words must be int32 [6]");
+  TORCH_CHECK(!err_host.has_value() || (err_host->scalar_type() == at::kInt && err_host->is_pinned() &&
+                                        err_host->numel() == err.numel()),
+              "fluxcompile: the error words' host copy must be pinned int32 of the words' size");
+  TORCH_CHECK(reduce != 0, "fluxcompile: no address of the slot reduction");
+  const FluxLaunch launch = flux_launch(gemm);
+  const auto device = a.device().index();
+  c10::cuda::CUDAGuard guard(a.device());
+  const auto side = external(side_handle, device);
+
+  std::optional<at::Tensor> bias_c;
+  if (bias.has_value()) bias_c = bias->contiguous();
+  at::Tensor out = at::empty(out_shape, partial.options());
+  TORCH_CHECK(out.numel() == rows * cols, "fluxcompile: the output shape does not hold our chunk");
+  auto part = [&](int64_t p) { return partial.narrow(axis, p * chunk, chunk); };
+  const auto counter = [&](int64_t p) { return reinterpret_cast<int64_t>(counters.data_ptr<int32_t>() + p); };
+
+  // Owners' chunks in ring order, ours last; each stored tile counted on its owner's counter.
+  FluxGemmSync sync;
+  sync.rotate_axis = static_cast<int>(axis);
+  sync.rotate_elems = static_cast<int>((peers > 0 ? owners[0] : rank) * chunk);
+  sync.signal_counters = static_cast<unsigned*>(counters.data_ptr());
+  sync.signal_axis = static_cast<int>(axis);
+  sync.signal_elems = static_cast<int>(chunk);
+  sync.err = static_cast<int*>(err.data_ptr());
+  sync.rank = static_cast<int>(rank);
+  const FluxGemmProblem problem = flux_problem(a, b, partial, bias_c, launch, sync);
+
+  SlotReduce reduction;
+  reduction.slots = slots.data_ptr();
+  const at::Tensor own = part(rank);
+  reduction.own = own.data_ptr();
+  reduction.out = out.data_ptr();
+  reduction.rows = rows;
+  reduction.cols = cols;
+  reduction.ld_own = own.stride(0);
+  reduction.rank = static_cast<int>(rank);
+  reduction.world = static_cast<int>(world);
+  reduction.scale = static_cast<float>(scale);
+  reduction.dtype = flux_dtype(partial);
+  const auto reduce_run = reinterpret_cast<SlotReduceRun>(static_cast<intptr_t>(reduce));
+
+  auto issue = [&] {
+    const auto main = c10::cuda::getCurrentCUDAStream(device);
+    join(side, main);  // the side stream runs beside the GEMM
+    flux_gemm(launch, problem, main.stream());
+    write_flag(main, counter(rank), 0);  // our own chunk's count (nobody waits for it)
+    for (size_t j = 0; j < peers; ++j) {
+      wait_flag(side, counter(owners[j]), static_cast<uint32_t>(tiles[j]));  // owner j's chunk is stored
+      write_flag(side, counter(owners[j]), 0);
+      consume_flag(side, done_mine[j]);  // our slot in owner j's buffer is free
+      copy_2d(peer_slots[j], part(owners[j]), side);
+      write_flag(side, ready_theirs[j], 1);
+    }
+    for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
+    const cudaError_t rc = reduce_run(&reduction, main.stream());
+    TORCH_CHECK(rc == cudaSuccess, "fluxcompile: the slot reduction failed: ", cudaGetErrorString(rc));
+    for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);  // owner j's slot here is free
+    join(main, side);
+    if (err_host.has_value()) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(err_host->data_ptr(), err.data_ptr(), err.nbytes(), cudaMemcpyDeviceToHost,
+                                     main.stream()));
+    }
+  };
+  replays().run(key_of(int64_t{kRsFlux}, a, b, bias_c, partial, slots, peer_slots, owners, tiles, done_mine,
+                       ready_theirs, ready_mine, done_theirs, counters, err, err_host, rank, world, axis, chunk,
+                       static_cast<int64_t>(scale * (1 << 20)), gemm, reduce, side_handle, out),
+                graphs, device, issue, {}, /*blas=*/false);
+  const auto current = c10::cuda::getCurrentCUDAStream(device);
+  cudaStreamCaptureStatus status{};
+  C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
+  if (status == cudaStreamCaptureStatusNone) {
+    for (const int64_t e : events) C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), current.stream()));
+  }
+  return out;
 }
 
 }  // namespace fluxcompile::pipelined

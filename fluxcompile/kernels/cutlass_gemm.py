@@ -263,6 +263,56 @@ def ag_sequence(
     )  # fmt: skip
 
 
+@functools.cache
+def reduce_address() -> int:
+    """The address of the extension's slot reduction (csrc/slot_reduce.cu, ``fluxcompile_slot_reduce``), which
+    the reduce-scatter's sequence launches."""
+    return int(load().reduce_address())
+
+
+def rs_sequence(
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None,
+    partial: Tensor,
+    slots: Tensor,
+    peer_slots: list[Tensor],
+    owners: list[int],
+    tiles: list[int],
+    done_mine: list[int],
+    ready_theirs: list[int],
+    ready_mine: list[int],
+    done_theirs: list[int],
+    counters: Tensor,
+    err: Tensor,
+    out_shape: list[int],
+    *,
+    rank: int,
+    world: int,
+    axis: int,
+    chunk: int,
+    scale: float,
+    variant: str,
+    sm_count: int,
+    side: torch.cuda.Stream,
+    err_host: Tensor | None = None,
+    events: Sequence[int] = (),
+) -> Tensor:
+    """The reduce-scatter's per-call protocol (lowerings/matmul_reduce_scatter/cutlass.py) issued by the pipelined
+    module's ``rs_flux`` (csrc/sequences_flux.cpp, where the arguments are described): ``gemm`` into ``partial``
+    with ``signal=(counters, chunk, axis)`` and the owners' chunks in ring order, the copy-engine pushes of each
+    complete chunk on ``side``, and the owner's reduction of its slots (csrc/slot_reduce.cu); a call seen before
+    is replayed as a CUDA graph (``config.sequence_graphs``)."""
+    if VARIANTS[variant].stream_k:
+        raise ValueError("fluxcompile: stream-K variants do not signal per tile")
+    launch = [run_address(), _index(variant), sm_count, 0, 1, int(config.wait_timeout_s * 1e9), 0, 0]
+    return sequencer().rs_flux(
+        a, b, bias, partial, slots, peer_slots, owners, tiles, done_mine, ready_theirs, ready_mine, done_theirs,
+        counters, err, err_host, list(events), out_shape, rank, world, axis, chunk, scale, launch, reduce_address(),
+        side.cuda_stream, graph_limit(),
+    )  # fmt: skip
+
+
 def tiles_per_chunk(variant: str, m: int, n: int, chunk_elems: int, axis: int) -> list[int]:
     """The value each counter of a ``signal`` reaches: tiles overlapping chunk c along ``axis``, times the tiles
     along the other axis."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..kernels import cutlass_gemm, slot_reduction
+from ..kernels import cutlass_gemm
 
 try:
     from ..kernels import embedding_bag, grouped_gemm
@@ -28,8 +28,8 @@ Launches = tuple[tuple[Any, str], ...]
 # all_gather_matmul's ``cutlass`` choices (lowerings/all_gather_matmul/cutlass.py): one C++ sequence per call
 # (its pushes, then one GEMM per weight).
 CUTLASS_ALL_GATHER: Launches = ((cutlass_gemm, "ag_sequence"),)
-# matmul_reduce_scatter's ``cutlass`` choices: the reduction's module loaded before the GEMM, then the GEMM.
-CUTLASS_REDUCE_SCATTER: Launches = ((slot_reduction, "load_reduction"), (cutlass_gemm, "gemm"))
+# matmul_reduce_scatter's ``cutlass`` choices: one C++ sequence per call (the GEMM, the pushes, the reduction).
+CUTLASS_REDUCE_SCATTER: Launches = ((cutlass_gemm, "rs_sequence"),)
 # The MoE dispatch and combine (lowerings/all_to_all/triton.py): publish, the wait for the peers' reads, the
 # grouped GEMM's launch.
 MOE: Launches = (

@@ -116,6 +116,26 @@ def _load_kernels(variant: str, weights) -> None:
     torch.cuda.synchronize()
 
 
+def _load_rs(variant: str, weights) -> None:
+    """The reduce-scatter's sequence at one rank (its GEMM per weight layout, the slot reduction, the flags and the
+    error words' copy) before the simulated ranks run: a first launch of a kernel loads its module, which waits for
+    the device, where the peers' streams wait for this rank's pushes (testing/launches.py)."""
+    for b in weights:
+        a = torch.randn(128, b.shape[0], dtype=b.dtype, device="cuda")
+        n = b.shape[1]
+        partial = torch.empty(128, n, dtype=b.dtype, device="cuda")
+        err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+        event = torch.cuda.Event()
+        event.record()
+        cutlass_gemm.rs_sequence(
+            a, b, None, partial, torch.empty(1, 128, n, dtype=b.dtype, device="cuda"), [], [], [], [], [], [], [],
+            torch.zeros(1, dtype=torch.int32, device="cuda"), err, [128, n], rank=0, world=1, axis=0, chunk=128,
+            scale=1.0, variant=variant, sm_count=0, side=torch.cuda.Stream(),
+            err_host=torch.zeros_like(err, device="cpu").pin_memory(), events=[event.cuda_event],
+        )  # fmt: skip
+    torch.cuda.synchronize()
+
+
 # --- all_gather_matmul --------------------------------------------------------------------------------------
 
 
@@ -290,6 +310,7 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         launches=launches.CUTLASS_REDUCE_SCATTER,
     )
     tag = f"{variant} {layout} world {world}"
+    _load_rs(variant, [case.B[0], case.B[-1]])
 
     def fn(r, comm):
         return rs.matmul_reduce_scatter_on(

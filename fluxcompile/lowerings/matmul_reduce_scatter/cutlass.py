@@ -14,6 +14,9 @@ what the next rank waits for leaves first, and no two ranks push into the same o
                 chunk (own chunk last) -> reset our own chunk's counter -> wait ready_p of every peer
                 -> out = reduction of our own chunk of P and the w-1 received slots -> set done_r on every p
                 -> join the side stream
+The C++ sequencer (csrc/sequences_flux.cpp's ``rs_flux``, through ``cutlass_gemm.rs_sequence``) issues these
+operations, a call seen before as one CUDA graph (``config.sequence_graphs``); the views and flag addresses are
+computed once per call signature (:func:`plan`). Without the sequencer the choices decline.
 Why this shape: the GEMM holds the SMs and signals without a kernel beside it (its epilogue counts tiles); the
 pushes and flags are copy-engine and stream memory operations (no SM, symm_mem/signals.py), so they run under
 the GEMM. Counters, ready and done are reset by their waiter (0/1 flags, or a count back to 0): CUDA graphs
@@ -23,9 +26,9 @@ Bias: the contract (ops.py) puts the bias into every rank's partial, so a sum ad
 Each rank's GEMM adds its *own* bias in its epilogue, as the reference's addmm does: exact even where the ranks'
 biases differ, at no cost, and the reduction needs no bias.
 
-The reduction: one small Triton kernel (kernels/slot_reduction.py): per output tile, our own chunk read in place
-in P (strided for columns) plus the w-1 slots, summed in fp32 in ring order, scaled by 1/w for ``avg``, rounded
-once into the output. One launch, no temporary; torch ops would need an fp32 temporary and 3+ launches.
+The reduction: one small CUDA kernel (csrc/slot_reduce.cu, in the CUTLASS GEMM's extension): our own chunk read
+in place in P (strided for columns) plus the w-1 slots, summed in fp32 in ring order from our own, scaled by 1/w
+for ``avg``, rounded once into the output: deterministic run to run. One launch, no temporary.
 
 The communication context (``symm_mem.Comm``: workspaces, side stream, error words, watch) comes from
 ``symm_mem.comm_for``, as the all-gather choice's does; the ranks it holds and the reasons both decline are
@@ -36,15 +39,17 @@ Family ``cutlass``, on by default: its choices decline every call while ``config
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ...kernels import cutlass_gemm, slot_reduction
-from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, stream_consume, stream_wait, stream_write
+from ...kernels import cutlass_gemm, sequencer
+from ...symm_mem import Comm, ErrorSpec, FlagArray, Workspace, comm_for
 from ...symm_mem.exchange import ring_order, slot_bytes
 from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
@@ -119,7 +124,10 @@ def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> st
             return "scatter dim has a leading dim of size > 1 (the ranks' rows are interleaved)"
     elif (n // group_size * A.element_size()) % 16:
         return f"column chunks of {n // group_size} elements are not 16-byte aligned"
-    return cutlass_gemm.operand_unsupported(A, B)
+    why = cutlass_gemm.operand_unsupported(A, B)
+    if why is not None:
+        return why
+    return sequencer.unavailable()  # the pipelined module issues the protocol (kernels/cutlass_gemm.rs_sequence)
 
 
 def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
@@ -204,6 +212,63 @@ def matmul_reduce_scatter(
     return matmul_reduce_scatter_on(comm, As, Bs, bias, out_shape, scatter_dim, reduce_op, variant=variant)
 
 
+@dataclasses.dataclass
+class Plan:
+    """What a call signature needs besides its operands (csrc/sequences_flux.cpp's ``rs_flux`` reads them): the
+    views into the symmetric workspaces and the flag addresses, lists over the owners in ring order."""
+
+    data: Workspace  # the workspaces the views are of: the plan holds while the context keeps them
+    flags: Workspace
+    partial: Tensor  # our whole partial P, [m, n]
+    slots: Tensor  # [world, rows, cols]: slot s receives rank s's partial of our chunk
+    peer_slots: list[Tensor]  # slot rank in owner owners[j]'s buffer
+    owners: list[int]
+    tiles: list[int]  # owner owners[j]'s count once every tile of its chunk is stored
+    done_mine: list[int]
+    ready_theirs: list[int]
+    ready_mine: list[int]
+    done_theirs: list[int]
+    counters: Tensor  # our tile counters, int32 [world]
+    err_host: Tensor | None  # as the all-gather's plan: the sequence copies the error words and records the events
+    events: list[int]
+
+
+_plans: weakref.WeakKeyDictionary[Comm, dict[tuple, Plan]] = weakref.WeakKeyDictionary()
+
+
+def plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str) -> Plan:
+    """The plan of a ``[m, n]`` partial scattered along ``axis`` on ``comm``, made on the signature's first call and
+    kept while the context keeps its workspaces."""
+    key = (m, n, axis, dtype, variant)
+    plans = _plans.setdefault(comm, {})
+    p = plans.get(key)
+    if p is not None and p.data is comm.data and p.flags is comm.flags:
+        return p
+    rank, world = comm.rank, comm.world
+    if comm.data.nbytes < data_bytes(m, n, world, axis, dtype):
+        what = f"matmul_reduce_scatter ({NAME}:{variant})"
+        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
+    chunk, rows, cols = layout(m, n, world, axis)
+    _, ready, done = flag_arrays(comm)
+    slot_elems, es = rows * cols, dtype.itemsize
+    owners = ring_order(rank, world)
+    tiles = _tiles(variant, m, n, chunk, axis)
+    on_cuda = comm.errors.err.is_cuda
+    p = Plan(
+        data=comm.data, flags=comm.flags,
+        partial=comm.data.view(rank, (m, n), dtype, slot_bytes(world * slot_elems * es)),
+        slots=comm.data.view(rank, (world, rows, cols), dtype),
+        peer_slots=[comm.data.view(q, (rows, cols), dtype, rank * slot_elems * es) for q in owners],
+        owners=owners, tiles=[tiles[q] for q in owners],
+        done_mine=[done.addr(rank, q) for q in owners], ready_theirs=[ready.addr(q, rank) for q in owners],
+        ready_mine=[ready.addr(rank, q) for q in owners], done_theirs=[done.addr(q, rank) for q in owners],
+        counters=comm.flags.view(rank, (world,), torch.int32, _COUNTERS_OFFSET),
+        err_host=comm.errors.host if on_cuda else None, events=comm.sequence_events() if on_cuda else [],
+    )  # fmt: skip
+    plans[key] = p
+    return p
+
+
 def matmul_reduce_scatter_on(
     comm: Comm, As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
     scatter_dim: int, reduce_op: str, *, variant: str,
@@ -212,75 +277,23 @@ def matmul_reduce_scatter_on(
     the module's docstring, on the current stream and ``comm.side``."""
     rank, world = comm.rank, comm.world
     (a,), (b,) = As, Bs
-    dtype, es = a.dtype, a.element_size()
     m, n = a.shape[0], b.shape[1]
     axis = scatter_axis(out_shape, scatter_dim)
-    chunk, rows, cols = layout(m, n, world, axis)
     what = f"matmul_reduce_scatter ({NAME}:{variant})"
-    if comm.data.nbytes < data_bytes(m, n, world, axis, dtype):
-        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
-    counters, ready, done = flag_arrays(comm)
+    p = plan(comm, m, n, axis, a.dtype, variant)
     comm.errors.check_previous(what, cutlass_gemm.check_error)
-    tiles = _tiles(variant, m, n, chunk, axis)
-
-    main, side = current_stream(), comm.side
-    slot_elems = rows * cols
-    partial = comm.data.view(rank, (m, n), dtype, slot_bytes(world * slot_elems * es))
-    slots = comm.data.view(rank, (world, rows, cols), dtype)  # slot s: rank s's partial of our chunk
-    local_counters = comm.flags.view(rank, (world,), torch.int32, _COUNTERS_OFFSET)
-    owners = ring_order(rank, world)
-
-    def part(p: int) -> Tensor:  # owner p's chunk of our partial
-        return partial[p * chunk : (p + 1) * chunk] if axis == 0 else partial[:, p * chunk : (p + 1) * chunk]
-
-    slot_reduction.load_reduction(slots, part(rank), rank)
-    side.wait_stream(main)  # recorded before the GEMM: the side stream runs beside it
-    cutlass_gemm.gemm(
-        a, b, partial, bias.contiguous() if bias is not None else None,
-        variant=variant, sm_count=comm.sm_count, rotate=(axis, owners[0] * chunk),
-        signal=(local_counters, chunk, axis), err=comm.errors.err, rank=rank,
-    )  # fmt: skip
-    stream_write(main, counters.addr(rank, rank), 0)  # our own chunk's count (nobody waits for it)
-    # Issued after the GEMM's launch (the order of issue between streams does not matter on the GPU; a
-    # simulation that runs each operation when issued needs the partial first: tests/test_cutlass_choices.py).
-    for p in owners:
-        stream_wait(side, counters.addr(rank, p), tiles[p])  # every tile of p's chunk has landed in P
-        stream_write(side, counters.addr(rank, p), 0)
-        stream_consume(side, done.addr(rank, p))  # our slot in p's buffer is free
-        copy_2d(side, comm.data.view(p, (rows, cols), dtype, rank * slot_elems * es), part(p))
-        stream_write(side, ready.addr(p, rank), 1)
-    for p in owners:
-        stream_consume(main, ready.addr(rank, p))
     shape = list(out_shape)
     shape[scatter_dim % len(shape)] //= world
-    out = torch.empty(shape, dtype=dtype, device=a.device)
-    scale = 1.0 / world if reduce_op == "avg" else 1.0
-    slot_reduction.reduce_slots(slots, part(rank), out.view(rows, cols), rank, scale)
-    for p in owners:
-        stream_write(main, done.addr(p, rank), 1)  # p's slot in our buffer is free again
-    main.wait_stream(side)
-    comm.errors.report(what, cutlass_gemm.check_error)
-    comm.note(main)
-    return out
-
-
-# --- copies ---------------------------------------------------------------------------------------------
-
-
-def copy_2d(stream: torch.cuda.Stream, dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)`` on ``stream`` by the copy engine: ``src`` is row-major with a row stride (a column
-    block of a matrix), ``dst`` contiguous. A strided ``copy_`` would be a kernel (an SM, behind the GEMM)."""
-    if src.is_contiguous():
-        with torch.cuda.stream(stream):
-            dst.copy_(src)
-        return
-    from cuda.bindings import runtime as cudart
-
-    es = src.element_size()
-    (err,) = cudart.cudaMemcpy2DAsync(
-        dst.data_ptr(), dst.stride(0) * es, src.data_ptr(), src.stride(0) * es, src.shape[1] * es, src.shape[0],
-        cudart.cudaMemcpyKind.cudaMemcpyDefault, stream.cuda_stream,
+    out = cutlass_gemm.rs_sequence(
+        a, b, bias, p.partial, p.slots, p.peer_slots, p.owners, p.tiles, p.done_mine, p.ready_theirs, p.ready_mine,
+        p.done_theirs, p.counters, comm.errors.err, shape,
+        rank=rank, world=world, axis=axis, chunk=layout(m, n, world, axis)[0],
+        scale=1.0 / world if reduce_op == "avg" else 1.0, variant=variant, sm_count=comm.sm_count, side=comm.side,
+        err_host=p.err_host, events=p.events,
     )  # fmt: skip
-    if int(err) != 0:
-        raise RuntimeError(f"fluxcompile: cudaMemcpy2DAsync failed: {err}")
-
+    if p.err_host is not None:
+        comm.after_sequence(what, cutlass_gemm.check_error)
+    else:
+        comm.errors.report(what, cutlass_gemm.check_error)
+        comm.note(current_stream())
+    return out
