@@ -4,7 +4,7 @@
         [--seqs 2048] [--variants inductor,fluxcompile,inductor_ro,fluxcompile_ro,zero_comm]
 
 The block of ``fluxcompile/models/llama.py`` (dim 4096, FFN 14336, 32 heads; ``--big``: dim 8192, FFN 28672,
-64 heads), parallelized with PyTorch's TP API (DTensor ``parallelize_module``, torchtitan's plan), in:
+64 heads; ``--kv-heads 8``: grouped-query attention as Llama 3's), parallelized with PyTorch's TP API (DTensor ``parallelize_module``, torchtitan's plan), in:
   train    forward + backward (input and weight gradients), sequence parallel, batch 1, 2048 / 8192 tokens
   prefill  forward only, sequence parallel, batch 1, 2048 / 8192 tokens
   decode   forward only, no sequence parallel, batch 1 / 16 / 64 / 256 of one token, replayed from a CUDA
@@ -255,6 +255,7 @@ class Shape:
     heads: int = 32
     ffn: int = 14336
     layers: int = 1
+    kv_heads: int | None = None  # grouped-query attention (--kv-heads; None: as many as the query heads)
 
 
 def build_model(shape: Shape, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -263,7 +264,8 @@ def build_model(shape: Shape, device: str, dtype: torch.dtype) -> torch.nn.Modul
 
     torch.manual_seed(_seed(device))
     with torch.device(device):  # initialized where it runs: seconds less on the CPU for the big variant
-        blocks = [Block(BlockArgs(dim=shape.dim, n_heads=shape.heads, ffn_dim=shape.ffn)) for _ in range(shape.layers)]
+        args = BlockArgs(dim=shape.dim, n_heads=shape.heads, ffn_dim=shape.ffn, n_kv_heads=shape.kv_heads)
+        blocks = [Block(args) for _ in range(shape.layers)]
     model = blocks[0] if shape.layers == 1 else torch.nn.Sequential(*blocks)
     return model.to(dtype)
 
@@ -684,6 +686,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--big", action="store_true", help="dim 8192, FFN 28672, 64 heads (70B-like)")
     p.add_argument("--layers", type=int, default=1, help="blocks in sequence")
     p.add_argument("--dim", type=int), p.add_argument("--heads", type=int), p.add_argument("--ffn", type=int)
+    p.add_argument(
+        "--kv-heads", dest="kv_heads", type=int,
+        help="grouped-query attention: key/value heads (Llama 3 8B: 8 with 32 query heads); default: as many",
+    )  # fmt: skip
     p.add_argument("--regimes", default=",".join(REGIMES))
     p.add_argument(
         "--variants",
@@ -708,7 +714,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
     a = p.parse_args(argv)
     a.shape = Shape(8192, 64, 28672, a.layers) if a.big else Shape(layers=a.layers)
-    for f in ("dim", "heads", "ffn"):
+    for f in ("dim", "heads", "ffn", "kv_heads"):
         if getattr(a, f) is not None:
             setattr(a.shape, f, getattr(a, f))
     a.torch_dtype = getattr(torch, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
@@ -803,7 +809,8 @@ def finish(args: argparse.Namespace, rows: list[dict]) -> str:
     write_json(args, rows)
     s = args.shape
     title = (
-        f"TP Llama block dim {s.dim} FFN {s.ffn} {s.heads} heads x{s.layers}, "
+        f"TP Llama block dim {s.dim} FFN {s.ffn} {s.heads} heads"
+        f"{f' ({s.kv_heads} key/value)' if s.kv_heads else ''} x{s.layers}, "
         f"{_meta(args)['device']} x{dist.get_world_size()}, torch {torch.__version__}"
     )
     try:

@@ -100,6 +100,21 @@ def test_benchmark_runs_on_cpu(ranks, tmp_path):
         assert len(json.load(f)["rows"]) == 2
 
 
+def gqa_rank(out: str) -> list[dict]:
+    m = _load()
+    argv = "--device cpu --dim 64 --heads 4 --kv-heads 2 --ffn 96 --regimes prefill --seqs 16"
+    argv += " --variants inductor,fluxcompile --iters 2 --rounds 1 --warmup 0"
+    return m.bench(m.parse([*argv.split(), "--out", out]))
+
+
+def test_grouped_query_block_runs_on_cpu(ranks, tmp_path):
+    """--kv-heads: the key/value projections narrower than the query's, still fused with it under one gather."""
+    (row,) = ranks(2).run(gqa_rank, str(tmp_path))[0]
+    assert row["ok"] and not row["failed"], row
+    (fused,) = row["fused"].values()
+    assert fused["fused"] == fused["collectives"] == 4, row["fused"]  # 2 gathers (q, k, v share one), 2 scatters
+
+
 def test_table_gain_and_bar():
     m = _load()
     row = {

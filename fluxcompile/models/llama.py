@@ -25,16 +25,20 @@ class BlockArgs:
     ffn_dim: int = 688
     bias: bool = False
     norm_eps: float = 1e-5
+    n_kv_heads: int | None = None  # grouped-query attention (Llama 3: 8); None: as many as the query heads
 
 
 class Attention(nn.Module):
     def __init__(self, a: BlockArgs) -> None:
         super().__init__()
-        self.n_heads = a.n_heads  # divided by the TP degree when parallelized
+        self.n_heads = a.n_heads  # divided by the TP degree when parallelized, as n_kv_heads
+        self.n_kv_heads = a.n_kv_heads or a.n_heads
+        if a.n_heads % self.n_kv_heads:
+            raise ValueError(f"{a.n_heads} query heads do not group over {self.n_kv_heads} key/value heads")
         self.head_dim = a.dim // a.n_heads
         self.wq = nn.Linear(a.dim, a.dim, bias=a.bias)
-        self.wk = nn.Linear(a.dim, a.dim, bias=a.bias)
-        self.wv = nn.Linear(a.dim, a.dim, bias=a.bias)
+        self.wk = nn.Linear(a.dim, self.n_kv_heads * self.head_dim, bias=a.bias)
+        self.wv = nn.Linear(a.dim, self.n_kv_heads * self.head_dim, bias=a.bias)
         self.wo = nn.Linear(a.dim, a.dim, bias=a.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.n_kv_heads != self.n_heads:  # each key/value head serves n_heads / n_kv_heads query heads
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
@@ -102,7 +109,11 @@ def parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool = 
     """Shard ``block`` over the 1-D ``mesh`` in place. With SP, the block takes and returns tensors
     sharded on the sequence dim (dim 1); without, replicated ones."""
     tp = mesh.size()
-    if block.attention.n_heads % tp:
-        raise ValueError(f"{block.attention.n_heads} heads do not divide over {tp} ranks")
-    block.attention.n_heads //= tp
+    attention = block.attention
+    if attention.n_heads % tp or attention.n_kv_heads % tp:
+        raise ValueError(
+            f"{attention.n_heads} query and {attention.n_kv_heads} key/value heads do not divide over {tp} ranks"
+        )
+    attention.n_heads //= tp
+    attention.n_kv_heads //= tp
     return parallelize_module(block, mesh, tp_plan(sequence_parallel))
