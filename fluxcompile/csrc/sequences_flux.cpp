@@ -15,6 +15,25 @@
 #include "streams.h"
 
 namespace fluxcompile::pipelined {
+namespace {
+
+// The error words to their pinned host copy on `s` (checked by the next eager call: symm_mem/errors.py).
+void copy_error_words(const at::Tensor& err, const std::optional<at::Tensor>& err_host, const c10::cuda::CUDAStream& s) {
+  if (!err_host.has_value()) return;
+  C10_CUDA_CHECK(cudaMemcpyAsync(err_host->data_ptr(), err.data_ptr(), err.nbytes(), cudaMemcpyDeviceToHost, s.stream()));
+}
+
+// The end of an eager call on the current stream, for the error words' check and the watchdog: `events` recorded
+// (not under a caller's capture).
+void record_call_end(const std::vector<int64_t>& events, c10::DeviceIndex device) {
+  const auto current = c10::cuda::getCurrentCUDAStream(device);
+  cudaStreamCaptureStatus status{};
+  C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
+  if (status != cudaStreamCaptureStatusNone) return;
+  for (const int64_t e : events) C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), current.stream()));
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // all-gather -> GEMM (all_gather_matmul/cutlass.py). Our symmetric buffer `buffer` reads as the gathered
@@ -125,10 +144,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     }
     if (!in_place) copy_async(buffer.narrow(0, rank * rows, rows), a_local, main);  // before the launch
     for (const auto& p : problems) flux_gemm(launch, p, main.stream());
-    if (err_host.has_value()) {  // the words to the host, checked by the next eager call (symm_mem/errors.py)
-      C10_CUDA_CHECK(cudaMemcpyAsync(err_host->data_ptr(), err.data_ptr(), err.nbytes(), cudaMemcpyDeviceToHost,
-                                     main.stream()));
-    }
+    copy_error_words(err, err_host, main);
     // Every wait of this call is over: the next call starts from 0 (ATen's fill on `main`, the current stream).
     arrived.zero_();
     if (gathered.has_value()) {
@@ -149,13 +165,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
                        arrived_theirs, done_theirs, arrived, err, rank, world, chunk_rows, gemm, side_handle, gathered,
                        outs, static_cast<int64_t>(in_place), err_host),
                 graphs, device, issue, {}, /*blas=*/false);  // the CUTLASS GEMMs need no cuBLAS handle
-  // The end of an eager call, for the error words' check and the watchdog (not under a caller's capture).
-  const auto current = c10::cuda::getCurrentCUDAStream(device);
-  cudaStreamCaptureStatus status{};
-  C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
-  if (status == cudaStreamCaptureStatusNone) {
-    for (const int64_t e : events) C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), current.stream()));
-  }
+  record_call_end(events, device);
   return {gathered, outs};
 }
 
@@ -263,21 +273,13 @@ at::Tensor rs_flux(const at::Tensor& a, const at::Tensor& b, const std::optional
     TORCH_CHECK(rc == cudaSuccess, "fluxcompile: the slot reduction failed: ", cudaGetErrorString(rc));
     for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);  // owner j's slot here is free
     join(main, side);
-    if (err_host.has_value()) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(err_host->data_ptr(), err.data_ptr(), err.nbytes(), cudaMemcpyDeviceToHost,
-                                     main.stream()));
-    }
+    copy_error_words(err, err_host, main);
   };
   replays().run(key_of(int64_t{kRsFlux}, a, b, bias_c, partial, slots, peer_slots, owners, tiles, done_mine,
                        ready_theirs, ready_mine, done_theirs, counters, err, err_host, rank, world, axis, chunk,
                        static_cast<int64_t>(scale * (1 << 20)), gemm, reduce, side_handle, out),
                 graphs, device, issue, {}, /*blas=*/false);
-  const auto current = c10::cuda::getCurrentCUDAStream(device);
-  cudaStreamCaptureStatus status{};
-  C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
-  if (status == cudaStreamCaptureStatusNone) {
-    for (const int64_t e : events) C10_CUDA_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), current.stream()));
-  }
+  record_call_end(events, device);
   return out;
 }
 
