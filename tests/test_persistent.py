@@ -282,3 +282,19 @@ def test_state_creators_make_their_kept_buffers_through_persistent(creator, monk
     assert kept and mode.made
     direct = mode.not_made_inside(kept)
     assert not direct, f"{creator.__name__}: kept tensors {direct} were made outside symm_mem.persistent"
+
+
+def test_a_contexts_plans_last_while_its_workspaces_do():
+    """``Comm.plan``: made once per key; made again when the context's data or flag workspace is another (grown)."""
+    made = []
+    comm = Comm(data=object(), flags=object())
+
+    def make(tag):
+        return lambda: made.append(tag) or f"plan {tag}"
+
+    assert comm.plan(("a", 1), make("a1")) == "plan a1"
+    assert comm.plan(("a", 1), make("again")) == "plan a1"
+    assert comm.plan(("a", 2), make("a2")) == "plan a2"
+    comm.data = object()  # a grown workspace
+    assert comm.plan(("a", 1), make("a1 grown")) == "plan a1 grown"
+    assert made == ["a1", "a2", "a1 grown"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +59,7 @@ class Comm:
     watch: Watch | None = None
     max_spin: int | None = None
     tables: dict = dataclasses.field(default_factory=dict)  # device tables made once per buffer (addresses())
+    plans: dict = dataclasses.field(default_factory=dict)  # a protocol's per-signature plans (plan())
 
     @property
     def rank(self) -> int:
@@ -72,6 +74,17 @@ class Comm:
         are not watched: replays do not come back)."""
         if self.watch is not None and not torch.cuda.is_current_stream_capturing():
             self.watch.note(stream)
+
+    def plan(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """A protocol's plan for a call signature ``key`` (views into the workspaces, flag addresses): ``make()`` on
+        the key's first call, kept while this context keeps its workspaces (a grown one is a new workspace, and the
+        plan is made again)."""
+        held = self.plans.get(key)
+        if held is not None and held[0] is self.data and held[1] is self.flags:
+            return held[2]
+        value = make()
+        self.plans[key] = (self.data, self.flags, value)
+        return value
 
     def sequence_events(self) -> list[int]:
         """The events a C++ sequence records at the end of an eager call (not under capture), after copying the

@@ -33,14 +33,13 @@ Family ``cutlass``, on by default: its choices decline every call while ``config
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ...kernels import cutlass_gemm, sequencer
-from ...symm_mem import Comm, ErrorSpec, FlagArray, Workspace, comm_for
+from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
 from ...symm_mem.exchange import gather_send_order
 from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
@@ -209,8 +208,6 @@ class Plan:
     views into the symmetric workspaces and the flag addresses, lists over the peers in the send order
     (``gather_send_order``: shards land in the order the peers' tiles take them)."""
 
-    data: Workspace  # the workspaces the views are of: the plan holds while the context keeps them
-    flags: Workspace
     chunk_rows: int
     in_place: bool  # rows a multiple of the tile's M: the GEMMs may read our rows where A is
     peer_slots: list[Tensor]  # slot rank in peer send_to[j]'s buffer, [rows, k]: our shard goes there
@@ -226,18 +223,13 @@ class Plan:
     events: list[int]
 
 
-# Per context (compared by identity; dropped with it), per (rows, k, dtype, variant).
-_plans: weakref.WeakKeyDictionary[Comm, dict[tuple, Plan]] = weakref.WeakKeyDictionary()
-
-
 def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, launch: Launch = Launch()) -> Plan:
-    """The plan of shards of ``rows`` x ``k`` on ``comm``, made on the signature's first call and kept while the
-    context keeps its workspaces (a grown one is a new workspace)."""
-    key = (rows, k, dtype, variant, launch)
-    plans = _plans.setdefault(comm, {})
-    p = plans.get(key)
-    if p is not None and p.data is comm.data and p.flags is comm.flags:
-        return p
+    """The plan of shards of ``rows`` x ``k`` on ``comm`` (``Comm.plan``: made on the signature's first call, kept
+    while the context keeps its workspaces)."""
+    return comm.plan((TAG, rows, k, dtype, variant, launch), lambda: _make_plan(comm, rows, k, dtype, variant, launch))
+
+
+def _make_plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, launch: Launch) -> Plan:
     rank, world = comm.rank, comm.world
     if comm.data.nbytes < data_bytes(rows, k, world, dtype):
         what = f"all_gather_matmul ({NAME}:{variant})"
@@ -248,7 +240,7 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, launch
     send_to = gather_send_order(rank, world)
     slot_offset = rank * rows * k * dtype.itemsize
     p = Plan(
-        data=comm.data, flags=comm.flags, chunk_rows=chunk_rows, in_place=rows % tile_m == 0,
+        chunk_rows=chunk_rows, in_place=rows % tile_m == 0,
         peer_slots=[comm.data.view(q, (rows, k), dtype, slot_offset) for q in send_to],
         buffer=comm.data.view(rank, (world * rows, k), dtype),
         chunk_bounds=[x for c in range(n_chunks) for x in (c * chunk_rows, min(rows, (c + 1) * chunk_rows))],
@@ -259,7 +251,6 @@ def plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, launch
         err_host=comm.errors.host if comm.errors.err.is_cuda else None,
         events=comm.sequence_events() if comm.errors.err.is_cuda else [],
     )  # fmt: skip
-    plans[key] = p
     return p
 
 

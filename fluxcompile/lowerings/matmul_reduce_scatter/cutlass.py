@@ -42,14 +42,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ...kernels import cutlass_gemm, sequencer
-from ...symm_mem import Comm, ErrorSpec, FlagArray, Workspace, comm_for
+from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
 from ...symm_mem.exchange import ring_order, slot_bytes
 from ...symm_mem.watchdog import read_flags
 from ...symm_mem.workspace import current_stream
@@ -217,8 +216,6 @@ class Plan:
     """What a call signature needs besides its operands (csrc/sequences_flux.cpp's ``rs_flux`` reads them): the
     views into the symmetric workspaces and the flag addresses, lists over the owners in ring order."""
 
-    data: Workspace  # the workspaces the views are of: the plan holds while the context keeps them
-    flags: Workspace
     partial: Tensor  # our whole partial P, [m, n]
     slots: Tensor  # [world, rows, cols]: slot s receives rank s's partial of our chunk
     peer_slots: list[Tensor]  # slot rank in owner owners[j]'s buffer
@@ -233,17 +230,13 @@ class Plan:
     events: list[int]
 
 
-_plans: weakref.WeakKeyDictionary[Comm, dict[tuple, Plan]] = weakref.WeakKeyDictionary()
-
-
 def plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str) -> Plan:
-    """The plan of a ``[m, n]`` partial scattered along ``axis`` on ``comm``, made on the signature's first call and
-    kept while the context keeps its workspaces."""
-    key = (m, n, axis, dtype, variant)
-    plans = _plans.setdefault(comm, {})
-    p = plans.get(key)
-    if p is not None and p.data is comm.data and p.flags is comm.flags:
-        return p
+    """The plan of a ``[m, n]`` partial scattered along ``axis`` on ``comm`` (``Comm.plan``: made on the
+    signature's first call, kept while the context keeps its workspaces)."""
+    return comm.plan((TAG, m, n, axis, dtype, variant), lambda: _make_plan(comm, m, n, axis, dtype, variant))
+
+
+def _make_plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str) -> Plan:
     rank, world = comm.rank, comm.world
     if comm.data.nbytes < data_bytes(m, n, world, axis, dtype):
         what = f"matmul_reduce_scatter ({NAME}:{variant})"
@@ -255,7 +248,6 @@ def plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str
     tiles = _tiles(variant, m, n, chunk, axis)
     on_cuda = comm.errors.err.is_cuda
     p = Plan(
-        data=comm.data, flags=comm.flags,
         partial=comm.data.view(rank, (m, n), dtype, slot_bytes(world * slot_elems * es)),
         slots=comm.data.view(rank, (world, rows, cols), dtype),
         peer_slots=[comm.data.view(q, (rows, cols), dtype, rank * slot_elems * es) for q in owners],
@@ -265,7 +257,6 @@ def plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str
         counters=comm.flags.view(rank, (world,), torch.int32, _COUNTERS_OFFSET),
         err_host=comm.errors.host if on_cuda else None, events=comm.sequence_events() if on_cuda else [],
     )  # fmt: skip
-    plans[key] = p
     return p
 
 
