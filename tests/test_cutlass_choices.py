@@ -531,10 +531,10 @@ def _reduce(slots, own, out, rank, scale) -> None:
 
 @pytest.fixture
 def simulated(monkeypatch):
+    from fluxcompile.symm_mem import comm as comm_module
     from fluxcompile.symm_mem import exchange
 
-    for mod in (ag, rs):
-        monkeypatch.setattr(mod, "current_stream", _Stream)
+    monkeypatch.setattr(comm_module, "current_stream", _Stream)  # after_sequence's report on CPU
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

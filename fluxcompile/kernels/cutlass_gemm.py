@@ -235,7 +235,7 @@ def ag_sequence(
     :func:`gemm` takes them (with ``in_place``, also ``local=(a_local, rank * rows)`` where ``a_local`` is
     aligned); a call seen before is replayed as a CUDA graph (``config.sequence_graphs``). ``err_host``: the error
     words' pinned host copy, written in the sequence; ``events``: raw event handles recorded after an eager call
-    (``symm_mem.Comm.sequence_events``)."""
+    (``symm_mem.Comm.sequence_reporting``)."""
     workspace = 0
     if VARIANTS[variant].stream_k:
         device = a_local.device

@@ -27,7 +27,7 @@ from .persistent import capturing, persistent
 from .signals import FlagArray
 from .signals import init_flags as symm_init_flags
 from .watchdog import Watch, watch
-from .workspace import Workspace, side_stream, workspace
+from .workspace import Workspace, current_stream, side_stream, workspace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +86,26 @@ class Comm:
         self.plans[key] = (self.data, self.flags, value)
         return value
 
-    def sequence_events(self) -> list[int]:
-        """The events a C++ sequence records at the end of an eager call (not under capture), after copying the
-        error words to their host copy itself: the error words' and the watchdog's."""
+    def sequence_reporting(self) -> tuple[Tensor | None, list[int]]:
+        """What a C++ sequence takes to report its eager call itself: the error words' pinned host copy, which it
+        writes after its kernels, and the events it records at the call's end (not under capture): the error words'
+        and the watchdog's. ``(None, [])`` where the words are not on CUDA (the CPU simulations):
+        :meth:`after_sequence` then reports in Python."""
+        if not self.errors.err.is_cuda:
+            return None, []
         events = [self.errors.sequence_event()]
         if self.watch is not None:
             events.append(self.watch.sequence_event())
-        return events
+        return self.errors.host, events
 
     def after_sequence(self, what: str, check: Check) -> None:
-        """After such a sequence's call: what :meth:`ErrorWords.report` and :meth:`note` do after theirs."""
+        """After a C++ sequence's call given :meth:`sequence_reporting`: what :meth:`ErrorWords.report` and
+        :meth:`note` do after a call, but the copy and the events, which the sequence made itself on CUDA."""
+        if not self.errors.err.is_cuda:
+            self.errors.report(what, check)
+            if self.watch is not None:
+                self.note(current_stream())
+            return
         self.errors.issued(what, check)
         if self.watch is not None:
             self.watch.noted()

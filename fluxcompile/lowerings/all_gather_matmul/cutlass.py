@@ -42,7 +42,6 @@ from ...kernels import cutlass_gemm, sequencer
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
 from ...symm_mem.exchange import gather_send_order
 from ...symm_mem.watchdog import read_flags
-from ...symm_mem.workspace import current_stream
 from .layout import layout_supports, shard_layout
 
 NAME = "cutlass"
@@ -217,8 +216,8 @@ class Plan:
     arrived_theirs: list[int]  # arrived[p, rank * chunks + c] at j * chunks + c: our chunk c has landed in p's
     done_theirs: list[int]  # done[p, rank]: p's slot in our buffer is free again
     arrived: Tensor  # our arrival flags, int32 [world * chunks]: what our GEMMs' tiles wait on
-    # On CUDA the sequence copies the error words to their pinned host copy and records the context's events
-    # itself (Comm.sequence_events); elsewhere (the CPU simulation) the choice reports them.
+    # What the sequence reports its call with (Comm.sequence_reporting): on CUDA it copies the error words to
+    # their pinned host copy and records the context's events itself.
     err_host: Tensor | None
     events: list[int]
 
@@ -239,6 +238,7 @@ def _make_plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, 
     arrived_all, done = _flag_views(comm)
     send_to = gather_send_order(rank, world)
     slot_offset = rank * rows * k * dtype.itemsize
+    err_host, events = comm.sequence_reporting()
     p = Plan(
         chunk_rows=chunk_rows, in_place=rows % tile_m == 0,
         peer_slots=[comm.data.view(q, (rows, k), dtype, slot_offset) for q in send_to],
@@ -248,8 +248,7 @@ def _make_plan(comm: Comm, rows: int, k: int, dtype: torch.dtype, variant: str, 
         arrived_theirs=[arrived_all.addr(q, rank * n_chunks + c) for q in send_to for c in range(n_chunks)],
         done_theirs=[done.addr(q, rank) for q in send_to],
         arrived=comm.flags.view(rank, (world * n_chunks,), torch.int32, _ARRIVED_OFFSET),
-        err_host=comm.errors.host if comm.errors.err.is_cuda else None,
-        events=comm.sequence_events() if comm.errors.err.is_cuda else [],
+        err_host=err_host, events=events,
     )  # fmt: skip
     return p
 
@@ -273,9 +272,5 @@ def all_gather_matmul_on(
         in_place=p.in_place, return_A=return_A, err_host=p.err_host, events=p.events, raster=launch.raster,
         group_m=launch.group_m,
     )  # fmt: skip
-    if p.err_host is not None:
-        comm.after_sequence(what, cutlass_gemm.check_error)
-    else:
-        comm.errors.report(what, cutlass_gemm.check_error)
-        comm.note(current_stream())
+    comm.after_sequence(what, cutlass_gemm.check_error)
     return A_gathered, outs

@@ -51,7 +51,6 @@ from ...kernels import cutlass_gemm, sequencer
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
 from ...symm_mem.exchange import ring_order, slot_bytes
 from ...symm_mem.watchdog import read_flags
-from ...symm_mem.workspace import current_stream
 
 NAME = "cutlass"
 MAX_WORLD = cutlass_gemm.MAX_WORLD
@@ -226,7 +225,7 @@ class Plan:
     ready_mine: list[int]
     done_theirs: list[int]
     counters: Tensor  # our tile counters, int32 [world]
-    err_host: Tensor | None  # as the all-gather's plan: the sequence copies the error words and records the events
+    err_host: Tensor | None  # what the sequence reports its call with (Comm.sequence_reporting)
     events: list[int]
 
 
@@ -246,7 +245,7 @@ def _make_plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, varian
     slot_elems, es = rows * cols, dtype.itemsize
     owners = ring_order(rank, world)
     tiles = _tiles(variant, m, n, chunk, axis)
-    on_cuda = comm.errors.err.is_cuda
+    err_host, events = comm.sequence_reporting()
     p = Plan(
         partial=comm.data.view(rank, (m, n), dtype, slot_bytes(world * slot_elems * es)),
         slots=comm.data.view(rank, (world, rows, cols), dtype),
@@ -255,7 +254,7 @@ def _make_plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, varian
         done_mine=[done.addr(rank, q) for q in owners], ready_theirs=[ready.addr(q, rank) for q in owners],
         ready_mine=[ready.addr(rank, q) for q in owners], done_theirs=[done.addr(q, rank) for q in owners],
         counters=comm.flags.view(rank, (world,), torch.int32, _COUNTERS_OFFSET),
-        err_host=comm.errors.host if on_cuda else None, events=comm.sequence_events() if on_cuda else [],
+        err_host=err_host, events=events,
     )  # fmt: skip
     return p
 
@@ -282,9 +281,5 @@ def matmul_reduce_scatter_on(
         scale=1.0 / world if reduce_op == "avg" else 1.0, variant=variant, sm_count=comm.sm_count, side=comm.side,
         err_host=p.err_host, events=p.events,
     )  # fmt: skip
-    if p.err_host is not None:
-        comm.after_sequence(what, cutlass_gemm.check_error)
-    else:
-        comm.errors.report(what, cutlass_gemm.check_error)
-        comm.note(current_stream())
+    comm.after_sequence(what, cutlass_gemm.check_error)
     return out
