@@ -136,10 +136,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "cutlass" in r:
             oe = 1 - (r["cutlass"] - r["gemm"]) / (r["nccl_cublas"] - r["gemm"])
+            no_a = f"without the gathered A {r['cutlass_noA']:.1f}, " if "cutlass_noA" in r else ""
             lines.append(
                 f"  cutlass, {r['op']} m={r['m']} n={r['n']} k={r['k']} (µs): forced {r['cutlass']:.1f} (OE {oe:.0%}), "
-                f"without the gathered A {r['cutlass_noA']:.1f}, GEMM alone with flags preset "
-                f"{r['cutlass_alone']:.1f}, protocol cost {r['cutlass'] - r['cutlass_alone']:.1f}"
+                f"{no_a}GEMM alone with flags preset {r['cutlass_alone']:.1f}, "
+                f"protocol cost {r['cutlass'] - r['cutlass_alone']:.1f}"
             )
     for r in rows:
         if r.get("choices_ms"):
@@ -209,7 +210,8 @@ def main() -> None:
     p.add_argument(
         "--cutlass-variant",
         default="128x256x64_c2x1",
-        help="all-gather: the CUTLASS choice (<variant>[:<launch option>]) timed forced and alone (empty: left out)",
+        help="the CUTLASS choice (<variant>[:<launch option>], the option for the all-gather only) timed forced and "
+        "alone (empty: left out)",
     )
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

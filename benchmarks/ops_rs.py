@@ -71,4 +71,41 @@ def _rs_shape(args: argparse.Namespace, group: str, model: str, m: int, n: int, 
     )
     del ref
     methods = {"nccl_cublas": nccl_cublas, "async_tp": async_tp, "fluxcompile": ours}
+    methods.update(_cutlass_methods(args, a, b, fused_args, group))
     return overlap_row(args, OP, group, model, (m, n, k), (a, b), methods, pipelined_only, fused_args)
+
+
+def _cutlass_methods(args: argparse.Namespace, a, b, fused_args, group: str) -> dict:
+    """The CUTLASS ring ``cutlass:<variant>`` (the variant of ``--cutlass-variant``, its all-gather launch option
+    left off) forced (``cutlass``), and the same GEMM alone (``cutlass_alone``): the ring's epilogue over running
+    sums already there (every arrival flag preset), counting its tiles, no pushes. Their difference is the
+    protocol's cost. Empty where the choice declines."""
+    from fluxcompile.kernels import cutlass_gemm
+    from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs_cutlass
+
+    variant = args.cutlass_variant.partition(":")[0]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    run, supports = rs_cutlass.make(variant) if variant in cutlass_gemm.ring_variants() else (None, None)
+    why = supports(*fused_args) if supports is not None else f"{variant!r} is not a ring variant"
+    if why is not None:
+        if rank == 0:
+            print(f"cutlass:{variant} (reduce-scatter) left out: {why}", flush=True)
+        return {}
+    m, n = a.shape[0], b.shape[1]
+    tm = cutlass_gemm.VARIANTS[variant].tile[0]
+    chunk = m // world
+    sub = rs_cutlass.sub_chunk(chunk, tm)
+    nxt = (rank + 1) % world
+    like = dict(device="cuda", dtype=a.dtype)
+    partial, c, zero = torch.empty(m, n, **like), torch.randn(m, n, **like), torch.zeros(tm, n, **like)
+    out = torch.empty(chunk, n, **like)
+    flags = torch.ones(m // sub, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(m // sub, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    ring = cutlass_gemm.Ring(c, flags, 0, chunk, sub, nxt, nxt, rank, zero, out)
+
+    def alone():
+        return cutlass_gemm.gemm(a, b, partial, variant=variant, rotate=(0, nxt * chunk), signal=(counters, sub, 0),
+                                 err=err, rank=rank, ring=ring)  # fmt: skip
+
+    return {"cutlass": lambda: run(*fused_args), "cutlass_alone": alone}

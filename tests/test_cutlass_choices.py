@@ -25,6 +25,7 @@ from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
 from fluxcompile.symm_mem import Comm, ErrorWords, FlagArray
+from fluxcompile.symm_mem.exchange import slot_bytes
 from fluxcompile.testing.numerics import assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
@@ -72,7 +73,7 @@ def hopper(monkeypatch):
 
 def test_one_choice_per_variant_for_both_ops():
     for op in OPS:
-        want = [f"cutlass:{v}" for v in (ag.NAMES if op == "all_gather_matmul" else cutlass_gemm.VARIANTS)]
+        want = [f"cutlass:{v}" for v in (ag.NAMES if op == "all_gather_matmul" else cutlass_gemm.ring_variants())]
         assert list(_cutlass(op)) == want, op
     assert set(cutlass_gemm.VARIANTS) < set(ag.NAMES)  # every variant, then its launch options
 
@@ -181,15 +182,46 @@ def test_reduce_scatter_declines(hopper, args, reason):
     assert why is not None and why.startswith(reason), why
 
 
-def test_stream_k_variants_decline_the_reduce_scatter(hopper):
-    args = _rs_args()
-    for name, c in _cutlass("matmul_reduce_scatter").items():
-        why = c.declines(*args)
-        if cutlass_gemm.VARIANTS[name.partition(":")[2]].stream_k:
-            assert why is not None and why.startswith("stream-K"), name
-        else:
-            assert why is None, (name, why)
+def test_reduce_scatter_choices_are_the_ring_variants(hopper):
+    """Only the variants built with the ring's source are reduce-scatter choices; they take chunks of whole tiles
+    along the scatter axis and decline the rest with the reason."""
+    choices = _cutlass("matmul_reduce_scatter")
+    assert sorted(n.partition(":")[2] for n in choices) == sorted(cutlass_gemm.ring_variants())
+    assert cutlass_gemm.ring_variants() and all(not cutlass_gemm.VARIANTS[v].stream_k for v in cutlass_gemm.ring_variants())
+    rows = _rs_args(out_shape=(4 * 256, 768), As=[cuda(1024, 512)])  # 256 rows a rank
+    cols = _rs_args(out_shape=(800, 4 * 256), Bs=[cuda(512, 1024)], scatter_dim=1)  # 256 columns a rank
+    for name, c in choices.items():
+        assert c.declines(*rows) is None and c.declines(*cols) is None, name
+        tm = cutlass_gemm.VARIANTS[name.partition(":")[2]].tile[0]
+        why = c.declines(*_rs_args())  # 200 rows a rank
+        assert why == f"a rank's 200 rows are not whole {tm}-row tiles of {name.partition(':')[2]}", why
     assert all(c.declines(*_ag_args()) is None for c in _cutlass("all_gather_matmul").values())
+
+
+def test_ring_sub_chunks():
+    assert rs.sub_chunk(4096, 128) == 512  # 32 tiles: 8 sub-chunks
+    assert rs.sub_chunk(512, 128) == 128  # 4 tiles: one each
+    assert rs.sub_chunk(6144, 256) == 768  # 24 tiles: 8 sub-chunks
+    assert rs.sub_chunk(1280, 128) == 256  # 10 tiles: 5 sub-chunks
+    assert rs.sub_chunk(128 * 7, 128) == 128  # 7 tiles: 7 sub-chunks
+    assert rs.sub_chunk(128 * 11, 128) == 128 * 11  # 11 tiles: a prime above the cap, one sub-chunk
+    for chunk, tile in ((4096, 128), (768, 256), (128 * 9, 128)):
+        sub = rs.sub_chunk(chunk, tile)
+        assert chunk % sub == 0 and sub % tile == 0 and chunk // sub <= rs.SUBS_PER_CHUNK
+
+
+def test_ring_reference_order_and_rounding():
+    """rs.ring_reference sums chunk q along q-1, q-2, ..., q, rounding each step: the last step's running sum is
+    what the owner returns; with exact values it is the plain sum."""
+    world = 3
+    partials = [torch.full((6, 4), float(r + 1)) for r in range(world)]
+    out = rs.ring_reference(partials, [None, torch.ones(4), None], world, 0, 1.0, BF16)
+    assert all(torch.equal(o, torch.full((2, 4), 7.0, dtype=BF16)) for o in out)
+    # the order shows in the rounding (bf16's spacing at 256 is 2; ties to even): chunk 0 (ranks 2, 1, 0) is
+    # 1 + 1 + 256 = 258; chunks 1 (ranks 0, 2, 1) and 2 (ranks 1, 0, 2) round 257 down to 256 at a step
+    partials = [torch.full((3, 1), v) for v in (256.0, 1.0, 1.0)]
+    got = rs.ring_reference(partials, [None] * 3, 3, 0, 1.0, BF16)
+    assert [t.item() for t in got] == [258.0, 256.0, 256.0]
 
 
 def test_supports_never_raises(hopper):
@@ -231,7 +263,7 @@ def test_rs_chunk_layout():
     assert rs.layout(800, 768, 4, 1) == (192, 800, 192)
     assert rs.scatter_axis([800, 768], 0) == 0
     assert rs.scatter_axis([800, 768], -1) == rs.scatter_axis([4, 200, 768], 2) == 1
-    assert rs.data_bytes(800, 768, 4, 0, BF16) == 4 * 200 * 768 * 2 + 800 * 768 * 2
+    assert rs.data_bytes(800, 768, 4, 0, BF16) == slot_bytes(800 * 768 * 2) + 800 * 768 * 2  # running sums, P
 
 
 def test_ag_launch_options():
@@ -317,13 +349,18 @@ def test_weight_layout_and_operand_checks():
 def test_generated_sources():
     files = cutlass_build.generated_sources()
     units = {f for f in files if f.endswith(".cu")}
-    assert units == {f"flux_gemm_{v}.cu" for v in cutlass_gemm.VARIANTS}
+    rings = {f"flux_gemm_ring_{v}.cu" for v in cutlass_gemm.ring_variants()}
+    assert units == {f"flux_gemm_{v}.cu" for v in cutlass_gemm.VARIANTS} | rings
     registry = files["flux_gemm_registry.cpp"]
     assert set(files) == {*units, "flux_gemm_registry.cpp"}
     for name, v in cutlass_gemm.VARIANTS.items():
         assert f"FLUX_GEMM_VARIANT({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"flux_gemm_{name}.cu"]
-        assert f'{{"{name}", ' in registry and f"&flux_gemm_{name}}}" in registry
+        ring = f"&flux_gemm_ring_{name}" if v.ring else "nullptr"
+        assert f'{{"{name}", ' in registry and f"&flux_gemm_{name}, {ring}}}" in registry
         assert f"cudaError_t flux_gemm_{name}(" in registry
+        if v.ring:
+            assert f"FLUX_GEMM_RING_VARIANT({name}, {v.tile[0]}" in files[f"flux_gemm_ring_{name}.cu"]
+            assert f"cudaError_t flux_gemm_ring_{name}(" in registry
 
 
 # --- the one-GPU harness's symmetric memory ----------------------------------------------------------------
@@ -423,8 +460,10 @@ def _consume(stream, addr: int) -> None:
     _write(stream, addr, 0)
 
 
-def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, rank=0, local=None, **_):
+def _gemm(a, b, out, bias=None, *, variant, wait=None, signal=None, err=None, rank=0, local=None, ring=None, **kw):
     assert err is not None or (wait is None and signal is None)
+    if ring is not None:
+        return _ring_gemm(a, b, out, bias, variant=variant, signal=signal, rank=rank, ring=ring, **kw)
     if wait is not None:
         flags, rows_per_rank, chunk_rows, skip = wait
         chunks = -(-rows_per_rank // chunk_rows)
@@ -486,47 +525,81 @@ def _ag_sequence(
     return gathered, outs
 
 
-def _rs_sequence(
-    a, b, bias, partial, slots, peer_slots, owners, tiles, done_mine, ready_theirs, ready_mine, done_theirs, counters,
-    err, out_shape, *, rank, world, axis, chunk, scale, variant, side, **_,
-):  # fmt: skip
-    """csrc/sequences_flux.cpp's ``rs_flux``, its checks and then its operations in its order (the GEMM first, then
-    the side stream's, then the main stream's rest; streams not simulated)."""
-    m, n = partial.shape
-    rows, cols = (chunk, n) if axis == 0 else (m, chunk)
-    assert len(owners) == world - 1 and rank not in owners
-    assert len(peer_slots) == len(tiles) == len(done_mine) == len(ready_theirs) == len(ready_mine) == len(done_theirs)
-    assert tuple(slots.shape) == (world, rows, cols) and all(tuple(t.shape) == (rows, cols) for t in peer_slots)
-    assert chunk * world == (m if axis == 0 else n) and counters.dtype == torch.int32
-
-    def counter(p: int) -> int:
-        return counters.data_ptr() + 4 * p
-
-    def part(p: int):
-        return partial.narrow(axis, p * chunk, chunk)
-
-    _gemm(a, b, partial, bias, variant=variant, signal=(counters, chunk, axis), err=err, rank=rank)
-    _write(None, counter(rank), 0)
-    for j, p in enumerate(owners):
-        _wait(side, counter(p), tiles[j])
-        _write(side, counter(p), 0)
-        _consume(side, done_mine[j])
-        peer_slots[j].copy_(part(p))
-        _write(side, ready_theirs[j], 1)
-    for addr in ready_mine:
-        _consume(None, addr)
-    out = torch.empty(out_shape, dtype=partial.dtype)
-    _reduce(slots, part(rank), out.view(rows, cols), rank, scale)
-    for addr in done_theirs:
-        _write(None, addr, 1)
+def _ring_gemm(a, b, out, bias, *, variant, signal, rank, ring, rotate=(0, 0), **_):
+    """The ring's GEMM (csrc/flux_gemm.cuh's RingEpilogue) chunk by chunk in the tile rotation's order: the zero
+    chunk adds nothing, the others wait for their sub-chunks' flags and add C; our own chunk goes to ring.out,
+    the rest into ``out`` (rounded to its dtype), counted per sub-chunk."""
+    r = ring
+    m, n = a.shape[0], b.shape[1]
+    cutlass_gemm._check_ring(r, cutlass_gemm.VARIANTS[variant], m, n, a.dtype, signal)
+    full = r.alpha * (a.float() @ b.float()) + (bias.float() if bias is not None else 0)
+    chunks = (m if r.axis == 0 else n) // r.chunk
+    per = r.chunk // r.sub
+    counts = cutlass_gemm.tiles_per_chunk(variant, m, n, r.sub, r.axis)
+    assert rotate == (r.axis, r.zero_chunk * r.chunk)  # the first step's chunk first
+    for i in range(chunks):
+        q = (r.zero_chunk + i) % chunks
+        value = full.narrow(r.axis, q * r.chunk, r.chunk)
+        if q != r.zero_chunk:
+            for j in range(q * per, (q + 1) * per) if r.flags is not None else ():
+                addr = r.flags.data_ptr() + 4 * j
+                _spin(lambda addr=addr: _word(addr).value != 0, f"rank {rank}: running sums of sub-chunk {j}")
+            value = value + r.c.narrow(r.axis, q * r.chunk, r.chunk).float()
+        if q == r.own_chunk:
+            r.out.copy_(value)
+            continue
+        out.narrow(r.axis, q * r.chunk, r.chunk).copy_(value)
+        if signal is not None:
+            for j in range(q * per, (q + 1) * per):
+                _word(signal[0].data_ptr() + 4 * j).value += counts[j]  # only this rank's threads touch them
     return out
 
 
-def _reduce(slots, own, out, rank, scale) -> None:
-    acc = own.float()
-    for j in range(1, slots.shape[0]):
-        acc = acc + slots[(rank + j) % slots.shape[0]].float()
-    out.copy_(acc * scale)
+def _rs_sequence(
+    a, b, bias, bias_scratch, partial, incoming, peer_incoming, zero, counters, arrived, tiles, arrived_theirs,
+    done_mine, done_theirs, err, out_shape, *, rank, world, axis, chunk, sub, scale, variant, side, **_,
+):  # fmt: skip
+    """csrc/sequences_flux.cpp's ``rs_ring``: its checks, then its operations, the side stream's on a thread
+    beside the GEMM (the ring's steps depend on the peers' pushes while the GEMM runs)."""
+    m, n = partial.shape
+    subs = chunk // sub
+    assert world >= 2 and chunk * world == (m if axis == 0 else n) and chunk % sub == 0
+    assert incoming.shape == peer_incoming.shape == partial.shape and len(tiles) == world * subs
+    assert counters.dtype == arrived.dtype == torch.int32 and arrived.numel() == world * subs
+    out = torch.empty(out_shape, dtype=partial.dtype)
+    nxt = (rank + 1) % world
+    if bias is not None and scale != 1.0:
+        bias_scratch.copy_(bias * scale)
+        bias = bias_scratch
+    rows, cols = (chunk, n) if axis == 0 else (m, chunk)
+    ring = cutlass_gemm.Ring(incoming, arrived, axis, chunk, sub, nxt, nxt, rank, zero, out.view(rows, cols), scale)
+    failures = []
+
+    def side_stream() -> None:
+        try:
+            first = True
+            for step in range(world - 1):
+                q = (rank + 1 + step) % world
+                for j in range(q * subs, (q + 1) * subs):
+                    _wait(side, counters.data_ptr() + 4 * j, tiles[j])
+                    _write(side, counters.data_ptr() + 4 * j, 0)
+                    if first:
+                        _consume(side, done_mine)
+                        first = False
+                    peer_incoming.narrow(axis, j * sub, sub).copy_(partial.narrow(axis, j * sub, sub))
+                    _write(side, arrived_theirs + 4 * j, 1)
+        except BaseException as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=side_stream, daemon=True)
+    thread.start()
+    _gemm(a, b, partial, bias, variant=variant, rotate=(axis, nxt * chunk), signal=(counters, sub, axis), err=err,
+          rank=rank, ring=ring)  # fmt: skip
+    thread.join(60)
+    assert not thread.is_alive() and not failures, failures
+    arrived.zero_()
+    _write(None, done_theirs, 1)
+    return out
 
 
 @pytest.fixture
@@ -621,14 +694,14 @@ def test_all_gather_protocol_simulated(simulated, world):
 
 @pytest.mark.parametrize("world", (2, 3, 4))
 def test_reduce_scatter_protocol_simulated(simulated, world):
-    variant = next(n for n, v in cutlass_gemm.VARIANTS.items() if not v.stream_k)
+    variant = cutlass_gemm.ring_variants()[0]
     g = torch.Generator().manual_seed(world)
-    cases = [  # out_shape, scatter dim, reduce op, bias; shapes change between calls (slots move)
-        ([world * 50, 96], 0, "sum", True),
-        ([200, world * 16], 1, "sum", True),
-        ([1, world * 30, 48], 1, "avg", False),
-        ([2, 70, world * 24], -1, "avg", True),
-        ([world * 50, 96], 0, "sum", False),
+    cases = [  # out_shape, scatter dim, reduce op, bias; shapes change between calls (the buffers move)
+        ([world * 256, 96], 0, "sum", True),
+        ([200, world * 512], 1, "sum", True),
+        ([1, world * 128, 48], 1, "avg", True),
+        ([2, 70, world * 256], -1, "avg", False),
+        ([world * 256, 96], 0, "sum", False),
     ]
     inputs = []
     for out_shape, _, _, bias in cases:
@@ -648,12 +721,13 @@ def test_reduce_scatter_protocol_simulated(simulated, world):
     results = _simulate(world, nbytes, rs.FLAG_BYTES, [functools.partial(call, i) for i in range(len(cases))],
                         rs.flag_arrays)  # fmt: skip
     for i, (out_shape, dim, op, _) in enumerate(cases):
-        total = sum(
-            (a.float() @ b.float() + (x.float() if x is not None else 0)).to(BF16).float() for a, b, x in inputs[i]
-        )
-        if op == "avg":
-            total = total / world
+        scale = 1.0 / world if op == "avg" else 1.0
+        total = sum((a.float() @ b.float() + (x.float() if x is not None else 0)) for a, b, x in inputs[i]) * scale
         parts = total.reshape(out_shape).chunk(world, dim=dim)
+        axis = rs.scatter_axis(out_shape, dim)
+        ring = rs.ring_reference([a.float() @ b.float() for a, b, _ in inputs[i]], [x for _, _, x in inputs[i]], world,
+                                 axis, scale, BF16)  # fmt: skip
         for r, out in enumerate(results[i]):
             assert list(out.shape) == list(parts[r].shape), (i, r)
             assert_close(out, parts[r], 1e-2, f"call {i} rank {r}")
+            assert torch.equal(out.reshape(ring[r].shape), ring[r]), f"call {i} rank {r}: not the ring's order"

@@ -28,25 +28,36 @@ def _write_sources(tmp_path: Path) -> Path:
 
 def test_variants_and_generated_sources():
     files = cutlass_build.generated_sources()
-    assert set(files) == {f"flux_gemm_{n}.cu" for n in cutlass_gemm.VARIANTS} | {"flux_gemm_registry.cpp"}
+    assert set(files) == (
+        {f"flux_gemm_{n}.cu" for n in cutlass_gemm.VARIANTS}
+        | {f"flux_gemm_ring_{n}.cu" for n, v in cutlass_gemm.VARIANTS.items() if v.ring}
+        | {"flux_gemm_registry.cpp"}
+    )
     registry = files["flux_gemm_registry.cpp"]
     for name, v in cutlass_gemm.VARIANTS.items():
         assert v.name == name
         assert f'{{"{name}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}' in registry
         assert f"FLUX_GEMM_VARIANT({name}," in files[f"flux_gemm_{name}.cu"]
+        ring = f"&flux_gemm_ring_{name}}}" if v.ring else "nullptr}"
+        assert f"&flux_gemm_{name}, {ring}" in registry
     # a build of other variants is another build directory
     assert "flux_gemm" in extensions.SOURCES
 
 
-def _flux_gemm_job(workdir: Path) -> list[str] | str:
-    nvcc = find_nvcc()
-    include = cutlass_build.cutlass_include()
-    if nvcc is None or include is None:
-        return "no nvcc or no CUTLASS headers (nvidia-cutlass, in the test extra)"
-    src = _write_sources(workdir) / f"flux_gemm_{VARIANT}.cu"
-    return [nvcc, f"-std={torch_cxx_std()}", "-O3", extensions.arch_flag((9, 0)), *extensions.EXTRA_NVCC["flux_gemm"],
-            f"-I{extensions.CSRC}", *(f"-I{d}" for d in include), "-Xptxas", "-v", "-c", str(src),
-            "-o", str(workdir / "v.o")]  # fmt: skip
+def _flux_gemm_job(unit: str) -> Callable[[Path], list[str] | str]:
+    """nvcc of the generated translation unit ``unit`` (flux_gemm_<variant>.cu or flux_gemm_ring_<variant>.cu)."""
+
+    def make(workdir: Path) -> list[str] | str:
+        nvcc = find_nvcc()
+        include = cutlass_build.cutlass_include()
+        if nvcc is None or include is None:
+            return "no nvcc or no CUTLASS headers (nvidia-cutlass, in the test extra)"
+        src = _write_sources(workdir) / unit
+        return [nvcc, f"-std={torch_cxx_std()}", "-O3", extensions.arch_flag((9, 0)), *extensions.EXTRA_NVCC["flux_gemm"],
+                f"-I{extensions.CSRC}", *(f"-I{d}" for d in include), "-Xptxas", "-v", "-c", str(src),
+                "-o", str(workdir / "v.o")]  # fmt: skip
+
+    return make
 
 
 def _host_job(source: str) -> Callable[[Path], list[str] | str]:
@@ -61,24 +72,21 @@ def _host_job(source: str) -> Callable[[Path], list[str] | str]:
     return make
 
 
-def _slot_reduce_job(workdir: Path) -> list[str] | str:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return "no nvcc"
-    return [nvcc, f"-std={torch_cxx_std()}", "-O3", extensions.arch_flag((9, 0)), f"-I{extensions.CSRC}",
-            "-Xptxas", "-v", "-c", str(extensions.CSRC / "slot_reduce.cu"), "-o", str(workdir / "r.o")]  # fmt: skip
-
-
 HOST_SOURCES = ("flux_gemm_registry.cpp", "flux_gemm_binding.cpp")
-prebuild.register("flux_gemm_sm90a", _flux_gemm_job)
-prebuild.register("slot_reduce_sm90a", _slot_reduce_job)
+# The ring's build of the same variant (a source and the reduce-scatter ring's epilogue).
+RING_VARIANT = next(n for n, v in cutlass_gemm.VARIANTS.items() if v.ring)
+prebuild.register("flux_gemm_sm90a", _flux_gemm_job(f"flux_gemm_{VARIANT}.cu"))
+prebuild.register("flux_gemm_ring_sm90a", _flux_gemm_job(f"flux_gemm_ring_{RING_VARIANT}.cu"))
 for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
 
 
 @pytest.mark.prebuild("flux_gemm_sm90a")
-def test_flux_gemm_compiles_for_sm90a_without_spills():
-    got = prebuild.finished("flux_gemm_sm90a")
+@pytest.mark.prebuild("flux_gemm_ring_sm90a")
+@pytest.mark.parametrize("job", ("flux_gemm_sm90a", "flux_gemm_ring_sm90a"))
+def test_flux_gemm_compiles_for_sm90a_without_spills(job):
+    """One variant's translation unit, plain and with the reduce-scatter ring's source and epilogue."""
+    got = prebuild.finished(job)
     out = got.out
     assert out.returncode == 0, out.stderr[-4000:]
     reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
@@ -90,17 +98,6 @@ def test_flux_gemm_compiles_for_sm90a_without_spills():
     sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
-
-
-@pytest.mark.prebuild("slot_reduce_sm90a")
-def test_slot_reduction_compiles_for_sm90a_without_spills():
-    """csrc/slot_reduce.cu (the CUTLASS reduce-scatter's reduction, built into the GEMM's extension): both dtypes,
-    the 16-byte and the one-element accesses."""
-    out = prebuild.finished("slot_reduce_sm90a").out
-    assert out.returncode == 0, out.stderr[-4000:]
-    reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert len(reports) == 4, out.stderr[-3000:]  # 2 dtypes x 2 access widths
-    assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
 
 
 @pytest.mark.prebuild("host:flux_gemm_registry.cpp")

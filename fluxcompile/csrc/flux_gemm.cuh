@@ -6,6 +6,9 @@
 //   SignallingEpilogue: the consumers rotate the coordinate the same way; once a tile's TMA stores have
 //                       completed (checked when the next tile's epilogue starts, or at the kernel's end), the
 //                       storing warp adds 1 to the counter of each chunk the tile overlaps.
+//   RingEpilogue:       the same with a source (the reduce-scatter ring): the epilogue's producer waits for the
+//                       sub-chunks of the running sums a tile adds before loading them; the first step's tiles
+//                       add zeros, the last step's (our own chunk) store into the output.
 // The host side caches each problem's kernel parameters (TMA descriptors included): a repeated call only launches.
 // Each variant file (flux_gemm_<variant>.cu) instantiates one tile configuration with FLUX_GEMM_VARIANT.
 #pragma once
@@ -22,6 +25,7 @@
 #include <cutlass/kernel_hardware_info.h>
 
 #include <array>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -81,11 +85,11 @@ CUTLASS_DEVICE void tile_order(FluxGemmSync const& s, int tiles_m, int tiles_n, 
 // Bounded wait (bounded_wait.cuh) of a whole warp (every lane polls, so every lane's later reads are ordered after
 // its acquire) until *flag != 0. False when it timed out or another wait already had; the first timeout fills err
 // (from lane 0; err may be null) with value 1 and kind 1 (chunk arrival).
-CUTLASS_DEVICE bool wait_flag(const unsigned* flag, FluxGemmSync const& s, int peer, int chunk) {
+CUTLASS_DEVICE bool wait_flag(const unsigned* flag, FluxGemmSync const& s, int peer, int chunk, int kind = 1) {
   unsigned long long t0 = 0;
   for (unsigned iter = 0;; ++iter) {
     if (ld_acquire_sys(flag) != 0) return true;
-    if (bounded_wait_gives_up<true>(iter, t0, s, (threadIdx.x & 31) == 0, peer, chunk, 1, 1)) return false;
+    if (bounded_wait_gives_up<true>(iter, t0, s, (threadIdx.x & 31) == 0, peer, chunk, 1, kind)) return false;
   }
 }
 
@@ -208,6 +212,45 @@ struct WaitingMainloop : Base {
 
 // --- the epilogue: rotate, store with CUTLASS's TMA epilogue, count completed tiles ----------------------
 
+// store()'s trailing arguments are (accumulators, tiled_mma, thread_idx, shared_tensors[, subtile]); CUTLASS's TMA
+// epilogue issues the tile's stores from the warp with thread_idx / 32 == 0.
+template <class Acc, class Mma, class... Tail>
+CUTLASS_DEVICE bool storing_warp(Acc const&, Mma const&, int thread_idx, Tail const&...) {
+  return thread_idx / 32 == 0;
+}
+
+// The counts of the last stored tile, added once its stores have landed: note() records the tile's elements
+// [lo, hi) along the signal axis, flush() (at the next tile's epilogue, or the kernel's end) makes its storing warp
+// wait for its bulk stores to complete, then one lane fences and adds 1 on each counter the tile overlaps.
+struct TileCounts {
+  int lo = 0, hi = 0;
+  bool storer = false;
+
+  CUTLASS_DEVICE void note(int lo_, int hi_, bool storer_) {
+    lo = lo_;
+    hi = hi_;
+    storer = storer_;
+  }
+
+  CUTLASS_DEVICE void flush(FluxGemmSync const& s) {
+    if (hi <= lo) return;
+    if (storer) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) {
+        // The counters' waiter is this GPU's front end (a stream wait before a copy-engine push): a GPU-scope
+        // release orders the tile's bytes before the count.
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        int c0 = lo / s.signal_elems, c1 = (hi - 1) / s.signal_elems;
+        for (int c = c0; c <= c1; ++c) {
+          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(s.signal_counters + c) : "memory");
+        }
+      }
+    }
+    lo = hi = 0;
+  }
+};
+
 template <class Base>
 struct SignallingEpilogue : Base {
   struct Arguments : Base::Arguments {
@@ -239,7 +282,7 @@ struct SignallingEpilogue : Base {
     int M = int(get<0>(problem)), N = int(get<1>(problem));
     int m = get<0>(coord), n = get<1>(coord);
     tile_order(sync_, (M + TM - 1) / TM, (N + TN - 1) / TN, TM, TN, m, n);
-    flush();
+    counts_.flush(sync_);
     auto result = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem, tile_shape,
                               make_coord(m, n, get<2>(coord), get<3>(coord)), static_cast<Rest&&>(rest)...);
     if (sync_.signal_counters != nullptr && m * TM < M && n * TN < N) {
@@ -247,10 +290,7 @@ struct SignallingEpilogue : Base {
       // cluster's padding tiles past the problem store nothing and count nothing).
       int extent = sync_.signal_axis == 0 ? M : N;
       int lo = sync_.signal_axis == 0 ? m * TM : n * TN;
-      int hi = min(extent, lo + (sync_.signal_axis == 0 ? TM : TN));
-      pending_lo_ = lo;
-      pending_hi_ = hi;
-      storer_ = first_warp(rest...);
+      counts_.note(lo, min(extent, lo + (sync_.signal_axis == 0 ? TM : TN)), storing_warp(rest...));
     }
     return result;
   }
@@ -258,41 +298,133 @@ struct SignallingEpilogue : Base {
   template <class... Ts>
   CUTLASS_DEVICE auto store_tail(Ts&&... ts) {
     auto result = Base::store_tail(static_cast<Ts&&>(ts)...);
-    flush();
+    counts_.flush(sync_);
     return result;
   }
 
  private:
-  // store()'s trailing arguments are (accumulators, tiled_mma, thread_idx, shared_tensors[, subtile]); CUTLASS's
-  // TMA epilogue issues the tile's stores from the warp with thread_idx / 32 == 0.
-  template <class Acc, class Mma, class... Tail>
-  CUTLASS_DEVICE static bool first_warp(Acc const&, Mma const&, int thread_idx, Tail const&...) {
-    return thread_idx / 32 == 0;
-  }
-
-  // The previous tile's counters: its storing warp waits for its bulk stores to complete, then one lane fences
-  // and adds.
-  CUTLASS_DEVICE void flush() {
-    if (pending_hi_ <= pending_lo_) return;
-    if (storer_) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) {
-        // The counters' waiter is this GPU's front end (a stream wait before a copy-engine push): a GPU-scope
-        // release orders the tile's bytes before the count.
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        int c0 = pending_lo_ / sync_.signal_elems, c1 = (pending_hi_ - 1) / sync_.signal_elems;
-        for (int c = c0; c <= c1; ++c) {
-          asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync_.signal_counters + c) : "memory");
-        }
-      }
-    }
-    pending_lo_ = pending_hi_ = 0;
-  }
-
   FluxGemmSync sync_;
-  int pending_lo_ = 0, pending_hi_ = 0;
-  bool storer_ = false;
+  TileCounts counts_;
+};
+
+// The reduce-scatter ring's epilogue (FluxGemmSync's ring fields): a source C of the whole problem's shape (the
+// running sums that arrived from the next rank), plus two more sets of CUTLASS's epilogue parameters: `zero` (C
+// from the zero rows or columns, for the first step's tiles) and `local` (D into the output, for our own chunk's
+// tiles), each used through an epilogue object of its own over the same shared memory and pipelines.
+// d = alpha * acc + c + bias, in fp32, rounded once into the element type: each step of the ring rounds once.
+template <class Base, int TM, int TN>
+struct RingEpilogue : Base {
+  struct Arguments : Base::Arguments {
+    FluxGemmSync sync;
+  };
+  struct Params : Base::Params {
+    FluxGemmSync sync;
+    typename Base::Params zero;
+    typename Base::Params local;
+  };
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                                  void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    FluxGemmSync const& s = args.sync;
+    p.sync = s;
+    auto mnkl = append<4>(problem_shape, 1);
+    const int M = int(get<0>(mnkl)), N = int(get<1>(mnkl)), K = int(get<2>(mnkl));
+    const bool rows = s.signal_axis == 0;
+    typename Base::Arguments z = args;  // C: the zeros, as [TM, N] or [M, TN]
+    z.ptr_C = static_cast<decltype(z.ptr_C)>(s.zero);
+    get<0>(z.dC) = s.ldz;
+    p.zero = Base::to_underlying_arguments(rows ? make_shape(TM, N, K, 1) : make_shape(M, TN, K, 1), z, workspace);
+    typename Base::Arguments o = args;  // D: our own chunk, into `out`
+    o.ptr_D = static_cast<decltype(o.ptr_D)>(s.out);
+    get<0>(o.dD) = s.ldo;
+    if (!rows && o.thread.bias_ptr != nullptr) o.thread.bias_ptr += int64_t(s.own_chunk) * s.chunk_elems;
+    p.local = Base::to_underlying_arguments(
+        rows ? make_shape(s.chunk_elems, N, K, 1) : make_shape(M, s.chunk_elems, K, 1), o, workspace);
+    return p;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+    Base::prefetch_tma_descriptors(params.zero);
+    Base::prefetch_tma_descriptors(params.local);
+  }
+
+  CUTLASS_HOST_DEVICE RingEpilogue(Params const& params, typename Base::TensorStorage& storage)
+      : Base(params, storage), sync_(params.sync), zero_(params.zero, storage), local_(params.local, storage) {}
+
+  // The epilogue's producer warp: C of the tile (rotated as the mainloop's), once its sub-chunks have arrived.
+  template <class LoadPipeline, class LoadState, class ProblemMNKL, class TileMNK, class TileCoord, class... Rest>
+  CUTLASS_DEVICE auto load(LoadPipeline load_pipeline, LoadState load_state, ProblemMNKL problem, TileMNK tile_shape,
+                           TileCoord coord, Rest&&... rest) {
+    const int M = int(get<0>(problem)), N = int(get<1>(problem));
+    int m = get<0>(coord), n = get<1>(coord);
+    tile_order(sync_, (M + TM - 1) / TM, (N + TN - 1) / TN, TM, TN, m, n);
+    const bool rows = sync_.signal_axis == 0;
+    const int extent = rows ? M : N;
+    const int lo = rows ? m * TM : n * TN;
+    if (lo < extent && lo / sync_.chunk_elems == sync_.zero_chunk) {
+      return zero_.load(load_pipeline, load_state,
+                        rows ? make_shape(TM, N, get<2>(problem), get<3>(problem))
+                             : make_shape(M, TN, get<2>(problem), get<3>(problem)),
+                        tile_shape, make_coord(rows ? 0 : m, rows ? n : 0, get<2>(coord), get<3>(coord)),
+                        static_cast<Rest&&>(rest)...);
+    }
+    if (lo < extent && sync_.c_flags != nullptr) {
+      const int hi = min(extent, lo + (rows ? TM : TN));
+      for (int j = lo / sync_.c_elems; j <= (hi - 1) / sync_.c_elems; ++j) {
+        if (!wait_flag(sync_.c_flags + j, sync_, sync_.c_peer, j, 2)) break;
+      }
+      // The sub-chunk's bytes were written by another agent (copy engine, peer); TMA reads them (async proxy).
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    return Base::load(load_pipeline, load_state, problem, tile_shape, make_coord(m, n, get<2>(coord), get<3>(coord)),
+                      static_cast<Rest&&>(rest)...);
+  }
+
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemMNKL,
+            class TileMNK, class TileCoord, class... Rest>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadState load_state, StorePipeline store_pipeline,
+                            StoreState store_state, ProblemMNKL problem, TileMNK tile_shape, TileCoord coord,
+                            Rest&&... rest) {
+    const int M = int(get<0>(problem)), N = int(get<1>(problem));
+    int m = get<0>(coord), n = get<1>(coord);
+    tile_order(sync_, (M + TM - 1) / TM, (N + TN - 1) / TN, TM, TN, m, n);
+    counts_.flush(sync_);
+    const bool rows = sync_.signal_axis == 0;
+    const int extent = rows ? M : N;
+    const int lo = rows ? m * TM : n * TN;
+    const bool inside = lo < extent && (rows ? n * TN < N : m * TM < M);
+    if (inside && lo / sync_.chunk_elems == sync_.own_chunk) {  // our own chunk: into the output, not counted
+      const int tiles0 = sync_.own_chunk * sync_.chunk_elems / (rows ? TM : TN);
+      return local_.store(load_pipeline, load_state, store_pipeline, store_state,
+                          rows ? make_shape(sync_.chunk_elems, N, get<2>(problem), get<3>(problem))
+                               : make_shape(M, sync_.chunk_elems, get<2>(problem), get<3>(problem)),
+                          tile_shape,
+                          make_coord(rows ? m - tiles0 : m, rows ? n : n - tiles0, get<2>(coord), get<3>(coord)),
+                          static_cast<Rest&&>(rest)...);
+    }
+    auto result = Base::store(load_pipeline, load_state, store_pipeline, store_state, problem, tile_shape,
+                              make_coord(m, n, get<2>(coord), get<3>(coord)), static_cast<Rest&&>(rest)...);
+    if (sync_.signal_counters != nullptr && inside) {
+      counts_.note(lo, min(extent, lo + (rows ? TM : TN)), storing_warp(rest...));
+    }
+    return result;
+  }
+
+  template <class... Ts>
+  CUTLASS_DEVICE auto store_tail(Ts&&... ts) {
+    auto result = Base::store_tail(static_cast<Ts&&>(ts)...);
+    counts_.flush(sync_);
+    return result;
+  }
+
+ private:
+  FluxGemmSync sync_;
+  Base zero_, local_;
+  TileCounts counts_;
 };
 
 // --- one tile configuration ---------------------------------------------------------------------------
@@ -301,7 +433,8 @@ struct SignallingEpilogue : Base {
 // stream-K scheduler, or by one while the other runs its epilogue (ping-pong).
 enum Schedule { kCoop = 0, kPingpong = 1, kCoopStreamK = 2 };
 
-template <class Element, bool BKMajor, int TM, int TN, int TK, int CM, int CN, int Sched>
+// Ring: built with a source C and the ring's epilogue (RingEpilogue), for the reduce-scatter ring.
+template <class Element, bool BKMajor, int TM, int TN, int TK, int CM, int CN, int Sched, bool Ring = false>
 struct Gemm {
   using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
@@ -316,11 +449,13 @@ struct Gemm {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int Align = 16 / sizeof(Element);
 
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, void, float>;
+  using ElementC = cute::conditional_t<Ring, Element, void>;
+  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, ElementC, float>;
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, Align, Element, LayoutD, Align,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, Align, Element, LayoutD, Align,
       EpilogueSchedule, Fusion>::CollectiveOp;
+  using Epilogue = cute::conditional_t<Ring, RingEpilogue<BaseEpilogue, TM, TN>, SignallingEpilogue<BaseEpilogue>>;
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, Align, Element, LayoutB, Align, float,
       TileShape, ClusterShape,
@@ -329,7 +464,7 @@ struct Gemm {
       KernelSchedule>::CollectiveOp;
   using Scheduler = cute::conditional_t<StreamK, cutlass::gemm::StreamKScheduler, cutlass::gemm::PersistentScheduler>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, WaitingMainloop<BaseMainloop>,
-                                                      SignallingEpilogue<BaseEpilogue>, Scheduler>;
+                                                      Epilogue, Scheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Kernel::Arguments arguments(FluxGemmProblem const& p) {
@@ -361,10 +496,17 @@ struct Gemm {
     mainloop.sync = sync;
 
     typename Kernel::EpilogueArguments epilogue{};
-    epilogue.thread.alpha = 1.0f;
-    epilogue.thread.beta = 0.0f;
+    epilogue.thread.alpha = p.alpha;
+    epilogue.thread.beta = Ring ? 1.0f : 0.0f;
     epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
     epilogue.ptr_C = nullptr;
+    if constexpr (Ring) {
+      epilogue.ptr_C = static_cast<Element const*>(p.c);
+      typename Kernel::StrideC sc{};
+      get<0>(sc) = p.ldc;
+      get<2>(sc) = int64_t(p.m) * p.ldc;
+      epilogue.dC = sc;
+    }
     epilogue.ptr_D = static_cast<Element*>(p.d);
     epilogue.dD = sd;
     epilogue.sync = sync;
@@ -387,18 +529,22 @@ struct Gemm {
                                       epilogue, hw, sched};
   }
 
-  // Kernel parameters per problem (every field of it, pointers included but our shard's), made once: a repeated
-  // call (steady state, CUDA-graph capture) skips the TMA descriptor encoding and the attribute call; our shard's
-  // descriptor only gets its address replaced.
-  using Key = std::array<int64_t, 33>;
+  // Kernel parameters per problem (every field of it, pointers included but our shard's and the ring's output),
+  // made once: a repeated call (steady state, CUDA-graph capture) skips the TMA descriptor encoding and the
+  // attribute call; our shard's and the output's descriptors only get their addresses replaced.
+  using Key = std::array<int64_t, 46>;
   static Key key_of(FluxGemmProblem const& p) {
     auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
     auto const& s = p.sync;
+    int32_t alpha_bits = 0;
+    std::memcpy(&alpha_bits, &p.alpha, sizeof(alpha_bits));
     return Key{i(p.a), i(p.b), i(p.d), i(p.bias), p.m, p.n, p.k, p.lda, p.ldb, p.ldd, p.b_kmajor, p.dtype,
                p.sm_count, p.raster, p.swizzle, p.device, i(p.workspace), s.rotate_axis, s.rotate_elems,
                i(s.wait_flags), s.rows_per_rank, s.chunk_rows, s.chunks_per_rank, s.skip_rank,
                i(s.signal_counters), s.signal_axis, s.signal_elems, i(s.err), s.rank, s.timeout_ns,
-               s.local_a != nullptr ? s.local_lda : -1, s.local_row0, s.group_m};
+               s.local_a != nullptr ? s.local_lda : -1, s.local_row0, s.group_m, i(p.c), p.ldc, alpha_bits,
+               i(s.c_flags), s.c_elems, s.c_peer, s.chunk_elems, s.zero_chunk, s.own_chunk, i(s.zero), s.ldz,
+               s.out != nullptr ? s.ldo : -1};
   }
   struct KeyHash {
     size_t operator()(Key const& k) const {
@@ -442,6 +588,10 @@ struct Gemm {
       cudaError_t rc = replace_address(params.mainloop.local.tma_load_a.get_tma_descriptor(), p.sync.local_a);
       if (rc != cudaSuccess) return rc;
     }
+    if constexpr (Ring) {
+      cudaError_t rc = replace_address(params.epilogue.local.tma_store_d.get_tma_descriptor(), p.sync.out);
+      if (rc != cudaSuccess) return rc;
+    }
     if constexpr (StreamK) {
       // Stream-K's tile locks start from zero every call (a memset on the stream, captured with it).
       if (Kernel::initialize_workspace(arguments(p), p.workspace, stream) != cutlass::Status::kSuccess) {
@@ -453,22 +603,32 @@ struct Gemm {
   }
 };
 
-template <int TM, int TN, int TK, int CM, int CN, int Sched>
+template <int TM, int TN, int TK, int CM, int CN, int Sched, bool Ring = false>
 cudaError_t run_variant(FluxGemmProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
+  if (Ring != (p.c != nullptr)) return cudaErrorInvalidValue;  // a source needs the ring's build, and only it
   if (p.dtype == 0) {
-    return p.b_kmajor ? Gemm<cutlass::bfloat16_t, true, TM, TN, TK, CM, CN, Sched>::run(p, stream, workspace_bytes)
-                      : Gemm<cutlass::bfloat16_t, false, TM, TN, TK, CM, CN, Sched>::run(p, stream, workspace_bytes);
+    return p.b_kmajor
+               ? Gemm<cutlass::bfloat16_t, true, TM, TN, TK, CM, CN, Sched, Ring>::run(p, stream, workspace_bytes)
+               : Gemm<cutlass::bfloat16_t, false, TM, TN, TK, CM, CN, Sched, Ring>::run(p, stream, workspace_bytes);
   }
-  return p.b_kmajor ? Gemm<cutlass::half_t, true, TM, TN, TK, CM, CN, Sched>::run(p, stream, workspace_bytes)
-                    : Gemm<cutlass::half_t, false, TM, TN, TK, CM, CN, Sched>::run(p, stream, workspace_bytes);
+  return p.b_kmajor ? Gemm<cutlass::half_t, true, TM, TN, TK, CM, CN, Sched, Ring>::run(p, stream, workspace_bytes)
+                    : Gemm<cutlass::half_t, false, TM, TN, TK, CM, CN, Sched, Ring>::run(p, stream, workspace_bytes);
 }
 
 }  // namespace fluxcompile::flux
 
-// Defines `fluxcompile::flux_gemm_<name>` (declared for the registry in flux_gemm_variants.cpp).
+// Defines `fluxcompile::flux_gemm_<name>` (declared for the registry in flux_gemm_registry.cpp).
 #define FLUX_GEMM_VARIANT(name, TM, TN, TK, CM, CN, SCHED)                                                   \
   namespace fluxcompile {                                                                                  \
   cudaError_t flux_gemm_##name(const FluxGemmProblem& p, cudaStream_t s, size_t* w) {                     \
     return flux::run_variant<TM, TN, TK, CM, CN, SCHED>(p, s, w);                                          \
+  }                                                                                                        \
+  }
+
+// Defines `fluxcompile::flux_gemm_ring_<name>`: the same tile configuration with the ring's source and epilogue.
+#define FLUX_GEMM_RING_VARIANT(name, TM, TN, TK, CM, CN, SCHED)                                              \
+  namespace fluxcompile {                                                                                  \
+  cudaError_t flux_gemm_ring_##name(const FluxGemmProblem& p, cudaStream_t s, size_t* w) {                \
+    return flux::run_variant<TM, TN, TK, CM, CN, SCHED, true>(p, s, w);                                    \
   }                                                                                                        \
   }

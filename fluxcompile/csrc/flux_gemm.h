@@ -44,8 +44,27 @@ struct FluxGemmSync {
   unsigned* signal_counters = nullptr;
   int signal_axis = 0;
   int signal_elems = 0;
+  // Reduce-scatter ring (a kernel built with a source, the problem's `c` set): each tile's epilogue adds C, the
+  // running sums of this tile's chunk from the ranks before us in the ring, which arrive sub-chunk by sub-chunk
+  // (c_elems elements along signal_axis, numbered over the whole axis): before loading a tile's C the epilogue's
+  // producer waits until c_flags[j] != 0 for every sub-chunk j the tile overlaps (written by rank c_peer). Chunks are
+  // chunk_elems along signal_axis. Tiles of chunk zero_chunk (the ring's first step) load C from `zero` instead
+  // (zeros: [TM, n] for row chunks, [m, TN] for column chunks; leading dimension ldz) and wait for nothing. Tiles of
+  // chunk own_chunk (the last step) store into `out` (that chunk alone, leading dimension ldo) instead of d and
+  // count nothing. Multiples of the tile along signal_axis: chunk_elems and c_elems (the host checks).
+  const unsigned* c_flags = nullptr;
+  int c_elems = 0;
+  int c_peer = -1;
+  int chunk_elems = 0;
+  int zero_chunk = -1;
+  int own_chunk = -1;
+  const void* zero = nullptr;
+  long long ldz = 0;
+  void* out = nullptr;
+  long long ldo = 0;
   // Bounded waits: after timeout_ns of %globaltimer a wait gives up and the first one records
-  // err[0..5] = 1, rank, the awaited rank, its chunk, 1 (the awaited value), 1 (kind: chunk arrival).
+  // err[0..5] = 1, rank, the awaited rank, its chunk (or sub-chunk), 1 (the awaited value), the kind: 1 a chunk of
+  // the gathered operand, 2 a sub-chunk of the ring's running sums.
   int* err = nullptr;
   int rank = 0;
   long long timeout_ns = 60'000'000'000LL;
@@ -55,9 +74,11 @@ struct FluxGemmProblem {
   const void* a = nullptr;  // [m, k] row-major (lda)
   const void* b = nullptr;  // [k, n]: b_kmajor ? b[k, j] at j * ldb + k : b[k, j] at k * ldb + j
   void* d = nullptr;        // [m, n] row-major (ldd)
+  const void* c = nullptr;  // [m, n] row-major (ldc), added to every tile (the reduce-scatter ring; null: none)
   const void* bias = nullptr;  // [n] or null
+  float alpha = 1.0f;          // d = alpha * (a @ b) + c + bias
   int m = 0, n = 0, k = 0;
-  long long lda = 0, ldb = 0, ldd = 0;
+  long long lda = 0, ldb = 0, ldd = 0, ldc = 0;
   bool b_kmajor = true;
   int dtype = 0;  // 0: bf16, 1: fp16 (a, b, d and bias alike; fp32 accumulation)
   // Launch: persistent CTAs on sm_count SMs (0: all); raster 0 heuristic, 1 along M, 2 along N; swizzle 1/2/4/8.
@@ -76,6 +97,9 @@ struct FluxGemmVariant {
   int schedule;  // 0: cooperative, 1: ping-pong, 2: cooperative under stream-K (flux_gemm.cuh's Schedule)
   // run(problem, stream, workspace_bytes_out): with workspace_bytes_out set, only writes the bytes it needs.
   cudaError_t (*run)(const FluxGemmProblem&, cudaStream_t, size_t*);
+  // The same tile configuration built with a source (the reduce-scatter ring: problems with `c` set); null where
+  // the variant is not built so.
+  cudaError_t (*run_ring)(const FluxGemmProblem&, cudaStream_t, size_t*);
 };
 
 const FluxGemmVariant* flux_gemm_variants(int* count);

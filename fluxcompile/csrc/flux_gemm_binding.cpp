@@ -3,12 +3,12 @@
 // (flux_gemm_registry.cpp) from kernels/cutlass_gemm.py's VARIANTS.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "flux_gemm.h"
-#include "slot_reduce.h"
 
 namespace {
 
@@ -25,10 +25,12 @@ const fluxcompile::FluxGemmVariant& variant(int64_t index) {
 }
 
 // problem: a, b, d, bias, m, n, k, lda, ldb, ldd, b_kmajor, dtype, sm_count, raster, swizzle, device, workspace
+//          [, c, ldc, alpha (a float's bits)]
 // sync: rotate_axis, rotate_elems, wait_flags, rows_per_rank, chunk_rows, chunks_per_rank, skip_rank,
-//       signal_counters, signal_axis, signal_elems, err, rank, timeout_ns[, local_a, local_lda, local_row0, group_m]
+//       signal_counters, signal_axis, signal_elems, err, rank, timeout_ns[, local_a, local_lda, local_row0, group_m
+//       [, c_flags, c_elems, c_peer, chunk_elems, zero_chunk, own_chunk, zero, ldz, out, ldo]]
 fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::vector<int64_t>& s) {
-  if (q.size() != 17 || (s.size() != 13 && s.size() != 17)) {
+  if ((q.size() != 17 && q.size() != 20) || (s.size() != 13 && s.size() != 17 && s.size() != 27)) {
     throw std::invalid_argument("fluxcompile flux_gemm: bad argument count");
   }
   fluxcompile::FluxGemmProblem p{};
@@ -49,6 +51,12 @@ fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::v
   p.swizzle = static_cast<int>(q[14]);
   p.device = static_cast<int>(q[15]);
   p.workspace = ptr<void*>(q[16]);
+  if (q.size() == 20) {
+    p.c = ptr<const void*>(q[17]);
+    p.ldc = q[18];
+    const auto bits = static_cast<uint32_t>(q[19]);
+    std::memcpy(&p.alpha, &bits, sizeof(bits));
+  }
   auto& y = p.sync;
   y.rotate_axis = static_cast<int>(s[0]);
   y.rotate_elems = static_cast<int>(s[1]);
@@ -63,18 +71,39 @@ fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::v
   y.err = ptr<int*>(s[10]);
   y.rank = static_cast<int>(s[11]);
   y.timeout_ns = s[12];
-  if (s.size() == 17) {
+  if (s.size() >= 17) {
     y.local_a = ptr<const void*>(s[13]);
     y.local_lda = s[14];
     y.local_row0 = static_cast<int>(s[15]);
     y.group_m = static_cast<int>(s[16]);
   }
+  if (s.size() == 27) {
+    y.c_flags = ptr<const unsigned*>(s[17]);
+    y.c_elems = static_cast<int>(s[18]);
+    y.c_peer = static_cast<int>(s[19]);
+    y.chunk_elems = static_cast<int>(s[20]);
+    y.zero_chunk = static_cast<int>(s[21]);
+    y.own_chunk = static_cast<int>(s[22]);
+    y.zero = ptr<const void*>(s[23]);
+    y.ldz = s[24];
+    y.out = ptr<void*>(s[25]);
+    y.ldo = s[26];
+  }
   return p;
+}
+
+// The variant's entry for the problem: the ring's build where the problem has a source (null if not built).
+auto entry(const fluxcompile::FluxGemmVariant& v, const fluxcompile::FluxGemmProblem& p) {
+  return p.c != nullptr ? v.run_ring : v.run;
 }
 
 void run(int64_t index, const std::vector<int64_t>& q, const std::vector<int64_t>& s, int64_t stream) {
   const auto& v = variant(index);
-  cudaError_t rc = v.run(problem(q, s), ptr<cudaStream_t>(stream), nullptr);
+  const auto p = problem(q, s);
+  if (entry(v, p) == nullptr) {
+    throw std::invalid_argument(std::string("fluxcompile flux_gemm: ") + v.name + " is not built with a source");
+  }
+  cudaError_t rc = entry(v, p)(p, ptr<cudaStream_t>(stream), nullptr);
   if (rc != cudaSuccess) {
     throw std::runtime_error(std::string("fluxcompile flux_gemm ") + v.name + " failed: " + cudaGetErrorString(rc));
   }
@@ -82,7 +111,9 @@ void run(int64_t index, const std::vector<int64_t>& q, const std::vector<int64_t
 
 int64_t workspace_bytes(int64_t index, const std::vector<int64_t>& q, const std::vector<int64_t>& s) {
   size_t bytes = 0;
-  variant(index).run(problem(q, s), nullptr, &bytes);
+  const auto p = problem(q, s);
+  const auto fn = entry(variant(index), p);
+  if (fn != nullptr) fn(p, nullptr, &bytes);
   return static_cast<int64_t>(bytes);
 }
 
@@ -91,6 +122,16 @@ std::vector<std::string> names() {
   const fluxcompile::FluxGemmVariant* table = fluxcompile::flux_gemm_variants(&count);
   std::vector<std::string> out;
   for (int i = 0; i < count; ++i) out.emplace_back(table[i].name);
+  return out;
+}
+
+std::vector<std::string> ring_names() {
+  int count = 0;
+  const fluxcompile::FluxGemmVariant* table = fluxcompile::flux_gemm_variants(&count);
+  std::vector<std::string> out;
+  for (int i = 0; i < count; ++i) {
+    if (table[i].run_ring != nullptr) out.emplace_back(table[i].name);
+  }
   return out;
 }
 
@@ -104,21 +145,20 @@ extern "C" cudaError_t fluxcompile_flux_gemm_run(int index, const fluxcompile::F
   int count = 0;
   const fluxcompile::FluxGemmVariant* table = fluxcompile::flux_gemm_variants(&count);
   if (p == nullptr || index < 0 || index >= count) return cudaErrorInvalidValue;
+  const auto fn = entry(table[index], *p);
+  if (fn == nullptr) return cudaErrorInvalidValue;
   try {
-    return table[index].run(*p, stream, workspace_bytes);
+    return fn(*p, stream, workspace_bytes);
   } catch (...) {  // no exception crosses the C entry
     return cudaErrorUnknown;
   }
 }
 
-extern "C" cudaError_t fluxcompile_slot_reduce(const fluxcompile::SlotReduce* a, cudaStream_t stream);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &run, "one Flux-style GEMM (variant index, problem, sync, stream)");
   m.def("workspace_bytes", &workspace_bytes, "bytes of workspace a call needs (stream-K variants)");
   m.def("names", &names, "the compiled variants, in index order");
+  m.def("ring_names", &ring_names, "the variants also built with the reduce-scatter ring's source and epilogue");
   m.def("run_address", [] { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&fluxcompile_flux_gemm_run)); },
         "the address of fluxcompile_flux_gemm_run, the C entry the pipelined module's sequences call");
-  m.def("reduce_address", [] { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&fluxcompile_slot_reduce)); },
-        "the address of fluxcompile_slot_reduce (slot_reduce.cu), the reduce-scatter sequence's reduction");
 }

@@ -19,8 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ag_stages", &ag_stages, "all-gather -> GEMM: our rows, then one GEMM per group of peers");
   m.def("ag_lead", &ag_lead, "all-gather -> GEMM: a lead GEMM over some of our rows, then the rest in one");
   m.def("ag_flux", &ag_flux, "all-gather -> GEMM: one Flux-style CUTLASS GEMM per weight whose tiles wait for their chunks");
-  m.def("rs_flux", &rs_flux, "GEMM -> reduce-scatter: one Flux-style CUTLASS GEMM counting stored tiles per owner, "
-        "copy-engine pushes of complete chunks, the owner's slot reduction");
+  m.def("rs_ring", &rs_ring, "GEMM -> reduce-scatter as a ring in one Flux-style CUTLASS GEMM: each tile adds the "
+        "running sum of its chunk from the next rank, sub-chunks pushed on as they are stored");
   m.def("replay_stats", [] { return replays().stats(); },
         "[replays, captures, direct calls, failed captures, graphs held] since the last clear");
   m.def("clear_replays", [] { replays().clear(); }, "drop every captured sequence (tests; stale workspaces)");

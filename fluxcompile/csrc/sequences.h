@@ -25,7 +25,7 @@ namespace fluxcompile::pipelined {
 
 // Which sequence a key belongs to (its first word).
 enum SequenceId : int64_t {
-  kRsPipelined = 1, kAgPipelined, kRsTail, kAgUnsplit, kAgLead, kAgStages, kRsStages, kRsAddmm, kAgFlux, kRsFlux
+  kRsPipelined = 1, kAgPipelined, kRsTail, kAgUnsplit, kAgLead, kAgStages, kRsStages, kRsAddmm, kAgFlux, kRsRing
 };
 
 // ---- steps shared by both families (sequences.cpp) ----
@@ -117,15 +117,14 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
     int64_t world, int64_t chunk_rows, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs,
     bool in_place, bool return_A, const std::optional<at::Tensor>& err_host, const std::vector<int64_t>& events);
 
-// the Flux-style CUTLASS GEMM -> reduce-scatter (sequences_flux.cpp; the reduction through slot_reduce.h)
-at::Tensor rs_flux(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& partial, const at::Tensor& slots, const std::vector<at::Tensor>& peer_slots,
-                   const std::vector<int64_t>& owners, const std::vector<int64_t>& tiles,
-                   const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
-                   const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
-                   const at::Tensor& counters, const at::Tensor& err, const std::optional<at::Tensor>& err_host,
-                   const std::vector<int64_t>& events, const std::vector<int64_t>& out_shape, int64_t rank,
-                   int64_t world, int64_t axis, int64_t chunk, double scale, const std::vector<int64_t>& gemm,
-                   int64_t reduce, int64_t side_handle, int64_t graphs);
+// the Flux-style CUTLASS GEMM -> reduce-scatter, a ring in one GEMM (sequences_flux.cpp)
+at::Tensor rs_ring(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& bias_scratch, const at::Tensor& partial,
+                   const at::Tensor& incoming, const at::Tensor& peer_incoming, const at::Tensor& zero,
+                   const at::Tensor& counters, const at::Tensor& arrived,
+                   const std::vector<int64_t>& tiles, int64_t arrived_theirs, int64_t done_mine, int64_t done_theirs,
+                   const at::Tensor& err, const std::optional<at::Tensor>& err_host, const std::vector<int64_t>& events,
+                   const std::vector<int64_t>& out_shape, int64_t rank, int64_t world, int64_t axis, int64_t chunk,
+                   int64_t sub, double scale, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs);
 
 }  // namespace fluxcompile::pipelined

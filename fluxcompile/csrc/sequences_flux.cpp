@@ -9,7 +9,6 @@
 #include <cuda_runtime_api.h>
 
 #include "flux_problem.h"
-#include "slot_reduce.h"
 #include "memops.h"
 #include "replays.h"
 #include "streams.h"
@@ -170,114 +169,132 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_flux(
 }
 
 // ---------------------------------------------------------------------------------------------
-// GEMM -> reduce-scatter (matmul_reduce_scatter/cutlass.py). P = a @ b (+ bias) is `partial` [m, n] in our
-// symmetric buffer; owner p's chunk is chunk p along `axis` (rows p * chunk .., or columns); `slots` [world, rows,
-// cols] in our buffer receive the peers' partials of our chunk (slot s: rank s's). The lists run over the owners
-// in ring order (`owners`, rank + 1 first, our own last is left out): peer_slots[j] (slot `rank` in owner j's
-// buffer), tiles[j] (the count of owner j's chunk once every tile of it is stored), done_mine[j] (owner j has freed
-// our slot), ready_theirs[j] (our partial has landed at owner j), ready_mine[j] (owner j's partial has landed here),
-// done_theirs[j] (owner j's slot here is free again). counters: our tile counters, int32 [world] (owner p's at p),
-// which the GEMM's epilogue counts on; reduce: the address of fluxcompile_slot_reduce (slot_reduce.h).
-//   side:  join main -> for each owner j: wait counters[owners[j]] == tiles[j], reset it -> consume done_mine[j]
-//          -> owner j's chunk of P into peer_slots[j] (copy engine; columns as a 2-D copy) -> set ready_theirs[j]
-//   main:  the GEMM into P, counting stored tiles per owner chunk, owners' chunks in ring order (ours last)
-//          -> reset our own chunk's counter -> consume every ready_mine[j] -> out = scale * (our chunk of P +
-//          the slots), fp32, rounded once -> set every done_theirs[j] -> join side
-at::Tensor rs_flux(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& partial, const at::Tensor& slots, const std::vector<at::Tensor>& peer_slots,
-                   const std::vector<int64_t>& owners, const std::vector<int64_t>& tiles,
-                   const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
-                   const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
-                   const at::Tensor& counters, const at::Tensor& err, const std::optional<at::Tensor>& err_host,
-                   const std::vector<int64_t>& events, const std::vector<int64_t>& out_shape, int64_t rank,
-                   int64_t world, int64_t axis, int64_t chunk, double scale, const std::vector<int64_t>& gemm,
-                   int64_t reduce, int64_t side_handle, int64_t graphs) {
-  TORCH_CHECK(0 <= rank && rank < world && (axis == 0 || axis == 1), "fluxcompile: rank or axis out of range");
-  const size_t peers = owners.size();
-  TORCH_CHECK(static_cast<int64_t>(peers) == world - 1, "fluxcompile: one owner per peer");
-  check_lengths(peers, {peer_slots.size(), tiles.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
-                        done_theirs.size()});
-  TORCH_CHECK(a.dim() == 2 && partial.dim() == 2 && partial.size(0) == a.size(0) && partial.size(1) == b.size(1) &&
-                  partial.is_contiguous(),
+// GEMM -> reduce-scatter as a ring in one GEMM (matmul_reduce_scatter/cutlass.py). Chunk q (rows q * chunk ..,
+// or columns) is summed along the ring q-1, q-2, ..., q: each rank's GEMM adds its product to the running sum of
+// chunk q that rank + 1 pushed into our `incoming` and passes it on to rank - 1; the owner's GEMM adds the last
+// product and writes the output. So this rank's GEMM takes the chunks in the order rank+1, ..., rank (tile
+// rotation; the first adds zeros, the last stores into `out`), each step of the ring rounding once. Every rank's
+// tiles count on `counters` per sub-chunk (`sub` elements along `axis`, numbered over the whole axis), and the
+// side stream pushes each sub-chunk of P as soon as it is stored; the receiving epilogue waits on `arrived`, our
+// flag per sub-chunk, before loading that sub-chunk's running sum.
+// partial: our P [m, n] (symmetric buffer); incoming: our [m, n] of running sums (symmetric buffer, written by
+// rank + 1); peer_incoming: rank - 1's `incoming`; zero: zeros of [TM, n] (rows) or [m, TN] (columns); tiles: per
+// sub-chunk, the count of its stored tiles; arrived_theirs: the address of rank - 1's `arrived`; done_mine: our
+// flag that rank - 1 has read its `incoming` (we may push into it); done_theirs: that flag at rank + 1.
+//   side:  join main -> for each chunk q = rank+1, ..., rank-1 and each of its sub-chunks j: wait counters[j] ==
+//          tiles[j], reset it -> [the first: consume done_mine] -> sub-chunk j of P into peer_incoming (copy
+//          engine; columns as a 2-D copy) -> set arrived_theirs[j]
+//   main:  the GEMM (d = scale * a @ b + running sum + scale * bias) -> zero `arrived` -> join side -> set
+//          done_theirs
+at::Tensor rs_ring(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& bias_scratch, const at::Tensor& partial,
+                   const at::Tensor& incoming, const at::Tensor& peer_incoming, const at::Tensor& zero,
+                   const at::Tensor& counters, const at::Tensor& arrived,
+                   const std::vector<int64_t>& tiles, int64_t arrived_theirs, int64_t done_mine, int64_t done_theirs,
+                   const at::Tensor& err, const std::optional<at::Tensor>& err_host, const std::vector<int64_t>& events,
+                   const std::vector<int64_t>& out_shape, int64_t rank, int64_t world, int64_t axis, int64_t chunk,
+                   int64_t sub, double scale, const std::vector<int64_t>& gemm, int64_t side_handle, int64_t graphs) {
+  TORCH_CHECK(world >= 2 && 0 <= rank && rank < world && (axis == 0 || axis == 1),
+              "fluxcompile: rank, world or axis out of range");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && partial.dim() == 2 && partial.size(0) == a.size(0) &&
+                  partial.size(1) == b.size(1) && partial.is_contiguous(),
               "fluxcompile: the partial must be a contiguous [m, n]");
   const int64_t m = partial.size(0), n = partial.size(1);
-  const int64_t rows = axis == 0 ? chunk : m, cols = axis == 0 ? n : chunk;
-  TORCH_CHECK(chunk > 0 && chunk * world == (axis == 0 ? m : n), "fluxcompile: the chunks must split the axis");
-  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == world && slots.size(1) == rows && slots.size(2) == cols &&
-                  slots.is_contiguous() && slots.scalar_type() == partial.scalar_type(),
-              "fluxcompile: the slots must be a contiguous [world, rows, cols] of the partial's dtype");
-  for (const auto& t : peer_slots) {
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_contiguous(),
-                "fluxcompile: a peer slot is not a contiguous [rows, cols]");
+  for (const auto* t : {&incoming, &peer_incoming}) {
+    TORCH_CHECK(t->sizes() == partial.sizes() && t->is_contiguous() && t->scalar_type() == partial.scalar_type(),
+                "fluxcompile: the running sums must be a contiguous [m, n] of the partial's dtype");
   }
-  for (const int64_t p : owners) TORCH_CHECK(0 <= p && p < world && p != rank, "fluxcompile: an owner out of range");
-  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.numel() >= world,
-              "fluxcompile: the tile counters must be int32 [world]");
+  TORCH_CHECK(chunk > 0 && chunk * world == (axis == 0 ? m : n), "fluxcompile: the chunks must split the axis");
+  TORCH_CHECK(sub > 0 && chunk % sub == 0, "fluxcompile: the sub-chunks must split a chunk");
+  const int64_t subs = chunk / sub;  // per chunk
+  TORCH_CHECK(static_cast<int64_t>(tiles.size()) == world * subs, "fluxcompile: one tile count per sub-chunk");
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.numel() >= world * subs &&
+                  arrived.scalar_type() == at::kInt && arrived.is_contiguous() && arrived.numel() == world * subs,
+              "fluxcompile: the tile counters and arrival flags must be int32 [sub-chunks]");
+  TORCH_CHECK(zero.dim() == 2 && zero.stride(1) == 1 && zero.scalar_type() == partial.scalar_type() &&
+                  zero.size(axis == 0 ? 1 : 0) == (axis == 0 ? n : m),
+              "fluxcompile: the zeros must be a row-major [TM, n] or [m, TN]");
   TORCH_CHECK(err.scalar_type() == at::kInt && err.is_contiguous() && err.numel() >= 6,
               "fluxcompile: the error words must be int32 [6]");
   TORCH_CHECK(!err_host.has_value() || (err_host->scalar_type() == at::kInt && err_host->is_pinned() &&
                                         err_host->numel() == err.numel()),
               "fluxcompile: the error words' host copy must be pinned int32 of the words' size");
-  TORCH_CHECK(reduce != 0, "fluxcompile: no address of the slot reduction");
   const FluxLaunch launch = flux_launch(gemm);
   const auto device = a.device().index();
   c10::cuda::CUDAGuard guard(a.device());
   const auto side = external(side_handle, device);
 
+  // Each step adds its rank's bias, scaled as its product is: with a scale (avg), scale * bias is written into
+  // bias_scratch ([n], kept by the caller across calls) at the start of the call.
   std::optional<at::Tensor> bias_c;
+  const bool scaled_bias = bias.has_value() && scale != 1.0;
   if (bias.has_value()) bias_c = bias->contiguous();
+  if (scaled_bias) {
+    TORCH_CHECK(bias_scratch.has_value() && bias_scratch->is_contiguous() && bias_scratch->sizes() == bias->sizes() &&
+                    bias_scratch->scalar_type() == bias->scalar_type(),
+                "fluxcompile: a scaled bias needs a scratch of the bias's shape");
+  }
   at::Tensor out = at::empty(out_shape, partial.options());
-  TORCH_CHECK(out.numel() == rows * cols, "fluxcompile: the output shape does not hold our chunk");
-  auto part = [&](int64_t p) { return partial.narrow(axis, p * chunk, chunk); };
-  const auto counter = [&](int64_t p) { return reinterpret_cast<int64_t>(counters.data_ptr<int32_t>() + p); };
+  TORCH_CHECK(out.numel() == (axis == 0 ? chunk * n : m * chunk), "fluxcompile: the output shape does not hold our chunk");
+  const int64_t ldo = axis == 0 ? n : chunk;
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 && (ldo * out.element_size()) % 16 == 0,
+              "fluxcompile: the output must be 16-byte aligned");
+  const auto counter = [&](int64_t j) { return reinterpret_cast<int64_t>(counters.data_ptr<int32_t>() + j); };
 
-  // Owners' chunks in ring order, ours last; each stored tile counted on its owner's counter.
+  const int64_t next = (rank + 1) % world;
   FluxGemmSync sync;
   sync.rotate_axis = static_cast<int>(axis);
-  sync.rotate_elems = static_cast<int>((peers > 0 ? owners[0] : rank) * chunk);
+  sync.rotate_elems = static_cast<int>(next * chunk);
   sync.signal_counters = static_cast<unsigned*>(counters.data_ptr());
   sync.signal_axis = static_cast<int>(axis);
-  sync.signal_elems = static_cast<int>(chunk);
+  sync.signal_elems = static_cast<int>(sub);
+  sync.c_flags = static_cast<const unsigned*>(arrived.data_ptr());
+  sync.c_elems = static_cast<int>(sub);
+  sync.c_peer = static_cast<int>(next);
+  sync.chunk_elems = static_cast<int>(chunk);
+  sync.zero_chunk = static_cast<int>(next);
+  sync.own_chunk = static_cast<int>(rank);
+  sync.zero = zero.data_ptr();
+  sync.ldz = zero.stride(0);
+  sync.out = out.data_ptr();
+  sync.ldo = ldo;
   sync.err = static_cast<int*>(err.data_ptr());
   sync.rank = static_cast<int>(rank);
-  const FluxGemmProblem problem = flux_problem(a, b, partial, bias_c, launch, sync);
-
-  SlotReduce reduction;
-  reduction.slots = slots.data_ptr();
-  const at::Tensor own = part(rank);
-  reduction.own = own.data_ptr();
-  reduction.out = out.data_ptr();
-  reduction.rows = rows;
-  reduction.cols = cols;
-  reduction.ld_own = own.stride(0);
-  reduction.rank = static_cast<int>(rank);
-  reduction.world = static_cast<int>(world);
-  reduction.scale = static_cast<float>(scale);
-  reduction.dtype = flux_dtype(partial);
-  const auto reduce_run = reinterpret_cast<SlotReduceRun>(static_cast<intptr_t>(reduce));
+  FluxGemmProblem problem =
+      flux_problem(a, b, partial, scaled_bias ? std::optional<at::Tensor>(*bias_scratch) : bias_c, launch, sync);
+  problem.c = incoming.data_ptr();
+  problem.ldc = incoming.stride(0);
+  problem.alpha = static_cast<float>(scale);
 
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
     join(side, main);  // the side stream runs beside the GEMM
-    flux_gemm(launch, problem, main.stream());
-    write_flag(main, counter(rank), 0);  // our own chunk's count (nobody waits for it)
-    for (size_t j = 0; j < peers; ++j) {
-      wait_flag(side, counter(owners[j]), static_cast<uint32_t>(tiles[j]));  // owner j's chunk is stored
-      write_flag(side, counter(owners[j]), 0);
-      consume_flag(side, done_mine[j]);  // our slot in owner j's buffer is free
-      copy_2d(peer_slots[j], part(owners[j]), side);
-      write_flag(side, ready_theirs[j], 1);
+    if (scaled_bias) {  // ATen, on `main`
+      at::Tensor scratch = *bias_scratch;
+      at::mul_out(scratch, *bias_c, at::Scalar(scale));
     }
-    for (size_t j = 0; j < peers; ++j) consume_flag(main, ready_mine[j]);
-    const cudaError_t rc = reduce_run(&reduction, main.stream());
-    TORCH_CHECK(rc == cudaSuccess, "fluxcompile: the slot reduction failed: ", cudaGetErrorString(rc));
-    for (size_t j = 0; j < peers; ++j) write_flag(main, done_theirs[j], 1);  // owner j's slot here is free
+    flux_gemm(launch, problem, main.stream());
+    bool first = true;
+    for (int64_t step = 0; step + 1 < world; ++step) {
+      const int64_t q = (rank + 1 + step) % world;
+      for (int64_t j = q * subs; j < (q + 1) * subs; ++j) {
+        wait_flag(side, counter(j), static_cast<uint32_t>(tiles[j]));  // sub-chunk j of P is stored
+        write_flag(side, counter(j), 0);
+        if (first) consume_flag(side, done_mine);  // rank - 1 has read its running sums of the last call
+        first = false;
+        copy_2d(peer_incoming.narrow(axis, j * sub, sub), partial.narrow(axis, j * sub, sub), side);
+        write_flag(side, arrived_theirs + 4 * j, 1);
+      }
+    }
+    // Every wait of this call is over: the next call starts from 0 (ATen's fill on `main`, the current stream).
+    arrived.zero_();
     join(main, side);
+    write_flag(main, done_theirs, 1);  // rank + 1 may push into our running sums again
     copy_error_words(err, err_host, main);
   };
-  replays().run(key_of(int64_t{kRsFlux}, a, b, bias_c, partial, slots, peer_slots, owners, tiles, done_mine,
-                       ready_theirs, ready_mine, done_theirs, counters, err, err_host, rank, world, axis, chunk,
-                       static_cast<int64_t>(scale * (1 << 20)), gemm, reduce, side_handle, out),
+  replays().run(key_of(int64_t{kRsRing}, a, b, bias_c, bias_scratch, partial, incoming, peer_incoming, zero, counters, arrived,
+                       tiles, arrived_theirs, done_mine, done_theirs, err, err_host, rank, world, axis, chunk, sub,
+                       static_cast<int64_t>(scale * (1 << 20)), gemm, side_handle, out),
                 graphs, device, issue, {}, /*blas=*/false);
   record_call_end(events, device);
   return out;

@@ -22,6 +22,8 @@ class Variant:
     # "coop": two warp groups per tile; "pp" (ping-pong): one per tile, the other's epilogue overlapping its
     # mainloop; "sk": cooperative under CUTLASS's stream-K scheduler instead of the data-parallel one.
     schedule: str = "coop"
+    # Also built with a source and the reduce-scatter ring's epilogue (flux_gemm_ring_<name>.cu).
+    ring: bool = False
 
     @property
     def name(self) -> str:
@@ -36,13 +38,13 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
-        Variant((128, 256, 64), (2, 1)),
+        Variant((128, 256, 64), (2, 1), ring=True),
         Variant((128, 256, 64), (1, 2)),
-        Variant((256, 128, 64), (2, 1)),
+        Variant((256, 128, 64), (2, 1), ring=True),
         Variant((256, 128, 64), (1, 2)),
         Variant((128, 192, 64), (2, 1)),
         Variant((128, 224, 64), (2, 1)),
-        Variant((128, 128, 64), (2, 1), "pp"),
+        Variant((128, 128, 64), (2, 1), "pp", ring=True),
         Variant((128, 128, 64), (1, 2), "pp"),
         Variant((64, 256, 64), (1, 2), "pp"),
         Variant((128, 256, 64), (2, 1), "sk"),
@@ -60,14 +62,19 @@ def generated_sources() -> dict[str, str]:
     for name, v in VARIANTS.items():
         (tm, tn, tk), (cm, cn) = v.tile, v.cluster
         sched = SCHEDULES[v.schedule]
-        files[f"flux_gemm_{name}.cu"] = (
-            f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched})\n'
-        )
+        args = f"{name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched}"
+        files[f"flux_gemm_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({args})\n'
+        if v.ring:
+            files[f"flux_gemm_ring_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_RING_VARIANT({args})\n'
         rows.append((name, v))
-    decls = "\n".join(f"cudaError_t flux_gemm_{n}(const FluxGemmProblem&, cudaStream_t, size_t*);" for n, _ in rows)
+    sig = "(const FluxGemmProblem&, cudaStream_t, size_t*);"
+    decls = "\n".join(
+        [f"cudaError_t flux_gemm_{n}{sig}" for n, _ in rows]
+        + [f"cudaError_t flux_gemm_ring_{n}{sig}" for n, v in rows if v.ring]
+    )
     table = ",\n".join(
         f'    {{"{n}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}, {v.cluster[0]}, {v.cluster[1]}, '
-        f"{SCHEDULES[v.schedule]}, &flux_gemm_{n}}}"
+        f"{SCHEDULES[v.schedule]}, &flux_gemm_{n}, {f'&flux_gemm_ring_{n}' if v.ring else 'nullptr'}}}"
         for n, v in rows
     )
     files["flux_gemm_registry.cpp"] = (

@@ -1,6 +1,6 @@
 """Launcher of the Flux-style CUTLASS GEMM (csrc/flux_gemm.cuh): one persistent warp-specialized sm_90a GEMM per
 call, whose tiles may wait for the chunks holding their rows (all-gather) and whose epilogue may count stored
-tiles on per-chunk counters (reduce-scatter).
+tiles on per-chunk counters and add the running sums of a reduce-scatter ring (:class:`Ring`).
 
 ``VARIANTS`` (cutlass_build.py, the build spec) is the one list of tile configurations, each compiled into the
 extension; a call picks one by name. Launch options that cost no compilation (raster order, swizzle, SM
@@ -10,7 +10,9 @@ count) are arguments of :func:`gemm`. CUTLASS's headers come from the ``nvidia-c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +110,30 @@ def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
     return buf.data_ptr()
 
 
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The reduce-scatter ring's part of a GEMM (csrc/flux_gemm.h's ring fields; variants built with ``ring``):
+    ``out = alpha * a @ b + c + bias`` per tile, chunk by chunk along ``axis`` (``chunk`` elements each).
+
+    c: [m, n], the running sums added to every tile but those of ``zero_chunk``, which add ``zero`` (zeros,
+      [TM, n] for row chunks or [m, TN] for column chunks); flags: int32, one per sub-chunk of ``sub`` elements
+      along the axis: a tile's C is loaded once the flag of every sub-chunk it overlaps is non-zero (written by rank
+      ``peer``; None: no waits); the tiles of ``own_chunk`` store into ``out`` (that chunk alone) instead of the
+      GEMM's output and count nothing. ``chunk`` and ``sub`` are multiples of the tile along ``axis``."""
+
+    c: Tensor
+    flags: Tensor | None
+    axis: int
+    chunk: int
+    sub: int
+    peer: int
+    zero_chunk: int
+    own_chunk: int
+    zero: Tensor
+    out: Tensor
+    alpha: float = 1.0
+
+
 def gemm(
     a: Tensor,
     b: Tensor,
@@ -125,6 +151,7 @@ def gemm(
     rank: int = 0,
     local: tuple[Tensor, int] | None = None,
     group_m: int = 0,
+    ring: Ring | None = None,
 ) -> Tensor:
     """``out = a @ b (+ bias)`` on the current stream with the variant ``variant`` (a name of VARIANTS).
 
@@ -139,6 +166,7 @@ def gemm(
       multiples of the tile's M.
     group_m: the grouped tile order (csrc/flux_gemm.h): groups of ``group_m`` rows of tiles, each worked through
       M-first, the groups from the tile of ``rotate``'s element along M on (0: ``rotate`` alone).
+    ring: the reduce-scatter ring's source and chunks (:class:`Ring`; the variant's ring build).
     """
     v = VARIANTS[variant]
     m, k = a.shape
@@ -146,7 +174,7 @@ def gemm(
     layout = weight_layout(b)
     if signal is not None and v.stream_k:
         raise ValueError("fluxcompile: stream-K variants do not signal per tile")
-    if (wait is not None or signal is not None) and err is None:
+    if (wait is not None or signal is not None or (ring is not None and ring.flags is not None)) and err is None:
         raise ValueError("fluxcompile: waits and signals need an error buffer")
     ldb = b.stride(0) if layout == "kn" else b.stride(1)
     device = a.device
@@ -158,6 +186,10 @@ def gemm(
     ]  # fmt: skip
     flags, rows_per_rank, chunk_rows, skip = wait if wait is not None else (None, 0, 0, -1)
     counters, sig_elems, sig_axis = signal if signal is not None else (None, 0, 0)
+    if ring is not None:
+        _check_ring(ring, v, m, n, a.dtype, signal)
+        sig_axis = ring.axis
+        q += [ring.c.data_ptr(), ring.c.stride(0), struct.unpack("<i", struct.pack("<f", ring.alpha))[0]]
     s = [
         rotate[0], rotate[1],
         flags.data_ptr() if flags is not None else 0, rows_per_rank, chunk_rows,
@@ -178,6 +210,10 @@ def gemm(
     if group_m and rotate[0] != 0:
         raise ValueError("fluxcompile: the grouped tile order rotates along M only")
     s.append(group_m)
+    if ring is not None:
+        r = ring
+        s += [r.flags.data_ptr() if r.flags is not None else 0, r.sub, r.peer, r.chunk, r.zero_chunk, r.own_chunk,
+              r.zero.data_ptr(), r.zero.stride(0), r.out.data_ptr(), r.out.stride(0)]  # fmt: skip
     ext = load()
     which = _index(variant)
     # The raw handle: torch.cuda.current_stream() builds a Stream object per call.
@@ -263,27 +299,48 @@ def ag_sequence(
     )  # fmt: skip
 
 
-@functools.cache
-def reduce_address() -> int:
-    """The address of the extension's slot reduction (csrc/slot_reduce.cu, ``fluxcompile_slot_reduce``), which
-    the reduce-scatter's sequence launches."""
-    return int(load().reduce_address())
+def ring_variants() -> list[str]:
+    """The variants built with the reduce-scatter ring's source and epilogue (VARIANTS' ``ring``)."""
+    return [name for name, v in VARIANTS.items() if v.ring]
+
+
+def _check_ring(r: Ring, v, m: int, n: int, dtype: torch.dtype, signal) -> None:
+    tm, tn, _ = v.tile
+    tile = tm if r.axis == 0 else tn
+    extent = m if r.axis == 0 else n
+    if not v.ring:
+        raise ValueError(f"fluxcompile: variant {v.name} is not built with the ring's source")
+    if r.chunk <= 0 or r.chunk % tile or extent % r.chunk or r.sub <= 0 or r.sub % tile or r.chunk % r.sub:
+        raise ValueError("fluxcompile: the ring's chunks and sub-chunks must be multiples of the tile that split the axis")
+    if signal is not None and (signal[2] != r.axis or signal[1] != r.sub):
+        raise ValueError("fluxcompile: the ring counts its stores per sub-chunk along its own axis")
+    if r.c.shape != (m, n) or r.c.stride(1) != 1 or r.c.dtype != dtype:
+        raise ValueError("fluxcompile: the ring's running sums must be a row-major [m, n] of the operands' dtype")
+    zshape = (tm, n) if r.axis == 0 else (m, tn)
+    if tuple(r.zero.shape) != zshape or r.zero.stride(1) != 1 or r.zero.dtype != dtype:
+        raise ValueError(f"fluxcompile: the ring's zeros must be a row-major {zshape}")
+    oshape = (r.chunk, n) if r.axis == 0 else (m, r.chunk)
+    if tuple(r.out.shape) != oshape or r.out.stride(1) != 1 or r.out.dtype != dtype or r.out.data_ptr() % 16:
+        raise ValueError(f"fluxcompile: the ring's output must be a row-major, 16-byte aligned {oshape}")
+    if r.flags is not None and (r.flags.dtype != torch.int32 or r.flags.numel() < extent // r.sub):
+        raise ValueError("fluxcompile: the ring's flags must be int32, one per sub-chunk")
 
 
 def rs_sequence(
     a: Tensor,
     b: Tensor,
     bias: Tensor | None,
+    bias_scratch: Tensor | None,
     partial: Tensor,
-    slots: Tensor,
-    peer_slots: list[Tensor],
-    owners: list[int],
-    tiles: list[int],
-    done_mine: list[int],
-    ready_theirs: list[int],
-    ready_mine: list[int],
-    done_theirs: list[int],
+    incoming: Tensor,
+    peer_incoming: Tensor,
+    zero: Tensor,
     counters: Tensor,
+    arrived: Tensor,
+    tiles: list[int],
+    arrived_theirs: int,
+    done_mine: int,
+    done_theirs: int,
     err: Tensor,
     out_shape: list[int],
     *,
@@ -291,6 +348,7 @@ def rs_sequence(
     world: int,
     axis: int,
     chunk: int,
+    sub: int,
     scale: float,
     variant: str,
     sm_count: int,
@@ -298,17 +356,17 @@ def rs_sequence(
     err_host: Tensor | None = None,
     events: Sequence[int] = (),
 ) -> Tensor:
-    """The reduce-scatter's per-call protocol (lowerings/matmul_reduce_scatter/cutlass.py) issued by the pipelined
-    module's ``rs_flux`` (csrc/sequences_flux.cpp, where the arguments are described): ``gemm`` into ``partial``
-    with ``signal=(counters, chunk, axis)`` and the owners' chunks in ring order, the copy-engine pushes of each
-    complete chunk on ``side``, and the owner's reduction of its slots (csrc/slot_reduce.cu); a call seen before
-    is replayed as a CUDA graph (``config.sequence_graphs``)."""
-    if VARIANTS[variant].stream_k:
-        raise ValueError("fluxcompile: stream-K variants do not signal per tile")
+    """The reduce-scatter ring's per-call protocol (lowerings/matmul_reduce_scatter/cutlass.py) issued by the
+    pipelined module's ``rs_ring`` (csrc/sequences_flux.cpp, where the arguments are described): one ``gemm``
+    with :class:`Ring` over ``incoming`` and ``signal=(counters, sub, axis)``, the chunks from rank + 1's on (ours
+    last), and the copy-engine pushes of each stored sub-chunk on ``side``; a call seen before is replayed as a
+    CUDA graph (``config.sequence_graphs``)."""
+    if not VARIANTS[variant].ring:
+        raise ValueError(f"fluxcompile: variant {variant} is not built with the ring's source")
     launch = [run_address(), _index(variant), sm_count, 0, 1, int(config.wait_timeout_s * 1e9), 0, 0]
-    return sequencer().rs_flux(
-        a, b, bias, partial, slots, peer_slots, owners, tiles, done_mine, ready_theirs, ready_mine, done_theirs,
-        counters, err, err_host, list(events), out_shape, rank, world, axis, chunk, scale, launch, reduce_address(),
+    return sequencer().rs_ring(
+        a, b, bias, bias_scratch, partial, incoming, peer_incoming, zero, counters, arrived, tiles, arrived_theirs,
+        done_mine, done_theirs, err, err_host, list(events), out_shape, rank, world, axis, chunk, sub, scale, launch,
         side.cuda_stream, graph_limit(),
     )  # fmt: skip
 
@@ -330,6 +388,11 @@ def tiles_per_chunk(variant: str, m: int, n: int, chunk_elems: int, axis: int) -
 def check_error(err: Tensor, what: str) -> None:
     """Raise if a wait of the kernel timed out (reads ``err``: a host synchronization)."""
     words = [int(x) for x in err[:ERR_WORDS].tolist()]
+    if words[0] and words[5] == 2:
+        raise RuntimeError(
+            f"fluxcompile: {what}: rank {words[1]} timed out waiting for rank {words[2]}'s running sums of sub-chunk "
+            f"{words[3]} (its arrival flag never became non-zero): is every rank running the same op?"
+        )
     if words[0]:
         raise RuntimeError(
             f"fluxcompile: {what}: rank {words[1]} timed out waiting for rank {words[2]}'s chunk {words[3]} "

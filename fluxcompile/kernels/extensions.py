@@ -30,13 +30,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # host code only: the cuBLAS-pipelined choices' stream sequences (sequences.h names each file's part)
     "pipelined": (
         "sequences.h", "sequences.cpp", "sequences_ag.cpp", "sequences_rs.cpp", "memops.h", "memops.cpp", "streams.h",
-        "streams.cpp", "replays.h", "replays.cpp", "cublaslt_addmm.h", "cublaslt_addmm.cpp", "sequences_flux.cpp", "flux_problem.h", "flux_gemm.h", "slot_reduce.h",
+        "streams.cpp", "replays.h", "replays.cpp", "cublaslt_addmm.h", "cublaslt_addmm.cpp", "sequences_flux.cpp", "flux_problem.h", "flux_gemm.h",
         "pipelined_binding.cpp",
     ),
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
-    # and the reduce-scatter's slot reduction, which the pipelined module's sequence launches through its address
-    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh", "slot_reduce.h",
-                  "slot_reduce.cu"),
+    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh"),
 }  # fmt: skip
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 # Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build

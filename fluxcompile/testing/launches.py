@@ -28,7 +28,7 @@ Launches = tuple[tuple[Any, str], ...]
 # all_gather_matmul's ``cutlass`` choices (lowerings/all_gather_matmul/cutlass.py): one C++ sequence per call
 # (its pushes, then one GEMM per weight).
 CUTLASS_ALL_GATHER: Launches = ((cutlass_gemm, "ag_sequence"),)
-# matmul_reduce_scatter's ``cutlass`` choices: one C++ sequence per call (the GEMM, the pushes, the reduction).
+# matmul_reduce_scatter's ``cutlass`` choices: one C++ sequence per call (the ring's GEMM and its pushes).
 CUTLASS_REDUCE_SCATTER: Launches = ((cutlass_gemm, "rs_sequence"),)
 # The MoE dispatch and combine (lowerings/all_to_all/triton.py): publish, the wait for the peers' reads, the
 # grouped GEMM's launch.

@@ -25,7 +25,7 @@ DATA_PARALLEL = [name for name, v in cutlass_gemm.VARIANTS.items() if not v.stre
 STREAM_K = [name for name, v in cutlass_gemm.VARIANTS.items() if v.stream_k]
 PING_PONG = [name for name, v in cutlass_gemm.VARIANTS.items() if v.schedule == "pp"]
 AG_VARIANTS = [DATA_PARALLEL[0], PING_PONG[0], STREAM_K[0]]
-RS_VARIANTS = [DATA_PARALLEL[0], PING_PONG[0]]  # stream-K cannot count stored tiles: it declines
+RS_VARIANTS = [cutlass_gemm.ring_variants()[0], cutlass_gemm.ring_variants()[-1]]  # built with the ring's source
 
 # shard shape, gather dim, weight widths, bias
 AG_CASES = {
@@ -34,10 +34,11 @@ AG_CASES = {
     "sp": ((1, 77, 128), 1, (128, 64), True),  # sequence parallel: [1, S/w, K] gathered on the sequence dim
     "large": ((2048, 1024), 0, (1536,), False),  # several chunks of several tiles each
 }
-# rows per rank (or columns for "columns"), out form, N, K, bias, reduce op
+# rows per rank (or all rows for "columns"), out form, N (per rank for "columns"), K, bias, reduce op; a rank's
+# chunk is whole tiles of every ring variant (256 rows, 256 columns)
 RS_CASES = {
-    "rows-bias": (333, "2d", 264, 256, True, "sum"),
-    "sp-avg": (77, "sp", 128, 128, False, "avg"),
+    "rows-bias": (256, "2d", 264, 256, True, "sum"),
+    "sp-avg": (256, "sp", 128, 128, True, "avg"),
     "columns": (200, "cols", 256, 192, True, "sum"),  # last-dim reduce-scatter
     "large": (1024, "2d", 1536, 1024, False, "sum"),
 }

@@ -38,7 +38,8 @@ WORLDS = (2, 4, 8)
 DATA_PARALLEL = [name for name, v in cutlass_gemm.VARIANTS.items() if not v.stream_k]
 STREAM_K = [name for name, v in cutlass_gemm.VARIANTS.items() if v.stream_k]
 AG_VARIANTS = [DATA_PARALLEL[0], *STREAM_K[:1]]  # one persistent, one stream-K
-RS_VARIANTS = [DATA_PARALLEL[0], DATA_PARALLEL[-1]]  # stream-K cannot signal
+RS_VARIANTS = [cutlass_gemm.ring_variants()[0], cutlass_gemm.ring_variants()[-1]]  # built with the ring's source
+RS_ROWS = 256  # rows per rank: whole tiles of every ring variant (the ring's chunks are whole tiles)
 EAGER_CALLS, REPLAYS = 3, 3
 
 
@@ -117,20 +118,26 @@ def _load_kernels(variant: str, weights) -> None:
 
 
 def _load_rs(variant: str, weights) -> None:
-    """The reduce-scatter's sequence at one rank (its GEMM per weight layout, the slot reduction, the flags and the
-    error words' copy) before the simulated ranks run: a first launch of a kernel loads its module, which waits for
-    the device, where the peers' streams wait for this rank's pushes (testing/launches.py)."""
+    """The reduce-scatter's sequence at one rank (its GEMM per weight layout, the flags, the copies and the error
+    words' copy) before the simulated ranks run: a first launch of a kernel loads its module, which waits for the
+    device, where the peers' streams wait for this rank's pushes (testing/launches.py). Rank 0 of two whose peer
+    is a local stand-in: its running sums preset as arrived, its flags local words."""
+    tm = cutlass_gemm.VARIANTS[variant].tile[0]
     for b in weights:
-        a = torch.randn(128, b.shape[0], dtype=b.dtype, device="cuda")
-        n = b.shape[1]
-        partial = torch.empty(128, n, dtype=b.dtype, device="cuda")
+        m, n = 2 * tm, b.shape[1]
+        a = torch.randn(m, b.shape[0], dtype=b.dtype, device="cuda")
+        like = dict(dtype=b.dtype, device="cuda")
+        flags = torch.zeros(8, dtype=torch.int32, device="cuda")  # [0:2] counters, [2:4] arrived, [4] done, ...
+        flags[2:5] = 1
         err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
         event = torch.cuda.Event()
         event.record()
+        addr = flags.data_ptr()
         cutlass_gemm.rs_sequence(
-            a, b, None, partial, torch.empty(1, 128, n, dtype=b.dtype, device="cuda"), [], [], [], [], [], [], [],
-            torch.zeros(1, dtype=torch.int32, device="cuda"), err, [128, n], rank=0, world=1, axis=0, chunk=128,
-            scale=1.0, variant=variant, sm_count=0, side=torch.cuda.Stream(),
+            a, b, None, None, torch.empty(m, n, **like), torch.zeros(m, n, **like), torch.empty(m, n, **like),
+            torch.zeros(tm, n, **like), flags[0:2], flags[2:4], cutlass_gemm.tiles_per_chunk(variant, m, n, tm, 0),
+            addr + 20, addr + 16, addr + 28, err, [tm, n], rank=0, world=2, axis=0, chunk=tm, sub=tm, scale=1.0,
+            variant=variant, sm_count=0, side=torch.cuda.Stream(),
             err_host=torch.zeros_like(err, device="cpu").pin_memory(), events=[event.cuda_event],
         )  # fmt: skip
     torch.cuda.synchronize()
@@ -275,22 +282,28 @@ class RsCase:
             a.copy_(torch.randn_like(a))
 
     def check(self, results, what: str) -> None:
+        """Against the fp32 sum (the op's contract), and against the ring's own order and rounding
+        (rs.ring_reference: the same order, so closer)."""
         total = sum(
             a.float() @ b.float() + (x.float() if x is not None else 0) for a, b, x in zip(self.A, self.B, self.bias)
         )
-        if self.reduce_op == "avg":
-            total = total / self.world
-        parts = total.reshape(self.out_shape).chunk(self.world, dim=self.scatter_dim)
+        scale = 1.0 / self.world if self.reduce_op == "avg" else 1.0
+        parts = (total * scale).reshape(self.out_shape).chunk(self.world, dim=self.scatter_dim)
+        axis = rs.scatter_axis(self.out_shape, self.scatter_dim)
+        ring = rs.ring_reference(
+            [a.float() @ b.float() for a, b in zip(self.A, self.B)], self.bias, self.world, axis, scale, BF16
+        )
         for r, out in enumerate(results):
             assert_close(out, parts[r].contiguous(), TOL, f"{what}: rank {r}")
+            assert_close(out.reshape(ring[r].shape), ring[r].float(), TOL / 4, f"{what}: rank {r} (ring order)")
 
 
 RS_CASES = {
     # out_shape (as a function of world), scatter dim, reduce op, bias
-    "rows": (lambda w: [w * ROWS, N], 0, "sum", True),
-    "rows-3d-avg": (lambda w: [1, w * ROWS, N], 1, "avg", False),
-    "columns": (lambda w: [ROWS, N], 1, "sum", True),
-    "columns-3d-avg": (lambda w: [2, 100, N], -1, "avg", True),
+    "rows": (lambda w: [w * RS_ROWS, N], 0, "sum", True),
+    "rows-3d-avg": (lambda w: [1, w * RS_ROWS, N], 1, "avg", True),
+    "columns": (lambda w: [ROWS, w * 256], 1, "sum", True),
+    "columns-3d-avg": (lambda w: [2, 100, w * 256], -1, "avg", False),
 }
 
 
@@ -324,6 +337,9 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         results = _run(ranks, fn, **delay)
         _no_errors(ranks)
         case.check(results, f"{tag} eager call {call}")
+    again = _run(ranks, fn)  # the same inputs: the same bits (a fixed order, one rounding per step)
+    for r, (x, y) in enumerate(zip(results, again)):
+        assert torch.equal(x, y), f"{tag}: rank {r} differs run to run"
 
     graph, results = ranks.capture(fn)
     for replay in range(REPLAYS):
@@ -333,13 +349,34 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         _replay(ranks, graph)
         case.check(results, f"{tag} replay {replay}")
     _no_errors(ranks)
-    # the counters, ready and done flags are back where they started
-    counters, ready, done = rs.flag_arrays(ranks.comm(0))
+    # the counters, arrival and done flags are back where they started
+    counters, arrived, done = rs.flag_arrays(ranks.comm(0))
     for r in range(world):
         comm = ranks.comm(r)
-        assert comm.flags.view(r, (world,), torch.int32, counters.offset).eq(0).all(), f"rank {r}'s counters"
-        assert comm.flags.view(r, (world,), torch.int32, ready.offset).eq(0).all(), f"rank {r}'s ready flags"
-        assert comm.flags.view(r, (world,), torch.int32, done.offset).eq(1).all(), f"rank {r}'s done flags"
+        assert comm.flags.view(r, (rs.MAX_SUBS,), torch.int32, counters.offset).eq(0).all(), f"rank {r}'s counters"
+        assert comm.flags.view(r, (rs.MAX_SUBS,), torch.int32, arrived.offset).eq(0).all(), f"rank {r}'s arrivals"
+        assert comm.flags.view(r, (1,), torch.int32, done.offset).eq(1).all(), f"rank {r}'s done flag"
+
+
+def test_reduce_scatter_timeout_names_the_sub_chunk():
+    """A rank that never pushes: its predecessor's epilogue gives up after the bound and the next call raises,
+    naming the rank, the peer and the sub-chunk."""
+    variant = RS_VARIANTS[0]
+    world, m, n = 2, 2 * RS_ROWS, N
+    A = [torch.randn(m, K, device="cuda", dtype=BF16) for _ in range(world)]
+    B = [_weight("kn", BF16) for _ in range(world)]
+    ranks = OneGpuRanks(world, rs.data_bytes(m, n, world, 0, BF16), rs.FLAG_BYTES, tag="rs-timeout",
+                        launches=launches.CUTLASS_REDUCE_SCATTER)  # fmt: skip
+    _load_rs(variant, [B[0]])
+    comm = ranks.comm(0)
+    rs.flag_arrays(comm)
+    with config.patch(wait_timeout_s=0.5):
+        rs.matmul_reduce_scatter_on(comm, [A[0]], [B[0]], None, [m, n], 0, "sum", variant=variant)  # rank 1 absent
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=r"rank 0 timed out waiting for rank 1's running sums of sub-chunk"):
+            rs.matmul_reduce_scatter_on(comm, [A[0]], [B[0]], None, [m, n], 0, "sum", variant=variant)
+    torch.cuda.synchronize()
+    comm.errors.clear()
 
 
 # --- the launcher alone --------------------------------------------------------------------------------------
@@ -389,6 +426,46 @@ def test_gemm_matches_torch(variant):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, a.float() @ b.float() + bias.float(), TOL, f"{variant} replay")
+
+
+@pytest.mark.parametrize("variant", cutlass_gemm.ring_variants())
+@pytest.mark.parametrize("axis", (0, 1))
+@pytest.mark.parametrize("layout", ("kn", "nk"))
+def test_gemm_ring_epilogue(variant, axis, layout):
+    """The ring's epilogue alone, 4 chunks: the zero chunk's tiles add nothing, the others add C (every arrival
+    flag set), our own chunk's tiles go to the output and nowhere else, the rest into D, counted per sub-chunk;
+    alpha scales the product and the bias (pre-scaled by the caller) is added once."""
+    tm, tn, _ = cutlass_gemm.VARIANTS[variant].tile
+    world, tile = 4, (tm if axis == 0 else tn)
+    chunk, sub = 2 * tile, tile
+    m, n = (world * chunk, 384) if axis == 0 else (300, world * chunk)
+    for zero_chunk, own, alpha in ((1, 0, 1.0), (3, 2, 0.25)):
+        a = torch.randn(m, K, device="cuda", dtype=BF16)
+        b = _weight(layout, BF16, n)
+        bias = torch.randn(n, device="cuda", dtype=BF16)
+        c = torch.randn(m, n, device="cuda", dtype=BF16)
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=BF16)
+        out = torch.full((chunk, n) if axis == 0 else (m, chunk), float("nan"), device="cuda", dtype=BF16)
+        zero = torch.zeros((tm, n) if axis == 0 else (m, tn), device="cuda", dtype=BF16)
+        subs = world * chunk // sub
+        flags = torch.ones(subs, dtype=torch.int32, device="cuda")
+        counters = torch.zeros(subs, dtype=torch.int32, device="cuda")
+        err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+        ring = cutlass_gemm.Ring(c, flags, axis, chunk, sub, 1, zero_chunk, own, zero, out, alpha)
+        cutlass_gemm.gemm(a, b, d, bias, variant=variant, rotate=(axis, zero_chunk * chunk), signal=(counters, sub, axis),
+                          err=err, ring=ring)  # fmt: skip
+        torch.cuda.synchronize()
+        assert err[0].item() == 0
+        want = alpha * (a.float() @ b.float()) + bias.float()
+        for q in range(world):
+            got = (d if q != own else out).narrow(axis, q * chunk if q != own else 0, chunk)
+            ref = want.narrow(axis, q * chunk, chunk) + (0 if q == zero_chunk else c.float().narrow(axis, q * chunk, chunk))
+            assert_close(got, ref, TOL, f"{variant} axis {axis} chunk {q}")
+        assert d.narrow(axis, own * chunk, chunk).isnan().all(), "our own chunk was stored into D"
+        counts = cutlass_gemm.tiles_per_chunk(variant, m, n, sub, axis)
+        per = chunk // sub
+        want_counts = [0 if j // per == own else t for j, t in enumerate(counts)]
+        assert counters.tolist() == want_counts
 
 
 @pytest.mark.parametrize("variant", DATA_PARALLEL[:1] + DATA_PARALLEL[-1:])

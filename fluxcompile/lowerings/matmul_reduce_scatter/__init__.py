@@ -6,8 +6,9 @@ Choices, in registration order (the autotuner's tie-break order within a family)
   and ``:pushadd`` (two ranks), ``:tail<d>`` and experimental ``:stages<g>`` variants (cublas_pipelined.py);
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
-* ``cutlass:<variant>`` (cutlass.py, experimental): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
-  epilogue counts each owner's stored tiles, its chunks pushed by the copy engine (stream-K variants decline);
+* ``cutlass:<variant>`` (cutlass.py, experimental): a ring in one Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py)
+  whose epilogue adds the running sums the next rank pushed, sub-chunk by sub-chunk (the variants built with
+  the ring's source, ``cutlass_gemm.ring_variants()``);
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 """
 
@@ -45,7 +46,7 @@ _CHOICES = [
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.matmul_reduce_scatter, torch_symm_mem.supports),
     *(Choice(f"triton:{name}", *triton.make(name), family="triton_rs") for name in triton.VARIANTS),
-    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.VARIANTS),
+    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass_gemm.ring_variants()),
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)

@@ -1,38 +1,38 @@
-"""matmul_reduce_scatter with the Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py, csrc/flux_gemm.cuh): one
-persistent sm_90a GEMM writes this rank's whole partial and counts its stored tiles per owner's chunk; the copy
-engine pushes each owner's chunk as soon as its count is complete; the owner reduces.
+"""matmul_reduce_scatter with the Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py, csrc/flux_gemm.cuh) as a ring
+in one GEMM: each rank's epilogue adds its product to the running sum of the chunk that the next rank passed on,
+and the owner's epilogue writes the result. No reduction pass, no separate kernel.
 
 ``P = A @ B (+ bias)`` is ``[m, n]`` (one pair); owner o's part is chunk o along the scatter axis: rows
 ``o * m/w ..`` (a row dim with no leading dims > 1) or columns ``o * n/w ..`` (the last dim, any leading dims).
-Every rank's symmetric data buffer holds w receive slots (slot s: rank s's partial of our chunk, contiguous
-``[rows, n]`` or ``[m, n/w]``) and then its own whole P. Per call, on rank r (owners p in ring order, r+1 first:
-what the next rank waits for leaves first, and no two ranks push into the same owner at once):
-  side stream:  for p: wait counters[p] == tiles_per_chunk[p] (every tile of p's chunk stored) -> reset it to 0
-                -> wait done_p (our slot in p's buffer is free) -> copy P's chunk p into slot r of p's buffer
-                (copy engine; a column chunk is a 2-D strided copy) -> set ready_r on p
-  main stream:  ``gemm`` into P with ``signal=(counters, chunk, axis)`` and ``rotate`` starting at p = r+1's
-                chunk (own chunk last) -> reset our own chunk's counter -> wait ready_p of every peer
-                -> out = reduction of our own chunk of P and the w-1 received slots -> set done_r on every p
-                -> join the side stream
-The C++ sequencer (csrc/sequences_flux.cpp's ``rs_flux``, through ``cutlass_gemm.rs_sequence``) issues these
-operations, a call seen before as one CUDA graph (``config.sequence_graphs``); the views and flag addresses are
-computed once per call signature (:func:`plan`). Without the sequencer the choices decline.
-Why this shape: the GEMM holds the SMs and signals without a kernel beside it (its epilogue counts tiles); the
-pushes and flags are copy-engine and stream memory operations (no SM, symm_mem/signals.py), so they run under
-the GEMM. Counters, ready and done are reset by their waiter (0/1 flags, or a count back to 0): CUDA graphs
-replay them.
+Chunk q is summed along the ring q-1, q-2, ..., q+1, q (each rank passes its running sums to the rank before it):
+rank r's GEMM takes the chunks in the order r+1, r+2, ..., r (the tile rotation), and
+  * its tiles of chunk r+1 (the first step) compute ``scale * A @ B + scale * bias``;
+  * its tiles of a later chunk q add the running sum of chunk q that rank r+1 computed one step earlier and
+    pushed into our ``incoming`` buffer (the epilogue's producer waits, bounded, for the sub-chunk's flag before it
+    loads the sum);
+  * every tile but our own chunk's is stored into P, counted per sub-chunk, and the side stream pushes each stored
+    sub-chunk into rank r-1's ``incoming`` (copy engine) and sets its flag there;
+  * its tiles of chunk r (the last step) store into the output.
+So the exposed time is the last sub-chunk's push and one tile's epilogue; each step lags the previous rank's by
+one chunk of the GEMM.
 
-Bias: the contract (ops.py) puts the bias into every rank's partial, so a sum adds it w times (an average once).
-Each rank's GEMM adds its *own* bias in its epilogue, as the reference's addmm does: exact even where the ranks'
-biases differ, at no cost, and the reduction needs no bias.
+Rounding: each step's epilogue computes ``scale * acc + running sum + scale * bias`` in fp32 and rounds once into
+the dtype, so the result is rounded once per rank, in the fixed order q-1, ..., q (as NCCL's ring rounds per hop):
+deterministic run to run; :func:`ring_reference` computes the same order on the CPU. (The alternative, each
+owner's epilogue loading the w-1 peers' partials and summing them in fp32, needs w-1 sources in the epilogue's
+shared memory, which the mainloop's stages pay for; a ring needs one at every world size.)
 
-The reduction: one small CUDA kernel (csrc/slot_reduce.cu, in the CUTLASS GEMM's extension): our own chunk read
-in place in P (strided for columns) plus the w-1 slots, summed in fp32 in ring order from our own, scaled by 1/w
-for ``avg``, rounded once into the output: deterministic run to run. One launch, no temporary.
+Bias: each rank adds its own bias (the contract puts it into every rank's partial), scaled as its product for
+``avg`` (``scale * bias`` written into a scratch by the call). Layout per rank: the data workspace holds
+``incoming`` and then P, both ``[m, n]``; the flag workspace the tile counters and arrival flags (one per
+sub-chunk of the axis) and one ``done`` flag (rank r-1 has read its ``incoming`` of the last call: we may push into
+it). Counters, arrivals and done are reset by their waiter: CUDA graphs replay them.
 
-The communication context (``symm_mem.Comm``: workspaces, side stream, error words, watch) comes from
-``symm_mem.comm_for``, as the all-gather choice's does; the ranks it holds and the reasons both decline are
-kernels/cutlass_gemm.py's. Stream-K variants cannot count tiles: they decline.
+The C++ sequencer (csrc/sequences_flux.cpp's ``rs_ring``, through ``cutlass_gemm.rs_sequence``) issues the call,
+a call seen before as one CUDA graph (``config.sequence_graphs``); the views and flag addresses are computed once
+per call signature (:func:`plan`). Without the sequencer the choices decline. The communication context
+(``symm_mem.Comm``) comes from ``symm_mem.comm_for``. Only variants built with the ring's source
+(``cutlass_gemm.ring_variants()``) are choices; chunks must be whole tiles along the scatter axis.
 
 Family ``cutlass``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
 """
@@ -49,18 +49,20 @@ from torch import Tensor
 
 from ...kernels import cutlass_gemm, sequencer
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
-from ...symm_mem.exchange import ring_order, slot_bytes
+from ...symm_mem.exchange import slot_bytes
 from ...symm_mem.watchdog import read_flags
 
 NAME = "cutlass"
 MAX_WORLD = cutlass_gemm.MAX_WORLD
+SUBS_PER_CHUNK = 8  # at most; fewer where a chunk has fewer tiles along the axis
+MAX_SUBS = MAX_WORLD * SUBS_PER_CHUNK
 
 _DTYPES = (torch.bfloat16, torch.float16)
-# The flag workspace: counters (uint32 per owner chunk, start 0), ready (start 0), done (start 1), each [world].
+# The flag workspace: tile counters (start 0) and arrival flags (start 0), one per sub-chunk; done (start 1).
 _COUNTERS_OFFSET = 0
-_READY_OFFSET = 4 * MAX_WORLD
-_DONE_OFFSET = 8 * MAX_WORLD
-FLAG_BYTES = 12 * MAX_WORLD
+_ARRIVED_OFFSET = 4 * MAX_SUBS
+_DONE_OFFSET = 8 * MAX_SUBS
+FLAG_BYTES = 8 * MAX_SUBS + 16
 TAG = "matmul_reduce_scatter.cutlass"
 # The error words of the CUTLASS GEMM's waits (``cutlass_gemm.check_error`` reads them).
 ERRORS = ErrorSpec(cutlass_gemm.ERR_WORDS, "the CUTLASS choices")
@@ -129,14 +131,23 @@ def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> st
 
 
 def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
-    """(fn, supports) of the choice ``cutlass:<variant>``."""
+    """(fn, supports) of the choice ``cutlass:<variant>`` (a variant of ``cutlass_gemm.ring_variants()``)."""
     v = cutlass_gemm.VARIANTS[variant]
 
     def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
         why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
-        if why is None and v.stream_k:
-            return "stream-K variants do not count stored tiles (no per-chunk signal)"
-        return why
+        if why is not None:
+            return why
+        if not v.ring:
+            return f"variant {variant} is not built with the ring's source"
+        axis = scatter_axis(out_shape, scatter_dim)
+        m, n = math.prod(out_shape[:-1]), out_shape[-1]
+        tile = v.tile[0] if axis == 0 else v.tile[1]
+        chunk = layout(m, n, group_size, axis)[0]
+        if chunk % tile:
+            what = "rows" if axis == 0 else "columns"
+            return f"a rank's {chunk} {what} are not whole {tile}-{what[:-1]} tiles of {variant}"
+        return None
 
     def run(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
         return matmul_reduce_scatter(
@@ -155,44 +166,52 @@ def layout(m: int, n: int, world: int, axis: int) -> tuple[int, int, int]:
     return (chunk, chunk, n) if axis == 0 else (chunk, m, chunk)
 
 
+def sub_chunk(chunk: int, tile: int) -> int:
+    """The elements of a sub-chunk (the unit of the pushes and their waits): the chunk's tiles along the axis split
+    into the most equal parts, at most SUBS_PER_CHUNK."""
+    tiles = chunk // tile
+    parts = max(d for d in range(1, min(SUBS_PER_CHUNK, tiles) + 1) if tiles % d == 0)
+    return chunk // parts
+
+
 def data_bytes(m: int, n: int, world: int, axis: int, dtype: torch.dtype) -> int:
-    """Bytes of the data workspace: ``world`` receive slots, then the whole partial."""
-    _, rows, cols = layout(m, n, world, axis)
-    return slot_bytes(world * rows * cols * dtype.itemsize) + m * n * dtype.itemsize
+    """Bytes of the data workspace: the running sums that arrive, then our whole partial (both ``[m, n]``)."""
+    return slot_bytes(m * n * dtype.itemsize) + m * n * dtype.itemsize
 
 
 def _flag_views(comm: Comm) -> tuple[FlagArray, FlagArray, FlagArray]:
     return (
-        FlagArray(comm.flags, _COUNTERS_OFFSET, MAX_WORLD),
-        FlagArray(comm.flags, _READY_OFFSET, MAX_WORLD),
-        FlagArray(comm.flags, _DONE_OFFSET, MAX_WORLD),
+        FlagArray(comm.flags, _COUNTERS_OFFSET, MAX_SUBS),
+        FlagArray(comm.flags, _ARRIVED_OFFSET, MAX_SUBS),
+        FlagArray(comm.flags, _DONE_OFFSET, 1),
     )
 
 
 def flag_arrays(comm: Comm) -> tuple[FlagArray, FlagArray, FlagArray]:
-    """(counters, ready, done) of the flag workspace, set on every rank on first use (0, 0, 1)."""
-    counters, ready, done = _flag_views(comm)
+    """(counters, arrived, done) of the flag workspace, set on every rank on first use (0, 0, 1)."""
+    counters, arrived, done = _flag_views(comm)
     comm.init_flags(counters, 0)
-    comm.init_flags(ready, 0)
-    comm.init_flags(done, 1)  # every slot starts free
-    return counters, ready, done
+    comm.init_flags(arrived, 0)
+    comm.init_flags(done, 1)  # our running sums start free
+    return counters, arrived, done
 
 
 def describe(comm: Comm) -> str:
-    """The watchdog's report: the flags this rank's streams wait on."""
-    counters, ready, done = (read_flags(f) for f in _flag_views(comm))
-    parts = [
-        f"rank {p}: ready={ready[p]} ({'its partial has landed' if ready[p] else 'its partial has not landed'}), "
-        f"done={done[p]} ({'it has freed our slot' if done[p] else 'it still reads our slot'}), "
-        f"tiles of its chunk stored here={counters[p]}"
-        for p in ring_order(comm.rank, comm.world)
-    ]
-    return "Signals " + "; ".join(parts)
+    """The watchdog's report: the flags this rank's streams and kernels wait on."""
+    counters, arrived, done = (read_flags(f) for f in _flag_views(comm))
+    prev, nxt = (comm.rank - 1) % comm.world, (comm.rank + 1) % comm.world
+    landed = [j for j, f in enumerate(arrived) if f]
+    stored = {j: c for j, c in enumerate(counters) if c}
+    return (
+        f"Signals: running sums from rank {nxt} landed here for sub-chunks {landed or 'none'}; "
+        f"done={done[0]} ({'rank ' + str(prev) + ' has read its running sums: we may push' if done[0] else 'rank ' + str(prev) + ' still reads its running sums'}); "
+        f"tiles stored per sub-chunk, not yet pushed: {stored or 'none'}"
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _tiles(variant: str, m: int, n: int, chunk: int, axis: int) -> tuple[int, ...]:
-    return tuple(cutlass_gemm.tiles_per_chunk(variant, m, n, chunk, axis))
+def _tiles(variant: str, m: int, n: int, sub: int, axis: int) -> tuple[int, ...]:
+    return tuple(cutlass_gemm.tiles_per_chunk(variant, m, n, sub, axis))
 
 
 def matmul_reduce_scatter(
@@ -212,51 +231,64 @@ def matmul_reduce_scatter(
 
 @dataclasses.dataclass
 class Plan:
-    """What a call signature needs besides its operands (csrc/sequences_flux.cpp's ``rs_flux`` reads them): the
-    views into the symmetric workspaces and the flag addresses, lists over the owners in ring order."""
+    """What a call signature needs besides its operands (csrc/sequences_flux.cpp's ``rs_ring`` reads them): the
+    views into the symmetric workspaces, the flag addresses and the call's small local buffers."""
 
-    partial: Tensor  # our whole partial P, [m, n]
-    slots: Tensor  # [world, rows, cols]: slot s receives rank s's partial of our chunk
-    peer_slots: list[Tensor]  # slot rank in owner owners[j]'s buffer
-    owners: list[int]
-    tiles: list[int]  # owner owners[j]'s count once every tile of its chunk is stored
-    done_mine: list[int]
-    ready_theirs: list[int]
-    ready_mine: list[int]
-    done_theirs: list[int]
-    counters: Tensor  # our tile counters, int32 [world]
+    incoming: Tensor  # our running sums, [m, n]: written by rank + 1
+    partial: Tensor  # our P, [m, n]
+    peer_incoming: Tensor  # rank - 1's running sums, [m, n]
+    zero: Tensor  # zeros, [TM, n] or [m, TN]: what the first step's tiles add
+    bias_scratch: Tensor | None  # [n]: scale * bias (a bias and avg)
+    chunk: int
+    sub: int
+    tiles: list[int]  # per sub-chunk of the axis: its count once every tile of it is stored
+    counters: Tensor  # our tile counters, int32 [sub-chunks]
+    arrived: Tensor  # our arrival flags, int32 [sub-chunks]
+    arrived_theirs: int  # rank - 1's arrival flags' address
+    done_mine: int
+    done_theirs: int
     err_host: Tensor | None  # what the sequence reports its call with (Comm.sequence_reporting)
     events: list[int]
 
 
-def plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str) -> Plan:
+def plan(
+    comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str, bias_dtype: torch.dtype | None = None
+) -> Plan:
     """The plan of a ``[m, n]`` partial scattered along ``axis`` on ``comm`` (``Comm.plan``: made on the
-    signature's first call, kept while the context keeps its workspaces)."""
-    return comm.plan((TAG, m, n, axis, dtype, variant), lambda: _make_plan(comm, m, n, axis, dtype, variant))
+    signature's first call, kept while the context keeps its workspaces). ``bias_dtype``: a scaled bias's scratch."""
+    key = (TAG, m, n, axis, dtype, variant, bias_dtype)
+    return comm.plan(key, lambda: _make_plan(comm, m, n, axis, dtype, variant, bias_dtype))
 
 
-def _make_plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str) -> Plan:
+def _make_plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, variant: str, bias_dtype) -> Plan:
     rank, world = comm.rank, comm.world
     if comm.data.nbytes < data_bytes(m, n, world, axis, dtype):
         what = f"matmul_reduce_scatter ({NAME}:{variant})"
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
-    chunk, rows, cols = layout(m, n, world, axis)
-    _, ready, done = flag_arrays(comm)
-    slot_elems, es = rows * cols, dtype.itemsize
-    owners = ring_order(rank, world)
-    tiles = _tiles(variant, m, n, chunk, axis)
+    tm, tn, _ = cutlass_gemm.VARIANTS[variant].tile
+    chunk = layout(m, n, world, axis)[0]
+    sub = sub_chunk(chunk, tm if axis == 0 else tn)
+    subs = world * (chunk // sub)
+    if subs > MAX_SUBS:
+        raise ValueError(f"fluxcompile: {subs} sub-chunks, more than the flag workspace's {MAX_SUBS}")
+    _, arrived, done = flag_arrays(comm)
+    prev, nxt = (rank - 1) % world, (rank + 1) % world
+    offset = slot_bytes(m * n * dtype.itemsize)
+    device = comm.data.view(rank, (1,), torch.uint8).device
     err_host, events = comm.sequence_reporting()
-    p = Plan(
-        partial=comm.data.view(rank, (m, n), dtype, slot_bytes(world * slot_elems * es)),
-        slots=comm.data.view(rank, (world, rows, cols), dtype),
-        peer_slots=[comm.data.view(q, (rows, cols), dtype, rank * slot_elems * es) for q in owners],
-        owners=owners, tiles=[tiles[q] for q in owners],
-        done_mine=[done.addr(rank, q) for q in owners], ready_theirs=[ready.addr(q, rank) for q in owners],
-        ready_mine=[ready.addr(rank, q) for q in owners], done_theirs=[done.addr(q, rank) for q in owners],
-        counters=comm.flags.view(rank, (world,), torch.int32, _COUNTERS_OFFSET),
+    return Plan(
+        incoming=comm.data.view(rank, (m, n), dtype),
+        partial=comm.data.view(rank, (m, n), dtype, offset),
+        peer_incoming=comm.data.view(prev, (m, n), dtype),
+        zero=torch.zeros((tm, n) if axis == 0 else (m, tn), dtype=dtype, device=device),
+        bias_scratch=torch.empty(n, dtype=bias_dtype, device=device) if bias_dtype is not None else None,
+        chunk=chunk, sub=sub, tiles=list(_tiles(variant, m, n, sub, axis)),
+        counters=comm.flags.view(rank, (subs,), torch.int32, _COUNTERS_OFFSET),
+        arrived=comm.flags.view(rank, (subs,), torch.int32, _ARRIVED_OFFSET),
+        arrived_theirs=arrived.addr(prev, 0),
+        done_mine=done.addr(rank, 0), done_theirs=done.addr(nxt, 0),
         err_host=err_host, events=events,
     )  # fmt: skip
-    return p
 
 
 def matmul_reduce_scatter_on(
@@ -270,16 +302,39 @@ def matmul_reduce_scatter_on(
     m, n = a.shape[0], b.shape[1]
     axis = scatter_axis(out_shape, scatter_dim)
     what = f"matmul_reduce_scatter ({NAME}:{variant})"
-    p = plan(comm, m, n, axis, a.dtype, variant)
+    scale = 1.0 / world if reduce_op == "avg" else 1.0
+    p = plan(comm, m, n, axis, a.dtype, variant, bias.dtype if bias is not None and scale != 1.0 else None)
     comm.errors.check_previous(what, cutlass_gemm.check_error)
     shape = list(out_shape)
     shape[scatter_dim % len(shape)] //= world
     out = cutlass_gemm.rs_sequence(
-        a, b, bias, p.partial, p.slots, p.peer_slots, p.owners, p.tiles, p.done_mine, p.ready_theirs, p.ready_mine,
-        p.done_theirs, p.counters, comm.errors.err, shape,
-        rank=rank, world=world, axis=axis, chunk=layout(m, n, world, axis)[0],
-        scale=1.0 / world if reduce_op == "avg" else 1.0, variant=variant, sm_count=comm.sm_count, side=comm.side,
-        err_host=p.err_host, events=p.events,
+        a, b, bias, p.bias_scratch, p.partial, p.incoming, p.peer_incoming, p.zero, p.counters, p.arrived, p.tiles,
+        p.arrived_theirs, p.done_mine, p.done_theirs, comm.errors.err, shape,
+        rank=rank, world=world, axis=axis, chunk=p.chunk, sub=p.sub, scale=scale, variant=variant,
+        sm_count=comm.sm_count, side=comm.side, err_host=p.err_host, events=p.events,
     )  # fmt: skip
     comm.after_sequence(what, cutlass_gemm.check_error)
+    return out
+
+
+def ring_reference(
+    partials: Sequence[Tensor], biases: Sequence[Tensor | None], world: int, axis: int, scale: float, dtype: torch.dtype
+) -> list[Tensor]:
+    """Every rank's result as the ring computes it, from each rank's fp32 product ``partials[r]`` ``[m, n]`` and its
+    bias: chunk q summed in the order q-1, q-2, ..., q, each step ``scale * product + running sum + scale * bias``
+    in fp32 (``scale * bias`` rounded to the bias's dtype, as the call's scratch holds it) rounded once to
+    ``dtype``. Chunk q of the ``[m, n]`` result along ``axis``, per rank."""
+    out = []
+    for q in range(world):
+        running = None
+        for step in range(world):
+            r = (q - 1 - step) % world
+            part = partials[r].float() * scale
+            if biases[r] is not None:
+                part = part + (biases[r].float() * scale).to(biases[r].dtype).float()  # the scratch's rounding
+            part = part.chunk(world, dim=axis)[q]
+            if running is not None:
+                part = part + running.float()
+            running = part.to(dtype)
+        out.append(running)
     return out
