@@ -397,7 +397,19 @@ struct RingEpilogue : Base {
     const int extent = rows ? M : N;
     const int lo = rows ? m * TM : n * TN;
     const bool inside = lo < extent && (rows ? n * TN < N : m * TM < M);
-    if (inside && lo / sync_.chunk_elems == sync_.own_chunk) {  // our own chunk: into the output, not counted
+    const bool own = inside && lo / sync_.chunk_elems == sync_.own_chunk;
+    if (own != local_stores_) {
+      // CUTLASS's epilogue counts the stores it issued (when to release the source's shared-memory stages) in
+      // the object that issued them: before storing through the other object, the stores so far are drained
+      // (store_tail: waits for them, releases the stages). Our own chunk's tiles come last in every CTA (the
+      // scheduler's raster runs along the other axis), so this happens once per CTA.
+      auto states = local_stores_ ? local_.store_tail(load_pipeline, load_state, store_pipeline, store_state)
+                                  : Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
+      load_state = get<0>(states);
+      store_state = get<1>(states);
+      local_stores_ = own;
+    }
+    if (own) {  // our own chunk: into the output, not counted
       const int tiles0 = sync_.own_chunk * sync_.chunk_elems / (rows ? TM : TN);
       return local_.store(load_pipeline, load_state, store_pipeline, store_state,
                           rows ? make_shape(sync_.chunk_elems, N, get<2>(problem), get<3>(problem))
@@ -416,7 +428,7 @@ struct RingEpilogue : Base {
 
   template <class... Ts>
   CUTLASS_DEVICE auto store_tail(Ts&&... ts) {
-    auto result = Base::store_tail(static_cast<Ts&&>(ts)...);
+    auto result = local_stores_ ? local_.store_tail(static_cast<Ts&&>(ts)...) : Base::store_tail(static_cast<Ts&&>(ts)...);
     counts_.flush(sync_);
     return result;
   }
@@ -425,6 +437,7 @@ struct RingEpilogue : Base {
   FluxGemmSync sync_;
   Base zero_, local_;
   TileCounts counts_;
+  bool local_stores_ = false;  // the stores issued since the last drain went through `local_`
 };
 
 // --- one tile configuration ---------------------------------------------------------------------------

@@ -39,9 +39,9 @@ void copy_async(const at::Tensor& dst, const at::Tensor& src, const c10::cuda::C
 
 void copy_2d(const at::Tensor& dst, const at::Tensor& src, const c10::cuda::CUDAStream& s) {
   TORCH_CHECK(dst.dim() == 2 && src.dim() == 2 && dst.sizes() == src.sizes() && dst.dtype() == src.dtype() &&
-                  dst.is_contiguous() && src.stride(1) == 1,
-              "fluxcompile: copy_2d needs a contiguous destination and a row-major source of its shape");
-  if (src.is_contiguous()) return copy_async(dst, src, s);
+                  dst.stride(1) == 1 && src.stride(1) == 1,
+              "fluxcompile: copy_2d needs row-major tensors of one shape and dtype");
+  if (src.is_contiguous() && dst.is_contiguous()) return copy_async(dst, src, s);
   const size_t es = src.element_size();
   C10_CUDA_CHECK(cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * es, src.data_ptr(), src.stride(0) * es,
                                    src.size(1) * es, src.size(0), cudaMemcpyDefault, s.stream()));

@@ -41,8 +41,8 @@ void on_gemm_stream(const c10::cuda::CUDAStream& gemms, F&& sequence) {
 // without the dispatcher's host cost.
 void copy_async(const at::Tensor& dst, const at::Tensor& src, const c10::cuda::CUDAStream& s);
 
-// dst <- src on stream s by the copy engine (cudaMemcpy2DAsync): src row-major with a row stride (a column block
-// of a matrix), dst contiguous, of one dtype and shape. A strided Tensor::copy_ would be a kernel (an SM).
+// dst <- src on stream s by the copy engine (cudaMemcpy2DAsync): both row-major with row strides of their own (a
+// column block of a matrix), of one dtype and shape. A strided Tensor::copy_ would be a kernel (an SM).
 void copy_2d(const at::Tensor& dst, const at::Tensor& src, const c10::cuda::CUDAStream& s);
 
 // A stream of torch's Python side (its handle, torch.cuda.Stream.cuda_stream) on `device`.

@@ -56,6 +56,32 @@ RESERVED_SMS = 24
 _ALIGN = 1 << 16  # bytes between ranks' buffers in one allocation
 
 
+_made_streams: list[Any] = []  # the harness's own streams, kept for the process's life (graphs may hold them)
+
+
+def _new_stream(priority: int) -> torch.cuda.Stream:
+    """A new non-blocking CUDA stream of its own (cudaStreamCreateWithPriority through the CUDA runtime that torch
+    loaded), not one of torch's pooled streams: the driver assigns hardware queues round-robin as streams are
+    made, and torch's pools were made all at once, 32 of each priority over the same queues. Falls back to a
+    pooled stream where the runtime is not found."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            rt = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return torch.cuda.Stream(priority=priority)
+    handle = ctypes.c_void_p()
+    if rt.cudaStreamCreateWithPriority(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(priority)) != 0:
+        return torch.cuda.Stream(priority=priority)
+    stream = torch.cuda.ExternalStream(handle.value)
+    _made_streams.append(stream)
+    return stream
+
+
 def _on_threads(call: Callable[[int], Any], world: int, timeout_s: float) -> list[Any]:
     """``[call(r) for r in range(world)]``, each on a thread of its own, as separate processes make their calls
     between GPUs. A rank's host call may block in the driver until the device's queued work has drained (loading a
@@ -241,12 +267,12 @@ class OneGpuRanks:
         return self._sm_count
 
     def streams(self, rank: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """(main, side) streams of ``rank``."""
+        """(main, side) streams of ``rank``: made together, every rank's two in a row (:func:`_new_stream`), so
+        the driver gives them consecutive hardware queues and, with CUDA_DEVICE_MAX_CONNECTIONS >= 2 * world,
+        no two of them share one (a side stream's flag wait would hold a peer's GEMM queued behind it)."""
         if self._streams is None:
-            self._streams = [
-                (torch.cuda.Stream(device=self.device), torch.cuda.Stream(device=self.device, priority=-1))
-                for _ in range(self.world)
-            ]
+            with torch.cuda.device(self.device):
+                self._streams = [(_new_stream(0), _new_stream(-1)) for _ in range(self.world)]
         return self._streams[rank]
 
     def comm(self, rank: int) -> Comm:

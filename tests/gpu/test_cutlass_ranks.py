@@ -69,11 +69,18 @@ def _bounded():
         yield
 
 
-def _run(ranks: OneGpuRanks, fn, **kwargs):
+def _run(ranks: OneGpuRanks, fn, describe=None, **kwargs):
+    """``ranks.run``; a hang ends the process after printing every rank's flags (``describe(comm)``, read on a
+    stream of their own)."""
     try:
         return ranks.run(fn, timeout_s=90.0, **kwargs)
     except TimeoutError as e:  # streams blocked on a flag cannot be cancelled: end the process
         sys.stderr.write(f"\n{e}\n")
+        for r in range(ranks.world) if describe is not None else ():
+            try:
+                sys.stderr.write(f"rank {r}: {describe(ranks.comm(r))}\n")
+            except Exception as why:
+                sys.stderr.write(f"rank {r}: no report ({why})\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -334,10 +341,10 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         case.refresh()
         poison_allocator(1 << 28)
         delay = {"delay_rank": (call + 1) % world, "delay_ms": 20.0} if call == 1 else {}
-        results = _run(ranks, fn, **delay)
+        results = _run(ranks, fn, rs.describe, **delay)
         _no_errors(ranks)
         case.check(results, f"{tag} eager call {call}")
-    again = _run(ranks, fn)  # the same inputs: the same bits (a fixed order, one rounding per step)
+    again = _run(ranks, fn, rs.describe)  # the same inputs: the same bits (a fixed order, one rounding per step)
     for r, (x, y) in enumerate(zip(results, again)):
         assert torch.equal(x, y), f"{tag}: rank {r} differs run to run"
 
@@ -431,10 +438,12 @@ def test_gemm_matches_torch(variant):
 @pytest.mark.parametrize("variant", cutlass_gemm.ring_variants())
 @pytest.mark.parametrize("axis", (0, 1))
 @pytest.mark.parametrize("layout", ("kn", "nk"))
-def test_gemm_ring_epilogue(variant, axis, layout):
+@pytest.mark.parametrize("sm_count", (0, 4))
+def test_gemm_ring_epilogue(variant, axis, layout, sm_count):
     """The ring's epilogue alone, 4 chunks: the zero chunk's tiles add nothing, the others add C (every arrival
     flag set), our own chunk's tiles go to the output and nowhere else, the rest into D, counted per sub-chunk;
-    alpha scales the product and the bias (pre-scaled by the caller) is added once."""
+    alpha scales the product and the bias (pre-scaled by the caller) is added once. On 4 SMs each CTA takes
+    several tiles, some of each kind."""
     tm, tn, _ = cutlass_gemm.VARIANTS[variant].tile
     world, tile = 4, (tm if axis == 0 else tn)
     chunk, sub = 2 * tile, tile
@@ -453,7 +462,7 @@ def test_gemm_ring_epilogue(variant, axis, layout):
         err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
         ring = cutlass_gemm.Ring(c, flags, axis, chunk, sub, 1, zero_chunk, own, zero, out, alpha)
         cutlass_gemm.gemm(a, b, d, bias, variant=variant, rotate=(axis, zero_chunk * chunk), signal=(counters, sub, axis),
-                          err=err, ring=ring)  # fmt: skip
+                          err=err, ring=ring, sm_count=sm_count)  # fmt: skip
         torch.cuda.synchronize()
         assert err[0].item() == 0
         want = alpha * (a.float() @ b.float()) + bias.float()
