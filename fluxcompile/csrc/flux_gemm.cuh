@@ -400,15 +400,18 @@ struct RingEpilogue : Base {
     const bool own = inside && lo / sync_.chunk_elems == sync_.own_chunk;
     if (own != local_stores_) {
       // CUTLASS's epilogue counts the stores it issued (when to release the source's shared-memory stages) in
-      // the object that issued them: before storing through the other object, the stores so far are drained
-      // (store_tail: waits for them, releases the stages). Our own chunk's tiles come last in every CTA (the
-      // scheduler's raster runs along the other axis), so this happens once per CTA.
-      auto states = local_stores_ ? local_.store_tail(load_pipeline, load_state, store_pipeline, store_state)
-                                  : Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
-      load_state = get<0>(states);
-      store_state = get<1>(states);
+      // the object that issued them: before storing through the other object, the stores so far, if any, are
+      // drained (store_tail: waits for them, releases the stages they hold). Our own chunk's tiles come last in
+      // every CTA (the scheduler's raster runs along the other axis), so this happens at most once per CTA.
+      if (stored_) {
+        auto states = local_stores_ ? local_.store_tail(load_pipeline, load_state, store_pipeline, store_state)
+                                    : Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
+        load_state = get<0>(states);
+        store_state = get<1>(states);
+      }
       local_stores_ = own;
     }
+    stored_ = true;
     if (own) {  // our own chunk: into the output, not counted
       const int tiles0 = sync_.own_chunk * sync_.chunk_elems / (rows ? TM : TN);
       return local_.store(load_pipeline, load_state, store_pipeline, store_state,
@@ -437,7 +440,8 @@ struct RingEpilogue : Base {
   FluxGemmSync sync_;
   Base zero_, local_;
   TileCounts counts_;
-  bool local_stores_ = false;  // the stores issued since the last drain went through `local_`
+  bool local_stores_ = false;  // the stores since the last drain go through `local_`
+  bool stored_ = false;        // a tile was stored since the kernel's start (store_tail releases its stages)
 };
 
 // --- one tile configuration ---------------------------------------------------------------------------
