@@ -346,6 +346,15 @@ def test_weight_layout_and_operand_checks():
     assert cutlass_gemm.operand_unsupported(a[None], kn) == "operands that are not matrices"
 
 
+def test_ring_builds_are_cooperative():
+    """The ring's epilogue drains its stores mid-kernel: a ring build of a ping-pong or stream-K variant is
+    refused where the variants are declared (and by a static_assert in csrc/flux_gemm.cuh)."""
+    assert all(cutlass_gemm.VARIANTS[v].schedule == "coop" for v in cutlass_gemm.ring_variants())
+    for schedule in ("pp", "sk"):
+        with pytest.raises(ValueError, match="cooperative schedule only"):
+            cutlass_build.Variant((128, 128, 64), (2, 1), schedule, ring=True)
+
+
 def test_generated_sources():
     files = cutlass_build.generated_sources()
     units = {f for f in files if f.endswith(".cu")}

@@ -457,6 +457,7 @@ struct Gemm {
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
   static constexpr bool Coop = Sched != kPingpong;
   static constexpr bool StreamK = Sched == kCoopStreamK;
+  static_assert(!Ring || Sched == kCoop, "the ring's epilogue drains mid-kernel: the cooperative data-parallel schedule only");
   using KernelSchedule = cute::conditional_t<Coop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                              cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
   using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
