@@ -6,8 +6,9 @@ times the host time. Prints one table (rank 0; max over ranks) and a cProfile of
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/host_cost.py
 
-The CUTLASS all-gather choice (``cutlass:<variant>`` of all_gather_matmul, ``--cutlass-variant``, default the first
-of kernels/cutlass_build.VARIANTS) has rows of its own in the op path's layers, whatever the autotuner picks: its
+The CUTLASS choice of both ops (``cutlass:<variant>``, ``--cutlass-variant``, default the first of
+kernels/cutlass_build.VARIANTS; the reduce-scatter's where that variant has a ring build) has rows of its own in
+the op path's layers, whatever the autotuner picks: its
 registered fn (as the op's CUDA implementation calls it), the op's direct entry with it as the compiled choice,
 each with the C++ sequences' replays on and off, and its whole call captured by hand and replayed (the floor);
 profiled like the winners. Where the choice declines (no CUTLASS headers, not Hopper, ...) or under
@@ -249,34 +250,39 @@ def main() -> None:
         graph.replay()
         torch.cuda.synchronize(device)
         layers[f"{op} {winner.name} captured by hand: graph.replay()"] = graph.replay
-    # The CUTLASS all-gather choice, whatever the autotuner picked: as the op's CUDA implementation runs a choice (its
-    # registered fn), and as Inductor's generated code calls a site compiled to it (the direct entry, ``choice``).
-    cutlass_choice = {c.name: c for c in choices_for("all_gather_matmul")}.get(cutlass_name)
-    if args.loopback:
-        cutlass_why = loopback_declines
-    elif cutlass_choice is None:
-        cutlass_why = "not offered: config.implementations leaves its family out"
-    else:
-        cutlass_why = cutlass_choice.declines(*ag_args)
-    cutlass_direct = f"all_gather_matmul {cutlass_name} (direct)"
-    if cutlass_why is None:
-        try:
-            cutlass_choice.fn(*ag_args)  # the extension and the workspaces, before anything is timed or captured
-            torch.cuda.synchronize(device)
-        except Exception as e:  # the rows left out, not a crash
-            cutlass_why = f"{type(e).__name__}: {e}"
-    if cutlass_why is None:
-        run_cutlass = lambda c=cutlass_choice, x=ag_args: c.fn(*x)  # noqa: E731
+    # Both ops' CUTLASS choice of ``--cutlass-variant`` (the reduce-scatter's where the variant has a ring build),
+    # whatever the autotuner picked: as the op's CUDA implementation runs a choice (its registered fn), and as
+    # Inductor's generated code calls a site compiled to it (the direct entry, ``choice``).
+    cutlass_runs: dict[str, Callable[[], object]] = {}  # "<op> <choice> (direct)" -> its call
+    for op, op_args in (("all_gather_matmul", ag_args), ("matmul_reduce_scatter", rs_args)):
+        cutlass_choice = {c.name: c for c in choices_for(op)}.get(cutlass_name)
+        if args.loopback:
+            cutlass_why = loopback_declines
+        elif cutlass_choice is None:
+            cutlass_why = "not offered: config.implementations leaves its family out, or no such build"
+        else:
+            cutlass_why = cutlass_choice.declines(*op_args)
+        if cutlass_why is None:
+            try:
+                cutlass_choice.fn(*op_args)  # the extension and the workspaces, before anything is timed or captured
+                torch.cuda.synchronize(device)
+            except Exception as e:  # the rows left out, not a crash
+                cutlass_why = f"{type(e).__name__}: {e}"
+        if cutlass_why is not None:
+            if rank == 0:
+                print(f"{op} {cutlass_name}: rows left out: {cutlass_why}")
+            continue
+        cutlass_direct = f"{op} {cutlass_name} (direct)"
+        run_cutlass = lambda c=cutlass_choice, x=op_args: c.fn(*x)  # noqa: E731
+        cutlass_runs[cutlass_direct] = run_cutlass
         layers[cutlass_direct] = run_cutlass
         layers[f"{cutlass_direct}, replays off"] = without_replays(run_cutlass)
-        direct = direct_calls.registered().get("all_gather_matmul")
+        direct = direct_calls.registered().get(op)
         if direct is not None:
-            compiled = (*ag_args, None, None, None, False, cutlass_name)
-            layers[f"all_gather_matmul via its direct entry, compiled choice {cutlass_name}"] = (
+            compiled = (*op_args, None, None, None, False, cutlass_name)
+            layers[f"{op} via its direct entry, compiled choice {cutlass_name}"] = lambda f=direct, x=compiled: f(*x)
+            layers[f"{op} via its direct entry, compiled choice {cutlass_name}, replays off"] = without_replays(
                 lambda f=direct, x=compiled: f(*x)
-            )
-            layers[f"all_gather_matmul via its direct entry, compiled choice {cutlass_name}, replays off"] = (
-                without_replays(lambda f=direct, x=compiled: f(*x))
             )
         # Its whole call captured by hand and replayed: the floor of its host time.
         try:
@@ -285,10 +291,10 @@ def main() -> None:
                 run_cutlass()
             graph.replay()
             torch.cuda.synchronize(device)
-            layers[f"all_gather_matmul {cutlass_name} captured by hand: graph.replay()"] = graph.replay
+            layers[f"{op} {cutlass_name} captured by hand: graph.replay()"] = graph.replay
         except Exception as e:
             if rank == 0:
-                print(f"{cutlass_name} captured by hand: {type(e).__name__}: {e}")
+                print(f"{op} {cutlass_name} captured by hand: {type(e).__name__}: {e}")
     out_like = torch.empty(m, n, device=device, dtype=bf)
     layers["torch.empty_like (an output)"] = lambda: torch.empty_like(out_like)
     # Pieces of the winners' Python side (the entries of the two cublas_pipelined modules), each as the entry
@@ -338,8 +344,8 @@ def main() -> None:
             lambda: torch.ops.fluxcompile.matmul_reduce_scatter.default(*rs_args), 8, 8
         ),
     }
-    if cutlass_why is None:
-        by_position[cutlass_direct] = host_us_by_position(run_cutlass, 8, 8)
+    for name, fn in cutlass_runs.items():
+        by_position[name] = host_us_by_position(fn, 8, 8)
     torch.cuda.synchronize(device)
     stats = sequencer.replay_stats() if why is None else {}
     if rank == 0:
@@ -350,18 +356,15 @@ def main() -> None:
         print("== the op path's layers, interleaved (median of 9 rounds)")
         for name, t in interleaved.items():
             print(f"  {name:<64} {t:8.1f}")
-        if cutlass_why is not None:
-            print(f"  (no rows of {cutlass_name}, the CUTLASS all-gather choice: {cutlass_why})")
         print("== host µs of the 1st..8th call after a synchronize + barrier (benchmarks/ops.py's rounds)")
         for name, ts in by_position.items():
             print(f"  {name:<64} " + " ".join(f"{t:8.1f}" for t in ts))
-    # (what, how it is called, the call): both ops via torch.ops, and the CUTLASS all-gather choice's fn.
+    # (what, how it is called, the call): both ops via torch.ops, and the CUTLASS choices' fns.
     profiled: list[tuple[str, str, Callable[[], object]]] = []
     for op, op_args in (("matmul_reduce_scatter", rs_args), ("all_gather_matmul", ag_args)):
         fused = getattr(torch.ops.fluxcompile, op).default
         profiled.append((op, " via torch.ops", lambda f=fused, x=op_args: f(*x)))
-    if cutlass_why is None:
-        profiled.append((cutlass_direct, "", run_cutlass))
+    profiled += [(name, "", fn) for name, fn in cutlass_runs.items()]
     for op, via, fused in profiled:
         # What the host spends inside the C++ sequence: aten ops and CUDA runtime calls (torch.profiler).
         calls = 50
