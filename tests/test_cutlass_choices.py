@@ -540,7 +540,7 @@ def _ring_gemm(a, b, out, bias, *, variant, signal, rank, ring, rotate=(0, 0), *
     the rest into ``out`` (rounded to its dtype), counted per sub-chunk."""
     r = ring
     m, n = a.shape[0], b.shape[1]
-    cutlass_gemm._check_ring(r, cutlass_gemm.VARIANTS[variant], m, n, a.dtype, signal)
+    cutlass_gemm.check_ring(r, cutlass_gemm.VARIANTS[variant], m, n, a.dtype, signal)
     full = r.alpha * (a.float() @ b.float()) + (bias.float() if bias is not None else 0)
     chunks = (m if r.axis == 0 else n) // r.chunk
     per = r.chunk // r.sub

@@ -187,7 +187,7 @@ def gemm(
     flags, rows_per_rank, chunk_rows, skip = wait if wait is not None else (None, 0, 0, -1)
     counters, sig_elems, sig_axis = signal if signal is not None else (None, 0, 0)
     if ring is not None:
-        _check_ring(ring, v, m, n, a.dtype, signal)
+        check_ring(ring, v, m, n, a.dtype, signal)
         sig_axis = ring.axis
         q += [ring.c.data_ptr(), ring.c.stride(0), struct.unpack("<i", struct.pack("<f", ring.alpha))[0]]
     s = [
@@ -304,7 +304,9 @@ def ring_variants() -> list[str]:
     return [name for name, v in VARIANTS.items() if v.ring]
 
 
-def _check_ring(r: Ring, v, m: int, n: int, dtype: torch.dtype, signal) -> None:
+def check_ring(r: Ring, v, m: int, n: int, dtype: torch.dtype, signal) -> None:
+    """Raise ValueError where ``r`` does not fit an ``[m, n]`` GEMM of ``dtype`` with variant ``v`` (and its
+    ``signal``, as :func:`gemm` takes it)."""
     tm, tn, _ = v.tile
     tile = tm if r.axis == 0 else tn
     extent = m if r.axis == 0 else n

@@ -274,7 +274,7 @@ def _make_plan(comm: Comm, m: int, n: int, axis: int, dtype: torch.dtype, varian
     _, arrived, done = flag_arrays(comm)
     prev, nxt = (rank - 1) % world, (rank + 1) % world
     offset = slot_bytes(m * n * dtype.itemsize)
-    device = comm.data.view(rank, (1,), torch.uint8).device
+    device = comm.data.buffer.device
     err_host, events = comm.sequence_reporting()
     return Plan(
         incoming=comm.data.view(rank, (m, n), dtype),
