@@ -190,6 +190,9 @@ def _matmul(
 ) -> Tensor:
     if scale_a is None:
         return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+    # _scaled_mm takes row-wise scales with unit strides ([M, 1] and [1, N]); a graph may hand them over with
+    # another stride on their size-1 dim (Inductor fixes the layout for _scaled_mm itself, not for a fused op).
+    scale_a, scale_b = canonical_scale(scale_a), canonical_scale(scale_b)
     rowwise = scale_a.numel() > 1 or scale_b.numel() > 1
     if a.device.type == "cpu" and rowwise and not _cpu_scaled_mm_takes_rowwise_scales():
         # The same product from the dequantized operands, in fp32 (torch 2.11's CPU _scaled_mm takes tensor-wise
@@ -197,6 +200,11 @@ def _matmul(
         out = (a.float() * scale_a.float()) @ (b.float() * scale_b.float())
         return (out if bias is None else out + bias.float()).to(out_dtype or a.dtype)
     return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def canonical_scale(scale: Tensor) -> Tensor:
+    """``scale`` with the row-major strides of its shape (a view where it is contiguous)."""
+    return scale.reshape(-1).view(scale.shape)
 
 
 @functools.cache

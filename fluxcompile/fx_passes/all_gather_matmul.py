@@ -4,9 +4,12 @@ Matched forms, after ``wait_tensor(all_gather_into_tensor(shard))``:
   * gather on dim 0: the waited tensor itself;
   * gather on dim d > 0: ``cat(split(waited, rows, dim=0), dim=d)`` — what DTensor and
     ``all_gather_tensor`` emit — or the chunks taken by ``slice``s on dim 0 (torchtitan's ``spmd_types``
-    backend), with the chunks in rank order;
+    backend), with the chunks in rank order; an fp8 tensor's chunks may be viewed as bytes around the ``cat``
+    and the result viewed back (``all_gather_tensor``'s type-erased cat of torchao's float8 gathers);
 then optionally a permute that keeps the last dim last (moved onto the shard: gathering the permuted
-shard gives the permuted gathered tensor), then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``.
+shard gives the permuted gathered tensor), then zero or more reshapes flattening the leading dims (``[B, S, K] -> [B*S, K]``) into ``mm``/``addmm``, or into fp8 ``_scaled_mm``s that share one tensor-wise scale of the
+gathered operand (its ``A_scale``; torchao's ``Float8ColwiseParallel`` gathers fp8 bytes with a scale agreed by
+an amax all-reduce before the gather).
 
 The fused op returns the gathered tensor only where something besides the fused matmuls reads it (another op, or
 the graph's output: a training forward saves it for the backward's weight gradients); elsewhere ``return_A`` is
@@ -23,8 +26,8 @@ from torch.fx import Graph, Node
 from .. import ops
 from ..config import Config
 from .decide import decide
-from .graph_utils import aten, call, is_call, shape, single_wait, static_int, val
-from .matmuls import MATMULS, Consumers, find_consumers, matmul_ancestor
+from .graph_utils import aten, call, dtype, is_call, shape, single_wait, static_int, val
+from .matmuls import MATMULS, Consumers, find_consumers, matmul_ancestor, scaled_descendant
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
 
@@ -72,19 +75,31 @@ def gathered_form(wait: Node, group_size: int) -> tuple[Node, int, list[Node]] |
     if split_dim != 0:
         return wait, 0, [wait]
     getitems = sorted(split.users, key=lambda n: n.args[1] if is_call(n, operator.getitem) else -1)
-    cats = {u for g in getitems for u in g.users}
-    if not all(is_call(g, operator.getitem) and len(g.users) == 1 for g in getitems) or len(cats) != 1:
+    if not all(is_call(g, operator.getitem) and len(g.users) == 1 for g in getitems):
+        return wait, 0, [wait]
+    views = [next(iter(g.users)) for g in getitems]
+    if not all(is_call(v, aten.view.dtype) and len(v.users) == 1 for v in views):
+        views = []  # else: fp8 chunks viewed as bytes for the cat, the result viewed back (the same bits)
+    cats = {u for c in (views or getitems) for u in c.users}
+    if len(cats) != 1:
         return wait, 0, [wait]
     (cat,) = cats
     if not is_call(cat, aten.cat.default):
         return wait, 0, [wait]
+    gathered, layout = cat, [wait, split, *getitems, *views, cat]
+    if views:
+        back = next(iter(cat.users), None)
+        if len(cat.users) != 1 or not is_call(back, aten.view.dtype) or back.args[1] != dtype(wait):
+            return wait, 0, [wait]
+        gathered = back
+        layout.append(back)
     if len(getitems) != group_size:
         return f"gathered tensor split into {len(getitems)} chunks but the group has {group_size} ranks"
-    if list(cat.args[0]) != getitems:
+    if list(cat.args[0]) != (views or getitems):
         return "cat reorders the gathered chunks"
     ndim = len(shape(cat) or ())
     dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % max(ndim, 1)
-    return cat, dim, [wait, split, *getitems, cat]
+    return gathered, dim, layout
 
 
 def _sliced_form(wait: Node, group_size: int) -> tuple[Node, int, list[Node]] | str:
@@ -142,7 +157,7 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
     gshape = shape(gathered)
     if gshape is None or len(gshape) < 2:
         return "gathered tensor is not at least 2-D"
-    consumers = find_consumers(gathered)
+    consumers = find_consumers(gathered, scaled=True)
     if dim == len(gshape) - 1:
         mm = None if consumers.matmuls else (shard if is_call(shard, *MATMULS) else matmul_ancestor(shard))
         if mm is not None:
@@ -150,6 +165,11 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
             return f"gathers on its last dim a tensor computed by {mm.name}: no fused op for matmul -> all_gather"
         return "gather dim is the matmul's contraction (last) dim"
     if not consumers.matmuls:
+        if (scaled := scaled_descendant(gathered)) is not None:
+            return (
+                f"the gathered tensor is quantized to fp8 after the gather (for {scaled.name}, with scales computed "
+                "from the gathered rows); only a gather of fp8 rows with one scale fuses"
+            )
         reasons = "; ".join(r for _, r in consumers.others) or "no users"
         return f"no mm consumes the gathered tensor as its left operand ({reasons})"
     m, k = rows(gshape), gshape[-1]
@@ -176,7 +196,8 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     if isinstance(found, str):
         return Entry(node.name, "all_gather_into_tensor", group, None, found)
     shard_val = val(found.shard) if found.shard_perm is None else val(found.shard).permute(found.shard_perm)
-    decision = decide(PATTERN, found.fused_args(shard_val), found.group_name, cfg, found.flags())
+    scaling = found.consumers.scaling_kwargs()
+    decision = decide(PATTERN, found.fused_args(shard_val), found.group_name, cfg, found.flags(), scaling)
     if decision.keep:
         return Entry(node.name, "all_gather_into_tensor", group, None, decision.keep)
     shard = None
@@ -185,9 +206,10 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
             shard = call(graph, aten.permute.default, (found.shard, found.shard_perm))
     rewrite_consumers(
         graph, node, ops.op(PATTERN), found.fused_args(shard), found.gathered, found.consumers, found.layout_nodes,
-        {**found.flags(), **decision.kwargs()}, reads_result=bool(found.consumers.others),
+        {**scaling, **found.flags(), **decision.kwargs()}, reads_result=bool(found.consumers.others),
     )  # fmt: skip
     mms = ", ".join(mm.node.name for mm in found.consumers.matmuls)
+    kind = "scaled matmul(s)" if scaling else "matmul(s)"
     kept = (
         f"; gathered tensor also kept for {len(found.consumers.others)} other user(s)" if found.consumers.others else ""
     )
@@ -199,6 +221,6 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
         "all_gather_into_tensor",
         group,
         PATTERN,
-        f"gather dim {found.gather_dim}{permuted}, {len(found.consumers.matmuls)} matmul(s) [{mms}], M={m}{kept}"
+        f"gather dim {found.gather_dim}{permuted}, {len(found.consumers.matmuls)} {kind} [{mms}], M={m}{kept}"
         + (f"; {decision.note}" if decision.note else ""),
     )

@@ -56,6 +56,8 @@ from ..symm_mem.store_gather import gather_strings
 from ..symm_mem.topology import no_peer_access
 from .graph_utils import val
 
+_FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -71,10 +73,21 @@ class Decision:
 
 
 def decide(
-    op_name: str, args: Sequence[Any], group_name: str, cfg: Config, kwargs: dict[str, Any] | None = None
+    op_name: str,
+    args: Sequence[Any],
+    group_name: str,
+    cfg: Config,
+    kwargs: dict[str, Any] | None = None,
+    scaling: dict[str, Any] | None = None,
 ) -> Decision:
     """The decision for a site to be rewritten into ``op_name(*args, **kwargs)`` (Nodes or fake tensors in place of
-    tensors; ``kwargs``: the op's flags that its choices take, e.g. all_gather_matmul's ``return_A``)."""
+    tensors; ``kwargs``: the op's flags that its choices take, e.g. all_gather_matmul's ``return_A``). ``scaling``:
+    the op's scaling arguments of a site of fp8 matmuls (ops.py, "Scaled matmuls"), by name in the op's order: the
+    choices of the op's scaled calls (``lowerings.choices.scaled``) decide it, called with them after ``args``."""
+    if scaling:
+        from ..lowerings.choices import scaled
+
+        op_name, args = scaled(op_name), (*args, *scaling.values())
     if cfg.choose_at_compile == "never":
         return Decision(note="chosen at run time (choose_at_compile=never)")
     fakes = _tensors(args)
@@ -261,7 +274,9 @@ def _materialize(a: Any, subs: dict, device: str | None = None) -> Any:
     base = torch.empty(storage, dtype=t.dtype, device=device or t.device)
     if base.device.type == "meta":
         return base.as_strided(size, stride)
-    if t.dtype.is_floating_point:
+    if t.dtype in _FP8:  # no random fill for fp8: normal values rounded to it
+        base.copy_(torch.randn(storage, device=base.device))
+    elif t.dtype.is_floating_point:
         base.normal_()
     else:
         base.zero_()

@@ -53,7 +53,7 @@ def match(node: Node, cfg: Config) -> MatmulAllReduceMatch | str:
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return "all-reduced tensor is not at least 2-D"
-    producers = matmul_sum(source, "all_reduce", cfg)
+    producers = matmul_sum(source, "all_reduce", cfg, scaled=True)
     if isinstance(producers, str):
         return producers
     return MatmulAllReduceMatch(node, wait, source, reduce_op, group_name, producers)
@@ -68,12 +68,14 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
         return _fuse_with_tail(graph, node, found, tail, group, cfg)
     if isinstance(found, str):
         return Entry(node.name, "all_reduce", group, None, found)
-    decision = decide(PATTERN, found.fused_args(), found.group_name, cfg)
+    scaling = found.producers.scaling_kwargs()
+    decision = decide(PATTERN, found.fused_args(), found.group_name, cfg, scaling=scaling)
     if decision.keep:
         return Entry(node.name, "all_reduce", group, None, decision.keep)
     rewrite_producers(
-        graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, [], decision.kwargs()
-    )
+        graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, [],
+        {**scaling, **decision.kwargs()},
+    )  # fmt: skip
     note = f"; {decision.note}" if decision.note else ""
     return Entry(node.name, "all_reduce", group, PATTERN, _describe(found) + note)
 
@@ -106,11 +108,12 @@ def _fuse_with_tail(
         reduce_op,
         group_name,
     )
-    decision = decide(TAIL, args, group_name, cfg)
+    scaling = producers.scaling_kwargs() if producers is not None else {}
+    decision = decide(TAIL, args, group_name, cfg, scaling=scaling)
     if decision.keep:
         return Entry(node.name, "all_reduce", group, None, decision.keep)
     with graph.inserting_before(node):
-        fused = call(graph, ops.op(TAIL), args, decision.kwargs())
+        fused = call(graph, ops.op(TAIL), args, {**scaling, **decision.kwargs()})
         h = call(graph, operator.getitem, (fused, 0))
         normed = call(graph, operator.getitem, (fused, 1))
     tail.normed.replace_all_uses_with(normed)

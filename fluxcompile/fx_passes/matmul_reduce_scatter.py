@@ -7,7 +7,8 @@ Matched forms of the collective's input:
   * scatter on dim d = perm[0]: ``permute(x, perm)`` (made contiguous by a ``clone``) scattered on dim 0, its
     result permuted back by the graph — what torchtitan's ``spmd_types`` backend emits; the fused op's result is
     permuted by ``perm`` in place of the collective's;
-and ``x`` made of ``mm``/``addmm`` outputs through reshapes and ``add`` (the backward's ``add(mm, mm)``).
+and ``x`` made of ``mm``/``addmm`` outputs through reshapes and ``add`` (the backward's ``add(mm, mm)``), or of fp8
+``_scaled_mm`` outputs scaled alike (tensor-wise or row-wise: the scales stay with the partial).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def match(node: Node, cfg: Config) -> MatmulReduceScatterMatch | str:
     sshape = shape(source)
     if sshape is None or len(sshape) < 2:
         return "reduce-scattered tensor is not at least 2-D"
-    producers = matmul_sum(source, "reduce_scatter", cfg)
+    producers = matmul_sum(source, "reduce_scatter", cfg, scaled=True)
     if isinstance(producers, str):
         return producers
     return MatmulReduceScatterMatch(node, wait, source, layout, dim, reduce_op, group_size, group_name, producers, perm)
@@ -132,14 +133,15 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[3])
     if isinstance(found, str):
         return Entry(node.name, "reduce_scatter_tensor", group, None, found)
-    decision = decide(PATTERN, found.fused_args(), found.group_name, cfg)
+    scaling = found.producers.scaling_kwargs()
+    decision = decide(PATTERN, found.fused_args(), found.group_name, cfg, scaling=scaling)
     if decision.keep:
         return Entry(node.name, "reduce_scatter_tensor", group, None, decision.keep)
     # The saved result (wait_tensor returns the tensor it is given) is the waited one.
     node.replace_all_uses_with(found.wait, delete_user_cb=lambda user: user is not found.wait)
     fused = rewrite_producers(
         graph, node, ops.op(PATTERN), found.fused_args(), found.wait, found.producers, found.layout_nodes,
-        decision.kwargs(),
+        {**scaling, **decision.kwargs()},
     )  # fmt: skip
     if found.result_perm is not None:
         # Scattering permute(x, perm) on dim 0 gives x scattered on dim perm[0], permuted by perm; made contiguous

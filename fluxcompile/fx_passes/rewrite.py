@@ -64,11 +64,12 @@ def rewrite_producers(
     return fused
 
 
-def matmul_sum(source: Node, collective: str, cfg: Config) -> Producers | str:
+def matmul_sum(source: Node, collective: str, cfg: Config, scaled: bool = False) -> Producers | str:
     """The sum of matmuls that ``source`` (a collective's N-D input) is made of, within the size bounds, or
-    why not: the producer side of every matmul -> collective pattern."""
+    why not: the producer side of every matmul -> collective pattern (``scaled``: its terms may be fp8
+    ``_scaled_mm``s)."""
     sshape = shape(source)
-    producers = find_producers(source, collective)
+    producers = find_producers(source, collective, scaled)
     if isinstance(producers, str):
         return producers
     k = (shape(producers.terms[0].a) or (0, 0))[-1]
@@ -76,10 +77,11 @@ def matmul_sum(source: Node, collective: str, cfg: Config) -> Producers | str:
 
 
 def describe_sum(producers: Producers) -> str:
-    """'sum of 2 matmul(s) [mm_1, mm_2], with bias' for the report."""
+    """'sum of 2 matmul(s) [mm_1, mm_2], with bias' for the report ('scaled matmul(s)' for fp8)."""
     terms = producers.terms
     bias = ", with bias" if producers.bias is not None else ""
-    return f"sum of {len(terms)} matmul(s) [{', '.join(t.node.name for t in terms)}]{bias}"
+    kind = "scaled matmul(s)" if producers.scaling is not None else "matmul(s)"
+    return f"sum of {len(terms)} {kind} [{', '.join(t.node.name for t in terms)}]{bias}"
 
 
 def size_reason(cfg: Config, m: Any, n: Any, k: Any) -> str | None:

@@ -86,6 +86,22 @@ def choices_for(op_name: str) -> list[Choice]:
     return sorted(allowed, key=lambda c: order.get(c.family, len(order)))
 
 
-# The reference implementation of every fused op (ops.py) is its "reference" choice.
+# The ops whose matmuls may be scaled (fp8, ops.py "Scaled matmuls").
+SCALABLE_OPS: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_rmsnorm")
+
+
+def scaled(op_name: str) -> str:
+    """The registry key of ``op_name``'s scaled calls: their choices (and the autotuner's tables for them) are
+    apart from the op's plain ones, and take the op's scaling arguments positionally after the others, in the op's
+    schema order (``all_gather_matmul``: ``A_scale, B_scales, out_dtype, use_fast_accum``; the producer ops:
+    ``A_scales, B_scales, out_dtype, use_fast_accum``), its flags (``return_A``) by keyword."""
+    if op_name not in SCALABLE_OPS:
+        raise ValueError(f"fluxcompile: {op_name} has no scaled matmuls")
+    return f"{op_name}.scaled"
+
+
+# The reference implementation of every fused op (ops.py) is its "reference" choice, for plain and scaled calls.
 for _op in ops.FUSED_OPS:
     register_choice(_op, Choice(REFERENCE, ops.REFERENCES[_op], symmetric_memory=False))
+for _op in SCALABLE_OPS:
+    register_choice(scaled(_op), Choice(REFERENCE, ops.REFERENCES[_op], symmetric_memory=False))

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from .choices import REFERENCE, Choice, choices_for
+from .choices import REFERENCE, SCALABLE_OPS, Choice, choices_for, scaled
 
 log = logging.getLogger("fluxcompile.compiled")
 
@@ -49,6 +49,7 @@ ROWS: dict[str, Callable[[tuple], int]] = {
     "matmul_all_reduce": _rows_of_product,
     "all_reduce_rmsnorm": _rows_of_tail,
 }
+ROWS.update({scaled(op): ROWS[op] for op in SCALABLE_OPS})
 
 
 def encode(table: Sequence[tuple[int, str]]) -> str:

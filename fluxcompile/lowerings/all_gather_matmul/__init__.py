@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...ops import REFERENCES
+from ... import ops
 from ..autotune import pick
-from ..choices import Choice, register_choice
+from ..choices import Choice, register_choice, scaled
 from ..direct_calls import cuda_impl
 from . import async_input_mm, cublas_pipelined, cutlass, torch_symm_mem, triton
 
@@ -66,13 +66,14 @@ def all_gather_matmul_cuda(
     use_fast_accum: bool = False, return_A: bool = True, choice: str = "",
 ) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (a call
-    with ``return_A`` False is tuned apart: a choice may skip producing the gathered operand). Scaled matmuls run
-    the reference (no fused choice takes scales)."""
-    if A_scale is not None or B_scales is not None:
-        return REFERENCES[OP](
-            A, Bs, biases, gather_dim, group_size, group_name, A_scale, B_scales, out_dtype, use_fast_accum, return_A
-        )
+    with ``return_A`` False is tuned apart: a choice may skip producing the gathered operand). Scaled matmuls are
+    chosen among the op's scaled choices (``scaled(OP)``), called with the scaling arguments after the others."""
     args = (A, list(Bs), list(biases), gather_dim, group_size, group_name)
+    if A_scale is not None or B_scales is not None:
+        ops.check_scales(len(Bs), [A_scale] * len(Bs) if A_scale is not None else None, B_scales, out_dtype)
+        args = (*args, A_scale, list(B_scales), out_dtype, use_fast_accum)
+        flags = {} if return_A else _WITHOUT_A
+        return pick(scaled(OP), args, group_name, compiled=choice, kwargs=flags).fn(*args, **flags)
     if return_A:
         return pick(OP, args, group_name, compiled=choice).fn(*args)
     return pick(OP, args, group_name, compiled=choice, kwargs=_WITHOUT_A).fn(*args, **_WITHOUT_A)

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from ...kernels import gemv_ar
-from ...ops import REFERENCES
+from ...ops import check_scales
 from ..autotune import pick, time_in_cuda_graphs
-from ..choices import Choice, register_choice
+from ..choices import Choice, register_choice, scaled
 from ..direct_calls import cuda_impl
 from . import fused_kernels, schedules, torch_symm_mem
 from .pairs import fused_pair, unfused_pair
@@ -62,12 +62,13 @@ def matmul_all_reduce_cuda(
     out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, choice: str = "",
 ) -> Tensor:  # fmt: skip
     """matmul_all_reduce's CUDA implementation: the compiled choice, else the autotuner's for this call
-    signature. Scaled matmuls run the reference (no fused choice takes scales)."""
-    if A_scales is not None or B_scales is not None:
-        return REFERENCES["matmul_all_reduce"](
-            As, Bs, bias, out_shape, reduce_op, group_name, A_scales, B_scales, out_dtype, use_fast_accum
-        )
+    signature. Scaled matmuls are chosen among its scaled choices (``scaled``), called with the scaling arguments
+    after the others."""
     args = (list(As), list(Bs), bias, [int(s) for s in out_shape], reduce_op, group_name)
+    if A_scales is not None or B_scales is not None:
+        check_scales(len(As), A_scales, B_scales, out_dtype)
+        args = (*args, list(A_scales), list(B_scales), out_dtype, use_fast_accum)
+        return pick(scaled("matmul_all_reduce"), args, group_name, compiled=choice).fn(*args)
     return pick("matmul_all_reduce", args, group_name, compiled=choice).fn(*args)
 
 
@@ -79,14 +80,14 @@ def all_reduce_rmsnorm_cuda(
     out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, choice: str = "",
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """all_reduce_rmsnorm's CUDA implementation: the compiled choice, else the autotuner's for this call
-    signature. Scaled matmuls run the reference (no fused choice takes scales)."""
-    if A_scales is not None or B_scales is not None:
-        return REFERENCES["all_reduce_rmsnorm"](
-            x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name,
-            A_scales, B_scales, out_dtype, use_fast_accum,
-        )  # fmt: skip
+    signature. Scaled matmuls are chosen among its scaled choices (``scaled``), called with the scaling arguments
+    after the others."""
     args = (
         x, list(As), list(Bs), bias, [int(s) for s in out_shape], residual, weight, eps, upcast, weight_after_cast,
         reduce_op, group_name,
     )  # fmt: skip
+    if A_scales is not None or B_scales is not None:
+        check_scales(len(As), A_scales, B_scales, out_dtype)
+        args = (*args, list(A_scales), list(B_scales), out_dtype, use_fast_accum)
+        return pick(scaled("all_reduce_rmsnorm"), args, group_name, compiled=choice).fn(*args)
     return pick("all_reduce_rmsnorm", args, group_name, compiled=choice).fn(*args)

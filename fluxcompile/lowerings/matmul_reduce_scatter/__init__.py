@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ... import ops
 from ...kernels import cutlass_gemm
-from ...ops import REFERENCES
 from ..autotune import pick
-from ..choices import Choice, register_choice
+from ..choices import Choice, register_choice, scaled
 from ..direct_calls import cuda_impl
 from . import cublas_pipelined, cutlass, torch_symm_mem, triton
 
@@ -60,11 +60,11 @@ def matmul_reduce_scatter_cuda(
     out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, choice: str = "",
 ) -> Tensor:  # fmt: skip
     """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature. Scaled
-    matmuls run the reference (no fused choice takes scales)."""
-    if A_scales is not None or B_scales is not None:
-        return REFERENCES[OP](
-            As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, A_scales, B_scales, out_dtype,
-            use_fast_accum,
-        )  # fmt: skip
+    matmuls are chosen among the op's scaled choices (``scaled(OP)``), called with the scaling arguments after the
+    others."""
     args = (list(As), list(Bs), bias, [int(s) for s in out_shape], scatter_dim, reduce_op, group_size, group_name)
+    if A_scales is not None or B_scales is not None:
+        ops.check_scales(len(As), A_scales, B_scales, out_dtype)
+        args = (*args, list(A_scales), list(B_scales), out_dtype, use_fast_accum)
+        return pick(scaled(OP), args, group_name, compiled=choice).fn(*args)
     return pick(OP, args, group_name, compiled=choice).fn(*args)

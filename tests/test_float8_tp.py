@@ -1,0 +1,160 @@
+"""torchao's float8 training with tensor parallelism, compiled with backend="fluxcompile" on gloo ranks: every
+scaled site fuses, and outputs and gradients match the same fp8 model compiled by plain Inductor (the same
+quantization kernels) and, within fp8's rounding, eager.
+
+gloo has no fp8 type: fluxcompile.testing.fp8_gloo moves fp8 gathers as bytes (the fused ops' references do the
+same)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+torchao = pytest.importorskip("torchao", reason="torchao is a test dependency (tests/integration/torchao)")
+
+
+def _model(recipe: str, sequence_parallel: bool, float8_styles: bool, bias: bool, dtype: torch.dtype):
+    """torchtitan's feed-forward TP plan on a norm + SwiGLU block, converted to torchao's float8 training."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(64, 128, bias=bias)
+            self.w3 = nn.Linear(64, 128, bias=bias)
+            self.w2 = nn.Linear(128, 64, bias=False)
+
+        def forward(self, x):
+            return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.RMSNorm(64)
+            self.ffn = FeedForward()
+
+        def forward(self, x):
+            return self.ffn(self.norm(x))
+
+    torch.manual_seed(0)
+    model = Block().to(dtype)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    layout = Shard(1) if sequence_parallel else Replicate()
+    if float8_styles:
+        from torchao.float8 import float8_tensor_parallel as f8tp
+
+        Col, Row = f8tp.Float8ColwiseParallel, f8tp.Float8RowwiseParallel
+        prepare = f8tp.PrepareFloat8ModuleInput(
+            input_layouts=(layout,), desired_input_layouts=(Replicate(),), float8_dtype=torch.float8_e4m3fn
+        )
+    else:
+        Col, Row = ColwiseParallel, RowwiseParallel
+        prepare = PrepareModuleInput(input_layouts=(layout,), desired_input_layouts=(Replicate(),))
+    plan = {"ffn": prepare, "ffn.w1": Col(), "ffn.w3": Col(), "ffn.w2": Row(output_layouts=layout)}
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, plan)
+    return model
+
+
+def float8_tp(recipe: str, sequence_parallel: bool, float8_styles: bool, bias: bool, dtype_name: str = "float32") -> dict:
+    import fluxcompile
+    from fluxcompile.testing import fp8_gloo
+    from fluxcompile.testing.numerics import rel_err
+
+    fp8_gloo.install()
+    dtype = getattr(torch, dtype_name)
+    model = _model(recipe, sequence_parallel, float8_styles, bias, dtype)
+    inductor, eager = copy.deepcopy(model), copy.deepcopy(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)  # fresh inputs every run, alike on every rank (each takes its shard)
+    seq = 14 * world  # ragged: 14 rows a rank per batch row
+    full = torch.randn(2, seq, 64, dtype=dtype)
+    x = full.chunk(world, dim=1)[rank].contiguous() if sequence_parallel else full
+    results = {}
+    for name, m, backend in (("fluxcompile", model, "fluxcompile"), ("inductor", inductor, "inductor"), ("eager", eager, None)):
+        xi = x.clone().requires_grad_(True)
+        with torch._inductor.config.patch(fx_graph_cache=False), fluxcompile.collect_reports() as rep:
+            fn = torch.compile(m, backend=backend) if backend else m
+            out = fn(xi)
+            out = out.full_tensor() if hasattr(out, "full_tensor") else out
+            out.pow(2).sum().backward()
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in m.parameters()]
+        results[name] = (out.detach(), xi.grad, grads, rep)
+    rep = results["fluxcompile"][3]
+
+    def error(a: str, b: str) -> float:
+        (o1, x1, g1, _), (o2, x2, g2, _) = results[a], results[b]
+        return max(rel_err(o1, o2), rel_err(x1, x2), *(rel_err(p, q) for p, q in zip(g1, g2)))
+
+    errors = {"inductor": error("fluxcompile", "inductor"), "eager": error("fluxcompile", "eager")}
+    errors["inductor_vs_eager"] = error("inductor", "eager")
+    counts = {
+        kind: {op: rep.count(op, kind) for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")}
+        for kind in ("forward", "backward")
+    }
+    return {"errors": errors, "counts": counts, "report": str(rep)}
+
+
+def _check_errors(r: dict, dtype: torch.dtype) -> None:
+    """fluxcompile's results equal plain Inductor's for the same fp8 model (its quantization kernels are the same),
+    and differ from eager's no more than Inductor's do (fp8 rounds Inductor's and eager's amax alike only in fp32)."""
+    from fluxcompile.testing.numerics import TOLERANCE
+
+    e = r["errors"]
+    assert e["inductor"] <= TOLERANCE[dtype], e
+    assert e["eager"] <= max(e["inductor_vs_eager"] * 1.05, TOLERANCE[dtype]), e
+
+
+def _run(ranks, *args) -> dict:
+    results = ranks(2).run(float8_tp, *args)
+    assert results[0]["counts"] == results[1]["counts"], "ranks rewrote their graphs differently"
+    return results[0]
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_tensorwise_float8_styles_sequence_parallel(ranks, bias, dtype_name):
+    r = _run(ranks, "tensorwise", True, True, bias, dtype_name)
+    # Forward: the fp8 gather (bytes, viewed back) into w1 and w3, w2's partial into the reduce-scatter; backward:
+    # the fp8 gradient gathered into w2's input-gradient matmul, and w1's + w3's input gradients (a sum of two
+    # scaled matmuls) reduce-scattered.
+    assert r["counts"]["forward"] == {"all_gather_matmul": 1, "matmul_reduce_scatter": 1, "matmul_all_reduce": 0}, r["report"]
+    assert r["counts"]["backward"] == {"all_gather_matmul": 1, "matmul_reduce_scatter": 1, "matmul_all_reduce": 0}, r["report"]
+    assert "2 scaled matmul(s)" in r["report"] and "sum of 2 scaled matmul(s)" in r["report"], r["report"]
+    _check_errors(r, getattr(torch, dtype_name))
+
+
+def test_tensorwise_float8_styles_all_reduce(ranks):
+    r = _run(ranks, "tensorwise", False, True, False, "float32")
+    assert r["counts"]["forward"] == {"all_gather_matmul": 0, "matmul_reduce_scatter": 0, "matmul_all_reduce": 1}, r["report"]
+    assert r["counts"]["backward"] == {"all_gather_matmul": 0, "matmul_reduce_scatter": 0, "matmul_all_reduce": 1}, r["report"]
+    _check_errors(r, torch.float32)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "nosp"])
+def test_rowwise_plain_styles(ranks, sequence_parallel):
+    """The row-wise recipe with PyTorch's plain TP styles: w2's forward (a row-wise scaled matmul with fast
+    accumulation) fuses with its reduce-scatter or all-reduce. The gathered activations are quantized after the
+    gather, and the backward's matmuls rescale their products after the matmul (torchao's row-wise matmuls without
+    fast accumulation): both stay, and the report says why."""
+    r = _run(ranks, "rowwise", sequence_parallel, False, False, "bfloat16")
+    op = "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce"
+    assert r["counts"]["forward"][op] == 1, r["report"]
+    if sequence_parallel:
+        assert "quantized to fp8 after the gather" in r["report"], r["report"]
+    _check_errors(r, torch.bfloat16)
