@@ -324,11 +324,11 @@ def main() -> None:
         # The zero-copy reduce-scatter's C++ sequence alone, with the arguments its entry passes.
         layers["matmul_reduce_scatter C++ sequence alone (zero-copy)"] = lambda: seq.rs_pipelined(
             [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
-            p.rank, p.rows, False, 0, 0,
+            p.rank, p.rows, False, 0, 0, [], [], None, False,
         )  # fmt: skip
         layers["matmul_reduce_scatter C++ sequence alone, replayed"] = lambda: seq.rs_pipelined(
             [a], [b], None, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *p.hs.lists, p.shape,
-            p.rank, p.rows, False, 0, 64,
+            p.rank, p.rows, False, 0, 64, [], [], None, False,
         )  # fmt: skip
     elif rank == 0:
         print(f"no C++ sequence rows: {why}")

@@ -19,6 +19,7 @@ import os
 import statistics
 
 import ops_decode
+import ops_fp8
 import ops_rs
 import torch
 import torch.distributed as dist
@@ -143,6 +144,12 @@ def table(rows: list[dict]) -> str:
                 f"protocol cost {r['cutlass'] - r['cutlass_alone']:.1f}"
             )
     for r in rows:
+        if "bytes" in r:  # fp8 rows (ops_fp8.py): what a rank receives, and its time at NVLink's 450 GB/s a direction
+            lines.append(
+                f"  bytes, {r['op']} m={r['m']} n={r['n']} k={r['k']}: {r['bytes'] / 1e6:.1f} MB received a rank, "
+                f"floor {r['bytes'] / 450e3:.1f} µs at 450 GB/s; GEMM {r['gemm']:.1f} µs"
+            )
+    for r in rows:
         if r.get("choices_ms"):
             times = ", ".join(f"{n} {t * 1e3:.0f}" for n, t in r["choices_ms"].items() if t is not None)
             lines.append(f"  autotuner, {r['op']} m={r['m']} n={r['n']} k={r['k']} (µs): {times}")
@@ -206,7 +213,9 @@ def main() -> None:
         action="store_true",
         help="decode: every call reads the next of enough weight copies that none is in L2 (as in a model)",
     )
-    p.add_argument("--ops", default="ag,rs,decode", help="comma-separated: ag, rs (ops_rs.py), decode (ops_decode.py)")
+    p.add_argument(
+        "--ops", default="ag,rs,decode", help="comma-separated: ag, rs (ops_rs.py), fp8 (ops_fp8.py), decode (ops_decode.py)"
+    )
     p.add_argument(
         "--cutlass-variant",
         default="128x256x64_c2x1",
@@ -223,6 +232,8 @@ def main() -> None:
             rows += bench_all_gather_matmul(args)
         elif name == "rs":  # same columns as all-gather: one table, one plot
             rows += ops_rs.bench(args)
+        elif name == "fp8":  # the same shapes in fp8 (ops_fp8.py), same columns
+            rows += ops_fp8.bench(args)
         elif name == "decode":  # CUDA-graph timings with their own columns
             extra_tables.append(ops_decode.table(ops_decode.bench(args)))
         else:

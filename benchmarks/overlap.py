@@ -102,16 +102,20 @@ def overlap_row(
     methods: dict[str, Callable[[], object]],
     pipelined: Callable[[], object],
     tune_args: tuple,
+    gemm: Callable[[], object] | None = None,
+    tune_op: str | None = None,
 ) -> dict:
     """One table row: the local GEMM (cuBLAS and Inductor's best Triton GEMM on ``gemm_operands``) and
     ``methods`` (nccl_cublas, async_tp, fluxcompile) timed in interleaved rounds, the zero-copy or pipelined
     choice alone (median/min/max and from a CUDA graph), the autotuner's pick and its per-choice times, and
-    each method's overlap efficiency against NCCL+cuBLAS."""
+    each method's overlap efficiency against NCCL+cuBLAS. ``gemm``: the local GEMM where it is not ``a @ b``
+    (fp8: ``torch._scaled_mm``; no Triton GEMM then); ``tune_op``: the autotuner's key where it is not ``op``
+    (the op's scaled calls)."""
     from fluxcompile.lowerings import autotune
 
     a, b = gemm_operands
-    tg = triton_gemm(a, b) if args.triton_gemm else None
-    timed_methods = {"cublas": lambda: a @ b, **methods}
+    tg = triton_gemm(a, b) if args.triton_gemm and gemm is None else None
+    timed_methods = {"cublas": gemm or (lambda: a @ b), **methods}
     if tg is not None:
         timed_methods["triton"] = tg
     host: dict[str, float] = {}
@@ -123,8 +127,8 @@ def overlap_row(
     t["pipelined"] = timed(pipelined, args, spread)
     t["pipelined_min"], t["pipelined_max"] = spread["min"], spread["max"]
     t["pipelined_graph"] = graph_time(pipelined, args)
-    t["choice"] = autotune.pick(op, tune_args, group).name
-    t["choices_ms"] = tuned_times(op, tune_args, group)
+    t["choice"] = autotune.pick(tune_op or op, tune_args, group).name
+    t["choices_ms"] = tuned_times(tune_op or op, tune_args, group)
     ect_nccl = t["nccl_cublas"] - t["gemm"]
     m, n, k = mnk
     row = {"op": op, "model": model, "m": m, "n": n, "k": k, "queued_us": queued_us(args), **t}

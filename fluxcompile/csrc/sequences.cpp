@@ -12,6 +12,57 @@ void check_lengths(size_t n, std::initializer_list<size_t> sizes) {
   for (size_t s : sizes) TORCH_CHECK(s == n, "fluxcompile: plan lists of different lengths");
 }
 
+Scaling scaling_of(const std::vector<at::Tensor>& a_scales, const std::vector<at::Tensor>& b_scales,
+                   std::optional<at::ScalarType> out_dtype, bool fast_accum, size_t matmuls) {
+  Scaling s{a_scales, b_scales, out_dtype, fast_accum};
+  if (!s.on()) {
+    TORCH_CHECK(a_scales.empty() && !out_dtype.has_value(), "fluxcompile: A scales or out_dtype without B scales");
+    return s;
+  }
+  TORCH_CHECK(a_scales.size() == matmuls && b_scales.size() == matmuls,
+              "fluxcompile: scaled matmuls need one A and one B scale per matmul");
+  for (auto& t : s.a_scales) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "fluxcompile: scales are float32");
+    if (t.numel() > 1) t = t.reshape({-1, 1});  // row-wise: [rows, 1], unit strides
+  }
+  for (auto& t : s.b_scales) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "fluxcompile: scales are float32");
+    if (t.numel() > 1) t = t.reshape({1, -1});
+  }
+  return s;
+}
+
+std::vector<at::Tensor> Scaling::tensors() const {
+  std::vector<at::Tensor> all = a_scales;
+  all.insert(all.end(), b_scales.begin(), b_scales.end());
+  return all;
+}
+
+int64_t Scaling::word() const {
+  const int64_t dtype = out_dtype.has_value() ? static_cast<int64_t>(*out_dtype) : -1;
+  return on() ? (dtype + 2) * 2 + (fast_accum ? 1 : 0) : 0;
+}
+
+void matmul_out(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                const Scaling& scaling, size_t i, int64_t lo) {
+  if (!scaling.on()) {
+    if (bias.has_value()) {
+      at::addmm_out(out, *bias, a, b);
+    } else {
+      at::mm_out(out, a, b);
+    }
+    return;
+  }
+  at::Tensor sa = scaling.a_scales[i];
+  if (sa.numel() > 1) sa = sa.narrow(0, lo, a.size(0));
+  at::_scaled_mm_out(out, a, b, sa, scaling.b_scales[i], bias, std::nullopt, scaling.out_dtype, scaling.fast_accum);
+}
+
+at::TensorOptions product_options(const at::Tensor& a, const Scaling& scaling) {
+  if (!scaling.on()) return a.options();
+  return a.options().dtype(scaling.out_dtype.value_or(a.scalar_type()));
+}
+
 void send_block(const c10::cuda::CUDAStream& side, int64_t done, const at::Tensor& dst, const at::Tensor& src,
                 int64_t ready) {
   consume_flag(side, done);

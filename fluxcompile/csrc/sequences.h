@@ -31,6 +31,29 @@ enum SequenceId : int64_t {
 // ---- steps shared by both families (sequences.cpp) ----
 void check_lengths(size_t n, std::initializer_list<size_t> sizes);
 
+// The scaling of a call's matmuls (fp8: torch._scaled_mm, ops.py "Scaled matmuls"); none where b_scales is empty.
+// a_scales[i] scales the i-th matmul's left operand: one element, or one per row ([rows, 1], taken with the rows);
+// b_scales[i] its weight: one element, or [1, n]. The sequences that take one pass it on from Python as four
+// arguments after their others (scaling_of).
+struct Scaling {
+  std::vector<at::Tensor> a_scales, b_scales;
+  std::optional<at::ScalarType> out_dtype;
+  bool fast_accum = false;
+  bool on() const { return !b_scales.empty(); }
+  // The key words of a replay: the scales' addresses, the dtype and the flag.
+  std::vector<at::Tensor> tensors() const;
+  int64_t word() const;
+};
+Scaling scaling_of(const std::vector<at::Tensor>& a_scales, const std::vector<at::Tensor>& b_scales,
+                   std::optional<at::ScalarType> out_dtype, bool fast_accum, size_t matmuls);
+
+// out <- a @ b (+ bias): mm/addmm, or, where `scaling` is on, its i-th scaled matmul, a being rows lo .. of the
+// operand its row-wise scale belongs to.
+void matmul_out(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                const Scaling& scaling, size_t i, int64_t lo);
+// The options of a call's products: the operand's, with the scaled matmuls' out_dtype.
+at::TensorOptions product_options(const at::Tensor& a, const Scaling& scaling);
+
 // On `side`: once the peer has freed its slot (its done flag), the copy engine moves `src` into it (peer to
 // peer), then the peer's ready flag.
 void send_block(const c10::cuda::CUDAStream& side, int64_t done, const at::Tensor& dst, const at::Tensor& src,
@@ -50,7 +73,9 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
                         const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
                         const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
                         const std::vector<int64_t>& out_shape, int64_t rank, int64_t rows, bool push,
-                        int64_t side_handle, int64_t graphs);
+                        int64_t side_handle, int64_t graphs, const std::vector<at::Tensor>& a_scales,
+                        const std::vector<at::Tensor>& b_scales, std::optional<at::ScalarType> out_dtype,
+                        bool fast_accum);
 at::Tensor rs_addmm(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
                     const std::optional<at::Tensor>& bias, std::vector<at::Tensor> peer_slots,
                     const std::vector<at::Tensor>& stage_slots, const at::Tensor& own_slot,
@@ -65,7 +90,9 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
                    const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
                    const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
                    const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
-                   int64_t rows, int64_t tail, int64_t side_handle, int64_t graphs);
+                   int64_t rows, int64_t tail, int64_t side_handle, int64_t graphs,
+                   const std::vector<at::Tensor>& a_scales, const std::vector<at::Tensor>& b_scales,
+                   std::optional<at::ScalarType> out_dtype, bool fast_accum);
 at::Tensor rs_stages(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
                      const std::optional<at::Tensor>& bias, const at::Tensor& stage_all,
                      std::vector<at::Tensor> peer_slots, const at::Tensor& own_slot, const at::Tensor& own_slots,
@@ -83,14 +110,16 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
     const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
-    const std::vector<int64_t>& compute_handles, int64_t graphs, bool return_A);
+    const std::vector<int64_t>& compute_handles, int64_t graphs, bool return_A, const std::vector<at::Tensor>& a_scales,
+    const std::vector<at::Tensor>& b_scales, std::optional<at::ScalarType> out_dtype, bool fast_accum);
 std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,
     std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t side_handle, int64_t graphs);
+    int64_t side_handle, int64_t graphs, const std::vector<at::Tensor>& a_scales,
+    const std::vector<at::Tensor>& b_scales, std::optional<at::ScalarType> out_dtype, bool fast_accum);
 std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_lead(
     const at::Tensor& a_local, const std::vector<at::Tensor>& Bs,
     const std::vector<std::optional<at::Tensor>>& biases, const std::vector<int64_t>& gathered_shape,

@@ -28,17 +28,11 @@ std::optional<at::Tensor> gathered_output(bool return_A, const std::vector<int64
   return at::empty(shape, a.options());
 }
 
-// Rows lo .. lo + a.size(0) of every output: a @ B_i (+ bias_i).
+// Rows lo .. lo + a.size(0) of every output: a @ B_i (+ bias_i), scaled by `scaling` where it is on (a's rows
+// are rows lo .. of the gathered operand).
 void mm_at(const at::Tensor& a, const std::vector<at::Tensor>& Bs, const std::vector<std::optional<at::Tensor>>& biases,
-           std::vector<at::Tensor>& outs, int64_t lo) {
-  for (size_t i = 0; i < Bs.size(); ++i) {
-    at::Tensor dst = outs[i].narrow(0, lo, a.size(0));
-    if (biases[i].has_value()) {
-      at::addmm_out(dst, *biases[i], a, Bs[i]);
-    } else {
-      at::mm_out(dst, a, Bs[i]);
-    }
-  }
+           std::vector<at::Tensor>& outs, int64_t lo, const Scaling& scaling = {}) {
+  for (size_t i = 0; i < Bs.size(); ++i) matmul_out(outs[i].narrow(0, lo, a.size(0)), a, Bs[i], biases[i], scaling, i, lo);
 }
 
 // One [m, N_i] output per weight.
@@ -64,8 +58,10 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
     const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
     const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
     const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world, int64_t side_handle,
-    const std::vector<int64_t>& compute_handles, int64_t graphs, bool return_A) {
+    const std::vector<int64_t>& compute_handles, int64_t graphs, bool return_A, const std::vector<at::Tensor>& a_scales,
+    const std::vector<at::Tensor>& b_scales, std::optional<at::ScalarType> out_dtype, bool fast_accum) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  const Scaling scaling = scaling_of(a_scales, b_scales, out_dtype, fast_accum, Bs.size());
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
                         ready_mine.size(), done_theirs.size()});
@@ -81,7 +77,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
   const std::optional<at::Tensor> gathered = gathered_output(return_A, gathered_shape, a_local);
   std::optional<at::Tensor> rows_of;  // rank i's rows (no leading dims before the gather dim)
   if (gathered.has_value()) rows_of = gathered->view({world, rows, k});
-  std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
+  std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, product_options(a_local, scaling));
 
   const auto gemms = gemm_stream(device);
   std::vector<c10::cuda::CUDAStream> with_gemms = gemm_streams;  // their cuBLAS workspaces before a capture
@@ -95,13 +91,13 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
     if (concurrent) {
       for (const auto& s : compute) join(s, main);  // A, the outputs and the flag resets are ready
     }
-    mm_at(a_local, Bs, biases, outs, rank * rows);
+    mm_at(a_local, Bs, biases, outs, rank * rows, scaling);
     for (size_t j = 0; j < peers; ++j) {
       const auto& s = compute[j];
       c10::cuda::CUDAStreamGuard on_s(s);
       consume_flag(s, ready_mine[j]);
       if (rows_of.has_value()) join(side, s);
-      mm_at(my_slots[j], Bs, biases, outs, order[j] * rows);
+      mm_at(my_slots[j], Bs, biases, outs, order[j] * rows, scaling);
       // After the GEMM's launch: the copy fills the SMs the GEMM leaves rather than delay its start.
       if (rows_of.has_value()) copy_async(rows_of->select(0, order[j]), my_slots[j], side);
     }
@@ -114,7 +110,7 @@ std::tuple<std::optional<at::Tensor>, std::vector<at::Tensor>> ag_pipelined(
   auto issue = [&] { on_gemm_stream(gemms, sequence); };
   replays().run(key_of(int64_t{kAgPipelined}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
                        ready_theirs, ready_mine, done_theirs, rank, world, side_handle, compute_handles, gathered,
-                       outs),
+                       outs, scaling.tensors(), scaling.word()),
                 graphs, device, issue, with_gemms);
   return {gathered, outs};
 }
@@ -133,8 +129,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
     std::vector<at::Tensor> peer_slots, const std::vector<at::Tensor>& my_slots, const std::vector<int64_t>& order,
     const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
     const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs, int64_t rank, int64_t world,
-    int64_t side_handle, int64_t graphs) {
+    int64_t side_handle, int64_t graphs, const std::vector<at::Tensor>& a_scales,
+    const std::vector<at::Tensor>& b_scales, std::optional<at::ScalarType> out_dtype, bool fast_accum) {
   TORCH_CHECK(Bs.size() == biases.size(), "fluxcompile: one bias (or None) per weight");
+  const Scaling scaling = scaling_of(a_scales, b_scales, out_dtype, fast_accum, Bs.size());
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), my_slots.size(), done_mine.size(), ready_theirs.size(),
                         ready_mine.size(), done_theirs.size()});
@@ -145,7 +143,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
 
   at::Tensor gathered = at::empty(gathered_shape, a_local.options());
   at::Tensor rows_of = gathered.view({world, rows, k});
-  std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, a_local.options());
+  std::vector<at::Tensor> outs = empty_outs(Bs, world * rows, product_options(a_local, scaling));
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
     push_shard(side, main, a_local, peer_slots, done_mine, ready_theirs, rows_of, rank);
@@ -155,10 +153,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> ag_unsplit(
     }
     for (size_t j = 0; j < peers; ++j) write_flag(side, done_theirs[j], 1);  // our slots are free again
     join(main, side);
-    mm_at(gathered.view({world * rows, k}), Bs, biases, outs, 0);
+    mm_at(gathered.view({world * rows, k}), Bs, biases, outs, 0, scaling);
   };
   replays().run(key_of(int64_t{kAgUnsplit}, a_local, Bs, biases, peer_slots, my_slots, order, done_mine,
-                       ready_theirs, ready_mine, done_theirs, rank, world, side_handle, gathered, outs),
+                       ready_theirs, ready_mine, done_theirs, rank, world, side_handle, gathered, outs,
+                       scaling.tensors(), scaling.word()),
                 graphs, device, issue);
   return {gathered, outs};
 }

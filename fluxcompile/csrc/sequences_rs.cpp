@@ -33,9 +33,20 @@ void reduce_and_release(const c10::cuda::CUDAStream& main, const std::optional<c
 }
 
 // dst <- sum_i As[i][lo : lo + count] @ Bs[i] (+ bias): the bias goes into the first product and later
-// products accumulate in cuBLAS (fp32) over the sum so far, as in the reference (ops.matmul_sum).
+// products accumulate in cuBLAS (fp32) over the sum so far, as in the reference (ops.matmul_sum). Scaled
+// products (fp8) are added in the products' dtype, as the reference adds them.
 void matmul_rows(const std::vector<at::Tensor>& As, const std::vector<at::Tensor>& Bs,
-                 const std::optional<at::Tensor>& bias, int64_t lo, int64_t count, at::Tensor dst) {
+                 const std::optional<at::Tensor>& bias, int64_t lo, int64_t count, at::Tensor dst,
+                 const Scaling& scaling = {}) {
+  if (scaling.on()) {
+    matmul_out(dst, As[0].narrow(0, lo, count), Bs[0], bias, scaling, 0, lo);
+    for (size_t i = 1; i < As.size(); ++i) {
+      at::Tensor term = at::empty_like(dst);
+      matmul_out(term, As[i].narrow(0, lo, count), Bs[i], std::nullopt, scaling, i, lo);
+      dst.add_(term);
+    }
+    return;
+  }
   if (bias.has_value()) {
     at::addmm_out(dst, *bias, As[0].narrow(0, lo, count), Bs[0]);
   } else {
@@ -63,20 +74,25 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
                         const std::vector<int64_t>& done_mine, const std::vector<int64_t>& ready_theirs,
                         const std::vector<int64_t>& ready_mine, const std::vector<int64_t>& done_theirs,
                         const std::vector<int64_t>& out_shape, int64_t rank, int64_t rows, bool push,
-                        int64_t side_handle, int64_t graphs) {
+                        int64_t side_handle, int64_t graphs, const std::vector<at::Tensor>& a_scales,
+                        const std::vector<at::Tensor>& b_scales, std::optional<at::ScalarType> out_dtype,
+                        bool fast_accum) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
+  const Scaling scaling = scaling_of(a_scales, b_scales, out_dtype, fast_accum, As.size());
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
                         done_theirs.size()});
   if (push) check_lengths(peers, {stage_slots.size()});
   const auto device = As[0].device().index();
   c10::cuda::CUDAGuard guard(As[0].device());
-  at::Tensor out = at::empty(out_shape, As[0].options());
+  at::Tensor out = at::empty(out_shape, product_options(As[0], scaling));
   std::optional<c10::cuda::CUDAStream> side;
   if (push) side = external(side_handle, device);
 
   // Our partial of `owner`'s rows into dst.
-  auto partial = [&](int64_t owner, const at::Tensor& dst) { matmul_rows(As, Bs, bias, owner * rows, rows, dst); };
+  auto partial = [&](int64_t owner, const at::Tensor& dst) {
+    matmul_rows(As, Bs, bias, owner * rows, rows, dst, scaling);
+  };
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
     if (push) {
@@ -99,7 +115,7 @@ at::Tensor rs_pipelined(const std::vector<at::Tensor>& As, const std::vector<at:
   };
   replays().run(key_of(int64_t{kRsPipelined}, As, Bs, bias, peer_slots, stage_slots, own_slot, own_slots, order,
                        done_mine, ready_theirs, ready_mine, done_theirs, out, rank, rows, static_cast<int64_t>(push),
-                       side_handle),
+                       side_handle, scaling.tensors(), scaling.word()),
                 graphs, device, issue);
   return out;
 }
@@ -181,8 +197,11 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
                    const std::vector<int64_t>& order, const std::vector<int64_t>& done_mine,
                    const std::vector<int64_t>& ready_theirs, const std::vector<int64_t>& ready_mine,
                    const std::vector<int64_t>& done_theirs, const std::vector<int64_t>& out_shape, int64_t rank,
-                   int64_t rows, int64_t tail, int64_t side_handle, int64_t graphs) {
+                   int64_t rows, int64_t tail, int64_t side_handle, int64_t graphs,
+                   const std::vector<at::Tensor>& a_scales, const std::vector<at::Tensor>& b_scales,
+                   std::optional<at::ScalarType> out_dtype, bool fast_accum) {
   TORCH_CHECK(!As.empty() && As.size() == Bs.size(), "fluxcompile: need as many left as right operands");
+  const Scaling scaling = scaling_of(a_scales, b_scales, out_dtype, fast_accum, As.size());
   TORCH_CHECK(0 <= tail && tail < rows, "fluxcompile: tail must be in [0, rows)");
   const size_t peers = order.size();
   check_lengths(peers, {peer_slots.size(), done_mine.size(), ready_theirs.size(), ready_mine.size(),
@@ -197,23 +216,24 @@ at::Tensor rs_tail(const std::vector<at::Tensor>& As, const std::vector<at::Tens
   auto issue = [&] {
     const auto main = c10::cuda::getCurrentCUDAStream(device);
     if (tail == 0) {
-      matmul_rows(As, Bs, bias, 0, m, stage_all);
+      matmul_rows(As, Bs, bias, 0, m, stage_all, scaling);
     } else {
-      if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo));
-      if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi));
+      if (lo > 0) matmul_rows(As, Bs, bias, 0, lo, stage_all.narrow(0, 0, lo), scaling);
+      if (hi < m) matmul_rows(As, Bs, bias, hi, m - hi, stage_all.narrow(0, hi, m - hi), scaling);
     }
     join(side, main);
     for (size_t j = 0; j < peers; ++j) {
       send_block(side, done_mine[j], peer_slots[j], stage_all.narrow(0, order[j] * rows, rows), ready_theirs[j]);
     }
-    if (tail > 0) matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail));  // beside the pushes
+    if (tail > 0) matmul_rows(As, Bs, bias, lo, tail, stage_all.narrow(0, lo, tail), scaling);  // beside the pushes
     const at::Tensor mine = stage_all.narrow(0, rank * rows, rows);
     if (own_slots.size(0) > 2) copy_async(own_slot, mine, main);  // so one sum covers every source
     // Joining `side` also lets the next call's GEMM overwrite P only once our pushes have read it.
     reduce_and_release(main, side, mine, own_slots, order, ready_mine, done_theirs, out, rows);
   };
   replays().run(key_of(int64_t{kRsTail}, As, Bs, bias, stage_all, peer_slots, own_slot, own_slots, order, done_mine,
-                       ready_theirs, ready_mine, done_theirs, out, rank, rows, tail, side_handle),
+                       ready_theirs, ready_mine, done_theirs, out, rank, rows, tail, side_handle, scaling.tensors(),
+                       scaling.word()),
                 graphs, device, issue);
   return out;
 }

@@ -12,6 +12,11 @@ Choices, in registration order (the autotuner's tie-break order within a family)
   tiles wait for the chunks of the gathered rows, fed by copy-engine pushes;
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 
+Scaled calls (fp8, ``scaled(OP)``) choose among ``cublas_pipelined`` and its ``:concurrent`` and ``:unsplit``
+variants with ``_scaled_mm`` (cuBLASLt's fp8 GEMM) per block (a tensor-wise A scale), PyTorch's
+``fused_all_gather_scaled_matmul`` (``torch_symm_mem``, which also gathers a row-wise A scale) and the reference
+(NCCL + ``_scaled_mm``).
+
 Every choice is called ``fn(A, Bs, biases, gather_dim, group_size, group_name, return_A=True)`` and returns
 ``(A_gathered, outs)``, or ``(None, outs)`` with ``return_A`` False (the caller does not read the gathered
 operand): a choice that makes the gathered tensor only to return it skips it then.
@@ -53,6 +58,17 @@ _CHOICES = [
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)
+
+# The scaled calls' choices (fp8, ``scaled(OP)``): cuBLASLt's fp8 GEMM (``_scaled_mm``) per block of rows, and
+# PyTorch's async-TP fp8 op.
+_SCALED_CHOICES = [
+    Choice(cublas_pipelined.NAME, _pipelined, cublas_pipelined.supports_scaled),
+    Choice(f"{cublas_pipelined.NAME}:concurrent", functools.partial(_pipelined, concurrent=True), cublas_pipelined.supports_scaled),
+    Choice(f"{cublas_pipelined.NAME}:unsplit", functools.partial(_pipelined, unsplit=True), cublas_pipelined.supports_scaled),
+    Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_scaled_matmul, torch_symm_mem.supports_scaled),
+]  # fmt: skip
+for _choice in _SCALED_CHOICES:
+    register_choice(scaled(OP), _choice)
 
 
 # The choices' keyword arguments of a call that does not read the gathered operand (its own call signature).

@@ -41,6 +41,7 @@ from ...kernels.sequencer import graph_limit, sequencer, unavailable
 from ...symm_mem import Comm, Workspace, comm_for
 from ...symm_mem.exchange import Handshake, gather_send_order, handshake, slice_rows, slot_bytes, stage_plan
 from ...symm_mem.workspace import generation as workspace_generation
+from ..scaling import rowwise, scaling_supports, sequence_args
 from .layout import layout_supports, shard_layout
 
 NAME = "cublas_pipelined"
@@ -53,6 +54,19 @@ def supports(
 ) -> str | None:
     """None when this choice handles the call, else why not (the same answer on every rank)."""
     return layout_supports(A, Bs, biases, gather_dim, group_size) or unavailable()
+
+
+def supports_scaled(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
+    A_scale: Tensor, B_scales: Sequence[Tensor], out_dtype: torch.dtype | None, use_fast_accum: bool,
+) -> str | None:  # fmt: skip
+    """``supports`` of the scaled calls (fp8: ``_scaled_mm`` per block of rows, cuBLASLt's fp8 GEMM): a tensor-wise
+    A scale (a row-wise one would travel with the rows; PyTorch's choice gathers it)."""
+    why = layout_supports(A, Bs, biases, gather_dim, group_size, scaled=True)
+    why = why or scaling_supports([A] * len(Bs), Bs, biases, [A_scale] * len(Bs), B_scales, out_dtype)
+    if why is None and rowwise(A_scale):
+        why = "a row-wise A scale (it would travel with the rows)"
+    return why or unavailable()
 
 
 def _slots_abut(A: Tensor) -> str | None:
@@ -140,6 +154,8 @@ def plan(shard_rows: int, k: int, dtype: torch.dtype, group_size: int, group_nam
 
 def all_gather_matmul(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str,
+    A_scale: Tensor | None = None, B_scales: Sequence[Tensor] | None = None, out_dtype: torch.dtype | None = None,
+    use_fast_accum: bool = False,
     *,
     concurrent: bool = False,
     unsplit: bool = False,
@@ -149,7 +165,12 @@ def all_gather_matmul(
 ) -> tuple[Tensor | None, list[Tensor]]:
     """The fused op's signature and outputs; at most one of the variant arguments is set (see the module). With
     ``return_A`` False the C++ sequences neither assemble nor return the gathered output, but ``:unsplit``, whose
-    GEMMs read it."""
+    GEMMs read it. With scales (``supports_scaled``), every GEMM is ``_scaled_mm`` (the default, ``:concurrent``
+    and ``:unsplit`` only)."""
+    n = len(Bs)
+    scaling = sequence_args(n, None if A_scale is None else [A_scale] * n, B_scales, out_dtype, use_fast_accum)
+    if B_scales is not None and (lead or groups):
+        raise ValueError(f"fluxcompile: {NAME} lead={lead} groups={groups} takes no scaled matmuls")
     A, rows, k, gathered_shape = shard_layout(A, gather_dim, group_size)
     p = plan(rows, k, A.dtype, group_size, group_name)
     a = A.view(rows, k)
@@ -170,11 +191,11 @@ def all_gather_matmul(
                 *common, p.buffer, *p.hs.lists, p.rank, p.world, js, flat, side, graph_limit(), return_A
             )
     elif unsplit:
-        result = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit())
+        result = seq.ag_unsplit(*common, p.my_slots, *p.hs.lists, p.rank, p.world, side, graph_limit(), *scaling)
     else:
         compute = [_compute_stream(j).cuda_stream for j in range(p.world - 1)] if concurrent else []
         result = seq.ag_pipelined(
-            *common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit(), return_A
+            *common, p.my_slots, *p.hs.lists, p.rank, p.world, side, compute, graph_limit(), return_A, *scaling
         )
     p.hs.note()
     A_gathered, outs = result

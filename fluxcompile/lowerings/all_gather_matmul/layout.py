@@ -10,10 +10,12 @@ from torch import Tensor
 
 
 def layout_supports(
-    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int
-) -> str | None:
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int,
+    scaled: bool = False,
+) -> str | None:  # fmt: skip
     """None when each rank's rows are one block of the gathered ``[M, K]`` and the operands suit per-block GEMMs
-    into row ranges of the outputs (the layout every all-gather choice here relies on), else why not."""
+    into row ranges of the outputs (the layout every all-gather choice here relies on), else why not. ``scaled``:
+    the matmuls are fp8 ``_scaled_mm``s, whose dtypes ``lowerings.scaling`` checks."""
     if not A.is_cuda:
         return "needs CUDA tensors"
     if group_size < 2:
@@ -22,7 +24,7 @@ def layout_supports(
         # Each rank's rows would be interleaved in the flattened [M, K]: per-chunk products would land in
         # strided rows (a copy), so the reference does it better.
         return "gather dim has a leading dim of size > 1"
-    if any(b.dtype != A.dtype for b in Bs) or any(x is not None and x.dtype != A.dtype for x in biases):
+    if not scaled and (any(b.dtype != A.dtype for b in Bs) or any(x is not None and x.dtype != A.dtype for x in biases)):
         return "mixed dtypes"
     if any(x is not None and x.dim() > 1 and x.shape[0] != 1 for x in biases):
         return "a bias with rows (only [N] or [1, N] biases are split by rows)"

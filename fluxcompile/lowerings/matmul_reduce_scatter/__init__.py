@@ -10,6 +10,10 @@ Choices, in registration order (the autotuner's tie-break order within a family)
   whose epilogue adds the running sums the next rank pushed, sub-chunk by sub-chunk (the variants built with
   the ring's source, ``cutlass_gemm.ring_variants()``);
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
+
+Scaled calls (fp8, ``scaled(OP)``) choose among ``cublas_pipelined`` and its ``:push``, ``:unsplit`` and ``:tail<d>``
+variants with ``_scaled_mm`` (cuBLASLt's fp8 GEMM) per block, PyTorch's ``fused_scaled_matmul_reduce_scatter``
+(``torch_symm_mem``) and the reference (NCCL + ``_scaled_mm``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,22 @@ _CHOICES = [
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)
+
+# The scaled calls' choices (fp8, ``scaled(OP)``): cuBLASLt's fp8 GEMM (``_scaled_mm``) per block of rows, and
+# PyTorch's async-TP fp8 op.
+_scaled_supports = cublas_pipelined.supports_scaled
+_SCALED_CHOICES = [
+    Choice(cublas_pipelined.NAME, _pipelined, _scaled_supports),
+    Choice(f"{cublas_pipelined.NAME}:push", functools.partial(_pipelined, push=True), _scaled_supports),
+    Choice(f"{cublas_pipelined.NAME}:unsplit", functools.partial(_pipelined, unsplit=True), _scaled_supports),
+    *(
+        Choice(f"{cublas_pipelined.NAME}:tail{d}", functools.partial(_pipelined, tail=d), cublas_pipelined.tail_supports(d, scaled=True))
+        for d in cublas_pipelined.TAILS
+    ),
+    Choice(torch_symm_mem.NAME, torch_symm_mem.scaled_matmul_reduce_scatter, torch_symm_mem.supports_scaled),
+]  # fmt: skip
+for _choice in _SCALED_CHOICES:
+    register_choice(scaled(OP), _choice)
 
 
 @cuda_impl(OP, probe=lambda args: args[0][0])

@@ -48,6 +48,7 @@ from ...kernels.sequencer import graph_limit, sequencer, unavailable
 from ...symm_mem import Comm, Workspace, comm_for
 from ...symm_mem.exchange import Handshake, handshake, ring_order, slice_rows, slot_bytes, stage_plan
 from ...symm_mem.workspace import generation as workspace_generation
+from ..scaling import scaling_supports, sequence_args
 from .layout import layout_supports, row_layout
 
 NAME = "cublas_pipelined"
@@ -60,11 +61,22 @@ def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_
     return layout_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) or unavailable()
 
 
-def tail_supports(d: int) -> Callable[..., str | None]:
-    """``supports`` of ``:tail<d>``."""
+def supports_scaled(
+    As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, A_scales, B_scales, out_dtype,
+    use_fast_accum,
+) -> str | None:  # fmt: skip
+    """``supports`` of the scaled calls (fp8: ``_scaled_mm`` per block of rows, cuBLASLt's fp8 GEMM; row-wise A
+    scales are taken with the rows)."""
+    why = layout_supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, scaled=True)
+    return why or scaling_supports(As, Bs, [bias] + [None] * (len(As) - 1), A_scales, B_scales, out_dtype) or unavailable()
 
-    def supports_tail(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
-        reason = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+
+def tail_supports(d: int, scaled: bool = False) -> Callable[..., str | None]:
+    """``supports`` of ``:tail<d>`` (of its scaled calls where ``scaled``)."""
+
+    def supports_tail(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, *scaling) -> str | None:
+        check = supports_scaled if scaled else supports
+        reason = check(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name, *scaling)
         if reason is not None:
             return reason
         rows = row_layout(out_shape, scatter_dim, group_size)[2]
@@ -181,6 +193,8 @@ def plan(
 def matmul_reduce_scatter(
     As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int], scatter_dim: int,
     reduce_op: str, group_size: int, group_name: str,
+    A_scales: Sequence[Tensor] | None = None, B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None, use_fast_accum: bool = False,
     *,
     push: bool = False,
     unsplit: bool = False,
@@ -188,9 +202,15 @@ def matmul_reduce_scatter(
     groups: int = 0,
     addmm: bool = False,
 ) -> Tensor:
-    """The fused op's signature and output; at most one of the variant arguments is set (see the module)."""
+    """The fused op's signature and output; at most one of the variant arguments is set (see the module). With
+    scales (``supports_scaled``), every GEMM is ``_scaled_mm`` into partials of its out_dtype (the default,
+    ``:push``, ``:unsplit`` and ``:tail<d>`` only)."""
+    scaling = sequence_args(len(As), A_scales, B_scales, out_dtype, use_fast_accum)
+    if B_scales is not None and (addmm or groups):
+        raise ValueError(f"fluxcompile: {NAME} addmm={addmm} groups={groups} takes no scaled matmuls")
     whole = unsplit or tail > 0 or groups > 0  # one [M, N] partial in the buffer
-    p = plan(out_shape, scatter_dim, group_size, group_name, As[0].dtype, push and not whole, whole)
+    dtype = (out_dtype or As[0].dtype) if B_scales is not None else As[0].dtype
+    p = plan(out_shape, scatter_dim, group_size, group_name, dtype, push and not whole, whole)
     seq, As, Bs = sequencer(), list(As), list(Bs)
     flags = (*p.hs.lists, p.shape, p.rank, p.rows)
     if addmm:
@@ -215,12 +235,12 @@ def matmul_reduce_scatter(
             raise ValueError(f"fluxcompile: {NAME} tail={tail} does not apply to {p.rows} rows per rank")
         out = seq.rs_tail(
             As, Bs, bias, p.stage_all, p.peer_slots, p.own_slot, p.own_slots, *flags, rows,
-            p.comm.side.cuda_stream, graph_limit(),
+            p.comm.side.cuda_stream, graph_limit(), *scaling,
         )  # fmt: skip
     else:
         out = seq.rs_pipelined(
             As, Bs, bias, p.peer_slots, p.stage_slots, p.own_slot, p.own_slots, *flags, push,
-            p.comm.side.cuda_stream if push else 0, graph_limit(),
+            p.comm.side.cuda_stream if push else 0, graph_limit(), *scaling,
         )  # fmt: skip
     p.hs.note()
     return out

@@ -31,9 +31,11 @@ def layout_supports(
     scatter_dim: int,
     reduce_op: str,
     group_size: int,
+    scaled: bool = False,
 ) -> str | None:
     """None when each owner's rows are one block of the flattened ``[M, N]`` and the operands suit per-block
-    GEMMs (the layout every reduce-scatter choice here relies on), else why not."""
+    GEMMs (the layout every reduce-scatter choice here relies on), else why not. ``scaled``: the matmuls are fp8
+    ``_scaled_mm``s, whose dtypes ``lowerings.scaling`` checks."""
     if reduce_op != "sum":
         return f"reduce_op {reduce_op!r}: only 'sum' is implemented"
     if group_size < 2:
@@ -53,9 +55,9 @@ def layout_supports(
     if not As or len(As) != len(Bs):
         return "need as many left as right operands"
     dtype = As[0].dtype
-    if any(t.dtype != dtype for t in (*As, *Bs)) or (bias is not None and bias.dtype != dtype):
+    if not scaled and (any(t.dtype != dtype for t in (*As, *Bs)) or (bias is not None and bias.dtype != dtype)):
         return "mixed dtypes"
-    if dtype not in _DTYPES:
+    if not scaled and dtype not in _DTYPES:
         return f"dtype {dtype}"
     m, n = math.prod(out_shape[:-1]), out_shape[-1]
     for a, b in zip(As, Bs):
