@@ -270,14 +270,25 @@ def build_model(shape: Shape, device: str, dtype: torch.dtype) -> torch.nn.Modul
     return model.to(dtype)
 
 
-def parallelize(model: torch.nn.Module, mesh: Any, sequence_parallel: bool) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, mesh: Any, sequence_parallel: bool, float8: str = "") -> torch.nn.Module:
+    """TP over ``mesh``; ``float8`` (a torchao recipe the model was converted with): its TP styles where torchtitan
+    uses them (tensor-wise: torchao's float8 styles; row-wise: PyTorch's plain ones)."""
     from fluxcompile.models.llama import Block, parallelize_block
 
+    styles = float8 == "tensorwise"
     if isinstance(model, Block):
-        return parallelize_block(model, mesh, sequence_parallel)
+        return parallelize_block(model, mesh, sequence_parallel, styles)
     for block in model:
-        parallelize_block(block, mesh, sequence_parallel)
+        parallelize_block(block, mesh, sequence_parallel, styles)
     return model
+
+
+def convert_float8(model: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    """The model's linears as torchao's ``Float8Linear`` with ``recipe`` (tensorwise, rowwise), as torchtitan's
+    float8 converter does."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
 def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime: str, size: int) -> dict:
@@ -309,7 +320,7 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
     zero = ZeroCommPass()
     failed: dict[str, str] = {}
     for name in variants:
-        mods[name] = parallelize(copy.deepcopy(base), mesh, sp)  # fresh copy, same weights
+        mods[name] = parallelize(copy.deepcopy(base), mesh, sp, args.float8)  # fresh copy, same weights
         censuses[name] = Census()
         t0 = time.time()
         try:
@@ -712,6 +723,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, float32 (tests)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument(
+        "--float8", choices=["", "tensorwise", "rowwise"], default="",
+        help="torchao float8 training with this recipe (tensorwise: torchao's float8 TP styles, as torchtitan)",
+    )
     a = p.parse_args(argv)
     a.shape = Shape(8192, 64, 28672, a.layers) if a.big else Shape(layers=a.layers)
     for f in ("dim", "heads", "ffn", "kv_heads"):
@@ -758,6 +773,12 @@ def bench(args: argparse.Namespace) -> list[dict]:
 def _bench_cases(args: argparse.Namespace, mesh: Any) -> list[dict]:
     rank = dist.get_rank()
     base = build_model(args.shape, args.device, args.torch_dtype)
+    if args.float8:
+        base = convert_float8(base, args.float8)
+        if args.device == "cpu":  # gloo moves no fp8: the CPU tests' transport moves its gathers as bytes
+            from fluxcompile.testing import fp8_gloo
+
+            fp8_gloo.install()
     start = time.time()
     rows: list[dict] = []
     for regime, size in args.cases:

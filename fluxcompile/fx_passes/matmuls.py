@@ -44,6 +44,20 @@ def scaled_mm_args(node: Node) -> dict[str, object]:
     return args
 
 
+def same_value(x: object, y: object, depth: int = 4) -> bool:
+    """Whether ``x`` and ``y`` are the same value: the same node, or the same op of the same arguments (within
+    ``depth`` levels): each of torchao's float8 linears takes the reciprocal of the one scale of their shared input."""
+    if x is y:
+        return True
+    if not (isinstance(x, Node) and isinstance(y, Node)) or depth == 0:
+        return x == y if not isinstance(x, Node) and not isinstance(y, Node) else False
+    if x.op != "call_function" or y.op != "call_function" or x.target != y.target or x.kwargs != y.kwargs:
+        return False
+    if len(x.args) != len(y.args):
+        return False
+    return all(same_value(a, b, depth - 1) for a, b in zip(x.args, y.args))
+
+
 def _one_element(node: object) -> bool:
     v = val(node) if isinstance(node, Node) else None
     return isinstance(v, torch.Tensor) and v.numel() == 1
@@ -148,7 +162,7 @@ def _scaled_consumer(node: Node, downstream: set[Node], found: Consumers) -> str
             "(quantized after it)"
         )
     scaling = Scaling(a["out_dtype"], bool(a["use_fast_accum"]))
-    if found.matmuls and (found.scaling != scaling or found.matmuls[0].scale_a is not a["scale_a"]):
+    if found.matmuls and (found.scaling != scaling or not same_value(found.matmuls[0].scale_a, a["scale_a"])):
         first = found.matmuls[0].node.name
         return f"{node.name} is scaled differently from {first} (scale, out_dtype or fast accumulation)"
     found.scaling = scaling

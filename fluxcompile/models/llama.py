@@ -77,37 +77,45 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def tp_plan(sequence_parallel: bool) -> dict[str, object]:
-    """torchtitan's plan for one block: column-parallel q,k,v,w1,w3; row-parallel wo,w2; SP norms."""
+def tp_plan(sequence_parallel: bool, float8: bool = False) -> dict[str, object]:
+    """torchtitan's plan for one block: column-parallel q,k,v,w1,w3; row-parallel wo,w2; SP norms. ``float8``:
+    torchao's float8 TP styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``:
+    the gathers move fp8 bytes), as torchtitan uses them for the tensor-wise float8 recipe; the block's linears
+    must be torchao's ``Float8Linear`` (``convert_to_float8_training``)."""
+    col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:
+        from torchao.float8 import float8_tensor_parallel as f8tp
+
+        col, row, prepare = f8tp.Float8ColwiseParallel, f8tp.Float8RowwiseParallel, f8tp.PrepareFloat8ModuleInput
     if not sequence_parallel:
         return {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
+            "attention.wq": col(),
+            "attention.wk": col(),
+            "attention.wv": col(),
+            "attention.wo": row(),
+            "feed_forward.w1": col(),
+            "feed_forward.w3": col(),
+            "feed_forward.w2": row(),
         }
-    gather_input = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "attention_norm": SequenceParallel(),
-        "attention": gather_input,
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attention.wq": col(),
+        "attention.wk": col(),
+        "attention.wv": col(),
+        "attention.wo": row(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": col(),
+        "feed_forward.w3": col(),
+        "feed_forward.w2": row(output_layouts=Shard(1)),
     }
 
 
-def parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool = True) -> Block:
+def parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool = True, float8: bool = False) -> Block:
     """Shard ``block`` over the 1-D ``mesh`` in place. With SP, the block takes and returns tensors
-    sharded on the sequence dim (dim 1); without, replicated ones."""
+    sharded on the sequence dim (dim 1); without, replicated ones. ``float8``: torchao's float8 TP styles
+    (``tp_plan``)."""
     tp = mesh.size()
     attention = block.attention
     if attention.n_heads % tp or attention.n_kv_heads % tp:
@@ -116,4 +124,4 @@ def parallelize_block(block: Block, mesh: DeviceMesh, sequence_parallel: bool = 
         )
     attention.n_heads //= tp
     attention.n_kv_heads //= tp
-    return parallelize_module(block, mesh, tp_plan(sequence_parallel))
+    return parallelize_module(block, mesh, tp_plan(sequence_parallel, float8))
