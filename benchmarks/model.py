@@ -398,6 +398,11 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
         t = timed_rounds(fns, args.warmup, args.rounds, per_round, device, host)
         row["us"] = {k: v / n for k, v in t.items()}
         row["host_us"] = {k: v / n for k, v in host.items()}
+        if args.profile and device == "cuda":
+            row["profile"] = {k: profile_kernels(fn, args.profile_top) for k, fn in fns.items() if k in args.profile}
+            if rank == 0:
+                for k, text in row["profile"].items():
+                    print(f"-- profile, {regime} {size}, {k} (rank 0, one call; GPU µs by kernel):\n{text}", flush=True)
         if rank == 0 and host:
             print(
                 f"[{regime} {size}] host µs per call (GPU µs): "
@@ -410,6 +415,28 @@ def run_case(args: argparse.Namespace, mesh: Any, base: torch.nn.Module, regime:
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def profile_kernels(fn: Callable[[], Any], top: int) -> str:
+    """One call of ``fn`` under torch.profiler (after a warm call): the ``top`` kernels by total GPU time, with
+    their counts, the total, and the call's wall time on the GPU (first kernel start to last kernel end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.device_time)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    total = sum(sum(v) for v in by_name.values())
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
+    lines = [f"   {sum(v):9.1f} {len(v):4d}  {name[:110]}" for name, v in rows[:top]]
+    lines.append(f"   {total:9.1f}       total kernel time; GPU span {span:.1f} µs")
+    return "\n".join(lines)
 
 
 def _step(
@@ -723,6 +750,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: gloo, float32 (tests)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    p.add_argument(
+        "--profile", type=lambda v: v.split(","), default=[],
+        help="comma-separated variants to profile once per case after timing (top kernels by GPU time)",
+    )
+    p.add_argument("--profile-top", type=int, default=25)
     p.add_argument(
         "--float8", choices=["", "tensorwise", "rowwise"], default="",
         help="torchao float8 training with this recipe (tensorwise: torchao's float8 TP styles, as torchtitan)",

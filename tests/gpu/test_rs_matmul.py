@@ -79,7 +79,7 @@ def _supported_or_skip(choice, args) -> None:
             pytest.skip(f"torch_symm_mem: {why}")
         if (":tail" in choice.name or ":pushadd" in choice.name) and "is under 64" in why:
             pytest.skip(f"{choice.name}: {why}")
-        if ":addmm" in choice.name and "two ranks only" in why:
+        if (":addmm" in choice.name or ":pushadd" in choice.name) and "two ranks only" in why:
             pytest.skip(f"{choice.name}: {why}")
         raise AssertionError(f"{choice.name} declines: {why}")
 
