@@ -51,10 +51,11 @@ IMPLEMENTATIONS = (
     "torch_symm_mem",  # PyTorch's symm_mem fused ops and all-reduces
     "schedules",  # the schedule language's all-reduce choices (schedules/gpu_executor.py)
     "cutlass",  # the Flux-style CUTLASS GEMMs (csrc/flux_gemm.cuh; Hopper; built on first use)
+    "rs_ring",  # off by default: the reduce-scatter's ring in one CUTLASS GEMM ("cutlass:<variant>" of that op)
     "reference",  # the collective, then the matmuls (NCCL/gloo + cuBLAS): runs everywhere
 )
 # The families that are off by default: each runs only while its ``experimental_<family>`` field is on as well.
-EXPERIMENTAL = ("triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe")
+EXPERIMENTAL = ("triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe", "rs_ring")
 # Family names of the previous release, accepted in ``implementations`` until the next one: what each stands for.
 OLD_FAMILIES = {"triton": ("triton_ag", "triton_rs", "decode", "moe", "dlrm"), "cuda": ("decode", "gemv_peers")}
 _families = list(IMPLEMENTATIONS)
@@ -132,6 +133,9 @@ class Config:
     # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py; README,
     # "Mixture-of-experts and DLRM").
     experimental_moe: bool = _field(False, tuning=True)
+    # The reduce-scatter's CUTLASS ring (lowerings/matmul_reduce_scatter/cutlass.py): between four GPUs its waits
+    # timed out (BENCHMARKS.md, "GPU test runs"), so it runs only where switched on.
+    experimental_rs_ring: bool = _field(False, tuning=True)
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).

@@ -29,6 +29,7 @@ FAMILY_OF = {
     ("all_to_all_matmul", "triton:"): "moe",
     ("matmul_all_to_all", "triton:"): "moe",
     ("embedding_bag_all_to_all", "triton:"): "dlrm",
+    ("matmul_reduce_scatter", "cutlass:"): "rs_ring",
 }
 
 
@@ -62,7 +63,7 @@ def test_every_registered_choice_has_one_listed_family():
 def test_each_old_switch_is_one_family():
     assert set(OLD_SWITCHES.values()) | set(EXPERIMENTAL) == {
         "decode", "gemv_peers", "schedules", "cutlass", "dlrm", "triton_ag", "triton_rs", "ag_stages", "rs_stages",
-        "moe",
+        "moe", "rs_ring",
     }  # fmt: skip
     fields = {f for f in Config.__dataclass_fields__ if f.startswith("experimental_")}
     assert fields == {f"experimental_{family}" for family in EXPERIMENTAL}  # only the families off by default
