@@ -118,7 +118,49 @@ struct LtPlan {
 };
 
 cudaDataType_t lt_type(at::ScalarType t) {
-  return t == at::kBFloat16 ? CUDA_R_16BF : t == at::kHalf ? CUDA_R_16F : CUDA_R_32F;
+  switch (t) {
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
+    case at::kFloat8_e5m2: return CUDA_R_8F_E5M2;
+    default: return CUDA_R_32F;
+  }
+}
+
+// The per-device handles of both entries (made on first use, kept for the process).
+constexpr int kMaxDevices = 64;
+cublasLtHandle_t handle_for(const Lt& api, int device) {
+  static cublasLtHandle_t handles[kMaxDevices] = {};
+  if (handles[device] == nullptr && api.create(&handles[device]) != CUBLAS_STATUS_SUCCESS) handles[device] = nullptr;
+  return handles[device];
+}
+
+// The heuristic's first algorithm for a plan's descriptors, with no workspace and the operands' alignments.
+bool pick_algo(const Lt& api, cublasLtHandle_t handle, LtPlan& p, const std::vector<uint32_t>& align) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  bool good = api.pref_create(&pref) == CUBLAS_STATUS_SUCCESS;
+  auto pset = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t size) {
+    good = good && api.pref_set(pref, attr, v, size) == CUBLAS_STATUS_SUCCESS;
+  };
+  const uint64_t no_workspace = 0;
+  pset(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace, sizeof(no_workspace));
+  pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align[0], sizeof(uint32_t));
+  pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1], sizeof(uint32_t));
+  pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2], sizeof(uint32_t));
+  pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[3], sizeof(uint32_t));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  good = good && api.heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found) == CUBLAS_STATUS_SUCCESS;
+  if (pref != nullptr) api.pref_destroy(pref);
+  if (good && found > 0) p.algo = result.algo;
+  return good && found > 0;
+}
+
+void drop(const Lt& api, LtPlan& p) {
+  if (p.desc != nullptr) api.desc_destroy(p.desc);
+  for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
+    if (l != nullptr) api.layout_destroy(l);
+  p = LtPlan{};
 }
 
 // D [m, n] (contiguous) = A [m, k] @ B [k, n] + C [m, n] (contiguous, not D) + bias [n]; one rounding.
@@ -127,7 +169,6 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
                const std::optional<at::Tensor>& bias, const c10::cuda::CUDAStream& stream) {
   const Lt& api = lt();
   const auto device = D.device().index();
-  constexpr int kMaxDevices = 64;  // the per-device handles below
   if (!api.ok || device < 0 || device >= kMaxDevices) return false;
   Operand x, y;  // D^T = B^T A^T + C^T: our B is cuBLASLt's A (x), our A its B (y)
   if (!as_operand(B, x) || !as_operand(A, y)) return false;
@@ -143,12 +184,8 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
   static std::mutex mutex;
   std::lock_guard<std::mutex> lock(mutex);
   static std::map<std::vector<int64_t>, LtPlan> plans;
-  static cublasLtHandle_t handles[kMaxDevices] = {};
-  if (handles[device] == nullptr && api.create(&handles[device]) != CUBLAS_STATUS_SUCCESS) {
-    handles[device] = nullptr;
-    return false;
-  }
-  const cublasLtHandle_t handle = handles[device];
+  const cublasLtHandle_t handle = handle_for(api, device);
+  if (handle == nullptr) return false;
   auto it = plans.find(key);
   if (it == plans.end()) {
     LtPlan p;
@@ -166,33 +203,10 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
     good = good && api.layout_create(&p.a, t, x.rows, x.cols, x.ld) == CUBLAS_STATUS_SUCCESS;
     good = good && api.layout_create(&p.b, t, y.rows, y.cols, y.ld) == CUBLAS_STATUS_SUCCESS;
     good = good && api.layout_create(&p.c, t, n, m, n) == CUBLAS_STATUS_SUCCESS;  // C and D alike
-    cublasLtMatmulPreference_t pref = nullptr;
-    good = good && api.pref_create(&pref) == CUBLAS_STATUS_SUCCESS;
-    auto pset = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t size) {
-      good = good && api.pref_set(pref, attr, v, size) == CUBLAS_STATUS_SUCCESS;
-    };
-    const uint64_t no_workspace = 0;
-    const uint32_t align[4] = {static_cast<uint32_t>(align_x), static_cast<uint32_t>(align_y),
-                               static_cast<uint32_t>(align_c), static_cast<uint32_t>(align_d)};
-    pset(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_workspace, sizeof(no_workspace));
-    pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align[0], sizeof(uint32_t));
-    pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align[1], sizeof(uint32_t));
-    pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align[2], sizeof(uint32_t));
-    pset(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[3], sizeof(uint32_t));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    good = good && api.heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found) ==
-                       CUBLAS_STATUS_SUCCESS;
-    if (pref != nullptr) api.pref_destroy(pref);
-    p.ok = good && found > 0;
-    if (p.ok) {
-      p.algo = result.algo;
-    } else {
-      if (p.desc != nullptr) api.desc_destroy(p.desc);
-      for (cublasLtMatrixLayout_t l : {p.a, p.b, p.c})
-        if (l != nullptr) api.layout_destroy(l);
-      p = LtPlan{};
-    }
+    const std::vector<uint32_t> align = {static_cast<uint32_t>(align_x), static_cast<uint32_t>(align_y),
+                                         static_cast<uint32_t>(align_c), static_cast<uint32_t>(align_d)};
+    p.ok = good && pick_algo(api, handle, p, align);
+    if (!p.ok) drop(api, p);
     it = plans.emplace(key, p).first;  // a failed plan is kept too: the fallback from then on
   }
   const LtPlan& plan = it->second;
@@ -210,6 +224,81 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
 #endif
 
 }  // namespace
+
+bool lt_scaled_mm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale_a,
+                  const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, bool fast_accum,
+                  const c10::cuda::CUDAStream& stream) {
+#if FLUXCOMPILE_HAS_LT
+  const Lt& api = lt();
+  const auto device = D.device().index();
+  if (!api.ok || device < 0 || device >= kMaxDevices || !D.is_contiguous() || scale_a.numel() != 1 ||
+      scale_b.numel() != 1 || scale_a.scalar_type() != at::kFloat || scale_b.scalar_type() != at::kFloat)
+    return false;
+  // D^T = B^T A^T: our B (column-major) is cuBLASLt's A, transposed; our A (row-major) its B: the "TN" form
+  // that Hopper's fp8 GEMMs take.
+  Operand x, y;
+  if (!as_operand(B, x) || !as_operand(A, y) || x.op != CUBLAS_OP_T || y.op != CUBLAS_OP_N) return false;
+  const void* bias_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
+  if (bias_ptr != nullptr && (bias->scalar_type() != D.scalar_type() || !bias->is_contiguous())) return false;
+  const int64_t n = D.size(1), m = D.size(0);
+  const uint32_t align_x = alignment(B.data_ptr()), align_y = alignment(A.data_ptr()), align_d = alignment(D.data_ptr());
+  const std::vector<int64_t> key = {device, static_cast<int64_t>(A.scalar_type()), static_cast<int64_t>(B.scalar_type()),
+                                    static_cast<int64_t>(D.scalar_type()), m, n, A.size(1), x.ld, y.ld,
+                                    bias_ptr != nullptr, fast_accum, align_x, align_y, align_d};
+  static std::mutex mutex;  // held until the GEMM is enqueued: the descriptor takes each call's pointers
+  std::lock_guard<std::mutex> lock(mutex);
+  static std::map<std::vector<int64_t>, LtPlan> plans;
+  const cublasLtHandle_t handle = handle_for(api, device);
+  if (handle == nullptr) return false;
+  auto it = plans.find(key);
+  if (it == plans.end()) {
+    LtPlan p;
+    bool good = api.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
+    auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t size) {
+      good = good && api.desc_set(p.desc, attr, v, size) == CUBLAS_STATUS_SUCCESS;
+    };
+    set(CUBLASLT_MATMUL_DESC_TRANSA, &x.op, sizeof(x.op));
+    set(CUBLASLT_MATMUL_DESC_TRANSB, &y.op, sizeof(y.op));
+    const int8_t fast = fast_accum ? 1 : 0;
+    set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
+    if (bias_ptr != nullptr) {
+      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+      set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
+      const cudaDataType_t bias_type = lt_type(D.scalar_type());
+      set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
+    }
+    // Placeholders for the heuristic: each call sets its own scale pointers.
+    const void* unset = scale_a.data_ptr();
+    set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &unset, sizeof(unset));
+    set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &unset, sizeof(unset));
+    good = good && api.layout_create(&p.a, lt_type(B.scalar_type()), x.rows, x.cols, x.ld) == CUBLAS_STATUS_SUCCESS;
+    good = good && api.layout_create(&p.b, lt_type(A.scalar_type()), y.rows, y.cols, y.ld) == CUBLAS_STATUS_SUCCESS;
+    good = good && api.layout_create(&p.c, lt_type(D.scalar_type()), n, m, n) == CUBLAS_STATUS_SUCCESS;
+    p.ok = good && pick_algo(api, handle, p, {align_x, align_y, align_d, align_d});
+    if (!p.ok) drop(api, p);
+    it = plans.emplace(key, p).first;  // a failed plan is kept too: the fallback from then on
+  }
+  const LtPlan& plan = it->second;
+  if (!plan.ok) return false;
+  // cuBLASLt's A is our B: its scale is scale_b; its B is our A.
+  const void* sa = scale_b.data_ptr();
+  const void* sb = scale_a.data_ptr();
+  bool good = api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)) == CUBLAS_STATUS_SUCCESS;
+  good = good && api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)) == CUBLAS_STATUS_SUCCESS;
+  if (bias_ptr != nullptr)
+    good = good && api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)) ==
+                       CUBLAS_STATUS_SUCCESS;
+  if (!good) return false;
+  const float one = 1.0f, zero = 0.0f;
+  const cublasStatus_t rc = api.matmul(handle, plan.desc, &one, B.data_ptr(), plan.a, A.data_ptr(), plan.b, &zero,
+                                       D.data_ptr(), plan.c, D.data_ptr(), plan.c, &plan.algo, nullptr, 0,
+                                       stream.stream());
+  TORCH_CHECK(rc == CUBLAS_STATUS_SUCCESS, "fluxcompile: cublasLtMatmul (fp8) failed (", static_cast<int>(rc), ")");
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool lt_available() {
 #if FLUXCOMPILE_HAS_LT

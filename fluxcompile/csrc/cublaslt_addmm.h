@@ -20,4 +20,12 @@ void add_mm(at::Tensor D, const at::Tensor& C, const at::Tensor& A, const at::Te
 // Whether add_mm finds cuBLASLt (else it copies C into D first).
 bool lt_available();
 
+// D = (A @ B) * scale_a * scale_b (+ bias), fp8 A [m, k] row-major and B [k, n] column-major (torch._scaled_mm's
+// layouts), one-element float32 scales, D bf16/fp16/fp32 (contiguous), by cuBLASLt's fp8 GEMM with one plan per
+// call signature (torch._scaled_mm asks cuBLASLt's heuristic on every call: tens of µs of host time a GEMM).
+// False where cuBLASLt or an algorithm for these operands is missing (the caller falls back to _scaled_mm).
+bool lt_scaled_mm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B, const at::Tensor& scale_a,
+                  const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, bool fast_accum,
+                  const c10::cuda::CUDAStream& stream);
+
 }  // namespace fluxcompile::pipelined

@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "cublaslt_addmm.h"
 #include "memops.h"
 #include "streams.h"
 
@@ -55,6 +56,10 @@ void matmul_out(at::Tensor out, const at::Tensor& a, const at::Tensor& b, const 
   }
   at::Tensor sa = scaling.a_scales[i];
   if (sa.numel() > 1) sa = sa.narrow(0, lo, a.size(0));
+  // Tensor-wise scales by our cuBLASLt plan (no heuristic per call); row-wise ones, or a signature cuBLASLt
+  // declines, by torch's _scaled_mm.
+  const auto stream = c10::cuda::getCurrentCUDAStream(out.device().index());
+  if (lt_scaled_mm(out, a, b, sa, scaling.b_scales[i], bias, scaling.fast_accum, stream)) return;
   at::_scaled_mm_out(out, a, b, sa, scaling.b_scales[i], bias, std::nullopt, scaling.out_dtype, scaling.fast_accum);
 }
 
