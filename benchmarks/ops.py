@@ -233,7 +233,7 @@ def main() -> None:
         elif name == "rs":  # same columns as all-gather: one table, one plot
             rows += ops_rs.bench(args)
         elif name == "fp8":  # the same shapes in fp8 (ops_fp8.py), same columns
-            rows += ops_fp8.bench(args)
+            rows += ops_fp8.bench(args, AG_SHAPES, ops_rs.RS_SHAPES)
         elif name == "decode":  # CUDA-graph timings with their own columns
             extra_tables.append(ops_decode.table(ops_decode.bench(args)))
         else:

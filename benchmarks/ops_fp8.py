@@ -18,18 +18,16 @@ import os
 
 import torch
 import torch.distributed as dist
-from ops_rs import RS_SHAPES
 from overlap import check_numerics, overlap_row, run_shapes
 
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
 
-def bench(args: argparse.Namespace) -> list[dict]:
-    from ops import AG_SHAPES  # ops.py imports this module: its shapes once it is loaded
-
-    rows = run_shapes(AG_SHAPES, _ag_shape, args)
-    rows += run_shapes(RS_SHAPES, _rs_shape, args)
-    rows += run_shapes(RS_SHAPES[-2:], lambda *a: _rs_shape(*a, rowwise=True), args)
+def bench(args: argparse.Namespace, ag_shapes: list[tuple], rs_shapes: list[tuple]) -> list[dict]:
+    """The fp8 rows of ops.py's all-gather shapes and ops_rs.py's reduce-scatter shapes (row-wise: the last two)."""
+    rows = run_shapes(ag_shapes, _ag_shape, args)
+    rows += run_shapes(rs_shapes, _rs_shape, args)
+    rows += run_shapes(rs_shapes[-2:], lambda *a: _rs_shape(*a, rowwise=True), args)
     return rows
 
 

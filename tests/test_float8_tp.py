@@ -203,3 +203,94 @@ def test_tensorwise_float8_llama_block(ranks):
     assert r["counts"] == {"forward": 4, "backward": 4}, r["report"]
     assert "3 scaled matmul(s)" in r["report"] and "sum of 3 scaled matmul(s)" in r["report"], r["report"]
     assert r["error"] <= 1e-5, r["error"]
+
+
+def float8_prefill(recipe: str, float8_styles: bool) -> dict:
+    """Forward only (no grad, as in prefill), sequence parallel, bf16: fluxcompile against plain Inductor and eager,
+    with Inductor's intermediates rounded as eager rounds them."""
+    import fluxcompile
+    from fluxcompile.testing import fp8_gloo
+    from fluxcompile.testing.numerics import rel_err
+
+    fp8_gloo.install()
+    model = _model(recipe, True, float8_styles, False, torch.bfloat16)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(4321)
+    x = torch.randn(2, 14 * world, 64, dtype=torch.bfloat16).chunk(world, dim=1)[rank].contiguous()
+    outs, reports = {}, {}
+    for backend in ("fluxcompile", "inductor", "eager"):
+        m = copy.deepcopy(model)
+        patch = torch._inductor.config.patch(fx_graph_cache=False, emulate_precision_casts=True)
+        with torch.no_grad(), patch, fluxcompile.collect_reports() as rep:
+            y = torch.compile(m, backend=backend)(x) if backend != "eager" else m(x)
+        outs[backend] = y.full_tensor() if hasattr(y, "full_tensor") else y
+        reports[backend] = rep
+    errors = {
+        "inductor": rel_err(outs["fluxcompile"], outs["inductor"]),
+        "eager": rel_err(outs["fluxcompile"], outs["eager"]),
+        "inductor_vs_eager": rel_err(outs["inductor"], outs["eager"]),
+    }
+    return {"errors": errors, "report": str(reports["fluxcompile"])}
+
+
+def _rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's row-wise float8 quantization as its graphs hold it: a power-of-two scale from each row's amax."""
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float64).clamp_min(1e-12)
+    scale = torch.exp2(torch.floor(torch.log2((448.0 / amax).to(torch.float32))))
+    return (x.to(torch.float32) * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def quantize_then_gather(seed: int) -> dict:
+    """An all-gather (sequence dim) whose rows are quantized row-wise and multiplied by two fp8 weights, compiled
+    with fluxcompile (quantization moved before the gather) and with Inductor, and run eagerly."""
+    import warnings
+
+    import torch.distributed._functional_collectives as funcol
+
+    import fluxcompile
+    from fluxcompile.testing import fp8_gloo
+
+    fp8_gloo.install()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_tensor: DTensor's form of the gather
+    torch.manual_seed(seed)
+    ws = [torch.randn(n, 64).to(torch.float8_e4m3fn) for n in (96, 48)]  # [N, K]: nn.Linear's layout
+    sws = [torch.rand(1, n) + 0.5 for n in (96, 48)]
+    torch.manual_seed(seed + 1 + dist.get_rank())
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)  # ragged: 7 rows a rank per sequence
+
+    def layer(x):
+        q, s = _rowwise_quantize(funcol.all_gather_tensor(x, 1, dist.group.WORLD))
+        a, sa = q.reshape(-1, 64), (1.0 / s).reshape(-1, 1)
+        return [torch._scaled_mm(a, w.t(), sa, 1.0 / sw, out_dtype=torch.bfloat16) for w, sw in zip(ws, sws)]
+
+    outs = {}
+    for backend in ("fluxcompile", "inductor", None):
+        torch._dynamo.reset()
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), fluxcompile.collect_reports() as rep:
+            outs[str(backend)] = (torch.compile(layer, backend=backend) if backend else layer)(x)
+        if backend == "fluxcompile":
+            report = str(rep)
+    equal = {k: all(torch.equal(a, b) for a, b in zip(outs["fluxcompile"], outs[k])) for k in ("inductor", "None")}
+    return {"equal": equal, "report": report}
+
+
+def test_quantize_then_gather_equals_gather_then_quantize(ranks):
+    """Row-wise quantization is row-local: quantizing each rank's rows and gathering the fp8 rows with their scales
+    gives bit for bit what gathering bf16 rows and quantizing them gives."""
+    for seed in (0, 1):
+        r = ranks(2).run(quantize_then_gather, seed)[0]
+        assert "row-wise fp8 quantization moved before the gather" in r["report"], r["report"]
+        assert r["equal"] == {"inductor": True, "None": True}, r
+
+
+def test_rowwise_quantization_moves_before_the_gather(ranks):
+    """In the block (prefill: nothing else reads the gathered bf16 rows) both scaled matmuls take the moved
+    quantization's fp8 rows. With Inductor rounding its intermediates as eager does (``emulate_precision_casts``:
+    otherwise it keeps some bf16 values of the fused kernels in fp32, differently around a fused op than around its
+    own matmuls, and fp8 quantization turns that into whole fp8 steps), the block's output equals Inductor's and
+    eager's bit for bit."""
+    r = ranks(2).run(float8_prefill, "rowwise", False)[0]
+    assert "row-wise fp8 quantization moved before the gather" in r["report"], r["report"]
+    assert "2 scaled matmul(s)" in r["report"], r["report"]
+    e = r["errors"]
+    assert e == {"inductor": 0.0, "eager": 0.0, "inductor_vs_eager": 0.0}, e

@@ -25,9 +25,19 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..config import Config
+from . import quantize_first
 from .decide import decide
-from .graph_utils import aten, call, dtype, is_call, shape, single_wait, static_int, val
-from .matmuls import MATMULS, Consumers, find_consumers, matmul_ancestor, scaled_descendant
+from .graph_utils import aten, call, dtype, erase_dead, is_call, shape, single_wait, static_int, val
+from .matmuls import (
+    MATMULS,
+    ConsumerMatmul,
+    Consumers,
+    Scaling,
+    find_consumers,
+    matmul_ancestor,
+    scaled_descendant,
+    scaled_mm_args,
+)
 from .report import Entry
 from .rewrite import disabled_reason, rewrite_consumers, rows, size_reason
 
@@ -45,6 +55,7 @@ class AllGatherMatmulMatch:
     group_name: str
     consumers: Consumers
     shard_perm: list[int] | None = None  # a permute between gather and mm, moved onto the shard
+    quantized: quantize_first.QuantizedGather | None = None  # a row-wise fp8 quantization moved onto the shard
 
     def flags(self) -> dict[str, bool]:
         """The fused op's ``return_A``, where it is not the default: False when only the fused matmuls read the
@@ -166,10 +177,18 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
         return "gather dim is the matmul's contraction (last) dim"
     if not consumers.matmuls:
         if (scaled := scaled_descendant(gathered)) is not None:
-            return (
-                f"the gathered tensor is quantized to fp8 after the gather (for {scaled.name}, with scales computed "
-                "from the gathered rows); only a gather of fp8 rows with one scale fuses"
-            )
+            q = quantize_first.find(gathered) if perm is None else "a permute between the gather and the quantization"
+            if isinstance(q, str):
+                return (
+                    f"the gathered tensor is quantized to fp8 after the gather (for {scaled.name}, with scales "
+                    f"computed from the gathered rows), and the quantization cannot move before it: {q}"
+                )
+            quantized = _quantized_consumers(q)
+            if isinstance(quantized, str):
+                return quantized
+            return AllGatherMatmulMatch(
+                node, shard, gathered, layout, dim, group_size, group_name, quantized, None, q
+            )  # fmt: skip
         reasons = "; ".join(r for _, r in consumers.others) or "no users"
         return f"no mm consumes the gathered tensor as its left operand ({reasons})"
     m, k = rows(gshape), gshape[-1]
@@ -178,6 +197,64 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
             return why
     shard_perm = [d % len(gshape) for d in perm.args[1]] if perm is not None else None
     return AllGatherMatmulMatch(node, shard, gathered, layout, dim, group_size, group_name, consumers, shard_perm)
+
+
+def _quantized_consumers(q: quantize_first.QuantizedGather) -> Consumers | str:
+    """The scaled matmuls of a quantization moved before the gather, as the fused op's consumers (their A scale
+    being the quantization's, gathered with the rows)."""
+    found = Consumers([], [])
+    for c in q.consumers:
+        a = scaled_mm_args(c)
+        scaling = Scaling(a["out_dtype"], bool(a["use_fast_accum"]))
+        if found.scaling is not None and scaling != found.scaling:
+            return f"{c.name} is scaled differently from {q.consumers[0].name} (out_dtype or fast accumulation)"
+        found.scaling = scaling
+        found.matmuls.append(ConsumerMatmul(c, a["mat2"], a["bias"], q.scale, a["scale_b"]))
+    return found
+
+
+def _fuse_quantized(graph: Graph, node: Node, found: AllGatherMatmulMatch, cfg: Config, group: str) -> Entry:
+    """The rewrite of a gather whose row-wise quantization moves onto the shard: quantize the shard, then gather
+    its fp8 rows and scales into the scaled matmuls; the high-precision gather and its quantization go."""
+    q = found.quantized
+    with graph.inserting_before(node):
+        data, scale = quantize_first.quantize_shard(graph, q, found.gathered, found.shard)
+    consumers = found.consumers
+    scaling = {**consumers.scaling_kwargs(), "A_scale": scale}
+    args = (data, [mm.b for mm in consumers.matmuls], [mm.bias for mm in consumers.matmuls], found.gather_dim,
+            found.group_size, found.group_name)  # fmt: skip
+    decision = decide(PATTERN, args, found.group_name, cfg, {"return_A": False}, scaling)
+    if decision.keep:
+        _erase_unused(graph, [data, scale])
+        return Entry(node.name, "all_gather_into_tensor", group, None, decision.keep)
+    with graph.inserting_before(node):
+        fused = call(graph, ops.op(PATTERN), args, {**scaling, "return_A": False, **decision.kwargs()})
+        outs = call(graph, operator.getitem, (fused, 1))
+        for i, mm in enumerate(consumers.matmuls):
+            mm.node.replace_all_uses_with(call(graph, operator.getitem, (outs, i)))
+    for n in [*(mm.node for mm in consumers.matmuls), *reversed(q.nodes)]:  # users before what they read
+        if not n.users:
+            graph.erase_node(n)
+    erase_dead(graph, [found.gathered, *reversed(found.layout_nodes), node])
+    _erase_unused(graph, [data, scale])
+    mms = ", ".join(mm.node.name for mm in consumers.matmuls)
+    return Entry(
+        node.name, "all_gather_into_tensor", group, PATTERN,
+        f"gather dim {found.gather_dim}, {len(consumers.matmuls)} scaled matmul(s) [{mms}], row-wise fp8 "
+        "quantization moved before the gather (fp8 rows and their scales gathered)"
+        + (f"; {decision.note}" if decision.note else ""),
+    )  # fmt: skip
+
+
+def _erase_unused(graph: Graph, roots: list[Node]) -> None:
+    """Erase the nodes made for a rewrite that nothing reads, walking up to their inputs."""
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and not n.users and n.graph is graph and not getattr(n, "_erased", False):
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            stack.extend(inputs)
 
 
 def leading_permute(gathered: Node) -> Node | None:
@@ -195,6 +272,8 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     group = str(node.args[2])
     if isinstance(found, str):
         return Entry(node.name, "all_gather_into_tensor", group, None, found)
+    if found.quantized is not None:
+        return _fuse_quantized(graph, node, found, cfg, group)
     shard_val = val(found.shard) if found.shard_perm is None else val(found.shard).permute(found.shard_perm)
     scaling = found.consumers.scaling_kwargs()
     decision = decide(PATTERN, found.fused_args(shard_val), found.group_name, cfg, found.flags(), scaling)
