@@ -177,7 +177,7 @@ def match(node: Node, cfg: Config) -> AllGatherMatmulMatch | str:
         return "gather dim is the matmul's contraction (last) dim"
     if not consumers.matmuls:
         if (scaled := scaled_descendant(gathered)) is not None:
-            q = quantize_first.find(gathered) if perm is None else "a permute between the gather and the quantization"
+            q = quantize_first.find(gathered, dim) if perm is None else "a permute between the gather and the quantization"
             if isinstance(q, str):
                 return (
                     f"the gathered tensor is quantized to fp8 after the gather (for {scaled.name}, with scales "
@@ -218,10 +218,10 @@ def _fuse_quantized(graph: Graph, node: Node, found: AllGatherMatmulMatch, cfg: 
     its fp8 rows and scales into the scaled matmuls; the high-precision gather and its quantization go."""
     q = found.quantized
     with graph.inserting_before(node):
-        data, scale = quantize_first.quantize_shard(graph, q, found.gathered, found.shard)
+        data, scale = quantize_first.quantize_shard(graph, q, found.gathered, found.shard, found.group_size)
     consumers = found.consumers
     scaling = {**consumers.scaling_kwargs(), "A_scale": scale}
-    args = (data, [mm.b for mm in consumers.matmuls], [mm.bias for mm in consumers.matmuls], found.gather_dim,
+    args = (data, [mm.b for mm in consumers.matmuls], [mm.bias for mm in consumers.matmuls], q.gather_dim,
             found.group_size, found.group_name)  # fmt: skip
     decision = decide(PATTERN, args, found.group_name, cfg, {"return_A": False}, scaling)
     if decision.keep:
@@ -240,7 +240,7 @@ def _fuse_quantized(graph: Graph, node: Node, found: AllGatherMatmulMatch, cfg: 
     mms = ", ".join(mm.node.name for mm in consumers.matmuls)
     return Entry(
         node.name, "all_gather_into_tensor", group, PATTERN,
-        f"gather dim {found.gather_dim}, {len(consumers.matmuls)} scaled matmul(s) [{mms}], row-wise fp8 "
+        f"gather dim {q.gather_dim}, {len(consumers.matmuls)} scaled matmul(s) [{mms}], row-wise fp8 "
         "quantization moved before the gather (fp8 rows and their scales gathered)"
         + (f"; {decision.note}" if decision.note else ""),
     )  # fmt: skip

@@ -9,12 +9,15 @@ gather. The rewrite applies where nothing else reads the gathered high-precision
 graph: a training forward saves it for the weight gradients) and every scaled matmul quantizes it alike.
 
 Row-local here: element-wise ops whose other operands are Python scalars or values of the same subgraph, reductions
-over the last dim that keep it (``amax``, ``amin``, ``sum``, ``mean``), and reshapes to ``[-1, last]``.
+over the last dim that keep it (``amax``, ``amin``, ``sum``, ``mean``), and reshapes that keep the last dim. The
+gathered rows must be rank-major (no leading dims before the gather dim), so the shard's rows are one block of
+every such regrouping: on the shard a reshape takes 1/world of its first dim beyond leading 1s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from torch.fx import Graph, Node
 
@@ -41,6 +44,7 @@ class QuantizedGather:
     data: Node
     scale: Node
     nodes: list[Node]
+    gather_dim: int  # the dim of the fp8 rows (data's shape before any reshape) to gather the shard's along
 
 
 def _row_local(node: Node, ndim: int) -> bool:
@@ -50,9 +54,9 @@ def _row_local(node: Node, ndim: int) -> bool:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         return bool(keep) and list(dims or []) in ([-1], [ndim - 1])
-    if is_call(node, *_RESHAPES):
-        target = list(node.args[1])
-        return len(target) == 2 and target[0] == -1
+    if is_call(node, *_RESHAPES):  # regrouping the rows, each row kept whole
+        target, src = list(node.args[1]), shape(node.args[0])
+        return src is not None and len(target) >= 2 and target[-1] == src[-1]
     return False
 
 
@@ -92,8 +96,9 @@ def _unreshaped(node: Node) -> Node:
     return node
 
 
-def find(gathered: Node) -> QuantizedGather | str:
-    """The row-wise quantization of ``gathered`` by every scaled matmul that reads it, or why it cannot move."""
+def find(gathered: Node, gather_dim: int) -> QuantizedGather | str:
+    """The row-wise quantization of ``gathered`` (gathered along ``gather_dim``) by every scaled matmul that reads
+    it, or why it cannot move."""
     consumers: list[Node] = []
     stack, seen = [gathered], {gathered}
     while stack:
@@ -123,23 +128,39 @@ def find(gathered: Node) -> QuantizedGather | str:
             return f"{others[0].name} also reads {n.name} (the gathered high-precision rows are needed as they are)"
     if any(scaled_mm_args(c)["scale_result"] is not None for c in consumers):
         return "a scaled matmul with a result scale"
-    core = _unreshaped(data)
-    if core is gathered or shape(core) != shape(gathered):
-        return "the quantized rows are not the gathered tensor's shape"
+    core, gshape = _unreshaped(data), shape(gathered)
+    if core is gathered:
+        return "the scaled matmul reads the gathered tensor itself"
+    if shape(core) == gshape and not any(is_call(n, *_RESHAPES) and -1 not in list(n.args[1]) for n in nodes):
+        dim = gather_dim  # quantized in the gathered shape: the shard's, gathered as the original was
+    elif math.prod(gshape[:gather_dim]) != 1:
+        return "the quantized rows are regrouped, and the gathered rows interleave the ranks (leading dims > 1)"
+    else:
+        cshape = list(shape(core) or ())
+        dim = next((i for i, n in enumerate(cshape[:-1]) if n != 1), None)
+        if dim is None:
+            return "the quantized rows are one row"
     sshape = shape(scale)
     if sshape is None or len(sshape) != 2 or sshape[-1] != 1:
         return "the A scale is not one per row"
-    return QuantizedGather(consumers, data, scale, nodes)
+    return QuantizedGather(consumers, data, scale, nodes, dim)
 
 
-def quantize_shard(graph: Graph, q: QuantizedGather, gathered: Node, shard: Node) -> tuple[Node, Node]:
-    """The quantization's nodes applied to ``shard`` (inserted at the insertion point): this rank's fp8 rows (the
-    shard's N-D shape) and their scales (``[*shard.shape[:-1], 1]``), which the fused op gathers."""
+def quantize_shard(graph: Graph, q: QuantizedGather, gathered: Node, shard: Node, world: int) -> tuple[Node, Node]:
+    """The quantization's nodes applied to ``shard`` (inserted at the insertion point): this rank's fp8 rows, which
+    gathered along ``q.gather_dim`` are the quantized rows of the original graph, and their scales
+    (``[*rows.shape[:-1], 1]``)."""
     env: dict[Node, Node] = {gathered: shard}
     for n in q.nodes:
         args = tuple(env.get(a, a) if isinstance(a, Node) else a for a in n.args)
+        if is_call(n, *_RESHAPES):  # the shard's rows are a rank-major block: 1/world of the first dim beyond 1s
+            target = list(n.args[1])
+            if -1 not in target:
+                i = next(i for i, d in enumerate(target[:-1]) if d != 1)
+                target[i] //= world
+            args = (args[0], target)
         kwargs = {k: env.get(v, v) if isinstance(v, Node) else v for k, v in n.kwargs.items()}
         env[n] = call(graph, n.target, args, kwargs)
-    rows_shape = [*shape(shard)[:-1], 1]
-    scale = call(graph, aten.reshape.default, (env[q.scale], rows_shape))
-    return env[_unreshaped(q.data)], scale
+    data = env[_unreshaped(q.data)]
+    scale = call(graph, aten.reshape.default, (env[q.scale], [*shape(data)[:-1], 1]))
+    return data, scale
