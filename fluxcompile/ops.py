@@ -276,7 +276,8 @@ def check_group(group_size: int, group_name: str) -> None:
         raise ValueError(f"fluxcompile: group_size={group_size} but process group {group_name!r} has {actual} ranks")
 
 
-_FP8 = frozenset(
+# Every fp8 dtype this torch has (moved as bytes where a collective has no fp8 type).
+FP8_DTYPES = frozenset(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, name)
@@ -286,7 +287,7 @@ _FP8 = frozenset(
 def _moved(A: Tensor, collective: Callable[[Tensor], Tensor]) -> Tensor:
     """``collective(A)`` for a collective that only moves data; fp8 tensors move as bytes (gloo has no fp8)."""
     A = A.contiguous()
-    if A.dtype in _FP8:
+    if A.dtype in FP8_DTYPES:
         return collective(A.view(torch.uint8)).view(A.dtype)
     return collective(A)
 

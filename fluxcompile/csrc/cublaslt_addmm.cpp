@@ -163,6 +163,21 @@ void drop(const Lt& api, LtPlan& p) {
   p = LtPlan{};
 }
 
+// Sets one attribute of a descriptor; false where cuBLASLt refuses it.
+template <class T>
+bool set_attr(const Lt& api, cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  return api.desc_set(desc, attr, &value, sizeof(value)) == CUBLAS_STATUS_SUCCESS;
+}
+
+// A plan's descriptor as both entries make it: fp32 compute, the operands' transposes, the bias epilogue where
+// there is a bias. False where cuBLASLt refuses any of it.
+bool make_desc(const Lt& api, LtPlan& p, const Operand& x, const Operand& y, bool bias) {
+  if (api.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return false;
+  bool good = set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_TRANSA, x.op);
+  good = good && set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_TRANSB, y.op);
+  return good && (!bias || set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS));
+}
+
 // D [m, n] (contiguous) = A [m, k] @ B [k, n] + C [m, n] (contiguous, not D) + bias [n]; one rounding.
 // False where cuBLASLt is missing or offers no algorithm for these operands.
 bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, const at::Tensor& B,
@@ -190,16 +205,7 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
   if (it == plans.end()) {
     LtPlan p;
     const cudaDataType_t t = lt_type(dtype);
-    bool good = api.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
-    auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t size) {
-      good = good && api.desc_set(p.desc, attr, v, size) == CUBLAS_STATUS_SUCCESS;
-    };
-    set(CUBLASLT_MATMUL_DESC_TRANSA, &x.op, sizeof(x.op));
-    set(CUBLASLT_MATMUL_DESC_TRANSB, &y.op, sizeof(y.op));
-    if (bias_ptr != nullptr) {
-      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-      set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
-    }
+    bool good = make_desc(api, p, x, y, bias_ptr != nullptr);
     good = good && api.layout_create(&p.a, t, x.rows, x.cols, x.ld) == CUBLAS_STATUS_SUCCESS;
     good = good && api.layout_create(&p.b, t, y.rows, y.cols, y.ld) == CUBLAS_STATUS_SUCCESS;
     good = good && api.layout_create(&p.c, t, n, m, n) == CUBLAS_STATUS_SUCCESS;  // C and D alike
@@ -211,9 +217,7 @@ bool lt_add_mm(const at::Tensor& D, const at::Tensor& C, const at::Tensor& A, co
   }
   const LtPlan& plan = it->second;
   if (!plan.ok) return false;
-  if (bias_ptr != nullptr &&
-      api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)) != CUBLAS_STATUS_SUCCESS)
-    return false;
+  if (bias_ptr != nullptr && !set_attr(api, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr)) return false;
   const float one = 1.0f;
   const cublasStatus_t rc = api.matmul(handle, plan.desc, &one, B.data_ptr(), plan.a, A.data_ptr(), plan.b, &one,
                                        C.data_ptr(), plan.c, D.data_ptr(), plan.c, &plan.algo, nullptr, 0,
@@ -253,24 +257,14 @@ bool lt_scaled_mm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B,
   auto it = plans.find(key);
   if (it == plans.end()) {
     LtPlan p;
-    bool good = api.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS;
-    auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t size) {
-      good = good && api.desc_set(p.desc, attr, v, size) == CUBLAS_STATUS_SUCCESS;
-    };
-    set(CUBLASLT_MATMUL_DESC_TRANSA, &x.op, sizeof(x.op));
-    set(CUBLASLT_MATMUL_DESC_TRANSB, &y.op, sizeof(y.op));
-    const int8_t fast = fast_accum ? 1 : 0;
-    set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
-    if (bias_ptr != nullptr) {
-      const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-      set(CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
-      const cudaDataType_t bias_type = lt_type(D.scalar_type());
-      set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
-    }
+    bool good = make_desc(api, p, x, y, bias_ptr != nullptr);
+    good = good && set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum ? 1 : 0));
+    if (bias_ptr != nullptr)
+      good = good && set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, lt_type(D.scalar_type()));
     // Placeholders for the heuristic: each call sets its own scale pointers.
     const void* unset = scale_a.data_ptr();
-    set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &unset, sizeof(unset));
-    set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &unset, sizeof(unset));
+    good = good && set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, unset);
+    good = good && set_attr(api, p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, unset);
     good = good && api.layout_create(&p.a, lt_type(B.scalar_type()), x.rows, x.cols, x.ld) == CUBLAS_STATUS_SUCCESS;
     good = good && api.layout_create(&p.b, lt_type(A.scalar_type()), y.rows, y.cols, y.ld) == CUBLAS_STATUS_SUCCESS;
     good = good && api.layout_create(&p.c, lt_type(D.scalar_type()), n, m, n) == CUBLAS_STATUS_SUCCESS;
@@ -283,11 +277,9 @@ bool lt_scaled_mm(const at::Tensor& D, const at::Tensor& A, const at::Tensor& B,
   // cuBLASLt's A is our B: its scale is scale_b; its B is our A.
   const void* sa = scale_b.data_ptr();
   const void* sb = scale_a.data_ptr();
-  bool good = api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)) == CUBLAS_STATUS_SUCCESS;
-  good = good && api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)) == CUBLAS_STATUS_SUCCESS;
-  if (bias_ptr != nullptr)
-    good = good && api.desc_set(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)) ==
-                       CUBLAS_STATUS_SUCCESS;
+  bool good = set_attr(api, plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, sa);
+  good = good && set_attr(api, plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, sb);
+  if (bias_ptr != nullptr) good = good && set_attr(api, plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_ptr);
   if (!good) return false;
   const float one = 1.0f, zero = 0.0f;
   const cublasStatus_t rc = api.matmul(handle, plan.desc, &one, B.data_ptr(), plan.a, A.data_ptr(), plan.b, &zero,

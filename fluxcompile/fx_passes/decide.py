@@ -51,12 +51,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 from ..config import Config
+from ..ops import FP8_DTYPES
 from ..symm_mem.groups import process_group
 from ..symm_mem.store_gather import gather_strings
 from ..symm_mem.topology import no_peer_access
 from .graph_utils import val
-
-_FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +273,7 @@ def _materialize(a: Any, subs: dict, device: str | None = None) -> Any:
     base = torch.empty(storage, dtype=t.dtype, device=device or t.device)
     if base.device.type == "meta":
         return base.as_strided(size, stride)
-    if t.dtype in _FP8:  # no random fill for fp8: normal values rounded to it
+    if t.dtype in FP8_DTYPES:  # no random fill for fp8: normal values rounded to it
         base.copy_(torch.randn(storage, device=base.device))
     elif t.dtype.is_floating_point:
         base.normal_()

@@ -151,7 +151,9 @@ def quantize_shard(graph: Graph, q: QuantizedGather, gathered: Node, shard: Node
     gathered along ``q.gather_dim`` are the quantized rows of the original graph, and their scales
     (``[*rows.shape[:-1], 1]``)."""
     env: dict[Node, Node] = {gathered: shard}
-    for n in q.nodes:
+    # Only what the fused op reads: the other scaled matmuls' copies of the quantization are alike (find checked).
+    needed = _closure(gathered, [_unreshaped(q.data), q.scale])
+    for n in needed:
         args = tuple(env.get(a, a) if isinstance(a, Node) else a for a in n.args)
         if is_call(n, *_RESHAPES):  # the shard's rows are a rank-major block: 1/world of the first dim beyond 1s
             target = list(n.args[1])

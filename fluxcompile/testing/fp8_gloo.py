@@ -13,11 +13,8 @@ import functools
 import torch
 from torch import Tensor
 
-_FP8 = frozenset(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, name)
-)
+from ..ops import FP8_DTYPES
+
 _libs: list[torch.library.Library] = []
 
 
@@ -26,7 +23,7 @@ def _as_bytes(name: str):
     key = torch._C.DispatchKey.CompositeExplicitAutograd
 
     def kernel(x: Tensor, *args):
-        if x.dtype in _FP8:
+        if x.dtype in FP8_DTYPES:
             return op._op_dk(key, x.contiguous().view(torch.uint8), *args).view(x.dtype)
         return op._op_dk(key, x, *args)
 

@@ -12,6 +12,12 @@ from ...symm_mem.workspace import enable_group
 NAME = "torch_symm_mem"
 
 
+def _unavailable(op: str) -> str | None:
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, op):
+        return f"torch.ops.symm_mem.{op} is not available"
+    return None
+
+
 def supports(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
 ) -> str | None:
@@ -19,9 +25,7 @@ def supports(
         return "needs CUDA tensors"
     if any(b is not None for b in biases):
         return "PyTorch's fused_all_gather_matmul takes no bias"
-    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
-        return "torch.ops.symm_mem.fused_all_gather_matmul is not available"
-    return None
+    return _unavailable("fused_all_gather_matmul")
 
 
 def all_gather_matmul(
@@ -38,11 +42,7 @@ def supports_scaled(
     A_scale: Tensor, B_scales: Sequence[Tensor], out_dtype: torch.dtype | None, use_fast_accum: bool,
 ) -> str | None:  # fmt: skip
     """``supports`` of the scaled calls: PyTorch's ``fused_all_gather_scaled_matmul`` (async-TP's fp8 gather)."""
-    if not A.is_cuda:
-        return "needs CUDA tensors"
-    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_all_gather_scaled_matmul"):
-        return "torch.ops.symm_mem.fused_all_gather_scaled_matmul is not available"
-    return None
+    return "needs CUDA tensors" if not A.is_cuda else _unavailable("fused_all_gather_scaled_matmul")
 
 
 def all_gather_scaled_matmul(

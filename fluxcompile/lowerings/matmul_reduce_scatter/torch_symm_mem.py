@@ -13,11 +13,10 @@ from ...symm_mem.workspace import enable_group
 NAME = "torch_symm_mem"
 
 
-def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
-    if bias is not None:
-        return "PyTorch's fused_matmul_reduce_scatter takes no bias"
+def _one_product(As, Bs, out_shape, scatter_dim, reduce_op, group_size, op: str) -> str | None:
+    """The layout both of PyTorch's reduce-scatter ops take: one product, scattered on a row dim in equal parts."""
     if len(As) != 1 or len(Bs) != 1:
-        return "PyTorch's fused_matmul_reduce_scatter takes one product"
+        return f"PyTorch's {op} takes one product"
     if reduce_op not in ("sum", "avg"):
         return f"reduce_op {reduce_op!r} (PyTorch's op does 'sum' and 'avg')"
     if group_size < 2:
@@ -30,13 +29,26 @@ def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_
     A, B = As[0], Bs[0]
     if A.dim() != 2 or B.dim() != 2 or A.shape[0] != math.prod(out_shape[:-1]) or B.shape[1] != out_shape[-1]:
         return "operand shapes do not match out_shape"
-    if A.dtype != B.dtype:
-        return "mixed dtypes"
+    return None
+
+
+def _on_cuda_with(A: Tensor, B: Tensor, op: str) -> str | None:
     if not (A.is_cuda and B.is_cuda):
         return "needs CUDA tensors"
-    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter"):
-        return "torch.ops.symm_mem.fused_matmul_reduce_scatter is not available"
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, op):
+        return f"torch.ops.symm_mem.{op} is not available"
     return None
+
+
+def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
+    op = "fused_matmul_reduce_scatter"
+    if bias is not None:
+        return f"PyTorch's {op} takes no bias"
+    if why := _one_product(As, Bs, out_shape, scatter_dim, reduce_op, group_size, op):
+        return why
+    if As[0].dtype != Bs[0].dtype:
+        return "mixed dtypes"
+    return _on_cuda_with(As[0], Bs[0], op)
 
 
 def matmul_reduce_scatter(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> Tensor:
@@ -53,25 +65,8 @@ def supports_scaled(
 ) -> str | None:  # fmt: skip
     """``supports`` of the scaled calls: PyTorch's ``fused_scaled_matmul_reduce_scatter`` (async-TP's fp8 scatter;
     one product, a bias allowed)."""
-    if len(As) != 1 or len(Bs) != 1:
-        return "PyTorch's fused_scaled_matmul_reduce_scatter takes one product"
-    if reduce_op not in ("sum", "avg"):
-        return f"reduce_op {reduce_op!r} (PyTorch's op does 'sum' and 'avg')"
-    if group_size < 2:
-        return "nothing to overlap with one rank"
-    ndim = len(out_shape)
-    if ndim < 2 or not -ndim <= scatter_dim < ndim or scatter_dim % ndim == ndim - 1:
-        return f"scatter dim {scatter_dim} is not a row dim of a {ndim}-D output"
-    if out_shape[scatter_dim] % group_size:
-        return f"dim {scatter_dim} of size {out_shape[scatter_dim]} does not split over {group_size} ranks"
-    A, B = As[0], Bs[0]
-    if A.dim() != 2 or B.dim() != 2 or A.shape[0] != math.prod(out_shape[:-1]) or B.shape[1] != out_shape[-1]:
-        return "operand shapes do not match out_shape"
-    if not (A.is_cuda and B.is_cuda):
-        return "needs CUDA tensors"
-    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "fused_scaled_matmul_reduce_scatter"):
-        return "torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter is not available"
-    return None
+    op = "fused_scaled_matmul_reduce_scatter"
+    return _one_product(As, Bs, out_shape, scatter_dim, reduce_op, group_size, op) or _on_cuda_with(As[0], Bs[0], op)
 
 
 def scaled_matmul_reduce_scatter(
