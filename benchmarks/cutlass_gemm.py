@@ -46,16 +46,31 @@ def local_shapes(ops: list[str], tps: list[int]) -> list[tuple[str, int, int, in
 
 
 class Problem:
-    """Operands of one local GEMM and the flags/counters its fused op uses."""
+    """Operands of one local GEMM and the flags/counters its fused op uses. ``scaling`` ("tensor" or "row"): e4m3
+    operands with float32 scales (one each, or one per row of A and per column of B), a bf16 output, against
+    ``torch._scaled_mm`` with ``use_fast_accum=fast``."""
 
-    def __init__(self, op: str, tp: int, m: int, n: int, k: int, dtype=torch.bfloat16, layout="nk", bias=False):
+    def __init__(self, op: str, tp: int, m: int, n: int, k: int, dtype=torch.bfloat16, layout="nk", bias=False,
+                 scaling: str | None = None, fast: bool = True):  # fmt: skip
         self.op, self.tp, self.m, self.n, self.k = op, tp, m, n, k
-        self.a = torch.randn(m, k, device="cuda", dtype=dtype)
-        w = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
+        self.scaling, self.fast = scaling, fast
+        out_dtype = dtype
+        if scaling is not None:
+            dtype, out_dtype = torch.float8_e4m3fn, torch.bfloat16
+            self.a = (torch.randn(m, k, device="cuda") * 4).to(dtype)
+            w = (torch.randn(n, k, device="cuda") * 4).to(dtype)
+            rows, cols = (m, n) if scaling == "row" else (1, 1)
+            self.scale_a = torch.rand(rows, 1, device="cuda") / 4 + 0.01
+            self.scale_b = torch.rand(1, cols, device="cuda") / (4 * math.sqrt(k)) + 0.001
+            if scaling == "tensor":
+                self.scale_a, self.scale_b = self.scale_a.reshape(()), self.scale_b.reshape(())
+        else:
+            self.a = torch.randn(m, k, device="cuda", dtype=dtype)
+            w = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
         self.b = w.t() if layout == "nk" else w.t().contiguous()
-        self.bias = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-        self.out = torch.empty(m, n, device="cuda", dtype=dtype)
-        self.ref_out = torch.empty(m, n, device="cuda", dtype=dtype)
+        self.bias = torch.randn(n, device="cuda", dtype=out_dtype) if bias else None
+        self.out = torch.empty(m, n, device="cuda", dtype=out_dtype)
+        self.ref_out = torch.empty(m, n, device="cuda", dtype=out_dtype)
         self.err = torch.zeros(cg.ERR_WORDS, dtype=torch.int32, device="cuda")
         rows = m // tp
         self.rows = rows
@@ -67,13 +82,18 @@ class Problem:
             self.counters = torch.zeros(tp, dtype=torch.int32, device="cuda")
 
     def cublas(self) -> None:
-        if self.bias is None:
+        if self.scaling is not None:
+            torch._scaled_mm(self.a, self.b, self.scale_a, self.scale_b, self.bias, out_dtype=torch.bfloat16,
+                             use_fast_accum=self.fast, out=self.ref_out)  # fmt: skip
+        elif self.bias is None:
             torch.mm(self.a, self.b, out=self.ref_out)
         else:
             torch.addmm(self.bias, self.a, self.b, out=self.ref_out)
 
     def ours(self, variant: str, raster: str, swizzle: int) -> None:
         kw = dict(variant=variant, raster=raster, swizzle=swizzle, err=self.err)
+        if self.scaling is not None:
+            kw.update(scales=(self.scale_a, self.scale_b), fast_accum=self.fast)
         if self.op == "ag":
             kw.update(wait=(self.flags, self.rows, self.chunk_rows, 0), rotate=(0, 0))
         elif not cg.VARIANTS[variant].stream_k:
@@ -137,9 +157,15 @@ def check(p: Problem, cfg: tuple) -> float:
     if p.op == "rs":
         p.counters.zero_()
     p.ours(*cfg)
+    p.ref_out.fill_(float("nan"))
     p.cublas()
-    ref = (p.a.float() @ p.b.float()) + (p.bias.float() if p.bias is not None else 0)
+    ref = p.a.float() @ p.b.float()
+    if p.scaling is not None:
+        ref = ref * p.scale_a * p.scale_b
+    ref = ref + (p.bias.float() if p.bias is not None else 0)
     rel = float((p.out.float() - ref).norm() / ref.norm())
+    if p.scaling is not None:  # against torch._scaled_mm on the same operands too
+        rel = max(rel, float((p.out.float() - p.ref_out.float()).norm() / p.ref_out.float().norm()))
     if p.op == "rs" and not cg.VARIANTS[cfg[0]].stream_k:
         want = cg.tiles_per_chunk(cfg[0], p.m, p.n, p.rows, 0)
         got = p.counters.tolist()
@@ -149,9 +175,29 @@ def check(p: Problem, cfg: tuple) -> float:
     return rel
 
 
+def correctness_fp8() -> list[str]:
+    """Every fp8 variant, each scaling with and without fast accumulation, ragged m, bias, against an fp32
+    reference and ``torch._scaled_mm``; the wait and signal paths too."""
+    lines = []
+    for name in cg.variants(fp8=True):
+        for scaling, fast, bias, op in [
+            ("tensor", True, False, "ag"), ("tensor", False, True, "rs"),
+            ("row", True, True, "ag"), ("row", False, False, "rs"),
+        ]:  # fmt: skip
+            p = Problem(op, 2, 1000, 768, 512, bias=bias, scaling=scaling, fast=fast)
+            if op == "rs" and cg.VARIANTS[name].stream_k:
+                p.op = "ag"  # stream-K variants do not signal per tile
+            rel = check(p, (name, "auto", 1))
+            ok = rel < 1e-2
+            lines.append(f"{'ok ' if ok else 'BAD'} {name:26s} {scaling:6s} fast={fast:d} bias={bias:d} {p.op} rel={rel:.2e}")
+            if not ok:
+                raise SystemExit("\n".join(lines))
+    return lines
+
+
 def correctness() -> list[str]:
     lines = []
-    for name in cg.VARIANTS:
+    for name in cg.variants():
         for dtype, layout, bias, op in [
             (torch.bfloat16, "nk", False, "ag"), (torch.bfloat16, "kn", True, "rs"),
             (torch.float16, "nk", True, "rs"), (torch.float16, "kn", False, "ag"),
@@ -177,6 +223,8 @@ def main() -> None:
     ap.add_argument("--gap-us", type=float, default=0.0, help="GPU sleep before each timed batch (µs)")
     ap.add_argument("--burst", type=int, default=0, help="calls per timed batch (0: about 3 ms of work)")
     ap.add_argument("--shapes", default="", help="comma-separated m values to keep (default: all)")
+    ap.add_argument("--fp8", default="", help="scalings of an fp8 run instead of bf16: tensor, row, tensor-slow, "
+                    "row-slow (slow: without fast accumulation); the first is the main table, the rest extras")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     global GAP_US, BURST
@@ -186,7 +234,10 @@ def main() -> None:
     cg.load()
     print(f"== build/load {time.time() - t0:.1f} s; variants {list(cg.load().names())}", flush=True)
     print("== correctness", flush=True)
-    print("\n".join(correctness()), flush=True)
+    fp8 = [f for f in args.fp8.split(",") if f]
+    print("\n".join(correctness_fp8() if fp8 else correctness()), flush=True)
+    if fp8:
+        return run_fp8(args, fp8)
 
     p = Problem("ag", 2, 256, 256, 256)
     cfg = (next(iter(cg.VARIANTS)), "auto", 1)
@@ -199,7 +250,7 @@ def main() -> None:
     print(f"== host time per call: ours {host_us:.1f} us, torch.mm {mm_host_us:.1f} us")
     torch.cuda.synchronize()
 
-    variants = args.variants.split(",") if args.variants else list(cg.VARIANTS)
+    variants = args.variants.split(",") if args.variants else cg.variants()
     configs = list(itertools.product(variants, RASTERS, SWIZZLES))
     rows, best_cfgs = [], {}
     for op, tp, m, n, k in local_shapes(args.ops.split(","), [int(t) for t in args.tp.split(",")]):
@@ -255,6 +306,47 @@ def main() -> None:
                 print(f"geomean {table:5s} {op}: {gm:.3f}  worst {max(rs):.3f}  ({len(rs)} shapes)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cutlass.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+def fp8_kw(spec: str) -> dict:
+    scaling, _, slow = spec.partition("-")
+    if scaling not in ("tensor", "row") or slow not in ("", "slow"):
+        raise SystemExit(f"--fp8: unknown scaling {spec!r}")
+    return dict(scaling=scaling, fast=not slow)
+
+
+def run_fp8(args, specs: list[str]) -> None:
+    """The fp8 tables: per scaling, the local shapes against ``torch._scaled_mm`` (interleaved rounds)."""
+    variants = args.variants.split(",") if args.variants else cg.variants(fp8=True)
+    configs = list(itertools.product(variants, RASTERS, SWIZZLES))
+    rows = []
+    tps = [int(t) for t in args.tp.split(",")]
+    for i_spec, spec in enumerate(specs):
+        for op, tp, m, n, k in local_shapes(args.ops.split(","), tps if i_spec == 0 else tps[:1]):
+            if args.shapes and str(m) not in args.shapes.split(","):
+                continue
+            p = Problem(op, tp, m, n, k, **fp8_kw(spec))
+            cands = sweep(p, configs, 4)
+            rel = check(p, cands[0])
+            base, ours = interleaved(p, cands, args.rounds)
+            i = min(range(len(cands)), key=lambda j: ours[j])
+            rows.append(dict(table=spec, op=op, tp=tp, m=m, n=n, k=k, config="/".join(map(str, cands[i])),
+                             cublas_us=base, ours_us=ours[i], ratio=ours[i] / base, rel_err=rel,
+                             others=[o / base for o in ours]))  # fmt: skip
+            print(f"   [{spec}] {op} tp{tp} {m}x{n}x{k}: _scaled_mm {base:8.1f} us  ours {ours[i]:8.1f} us  "
+                  f"x{ours[i] / base:.3f}  [{rows[-1]['config']}]  rel {rel:.1e}", flush=True)  # fmt: skip
+            del p
+    print("\n== cutlass fp8 table (median of interleaved rounds; ratio = ours / torch._scaled_mm)")
+    for r in rows:
+        print(f"{r['table']:12s} {r['op']:3s} {r['tp']:3d} {r['m']:6d} {r['n']:6d} {r['k']:6d} {r['cublas_us']:10.1f} "
+              f"{r['ours_us']:10.1f} {r['ratio']:6.3f}  {r['config']}")  # fmt: skip
+    for table in dict.fromkeys(r["table"] for r in rows):
+        rs = [r["ratio"] for r in rows if r["table"] == table]
+        gm = math.exp(sum(map(math.log, rs)) / len(rs))
+        print(f"geomean {table}: {gm:.3f}  worst {max(rs):.3f}  ({len(rs)} shapes)")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cutlass-fp8.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 

@@ -28,15 +28,24 @@ def _write_sources(tmp_path: Path) -> Path:
 
 def test_variants_and_generated_sources():
     files = cutlass_build.generated_sources()
+    fp8 = cutlass_gemm.variants(fp8=True)
+    assert fp8 and set(fp8).isdisjoint(cutlass_gemm.variants())
     assert set(files) == (
         {f"flux_gemm_{n}.cu" for n in cutlass_gemm.VARIANTS}
         | {f"flux_gemm_ring_{n}.cu" for n, v in cutlass_gemm.VARIANTS.items() if v.ring}
+        | {f"flux_gemm_{n}_s{scale}{fast}.cu" for n in fp8 for scale, fast in cutlass_build.FP8_PARTS}
         | {"flux_gemm_registry.cpp"}
     )
     registry = files["flux_gemm_registry.cpp"]
     for name, v in cutlass_gemm.VARIANTS.items():
         assert v.name == name
         assert f'{{"{name}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}' in registry
+        if v.fp8:
+            assert name.endswith("_e4m3") and not v.ring
+            assert f"FLUX_GEMM_FP8_VARIANT({name})" in files[f"flux_gemm_{name}.cu"]
+            for scale, fast in cutlass_build.FP8_PARTS:
+                assert f"FLUX_GEMM_FP8_PART({name}," in files[f"flux_gemm_{name}_s{scale}{fast}.cu"]
+            continue
         assert f"FLUX_GEMM_VARIANT({name}," in files[f"flux_gemm_{name}.cu"]
         ring = f"&flux_gemm_ring_{name}}}" if v.ring else "nullptr}"
         assert f"&flux_gemm_{name}, {ring}" in registry
@@ -77,6 +86,13 @@ HOST_SOURCES = ("flux_gemm_registry.cpp", "flux_gemm_binding.cpp")
 RING_VARIANT = next(n for n, v in cutlass_gemm.VARIANTS.items() if v.ring)
 prebuild.register("flux_gemm_sm90a", _flux_gemm_job(f"flux_gemm_{VARIANT}.cu"))
 prebuild.register("flux_gemm_ring_sm90a", _flux_gemm_job(f"flux_gemm_ring_{RING_VARIANT}.cu"))
+# The fp8 kernel with the most to hold: row-wise scales (two vector broadcasts) with fp8's fp32 promotion (a
+# second accumulator), in the cooperative variant whose warp groups' 64 x 128 accumulators leave room for it.
+FP8_VARIANT = next(
+    n for n in cutlass_gemm.variants(fp8=True)
+    if cutlass_gemm.VARIANTS[n].tile == (128, 128, 128) and cutlass_gemm.VARIANTS[n].schedule == "coop"
+)  # fmt: skip
+prebuild.register("flux_gemm_fp8_sm90a", _flux_gemm_job(f"flux_gemm_{FP8_VARIANT}_s20.cu"))
 for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
 
@@ -98,6 +114,23 @@ def test_flux_gemm_compiles_for_sm90a_without_spills(job):
     sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
+
+
+@pytest.mark.prebuild("flux_gemm_fp8_sm90a")
+def test_flux_gemm_fp8_compiles_for_sm90a_without_spills():
+    """One kernel of an fp8 variant (e4m3 x e4m3, row-wise scales in the epilogue, no fast accumulation)."""
+    got = prebuild.finished("flux_gemm_fp8_sm90a")
+    out = got.out
+    assert out.returncode == 0, out.stderr[-4000:]
+    reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
+    assert reports and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
+    assert "E4M3E4M3" in out.stderr  # the kernel's name: Hopper's fp8 warpgroup MMA
+    cuobjdump = find_cuobjdump(out.args[0])
+    if cuobjdump is None:
+        pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
+    sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
+    assert sass.returncode == 0, sass.stderr[-2000:]
+    assert "QGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
 
 
 @pytest.mark.prebuild("host:flux_gemm_registry.cpp")

@@ -450,29 +450,78 @@ struct RingEpilogue : Base {
 // stream-K scheduler, or by one while the other runs its epilogue (ping-pong).
 enum Schedule { kCoop = 0, kPingpong = 1, kCoopStreamK = 2 };
 
-// Ring: built with a source C and the ring's epilogue (RingEpilogue), for the reduce-scatter ring.
-template <class Element, bool BKMajor, int TM, int TN, int TK, int CM, int CN, int Sched, bool Ring = false>
+// Scalings (FluxGemmProblem::scale_mode): 16-bit operands unscaled, or e4m3 operands with tensor-wise or row-wise
+// scales.
+enum Scaling { kUnscaled = 0, kTensorwise = 1, kRowwise = 2 };
+
+namespace fusion = cutlass::epilogue::fusion;
+constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+
+// The epilogue's arithmetic, in fp32, rounded once into ElementD:
+//   unscaled:    alpha * acc (+ c) + bias[n]
+//   tensor-wise: (scale_a * scale_b) * acc + bias[n]       (the two scalars multiplied, as _scaled_mm's alpha)
+//   row-wise:    scale_a[m] * (scale_b[n] * acc) + bias[n]
+// A null bias adds zeros (the broadcasts' null default).
+template <int Scale, class ElementD, class ElementC, class TileShape>
+struct EpilogueFusion {
+  using Op = fusion::LinCombPerColBias<ElementD, float, ElementD, ElementC, float>;
+};
+template <class ElementD, class ElementC, class TileShape>
+struct EpilogueFusion<kTensorwise, ElementD, ElementC, TileShape> {
+  using Scales = fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, _0>, 2>;
+  using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementD, float>;
+  using Op = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>, Scales,
+                             fusion::Sm90AccFetch, Bias>;
+};
+template <class ElementD, class ElementC, class TileShape>
+struct EpilogueFusion<kRowwise, ElementD, ElementC, TileShape> {
+  using RowScales = fusion::Sm90ColBroadcast<0, TileShape, float, float>;  // one per row of the tile
+  using ColScales = fusion::Sm90RowBroadcast<0, TileShape, float, float>;  // one per column
+  using Bias = fusion::Sm90RowBroadcast<0, TileShape, ElementD, float>;
+  using Op = fusion::Sm90EVT<
+      fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>, RowScales,
+      fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, ColScales, fusion::Sm90AccFetch>,
+      Bias>;
+};
+
+// The mainloop's schedule: fp8 with fast accumulation takes CUTLASS's FP8FastAccum schedules; fp8 without it the
+// plain ones, for which the builder picks CUTLASS's fp8 mainloop (fp32 promotion every mma_promotion_interval).
+template <bool Coop, bool FastAccum>
+using MainloopSchedule = cute::conditional_t<
+    Coop,
+    cute::conditional_t<FastAccum, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                        cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
+    cute::conditional_t<FastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                        cutlass::gemm::KernelTmaWarpSpecializedPingpong>>;
+
+// Ring: built with a source C and the ring's epilogue (RingEpilogue), for the reduce-scatter ring. Scale (Scaling):
+// Element is e4m3 and the output bf16 where it is not kUnscaled; FastAccum: fp8's fast accumulation.
+template <class Element, bool BKMajor, int TM, int TN, int TK, int CM, int CN, int Sched, bool Ring = false,
+          int Scale = kUnscaled, bool FastAccum = false>
 struct Gemm {
   using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
   static constexpr bool Coop = Sched != kPingpong;
   static constexpr bool StreamK = Sched == kCoopStreamK;
   static_assert(!Ring || Sched == kCoop, "the ring's epilogue drains mid-kernel: the cooperative data-parallel schedule only");
-  using KernelSchedule = cute::conditional_t<Coop, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-                                             cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  static_assert(!Ring || Scale == kUnscaled, "the ring is built for 16-bit operands");
+  static_assert(Scale == kUnscaled || BKMajor, "fp8 operands are K-major (Hopper's fp8 warpgroup MMA)");
+  using KernelSchedule = MainloopSchedule<Coop, FastAccum>;
   using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                                cutlass::epilogue::TmaWarpSpecialized>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cute::conditional_t<BKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutD = cutlass::layout::RowMajor;
+  using ElementD = cute::conditional_t<Scale == kUnscaled, Element, cutlass::bfloat16_t>;
   static constexpr int Align = 16 / sizeof(Element);
+  static constexpr int AlignD = 16 / sizeof(ElementD);
 
   using ElementC = cute::conditional_t<Ring, Element, void>;
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, ElementC, float>;
+  using Fusion = typename EpilogueFusion<Scale, ElementD, ElementC, TileShape>::Op;
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, Align, Element, LayoutD, Align,
-      EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, AlignD, ElementD, LayoutD,
+      AlignD, EpilogueSchedule, Fusion>::CollectiveOp;
   using Epilogue = cute::conditional_t<Ring, RingEpilogue<BaseEpilogue, TM, TN>, SignallingEpilogue<BaseEpilogue>>;
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, Align, Element, LayoutB, Align, float,
@@ -514,9 +563,19 @@ struct Gemm {
     mainloop.sync = sync;
 
     typename Kernel::EpilogueArguments epilogue{};
-    epilogue.thread.alpha = p.alpha;
-    epilogue.thread.beta = Ring ? 1.0f : 0.0f;
-    epilogue.thread.bias_ptr = static_cast<Element const*>(p.bias);
+    auto const* bias = static_cast<ElementD const*>(p.bias);
+    if constexpr (Scale == kUnscaled) {
+      epilogue.thread.alpha = p.alpha;
+      epilogue.thread.beta = Ring ? 1.0f : 0.0f;
+      epilogue.thread.bias_ptr = bias;
+    } else if constexpr (Scale == kTensorwise) {
+      typename EpilogueFusion<Scale, ElementD, ElementC, TileShape>::Scales::Arguments scales{};
+      scales.scalar_ptrs[0] = p.scale_a;
+      scales.scalar_ptrs[1] = p.scale_b;
+      epilogue.thread = {scales, {}, {bias}, {}};
+    } else {
+      epilogue.thread = {{p.scale_a}, {{p.scale_b}, {}, {}}, {bias}, {}};
+    }
     epilogue.ptr_C = nullptr;
     if constexpr (Ring) {
       epilogue.ptr_C = static_cast<Element const*>(p.c);
@@ -525,7 +584,7 @@ struct Gemm {
       get<2>(sc) = int64_t(p.m) * p.ldc;
       epilogue.dC = sc;
     }
-    epilogue.ptr_D = static_cast<Element*>(p.d);
+    epilogue.ptr_D = static_cast<ElementD*>(p.d);
     epilogue.dD = sd;
     epilogue.sync = sync;
 
@@ -550,7 +609,7 @@ struct Gemm {
   // Kernel parameters per problem (every field of it, pointers included but our shard's and the ring's output),
   // made once: a repeated call (steady state, CUDA-graph capture) skips the TMA descriptor encoding and the
   // attribute call; our shard's and the output's descriptors only get their addresses replaced.
-  using Key = std::array<int64_t, 46>;
+  using Key = std::array<int64_t, 50>;
   static Key key_of(FluxGemmProblem const& p) {
     auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
     auto const& s = p.sync;
@@ -562,7 +621,7 @@ struct Gemm {
                i(s.signal_counters), s.signal_axis, s.signal_elems, i(s.err), s.rank, s.timeout_ns,
                s.local_a != nullptr ? s.local_lda : -1, s.local_row0, s.group_m, i(p.c), p.ldc, alpha_bits,
                i(s.c_flags), s.c_elems, s.c_peer, s.chunk_elems, s.zero_chunk, s.own_chunk, i(s.zero), s.ldz,
-               s.out != nullptr ? s.ldo : -1};
+               s.out != nullptr ? s.ldo : -1, i(p.scale_a), i(p.scale_b), p.scale_mode, p.fast_accum};
   }
   struct KeyHash {
     size_t operator()(Key const& k) const {
@@ -624,6 +683,7 @@ struct Gemm {
 template <int TM, int TN, int TK, int CM, int CN, int Sched, bool Ring = false>
 cudaError_t run_variant(FluxGemmProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
   if (Ring != (p.c != nullptr)) return cudaErrorInvalidValue;  // a source needs the ring's build, and only it
+  if (p.dtype != 0 && p.dtype != 1) return cudaErrorInvalidValue;  // fp8: the fp8 variants
   if (p.dtype == 0) {
     return p.b_kmajor
                ? Gemm<cutlass::bfloat16_t, true, TM, TN, TK, CM, CN, Sched, Ring>::run(p, stream, workspace_bytes)
@@ -633,7 +693,41 @@ cudaError_t run_variant(FluxGemmProblem const& p, cudaStream_t stream, size_t* w
                     : Gemm<cutlass::half_t, false, TM, TN, TK, CM, CN, Sched, Ring>::run(p, stream, workspace_bytes);
 }
 
+// One scale mode of an fp8 variant, with or without fast accumulation (a translation unit of its own each, so the
+// variant's four kernels build in parallel).
+template <int TM, int TN, int TK, int CM, int CN, int Sched, int Scale, bool FastAccum>
+cudaError_t run_fp8_part(FluxGemmProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
+  return Gemm<cutlass::float_e4m3_t, true, TM, TN, TK, CM, CN, Sched, false, Scale, FastAccum>::run(p, stream,
+                                                                                                     workspace_bytes);
+}
+
 }  // namespace fluxcompile::flux
+
+// Defines `fluxcompile::flux_gemm_<name>_s<scale><fast>`: one kernel of the fp8 variant `name`.
+#define FLUX_GEMM_FP8_PART(name, TM, TN, TK, CM, CN, SCHED, SCALE, FAST)                                      \
+  namespace fluxcompile {                                                                                  \
+  cudaError_t flux_gemm_##name##_s##SCALE##FAST(const FluxGemmProblem& p, cudaStream_t s, size_t* w) {      \
+    return flux::run_fp8_part<TM, TN, TK, CM, CN, SCHED, SCALE, FAST>(p, s, w);                             \
+  }                                                                                                        \
+  }
+
+// Defines `fluxcompile::flux_gemm_<name>` of an fp8 variant: its parts (FLUX_GEMM_FP8_PART) by the problem's scale
+// mode and accumulation; e4m3 operands, K-major weights, no source.
+#define FLUX_GEMM_FP8_VARIANT(name)                                                                          \
+  namespace fluxcompile {                                                                                  \
+  cudaError_t flux_gemm_##name##_s10(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
+  cudaError_t flux_gemm_##name##_s11(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
+  cudaError_t flux_gemm_##name##_s20(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
+  cudaError_t flux_gemm_##name##_s21(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
+  cudaError_t flux_gemm_##name(const FluxGemmProblem& p, cudaStream_t s, size_t* w) {                     \
+    if (p.dtype != 2 || !p.b_kmajor || p.c != nullptr || p.scale_a == nullptr || p.scale_b == nullptr) {   \
+      return cudaErrorInvalidValue;                                                                        \
+    }                                                                                                      \
+    if (p.scale_mode == 1) return p.fast_accum ? flux_gemm_##name##_s11(p, s, w) : flux_gemm_##name##_s10(p, s, w); \
+    if (p.scale_mode == 2) return p.fast_accum ? flux_gemm_##name##_s21(p, s, w) : flux_gemm_##name##_s20(p, s, w); \
+    return cudaErrorInvalidValue;                                                                          \
+  }                                                                                                        \
+  }
 
 // Defines `fluxcompile::flux_gemm_<name>` (declared for the registry in flux_gemm_registry.cpp).
 #define FLUX_GEMM_VARIANT(name, TM, TN, TK, CM, CN, SCHED)                                                   \

@@ -80,7 +80,9 @@ struct FluxGemmProblem {
   int m = 0, n = 0, k = 0;
   long long lda = 0, ldb = 0, ldd = 0, ldc = 0;
   bool b_kmajor = true;
-  int dtype = 0;  // 0: bf16, 1: fp16 (a, b, d and bias alike; fp32 accumulation)
+  // 0: bf16, 1: fp16 (a, b, d and bias alike; fp32 accumulation); 2: e4m3 a and b (K-major b), bf16 d and bias,
+  // scaled as scale_mode says (the fp8 variants only).
+  int dtype = 0;
   // Launch: persistent CTAs on sm_count SMs (0: all); raster 0 heuristic, 1 along M, 2 along N; swizzle 1/2/4/8.
   int sm_count = 0;
   int raster = 0;
@@ -88,9 +90,18 @@ struct FluxGemmProblem {
   int device = 0;
   void* workspace = nullptr;  // workspace_bytes(...) bytes (stream-K variants), else unused
   FluxGemmSync sync;
+  // fp8 (dtype 2), as torch._scaled_mm defines it: d = scale_a * scale_b * (a @ b) + bias in fp32, rounded once.
+  // scale_mode 1 (tensor-wise): scale_a and scale_b are one float each; 2 (row-wise): scale_a[m] per row of a,
+  // scale_b[n] per column of b. fast_accum: the products accumulate in the tensor cores' own precision, without
+  // the fp32 promotion every few k-blocks (_scaled_mm's use_fast_accum).
+  const float* scale_a = nullptr;
+  const float* scale_b = nullptr;
+  int scale_mode = 0;
+  bool fast_accum = false;
 };
 
-// One tile configuration compiled for both dtypes and both weight layouts.
+// One tile configuration compiled for both 16-bit dtypes and both weight layouts, or (an fp8 variant) for e4m3
+// operands with each scale mode, with and without fast accumulation.
 struct FluxGemmVariant {
   const char* name;
   int tile_m, tile_n, tile_k, cluster_m, cluster_n;

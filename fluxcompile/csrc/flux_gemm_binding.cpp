@@ -25,12 +25,13 @@ const fluxcompile::FluxGemmVariant& variant(int64_t index) {
 }
 
 // problem: a, b, d, bias, m, n, k, lda, ldb, ldd, b_kmajor, dtype, sm_count, raster, swizzle, device, workspace
-//          [, c, ldc, alpha (a float's bits)]
+//          [, c, ldc, alpha (a float's bits)][, scale_a, scale_b, scale_mode, fast_accum (fp8)]
 // sync: rotate_axis, rotate_elems, wait_flags, rows_per_rank, chunk_rows, chunks_per_rank, skip_rank,
 //       signal_counters, signal_axis, signal_elems, err, rank, timeout_ns[, local_a, local_lda, local_row0, group_m
 //       [, c_flags, c_elems, c_peer, chunk_elems, zero_chunk, own_chunk, zero, ldz, out, ldo]]
 fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::vector<int64_t>& s) {
-  if ((q.size() != 17 && q.size() != 20) || (s.size() != 13 && s.size() != 17 && s.size() != 27)) {
+  const size_t base = q.size() >= 21 ? q.size() - 4 : q.size();  // without the fp8 suffix
+  if ((base != 17 && base != 20) || (s.size() != 13 && s.size() != 17 && s.size() != 27)) {
     throw std::invalid_argument("fluxcompile flux_gemm: bad argument count");
   }
   fluxcompile::FluxGemmProblem p{};
@@ -51,11 +52,17 @@ fluxcompile::FluxGemmProblem problem(const std::vector<int64_t>& q, const std::v
   p.swizzle = static_cast<int>(q[14]);
   p.device = static_cast<int>(q[15]);
   p.workspace = ptr<void*>(q[16]);
-  if (q.size() == 20) {
+  if (base == 20) {
     p.c = ptr<const void*>(q[17]);
     p.ldc = q[18];
     const auto bits = static_cast<uint32_t>(q[19]);
     std::memcpy(&p.alpha, &bits, sizeof(bits));
+  }
+  if (q.size() > base) {
+    p.scale_a = ptr<const float*>(q[base]);
+    p.scale_b = ptr<const float*>(q[base + 1]);
+    p.scale_mode = static_cast<int>(q[base + 2]);
+    p.fast_accum = q[base + 3] != 0;
   }
   auto& y = p.sync;
   y.rotate_axis = static_cast<int>(s[0]);

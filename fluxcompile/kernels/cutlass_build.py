@@ -15,7 +15,9 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One compiled tile configuration (both dtypes, both weight layouts)."""
+    """One compiled tile configuration: both 16-bit dtypes and both weight layouts, or (``fp8``) e4m3 operands with
+    K-major weights, tensor-wise and row-wise scales, with and without fast accumulation (one translation unit
+    each) and a bf16 output."""
 
     tile: tuple[int, int, int]  # M, N, K of a CTA's tile
     cluster: tuple[int, int]  # CTAs of a cluster along M and N (TMA multicast of B and A)
@@ -26,15 +28,22 @@ class Variant:
     # schedules only (the ring's epilogue drains its stores mid-kernel, which the ping-pong schedule's warp groups,
     # sharing the epilogue's pipelines, do not allow: its multi-tile case failed its launch on the GPU).
     ring: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.ring and self.schedule != "coop":
             raise ValueError(f"variant {self.name}: the ring's epilogue is built for the cooperative schedule only")
+        if self.ring and self.fp8:
+            raise ValueError(f"variant {self.name}: the ring is built for 16-bit operands only")
 
     @property
     def name(self) -> str:
         (tm, tn, tk), (cm, cn) = self.tile, self.cluster
-        return f"{tm}x{tn}x{tk}_c{cm}x{cn}" + ("" if self.schedule == "coop" else f"_{self.schedule}")
+        return (
+            f"{tm}x{tn}x{tk}_c{cm}x{cn}"
+            + ("" if self.schedule == "coop" else f"_{self.schedule}")
+            + ("_e4m3" if self.fp8 else "")
+        )
 
     @property
     def stream_k(self) -> bool:
@@ -56,8 +65,17 @@ VARIANTS: dict[str, Variant] = {
         Variant((128, 256, 64), (2, 1), "sk"),
         Variant((256, 128, 64), (1, 2), "sk"),
         Variant((256, 128, 64), (2, 1), "sk"),
+        # fp8: a k-tile of 128 bytes, as the 16-bit tiles' 64 elements. Without fast accumulation CUTLASS's fp8
+        # mainloop keeps a second accumulator for its fp32 promotion: tiles of 128 x 128 per warp group (the
+        # others) spill registers there, 64 x 128 (128x128x128 cooperative) do not.
+        Variant((128, 256, 128), (2, 1), fp8=True),
+        Variant((256, 128, 128), (1, 2), fp8=True),
+        Variant((128, 128, 128), (1, 2), fp8=True),
+        Variant((128, 128, 128), (1, 2), "pp", fp8=True),
+        Variant((128, 256, 128), (2, 1), "sk", fp8=True),
     )
 }
+FP8_PARTS = ((1, 0), (1, 1), (2, 0), (2, 1))  # (scale mode: 1 tensor-wise, 2 row-wise; fast accumulation)
 SCHEDULES = {"coop": 0, "pp": 1, "sk": 2}  # csrc/flux_gemm.cuh's Schedule
 
 
@@ -69,7 +87,14 @@ def generated_sources() -> dict[str, str]:
         (tm, tn, tk), (cm, cn) = v.tile, v.cluster
         sched = SCHEDULES[v.schedule]
         args = f"{name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched}"
-        files[f"flux_gemm_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({args})\n'
+        if v.fp8:
+            files[f"flux_gemm_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_FP8_VARIANT({name})\n'
+            for scale, fast in FP8_PARTS:
+                files[f"flux_gemm_{name}_s{scale}{fast}.cu"] = (
+                    f'#include "flux_gemm.cuh"\nFLUX_GEMM_FP8_PART({args}, {scale}, {fast})\n'
+                )
+        else:
+            files[f"flux_gemm_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_VARIANT({args})\n'
         if v.ring:
             files[f"flux_gemm_ring_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_RING_VARIANT({args})\n'
         rows.append((name, v))

@@ -25,7 +25,7 @@ from .cutlass_build import VARIANTS, cutlass_include
 from .sequencer import graph_limit, sequencer
 
 RASTERS = {"auto": 0, "m": 1, "n": 2}
-DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}  # e4m3: the fp8 variants, a bf16 output
 ERR_WORDS = 6  # csrc/flux_gemm.h FluxGemmSync::err
 MAX_WORLD = 64  # ranks of a group the CUTLASS choices' flag arrays hold (lowerings/*/cutlass.py)
 
@@ -67,6 +67,32 @@ def operand_unsupported(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = No
     if ld % align or b.shape[1] % align or b.shape[0] % align:
         return "weight dims or strides not 16-byte aligned"
     return None
+
+
+def variants(fp8: bool = False) -> list[str]:
+    """The 16-bit variants, or (``fp8``) the e4m3 ones (VARIANTS' ``fp8``)."""
+    return [name for name, v in VARIANTS.items() if v.fp8 == fp8]
+
+
+def scales_unsupported(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> str | None:
+    """Why ``scale_a * scale_b * (a @ b)`` (e4m3 ``a`` [M, K] and ``b`` [K, N], float32 scales: one each, or one per
+    row of ``a`` and one per column of ``b``) does not fit the fp8 variants (None if it does)."""
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        return f"operands {a.dtype} x {b.dtype} (e4m3 x e4m3 only)"
+    if out_dtype != torch.bfloat16:
+        return f"output {out_dtype} (bf16 only)"
+    if a.dim() != 2 or b.dim() != 2 or a.stride(1) != 1 or a.stride(0) % 16 or a.shape[1] % 16:
+        return "A is not row-major with 16-byte aligned rows"
+    if weight_layout(b) != "nk" or b.stride(1) % 16 or b.shape[1] % 8:
+        return "the weight is not K-major with 16-byte aligned columns (fp8 needs the transpose of an [N, K] row-major)"
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        return "scales that are not float32"
+    m, n = a.shape[0], b.shape[1]
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return None
+    if scale_a.numel() == m and scale_b.numel() == n and scale_a.is_contiguous() and scale_b.is_contiguous():
+        return None
+    return "scales that are neither tensor-wise nor one per row of A and one per column of B, contiguous"
 
 
 def weight_layout(b: Tensor) -> str | None:
@@ -152,8 +178,14 @@ def gemm(
     local: tuple[Tensor, int] | None = None,
     group_m: int = 0,
     ring: Ring | None = None,
+    scales: tuple[Tensor, Tensor] | None = None,
+    fast_accum: bool = False,
 ) -> Tensor:
     """``out = a @ b (+ bias)`` on the current stream with the variant ``variant`` (a name of VARIANTS).
+
+    scales: (scale_a, scale_b) of e4m3 operands and an fp8 variant (:func:`scales_unsupported` says what fits):
+      ``out = scale_a * scale_b * (a @ b) + bias`` into bf16, as ``torch._scaled_mm`` with ``use_fast_accum`` =
+      ``fast_accum``.
 
     rotate: (axis, element): tiles along axis 0 (M) or 1 (N) start at the tile holding that element.
     wait: (flags, rows_per_rank, chunk_rows, skip_rank): flags int32 [ranks * chunks_per_rank]; a tile waits until
@@ -176,6 +208,10 @@ def gemm(
         raise ValueError("fluxcompile: stream-K variants do not signal per tile")
     if (wait is not None or signal is not None or (ring is not None and ring.flags is not None)) and err is None:
         raise ValueError("fluxcompile: waits and signals need an error buffer")
+    if v.fp8 != (scales is not None):
+        raise ValueError(f"fluxcompile: variant {variant} is for {'scaled e4m3' if v.fp8 else '16-bit'} operands")
+    if scales is not None and (why := scales_unsupported(a, b, scales[0], scales[1], out.dtype)) is not None:
+        raise ValueError(f"fluxcompile: the fp8 CUTLASS GEMM does not take {why}")
     ldb = b.stride(0) if layout == "kn" else b.stride(1)
     device = a.device
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -190,6 +226,9 @@ def gemm(
         check_ring(ring, v, m, n, a.dtype, signal)
         sig_axis = ring.axis
         q += [ring.c.data_ptr(), ring.c.stride(0), struct.unpack("<i", struct.pack("<f", ring.alpha))[0]]
+    if scales is not None:
+        row_wise = scales[0].numel() != 1 or scales[1].numel() != 1
+        q += [scales[0].data_ptr(), scales[1].data_ptr(), 2 if row_wise else 1, int(fast_accum)]
     s = [
         rotate[0], rotate[1],
         flags.data_ptr() if flags is not None else 0, rows_per_rank, chunk_rows,

@@ -35,8 +35,8 @@ TOL = TOLERANCE[BF16]
 ROWS, K, N, N2 = 200, 512, 768, 256  # rows per rank not a multiple of any tile
 IN_PLACE_ROWS = 256  # a multiple of every tile's M: the all-gather's GEMMs read our rows where they are
 WORLDS = (2, 4, 8)
-DATA_PARALLEL = [name for name, v in cutlass_gemm.VARIANTS.items() if not v.stream_k]
-STREAM_K = [name for name, v in cutlass_gemm.VARIANTS.items() if v.stream_k]
+DATA_PARALLEL = [name for name in cutlass_gemm.variants() if not cutlass_gemm.VARIANTS[name].stream_k]
+STREAM_K = [name for name in cutlass_gemm.variants() if cutlass_gemm.VARIANTS[name].stream_k]
 AG_VARIANTS = [DATA_PARALLEL[0], *STREAM_K[:1]]  # one persistent, one stream-K
 RS_VARIANTS = [cutlass_gemm.ring_variants()[0], cutlass_gemm.ring_variants()[-1]]  # built with the ring's source
 RS_ROWS = 256  # rows per rank: whole tiles of every ring variant (the ring's chunks are whole tiles)
@@ -396,7 +396,7 @@ def _weight(layout: str, dtype: torch.dtype, n: int = N) -> torch.Tensor:
     return (torch.randn(n, K, device="cuda") / K**0.5).to(dtype).t()
 
 
-@pytest.mark.parametrize("variant", list(cutlass_gemm.VARIANTS))
+@pytest.mark.parametrize("variant", cutlass_gemm.variants())
 def test_gemm_matches_torch(variant):
     """bf16 and fp16, both weight layouts, with and without bias, ragged M, eager and replayed from a graph with
     new inputs; rotations change the tile order, never the result."""
@@ -433,6 +433,64 @@ def test_gemm_matches_torch(variant):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, a.float() @ b.float() + bias.float(), TOL, f"{variant} replay")
+
+
+@pytest.mark.parametrize("variant", cutlass_gemm.variants(fp8=True))
+def test_gemm_fp8_matches_scaled_mm(variant):
+    """e4m3 x e4m3 into bf16 against torch._scaled_mm on the same operands (and an fp32 reference): tensor-wise and
+    row-wise scales, fast accumulation or not, with and without bias, ragged M, a rotated tile order, the waits'
+    path, and a CUDA graph replayed with new operands and scales; the output poisoned before every call."""
+    e4m3 = torch.float8_e4m3fn
+    fp8_tol = 2 * TOL  # bf16 rounding of the same fp32 sums, accumulated in another order
+    for scaling in ("tensor", "row"):
+        for m in (200, 1000):
+            a = (torch.randn(m, K, device="cuda") * 4).to(e4m3)
+            b = (torch.randn(N, K, device="cuda") * 4).to(e4m3).t()
+            rows, cols = (m, N) if scaling == "row" else (1, 1)
+            sa = torch.rand(rows, 1, device="cuda") / 8 + 0.01
+            sb = torch.rand(1, cols, device="cuda") / 64 + 0.001
+            if scaling == "tensor":
+                sa, sb = sa.reshape(()), sb.reshape(())
+            assert cutlass_gemm.scales_unsupported(a, b, sa, sb, BF16) is None
+            bias = torch.randn(N, device="cuda", dtype=BF16)
+            for fast in (True, False):
+                for x in (None, bias):
+                    for kw in ({}, {"rotate": (0, 333), "sm_count": 16}):
+                        out = torch.full((m, N), float("nan"), device="cuda", dtype=BF16)
+                        cutlass_gemm.gemm(a, b, out, x, variant=variant, scales=(sa, sb), fast_accum=fast, **kw)
+                        want = torch._scaled_mm(a, b, sa, sb, x, out_dtype=BF16, use_fast_accum=fast)
+                        what = f"{variant} {scaling} m={m} fast={fast} bias={x is not None} {kw}"
+                        assert_close(out, want.float(), fp8_tol, what)
+                        exact = (a.float() @ b.float()) * sa * sb + (x.float() if x is not None else 0)
+                        assert_close(out, exact, fp8_tol, what + " (fp32)")
+    # the all-gather's wait path: flags preset, every chunk there
+    flags = torch.ones(2 * 4, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
+    out = torch.full((1000, N), float("nan"), device="cuda", dtype=BF16)
+    cutlass_gemm.gemm(a, b, out, bias, variant=variant, scales=(sa, sb), fast_accum=True,
+                      wait=(flags, 500, 125, 0), rotate=(0, 0), err=err)  # fmt: skip
+    want = torch._scaled_mm(a, b, sa, sb, bias, out_dtype=BF16, use_fast_accum=True)
+    assert_close(out, want.float(), fp8_tol, f"{variant} waits")
+    assert int(err[0]) == 0
+    # 16-bit operands or an unscaled call do not reach an fp8 kernel, nor fp8 a 16-bit one
+    with pytest.raises(ValueError, match="scaled e4m3"):
+        cutlass_gemm.gemm(a.to(BF16), b.to(BF16), out, variant=variant)
+    with pytest.raises(ValueError, match="16-bit"):
+        cutlass_gemm.gemm(a, b, out, variant=cutlass_gemm.variants()[0], scales=(sa, sb))
+    # a CUDA graph, replayed with new operands and scales copied in
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        cutlass_gemm.gemm(a, b, out, bias, variant=variant, scales=(sa, sb), fast_accum=True)
+    for _ in range(2):
+        a.copy_((torch.randn(a.shape, device="cuda") * 4).to(e4m3))
+        sa.copy_(torch.rand_like(sa) / 8 + 0.01)
+        sb.copy_(torch.rand_like(sb) / 64 + 0.001)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch._scaled_mm(a, b, sa, sb, bias, out_dtype=BF16, use_fast_accum=True)
+        assert_close(out, want.float(), fp8_tol, f"{variant} replay")
 
 
 @pytest.mark.parametrize("variant", cutlass_gemm.ring_variants())
@@ -527,7 +585,7 @@ def test_gemm_reads_our_rows_where_they_are(variant):
                           local=(shard[: rows - 8], rank * rows))  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", list(cutlass_gemm.VARIANTS))
+@pytest.mark.parametrize("variant", cutlass_gemm.variants())
 def test_gemm_grouped_tile_order(variant):
     """``group_m``: every tile computed once whatever the group, the rotation and the cluster (ragged M and N,
     poisoned output), with waits and our rows in place."""

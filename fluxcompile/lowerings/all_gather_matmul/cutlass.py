@@ -125,13 +125,13 @@ LAUNCHES = {
     **{f"g{g}": Launch(group_m=g) for g in (4, 8, 16)},
 }
 TUNED_VARIANTS = ("128x256x64_c2x1", "256x128x64_c2x1", "128x256x64_c1x2")
-NAMES = [*cutlass_gemm.VARIANTS, *(f"{v}:{o}" for v in TUNED_VARIANTS for o in LAUNCHES)]
+NAMES = [*cutlass_gemm.variants(), *(f"{v}:{o}" for v in TUNED_VARIANTS for o in LAUNCHES)]
 
 
 def parse(name: str) -> tuple[str, Launch]:
     """(variant, launch options) of a choice name's part after ``cutlass:``."""
     variant, sep, option = name.partition(":")
-    if variant not in cutlass_gemm.VARIANTS or ((sep or option) and option not in LAUNCHES):
+    if variant not in cutlass_gemm.variants() or ((sep or option) and option not in LAUNCHES):
         raise ValueError(f"fluxcompile: no CUTLASS all-gather choice {name!r}")
     return variant, LAUNCHES[option] if option else Launch()
 
