@@ -33,7 +33,7 @@ def test_variants_and_generated_sources():
     assert set(files) == (
         {f"flux_gemm_{n}.cu" for n in cutlass_gemm.VARIANTS}
         | {f"flux_gemm_ring_{n}.cu" for n, v in cutlass_gemm.VARIANTS.items() if v.ring}
-        | {f"flux_gemm_{n}_s{scale}{fast}.cu" for n in fp8 for scale, fast in cutlass_build.FP8_PARTS}
+        | {f"flux_gemm_{n}_s{scale}{fast}.cu" for n in fp8 for scale, fast in cutlass_build.fp8_parts(cutlass_gemm.VARIANTS[n])}
         | {"flux_gemm_registry.cpp"}
     )
     registry = files["flux_gemm_registry.cpp"]
@@ -42,8 +42,10 @@ def test_variants_and_generated_sources():
         assert f'{{"{name}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}' in registry
         if v.fp8:
             assert name.endswith("_e4m3") and not v.ring
-            assert f"FLUX_GEMM_FP8_VARIANT({name})" in files[f"flux_gemm_{name}.cu"]
-            for scale, fast in cutlass_build.FP8_PARTS:
+            macro = "FLUX_GEMM_FP8_VARIANT" if v.promotes else "FLUX_GEMM_FP8_FAST_VARIANT"
+            assert f"{macro}({name})" in files[f"flux_gemm_{name}.cu"]
+            assert len(cutlass_build.fp8_parts(v)) == (4 if v.promotes else 2)
+            for scale, fast in cutlass_build.fp8_parts(v):
                 assert f"FLUX_GEMM_FP8_PART({name}," in files[f"flux_gemm_{name}_s{scale}{fast}.cu"]
             continue
         assert f"FLUX_GEMM_VARIANT({name}," in files[f"flux_gemm_{name}.cu"]
@@ -88,10 +90,7 @@ prebuild.register("flux_gemm_sm90a", _flux_gemm_job(f"flux_gemm_{VARIANT}.cu"))
 prebuild.register("flux_gemm_ring_sm90a", _flux_gemm_job(f"flux_gemm_ring_{RING_VARIANT}.cu"))
 # The fp8 kernel with the most to hold: row-wise scales (two vector broadcasts) with fp8's fp32 promotion (a
 # second accumulator), in the cooperative variant whose warp groups' 64 x 128 accumulators leave room for it.
-FP8_VARIANT = next(
-    n for n in cutlass_gemm.variants(fp8=True)
-    if cutlass_gemm.VARIANTS[n].tile == (128, 128, 128) and cutlass_gemm.VARIANTS[n].schedule == "coop"
-)  # fmt: skip
+FP8_VARIANT = next(n for n in cutlass_gemm.variants(fp8=True) if cutlass_gemm.VARIANTS[n].promotes)
 prebuild.register("flux_gemm_fp8_sm90a", _flux_gemm_job(f"flux_gemm_{FP8_VARIANT}_s20.cu"))
 for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)

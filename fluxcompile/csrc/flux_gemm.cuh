@@ -712,22 +712,28 @@ cudaError_t run_fp8_part(FluxGemmProblem const& p, cudaStream_t stream, size_t* 
   }
 
 // Defines `fluxcompile::flux_gemm_<name>` of an fp8 variant: its parts (FLUX_GEMM_FP8_PART) by the problem's scale
-// mode and accumulation; e4m3 operands, K-major weights, no source.
-#define FLUX_GEMM_FP8_VARIANT(name)                                                                          \
+// mode and accumulation; e4m3 operands, K-major weights, no source. The _FAST_ form is built with fast
+// accumulation only (cutlass_build.py's `promotes`): a call without it is refused.
+#define FLUX_GEMM_FP8_DISPATCH(name, SLOW1, SLOW2)                                                           \
   namespace fluxcompile {                                                                                  \
-  cudaError_t flux_gemm_##name##_s10(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
   cudaError_t flux_gemm_##name##_s11(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
-  cudaError_t flux_gemm_##name##_s20(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
   cudaError_t flux_gemm_##name##_s21(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
   cudaError_t flux_gemm_##name(const FluxGemmProblem& p, cudaStream_t s, size_t* w) {                     \
     if (p.dtype != 2 || !p.b_kmajor || p.c != nullptr || p.scale_a == nullptr || p.scale_b == nullptr) {   \
       return cudaErrorInvalidValue;                                                                        \
     }                                                                                                      \
-    if (p.scale_mode == 1) return p.fast_accum ? flux_gemm_##name##_s11(p, s, w) : flux_gemm_##name##_s10(p, s, w); \
-    if (p.scale_mode == 2) return p.fast_accum ? flux_gemm_##name##_s21(p, s, w) : flux_gemm_##name##_s20(p, s, w); \
+    if (p.scale_mode == 1) return p.fast_accum ? flux_gemm_##name##_s11(p, s, w) : SLOW1;                  \
+    if (p.scale_mode == 2) return p.fast_accum ? flux_gemm_##name##_s21(p, s, w) : SLOW2;                  \
     return cudaErrorInvalidValue;                                                                          \
   }                                                                                                        \
   }
+#define FLUX_GEMM_FP8_VARIANT(name)                                                                          \
+  namespace fluxcompile {                                                                                  \
+  cudaError_t flux_gemm_##name##_s10(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
+  cudaError_t flux_gemm_##name##_s20(const FluxGemmProblem&, cudaStream_t, size_t*);                       \
+  }                                                                                                        \
+  FLUX_GEMM_FP8_DISPATCH(name, flux_gemm_##name##_s10(p, s, w), flux_gemm_##name##_s20(p, s, w))
+#define FLUX_GEMM_FP8_FAST_VARIANT(name) FLUX_GEMM_FP8_DISPATCH(name, cudaErrorInvalidValue, cudaErrorInvalidValue)
 
 // Defines `fluxcompile::flux_gemm_<name>` (declared for the registry in flux_gemm_registry.cpp).
 #define FLUX_GEMM_VARIANT(name, TM, TN, TK, CM, CN, SCHED)                                                   \

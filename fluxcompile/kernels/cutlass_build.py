@@ -49,6 +49,14 @@ class Variant:
     def stream_k(self) -> bool:
         return self.schedule == "sk"
 
+    @property
+    def promotes(self) -> bool:
+        """An fp8 variant also built without fast accumulation: CUTLASS's fp8 mainloop then keeps a second
+        accumulator for its fp32 promotion, which fits a warp group's registers at 64 x 128 accumulators (the
+        cooperative 128 x 128 tile) and spills from 128 x 128 on (measured with ``-Xptxas -v``)."""
+        tm, tn, _ = self.tile
+        return self.fp8 and (tm // 2 if self.schedule != "pp" else tm) * tn <= 64 * 128
+
 
 VARIANTS: dict[str, Variant] = {
     v.name: v
@@ -65,17 +73,25 @@ VARIANTS: dict[str, Variant] = {
         Variant((128, 256, 64), (2, 1), "sk"),
         Variant((256, 128, 64), (1, 2), "sk"),
         Variant((256, 128, 64), (2, 1), "sk"),
-        # fp8: a k-tile of 128 bytes, as the 16-bit tiles' 64 elements. Without fast accumulation CUTLASS's fp8
-        # mainloop keeps a second accumulator for its fp32 promotion: tiles of 128 x 128 per warp group (the
-        # others) spill registers there, 64 x 128 (128x128x128 cooperative) do not.
+        # fp8: a k-tile of 128 bytes, as the 16-bit tiles' 64 elements; built without fast accumulation where
+        # that fits (``promotes``).
         Variant((128, 256, 128), (2, 1), fp8=True),
+        Variant((128, 256, 128), (1, 2), fp8=True),
         Variant((256, 128, 128), (1, 2), fp8=True),
+        Variant((256, 128, 128), (2, 1), fp8=True),
         Variant((128, 128, 128), (1, 2), fp8=True),
         Variant((128, 128, 128), (1, 2), "pp", fp8=True),
+        Variant((64, 256, 128), (1, 2), "pp", fp8=True),
         Variant((128, 256, 128), (2, 1), "sk", fp8=True),
+        Variant((128, 128, 128), (2, 1), "sk", fp8=True),
     )
 }
 FP8_PARTS = ((1, 0), (1, 1), (2, 0), (2, 1))  # (scale mode: 1 tensor-wise, 2 row-wise; fast accumulation)
+
+
+def fp8_parts(v: Variant) -> list[tuple[int, int]]:
+    """The (scale mode, fast accumulation) kernels built for the fp8 variant ``v``."""
+    return [(scale, fast) for scale, fast in FP8_PARTS if fast or v.promotes]
 SCHEDULES = {"coop": 0, "pp": 1, "sk": 2}  # csrc/flux_gemm.cuh's Schedule
 
 
@@ -88,8 +104,9 @@ def generated_sources() -> dict[str, str]:
         sched = SCHEDULES[v.schedule]
         args = f"{name}, {tm}, {tn}, {tk}, {cm}, {cn}, {sched}"
         if v.fp8:
-            files[f"flux_gemm_{name}.cu"] = f'#include "flux_gemm.cuh"\nFLUX_GEMM_FP8_VARIANT({name})\n'
-            for scale, fast in FP8_PARTS:
+            macro = "FLUX_GEMM_FP8_VARIANT" if v.promotes else "FLUX_GEMM_FP8_FAST_VARIANT"
+            files[f"flux_gemm_{name}.cu"] = f'#include "flux_gemm.cuh"\n{macro}({name})\n'
+            for scale, fast in fp8_parts(v):
                 files[f"flux_gemm_{name}_s{scale}{fast}.cu"] = (
                     f'#include "flux_gemm.cuh"\nFLUX_GEMM_FP8_PART({args}, {scale}, {fast})\n'
                 )

@@ -212,6 +212,8 @@ def gemm(
         raise ValueError(f"fluxcompile: variant {variant} is for {'scaled e4m3' if v.fp8 else '16-bit'} operands")
     if scales is not None and (why := scales_unsupported(a, b, scales[0], scales[1], out.dtype)) is not None:
         raise ValueError(f"fluxcompile: the fp8 CUTLASS GEMM does not take {why}")
+    if scales is not None and not fast_accum and not v.promotes:
+        raise ValueError(f"fluxcompile: variant {variant} is built with fast accumulation only (see promotes)")
     ldb = b.stride(0) if layout == "kn" else b.stride(1)
     device = a.device
     index = device.index if device.index is not None else torch.cuda.current_device()

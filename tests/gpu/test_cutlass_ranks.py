@@ -453,7 +453,7 @@ def test_gemm_fp8_matches_scaled_mm(variant):
                 sa, sb = sa.reshape(()), sb.reshape(())
             assert cutlass_gemm.scales_unsupported(a, b, sa, sb, BF16) is None
             bias = torch.randn(N, device="cuda", dtype=BF16)
-            for fast in (True, False):
+            for fast in (True, False) if cutlass_gemm.VARIANTS[variant].promotes else (True,):
                 for x in (None, bias):
                     for kw in ({}, {"rotate": (0, 333), "sm_count": 16}):
                         out = torch.full((m, N), float("nan"), device="cuda", dtype=BF16)
@@ -477,6 +477,9 @@ def test_gemm_fp8_matches_scaled_mm(variant):
         cutlass_gemm.gemm(a.to(BF16), b.to(BF16), out, variant=variant)
     with pytest.raises(ValueError, match="16-bit"):
         cutlass_gemm.gemm(a, b, out, variant=cutlass_gemm.variants()[0], scales=(sa, sb))
+    if not cutlass_gemm.VARIANTS[variant].promotes:
+        with pytest.raises(ValueError, match="fast accumulation only"):
+            cutlass_gemm.gemm(a, b, out, variant=variant, scales=(sa, sb), fast_accum=False)
     # a CUDA graph, replayed with new operands and scales copied in
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
