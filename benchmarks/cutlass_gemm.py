@@ -227,11 +227,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="comma-separated m values to keep (default: all)")
     ap.add_argument("--fp8", default="", help="scalings of an fp8 run instead of bf16: tensor, row, tensor-slow, "
                     "row-slow (slow: without fast accumulation); the first is the main table, the rest extras")
+    ap.add_argument("--baseline-kernels", action="store_true", help="print the kernels the baseline launches per "
+                    "shape (torch.profiler) and stop; the extension is not built")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     global GAP_US, BURST
     GAP_US, BURST = args.gap_us, args.burst
     torch.manual_seed(0)
+    if args.baseline_kernels:
+        return baseline_kernels(args)
     t0 = time.time()
     cg.load()
     print(f"== build/load {time.time() - t0:.1f} s; variants {list(cg.load().names())}", flush=True)
@@ -309,6 +313,29 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cutlass.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+def baseline_kernels(args) -> None:
+    """Per shape (and ``--fp8`` scaling, or bf16): the GPU kernels one baseline call launches, with their times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    specs = [f for f in args.fp8.split(",") if f] or [None]
+    tps = [int(t) for t in args.tp.split(",")]
+    for spec in specs:
+        for op, tp, m, n, k in local_shapes(args.ops.split(","), tps):
+            if args.shapes and str(m) not in args.shapes.split(","):
+                continue
+            p = Problem(op, tp, m, n, k, **(fp8_kw(spec) if spec else {}))
+            for _ in range(3):
+                p.cublas()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    p.cublas()
+                torch.cuda.synchronize()
+            kernels = [(e.key, e.device_time_total / e.count) for e in prof.key_averages() if e.device_time_total > 0]
+            names = "; ".join(f"{name} {us:.1f} us" for name, us in kernels)
+            print(f"   [{spec or 'bf16'}] {op} tp{tp} {m}x{n}x{k}: {names}", flush=True)
 
 
 def fp8_kw(spec: str) -> dict:
