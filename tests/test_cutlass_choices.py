@@ -76,7 +76,8 @@ def test_one_choice_per_variant_for_both_ops():
     for op in OPS:
         want = [f"cutlass:{v}" for v in (ag.NAMES if op == "all_gather_matmul" else cutlass_gemm.ring_variants())]
         assert list(_cutlass(op)) == want, op
-    assert set(cutlass_gemm.VARIANTS) < set(ag.NAMES)  # every variant, then its launch options
+    assert set(cutlass_gemm.variants()) < set(ag.NAMES)  # every 16-bit variant, then its launch options
+    assert not set(cutlass_gemm.variants(fp8=True)) & {n.partition(":")[0] for n in ag.NAMES}  # no fp8 choice yet
 
 
 def test_on_by_default_and_declined_when_switched_off():
@@ -367,11 +368,19 @@ def test_generated_sources():
     files = cutlass_build.generated_sources()
     units = {f for f in files if f.endswith(".cu")}
     rings = {f"flux_gemm_ring_{v}.cu" for v in cutlass_gemm.ring_variants()}
-    assert units == {f"flux_gemm_{v}.cu" for v in cutlass_gemm.VARIANTS} | rings
+    fp8_parts = {
+        f"flux_gemm_{v}_s{scale}{fast}.cu"
+        for v in cutlass_gemm.variants(fp8=True)
+        for scale, fast in cutlass_build.fp8_parts(cutlass_gemm.VARIANTS[v])
+    }
+    assert units == {f"flux_gemm_{v}.cu" for v in cutlass_gemm.VARIANTS} | rings | fp8_parts
     registry = files["flux_gemm_registry.cpp"]
     assert set(files) == {*units, "flux_gemm_registry.cpp"}
     for name, v in cutlass_gemm.VARIANTS.items():
-        assert f"FLUX_GEMM_VARIANT({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"flux_gemm_{name}.cu"]
+        if v.fp8:
+            assert f"FLUX_GEMM_FP8_PART({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"flux_gemm_{name}_s11.cu"]
+        else:
+            assert f"FLUX_GEMM_VARIANT({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"flux_gemm_{name}.cu"]
         ring = f"&flux_gemm_ring_{name}" if v.ring else "nullptr"
         assert f'{{"{name}", ' in registry and f"&flux_gemm_{name}, {ring}}}" in registry
         assert f"cudaError_t flux_gemm_{name}(" in registry

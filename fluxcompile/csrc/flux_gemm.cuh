@@ -9,6 +9,8 @@
 //   RingEpilogue:       the same with a source (the reduce-scatter ring): the epilogue's producer waits for the
 //                       sub-chunks of the running sums a tile adds before loading them; the first step's tiles
 //                       add zeros, the last step's (our own chunk) store into the output.
+//   EpilogueFusion:     the epilogue's arithmetic: alpha and bias (16-bit operands), or fp8's scales as epilogue
+//                       visitors (tensor-wise scalars, row-wise row and column vectors) into bf16.
 // The host side caches each problem's kernel parameters (TMA descriptors included): a repeated call only launches.
 // Each variant file (flux_gemm_<variant>.cu) instantiates one tile configuration with FLUX_GEMM_VARIANT.
 #pragma once
