@@ -48,9 +48,12 @@ import timing
 import torch
 
 from fluxcompile import config, ops
+from fluxcompile.kernels import cutlass_grouped
 from fluxcompile.kernels import grouped_gemm as gg
 from fluxcompile.lowerings.all_to_all import triton as moe
 from fluxcompile.symm_mem import Comm
+
+CUTLASS = "cutlass:"  # the variants of the experts' CUTLASS grouped GEMM (kernels/cutlass_grouped.py), in (a)
 
 LAYERS = {  # d, ffn, experts, top-k, tokens per rank
     "mixtral": (4096, 14336, 8, 2, 4096),
@@ -136,6 +139,13 @@ class Gemm:
         return [torch._grouped_mm(x, b, offs=self.offs) for b in self.Bs]
 
     def ours(self, variant: str):
+        if variant.startswith(CUTLASS):  # the experts' CUTLASS grouped GEMM: one call per weight, rows in order
+            if self.row_index is not None:
+                raise ValueError("the CUTLASS grouped GEMM takes rows already in the experts' order")
+            outs = [torch.empty(self.R, b.shape[2], device=DEVICE, dtype=DTYPE) for b in self.Bs]
+            for b, out in zip(self.Bs, outs):
+                cutlass_grouped.grouped_mm(self.a, b, self.offs, out, variant=variant[len(CUTLASS) :])
+            return outs
         return gg.grouped_gemm(
             self.a, self.Bs, offs=self.offs, row_index=self.row_index, variant=variant, tma=DEVICE != "cuda" or None
         )
@@ -182,6 +192,8 @@ def interleaved(p: Gemm, cands: list[str], rounds: int) -> tuple[float, list[flo
 def one_gpu(args) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     variants = args.variants.split(",") if args.variants else list(gg.VARIANTS)
+    if not args.variants and DEVICE == "cuda" and cutlass_grouped.unavailable() is None:
+        variants += [CUTLASS + v for v in cutlass_grouped.GROUPED_VARIANTS]
     rows = []
     tables = ["x", *[t for t in args.tables.split(",") if t]]
     for table in tables:

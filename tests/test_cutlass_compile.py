@@ -21,7 +21,7 @@ VARIANT = next(iter(cutlass_gemm.VARIANTS))
 
 
 def _write_sources(tmp_path: Path) -> Path:
-    for name, text in cutlass_build.generated_sources().items():
+    for name, text in {**cutlass_build.generated_sources(), **cutlass_build.grouped_sources()}.items():
         (tmp_path / name).write_text(text)
     return tmp_path
 
@@ -83,7 +83,7 @@ def _host_job(source: str) -> Callable[[Path], list[str] | str]:
     return make
 
 
-HOST_SOURCES = ("flux_gemm_registry.cpp", "flux_gemm_binding.cpp")
+HOST_SOURCES = ("flux_gemm_registry.cpp", "flux_gemm_binding.cpp", "cutlass_grouped_registry.cpp", "cutlass_grouped_binding.cpp")
 # The ring's build of the same variant (a source and the reduce-scatter ring's epilogue).
 RING_VARIANT = next(n for n, v in cutlass_gemm.VARIANTS.items() if v.ring)
 prebuild.register("flux_gemm_sm90a", _flux_gemm_job(f"flux_gemm_{VARIANT}.cu"))
@@ -92,6 +92,9 @@ prebuild.register("flux_gemm_ring_sm90a", _flux_gemm_job(f"flux_gemm_ring_{RING_
 # second accumulator), in the cooperative variant whose warp groups' 64 x 128 accumulators leave room for it.
 FP8_VARIANT = next(n for n in cutlass_gemm.variants(fp8=True) if cutlass_gemm.VARIANTS[n].promotes)
 prebuild.register("flux_gemm_fp8_sm90a", _flux_gemm_job(f"flux_gemm_{FP8_VARIANT}_s20.cu"))
+# The experts' grouped GEMM: one variant (both weight layouts, and the kernel writing the groups' arrays).
+GROUPED_VARIANT = next(iter(cutlass_build.GROUPED_VARIANTS))
+prebuild.register("cutlass_grouped_sm90a", _flux_gemm_job(f"cutlass_grouped_{GROUPED_VARIANT}.cu"))
 for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
 
@@ -138,3 +141,33 @@ def test_flux_gemm_fp8_compiles_for_sm90a_without_spills():
 def test_registry_and_binding_compile(source):
     out = prebuild.finished(f"host:{source}").out
     assert out.returncode == 0, f"{source}:\n{out.stderr[-4000:]}"
+
+
+def test_grouped_variants_and_generated_sources():
+    files = cutlass_build.grouped_sources()
+    assert set(files) == {f"cutlass_grouped_{n}.cu" for n in cutlass_build.GROUPED_VARIANTS} | {
+        "cutlass_grouped_registry.cpp"
+    }
+    registry = files["cutlass_grouped_registry.cpp"]
+    for name, v in cutlass_build.GROUPED_VARIANTS.items():
+        assert v.name == name
+        assert f"GROUPED_VARIANT({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"cutlass_grouped_{name}.cu"]
+        assert f'{{"{name}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}' in registry and f"&cutlass_grouped_{name}}}" in registry
+    assert "cutlass_grouped" in extensions.SOURCES
+
+
+@pytest.mark.prebuild("cutlass_grouped_sm90a")
+def test_cutlass_grouped_compiles_for_sm90a_without_spills():
+    """One variant of the experts' grouped GEMM: CUTLASS's ptr-array kernel in both weight layouts."""
+    got = prebuild.finished("cutlass_grouped_sm90a")
+    out = got.out
+    assert out.returncode == 0, out.stderr[-4000:]
+    reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
+    assert len(reports) >= 2, out.stderr[-3000:]
+    assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
+    cuobjdump = find_cuobjdump(out.args[0])
+    if cuobjdump is None:
+        pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
+    sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
+    assert sass.returncode == 0, sass.stderr[-2000:]
+    assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout

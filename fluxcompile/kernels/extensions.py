@@ -35,27 +35,33 @@ SOURCES: dict[str, tuple[str, ...]] = {
     ),
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
     "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh"),
+    # the experts' CUTLASS grouped GEMM; its per-variant translation units are generated too
+    "cutlass_grouped": ("cutlass_grouped.h", "cutlass_grouped.cuh", "cutlass_grouped_binding.cpp"),
 }  # fmt: skip
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 # Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build
 # directory and hashed with the sources) or its extra include directories (None: a prerequisite is missing).
+_CUTLASS_NVCC = (
+    "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+)  # fmt: skip
 EXTRA_NVCC: dict[str, tuple[str, ...]] = {
     # CUTLASS needs the half/bfloat16 operators that cpp_extension's default flags switch off.
-    "flux_gemm": (
-        "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
-    ),
-}  # fmt: skip
+    "flux_gemm": _CUTLASS_NVCC,
+    "cutlass_grouped": _CUTLASS_NVCC,
+}
 
 
 def _generated(name: str) -> dict[str, str]:
     if name == "flux_gemm":
         return cutlass_build.generated_sources()
+    if name == "cutlass_grouped":
+        return cutlass_build.grouped_sources()
     return {}
 
 
 def _includes(name: str) -> list[str] | None:
-    if name == "flux_gemm":
+    if name in ("flux_gemm", "cutlass_grouped"):
         return cutlass_build.cutlass_include()
     return []
 
@@ -137,7 +143,7 @@ def load(name: str) -> ModuleType:
 
     includes = _includes(name)
     if includes is None:
-        _failed[name] = f"csrc/{name}: its headers are missing (for flux_gemm: pip install nvidia-cutlass)"
+        _failed[name] = f"csrc/{name}: its headers are missing (the CUTLASS modules: pip install nvidia-cutlass)"
         raise Unavailable(_failed[name])
     capability = torch.cuda.get_device_capability()
     directory = build_dir(name, capability)

@@ -1,0 +1,226 @@
+// The experts' grouped GEMM (see cutlass_grouped.h): CUTLASS 3.x's Hopper ptr-array grouped kernel, built from the
+// collective builders (TMA warp-specialized mainloop and epilogue, cooperative or ping-pong) under CUTLASS's
+// group tile scheduler. The groups' shapes, pointers and strides live on the device: a small kernel writes them
+// on the stream from `offs` (no host synchronization, graph-capturable), and the kernel reads them (its TMA
+// descriptors are re-pointed per group on the device, as CUTLASS's grouped kernels do). The host side caches the
+// kernel parameters per workspace and shape: a repeated call launches two kernels and nothing else.
+// Each variant file (cutlass_grouped_<variant>.cu) instantiates one tile configuration with GROUPED_VARIANT.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/kernel_hardware_info.h>
+
+#include <array>
+#include <mutex>
+#include <unordered_map>
+
+#include "cutlass_grouped.h"
+
+namespace fluxcompile::grouped {
+
+using namespace cute;
+
+// Bytes `n` rounded up to 128 (every array of the workspace starts on a 128-byte boundary).
+constexpr size_t round_up(size_t n) { return (n + 127) / 128 * 128; }
+
+// The groups' device arrays in the workspace, in this order, then CUTLASS's own workspace.
+template <class Shape3, class Element, class SA_, class SB_, class SD_>
+struct Arrays {
+  using SA = SA_;
+  using SB = SB_;
+  using SD = SD_;
+  Shape3* shapes;
+  Element const** a;
+  Element const** b;
+  Element** d;
+  SA* sa;
+  SB* sb;
+  SD* sd;
+  void* rest;
+
+  static size_t bytes(int groups) {
+    const size_t g = static_cast<size_t>(groups);
+    return round_up(g * sizeof(Shape3)) + 3 * round_up(g * sizeof(void*)) + round_up(g * sizeof(SA)) +
+           round_up(g * sizeof(SB)) + round_up(g * sizeof(SD));
+  }
+
+  static Arrays in(void* workspace, int groups) {
+    const size_t g = static_cast<size_t>(groups);
+    char* p = static_cast<char*>(workspace);
+    Arrays w{};
+    w.shapes = reinterpret_cast<Shape3*>(p);
+    p += round_up(g * sizeof(Shape3));
+    w.a = reinterpret_cast<Element const**>(p);
+    p += round_up(g * sizeof(void*));
+    w.b = reinterpret_cast<Element const**>(p);
+    p += round_up(g * sizeof(void*));
+    w.d = reinterpret_cast<Element**>(p);
+    p += round_up(g * sizeof(void*));
+    w.sa = reinterpret_cast<SA*>(p);
+    p += round_up(g * sizeof(SA));
+    w.sb = reinterpret_cast<SB*>(p);
+    p += round_up(g * sizeof(SB));
+    w.sd = reinterpret_cast<SD*>(p);
+    p += round_up(g * sizeof(SD));
+    w.rest = p;
+    return w;
+  }
+};
+
+// One thread per group: its rows [offs[g - 1], offs[g]) of a and d, its weight, their strides.
+template <bool BKMajor, class W, class Element>
+__global__ void prepare_groups(GroupedProblem p, W w) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.groups) return;
+  const int start = g == 0 ? 0 : p.offs[g - 1];
+  const int rows = max(p.offs[g] - start, 0);
+  w.shapes[g] = make_shape(rows, p.n, p.k);
+  w.a[g] = static_cast<Element const*>(p.a) + static_cast<int64_t>(start) * p.lda;
+  w.b[g] = static_cast<Element const*>(p.b) + static_cast<int64_t>(g) * p.b_group;
+  w.d[g] = static_cast<Element*>(p.d) + static_cast<int64_t>(start) * p.ldd;
+  typename W::SA sa{};
+  get<0>(sa) = p.lda;
+  w.sa[g] = sa;
+  typename W::SB sb{};
+  if constexpr (BKMajor) {
+    get<0>(sb) = p.ldb;  // b[kk, j] at j * ldb + kk: (N, K) with K contiguous
+  } else {
+    get<1>(sb) = p.ldb;  // b[kk, j] at kk * ldb + j: (N, K) with N contiguous
+  }
+  w.sb[g] = sb;
+  typename W::SD sd{};
+  get<0>(sd) = p.ldd;
+  w.sd[g] = sd;
+}
+
+enum Schedule { kCoop = 0, kPingpong = 1 };
+
+template <bool BKMajor, int TM, int TN, int TK, int CM, int CN, int Sched>
+struct Grouped {
+  using Element = cutlass::bfloat16_t;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
+  using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
+  static constexpr bool Coop = Sched == kCoop;
+  using KernelSchedule = cute::conditional_t<Coop, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                             cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>;
+  using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cute::conditional_t<BKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int Align = 16 / sizeof(Element);
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, Align, Element, LayoutD*, Align,
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, Align, Element, LayoutB*, Align, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using W = Arrays<typename ProblemShape::UnderlyingProblemShape, Element, typename Kernel::InternalStrideA,
+                   typename Kernel::InternalStrideB, typename Kernel::InternalStrideD>;
+
+  static typename Kernel::Arguments arguments(GroupedProblem const& p, W const& w) {
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = p.device;
+    hw.sm_count = p.sm_count > 0 ? p.sm_count
+                                 : cutlass::KernelHardwareInfo::query_device_multiprocessor_count(p.device);
+    typename Kernel::MainloopArguments mainloop{w.a, w.sa, w.b, w.sb};
+    typename Kernel::EpilogueArguments epilogue{};
+    epilogue.thread.alpha = 1.0f;
+    epilogue.thread.beta = 0.0f;
+    epilogue.ptr_C = nullptr;
+    epilogue.dC = nullptr;
+    epilogue.ptr_D = w.d;
+    epilogue.dD = w.sd;
+    return typename Kernel::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                      {p.groups, w.shapes, nullptr},
+                                      mainloop,
+                                      epilogue,
+                                      hw};
+  }
+
+  // Kernel parameters per (workspace, groups, device, SM count): everything else reaches the kernel through the
+  // groups' arrays.
+  using Key = std::array<int64_t, 4>;
+  struct KeyHash {
+    size_t operator()(Key const& k) const {
+      size_t h = 1469598103934665603ull;
+      for (int64_t v : k) h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
+      return h;
+    }
+  };
+
+  static cudaError_t run(GroupedProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
+    if (p.groups <= 0) return cudaErrorInvalidValue;
+    if (workspace_bytes != nullptr) {
+      W w = W::in(nullptr, p.groups);
+      *workspace_bytes = W::bytes(p.groups) + Device::get_workspace_size(arguments(p, w));
+      return cudaSuccess;
+    }
+    if (p.workspace == nullptr || p.offs == nullptr) return cudaErrorInvalidValue;
+    W w = W::in(p.workspace, p.groups);
+    static std::mutex mutex;
+    static std::unordered_map<Key, typename Kernel::Params, KeyHash> cache;
+    static bool attribute_set = false;
+    Key key{static_cast<int64_t>(reinterpret_cast<intptr_t>(p.workspace)), p.groups, p.device, p.sm_count};
+    typename Kernel::Params params;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = cache.find(key);
+      if (it == cache.end()) {
+        auto args = arguments(p, w);
+        if (Kernel::can_implement(args) != true) return cudaErrorInvalidValue;
+        if (!attribute_set) {
+          int smem = Kernel::SharedStorageSize;
+          if (smem >= (48 << 10)) {
+            cudaError_t rc = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (rc != cudaSuccess) return rc;
+          }
+          attribute_set = true;
+        }
+        if (Kernel::initialize_workspace(args, w.rest, stream) != cutlass::Status::kSuccess) {
+          return cudaErrorInvalidValue;
+        }
+        if (cache.size() >= 4096) cache.clear();
+        it = cache.emplace(key, Kernel::to_underlying_arguments(args, w.rest)).first;
+      }
+      params = it->second;
+    }
+    prepare_groups<BKMajor, W, Element><<<(p.groups + 127) / 128, 128, 0, stream>>>(p, w);
+    cudaError_t rc = cudaGetLastError();
+    if (rc != cudaSuccess) return rc;
+    if (Device::run(params, stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+    return cudaGetLastError();
+  }
+};
+
+template <int TM, int TN, int TK, int CM, int CN, int Sched>
+cudaError_t run_variant(GroupedProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
+  return p.b_kmajor ? Grouped<true, TM, TN, TK, CM, CN, Sched>::run(p, stream, workspace_bytes)
+                    : Grouped<false, TM, TN, TK, CM, CN, Sched>::run(p, stream, workspace_bytes);
+}
+
+}  // namespace fluxcompile::grouped
+
+// Defines `fluxcompile::cutlass_grouped_<name>` (declared for the registry in cutlass_grouped_registry.cpp).
+#define GROUPED_VARIANT(name, TM, TN, TK, CM, CN, SCHED)                                                     \
+  namespace fluxcompile {                                                                                  \
+  cudaError_t cutlass_grouped_##name(const GroupedProblem& p, cudaStream_t s, size_t* w) {                \
+    return grouped::run_variant<TM, TN, TK, CM, CN, SCHED>(p, s, w);                                      \
+  }                                                                                                        \
+  }

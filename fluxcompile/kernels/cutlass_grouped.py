@@ -1,0 +1,114 @@
+"""Launcher of the experts' CUTLASS grouped GEMM (csrc/cutlass_grouped.cuh): CUTLASS's own Hopper ptr-array
+grouped kernel, the one ``torch._grouped_mm`` runs on sm_90, for the MoE choices to build on: the groups' shapes,
+pointers and strides are written on the device from ``offs`` by a small kernel before it (no host
+synchronization; CUDA graphs replay it with whatever ``offs`` holds then).
+
+``GROUPED_VARIANTS`` (cutlass_build.py, the build spec) lists the tile configurations, each compiled into the
+``cutlass_grouped`` extension; a call picks one by name. Without CUTLASS's headers, or off Hopper,
+:func:`flux_gemm's unavailable <fluxcompile.kernels.cutlass_gemm.unavailable>` gives the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..symm_mem import persistent
+from . import extensions
+from .cutlass_build import GROUPED_VARIANTS
+from .cutlass_gemm import unavailable
+
+__all__ = ["GROUPED_VARIANTS", "grouped_mm", "operands_unsupported", "unavailable"]
+
+
+def load():
+    """The built extension (extensions.load raises Unavailable with the reason)."""
+    return extensions.load("cutlass_grouped")
+
+
+@functools.cache
+def _index(name: str) -> int:
+    return list(load().names()).index(name)
+
+
+def operands_unsupported(a: Tensor, b: Tensor, offs: Tensor, out: Tensor) -> str | None:
+    """Why ``out[group g's rows] = a[group g's rows] @ b[g]`` does not fit the kernel (None if it does): bf16 ``a``
+    ``[R, K]`` row-major, ``b`` ``[E, K, N]`` row-major or the transpose of an ``[E, N, K]`` row-major one, int32
+    ``offs`` ``[E]`` on the device, ``out`` ``[R, N]`` row-major bf16; 16-byte aligned rows."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+        return f"dtypes {a.dtype} x {b.dtype} -> {out.dtype} (bf16 only)"
+    if a.dim() != 2 or b.dim() != 3 or out.dim() != 2 or out.shape != (a.shape[0], b.shape[2]) or b.shape[1] != a.shape[1]:
+        return "shapes that are not [R, K] x [E, K, N] -> [R, N]"
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != b.shape[0] or offs.device != a.device:
+        return "offs that is not int32 [E] on the operands' device"
+    for t, what in ((a, "A"), (out, "the output")):
+        if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+            return f"{what} is not row-major with 16-byte aligned rows"
+    if weight_layout(b) is None:
+        return "a weight that is neither [E, K, N] row-major nor the transpose of an [E, N, K] row-major one"
+    if b.data_ptr() % 16 or b.stride(0) % 8 or b.shape[1] % 8 or b.shape[2] % 8:
+        return "weight dims or strides not 16-byte aligned"
+    return None
+
+
+def weight_layout(b: Tensor) -> str | None:
+    """``"kn"``: b[g, k, n] at g * s0 + k * s1 + n; ``"nk"`` (K-major, the transpose of [E, N, K]): at
+    g * s0 + n * s2 + k."""
+    if b.stride(2) == 1 and b.stride(1) >= b.shape[2]:
+        return "kn"
+    if b.stride(1) == 1 and b.stride(2) >= b.shape[1]:
+        return "nk"
+    return None
+
+
+_workspaces: dict[tuple[int, int], Tensor] = {}
+_retired: list[Tensor] = []  # outgrown workspaces, kept for CUDA graphs captured over them
+
+
+def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
+    """The groups' arrays and CUTLASS's workspace per (device, stream): calls on one stream run one after another;
+    grown eagerly, then reused."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fluxcompile: run the CUTLASS grouped GEMM once eagerly before CUDA graph capture")
+        if buf is not None:
+            _retired.append(buf)
+        buf = _workspaces[key] = persistent(
+            lambda: torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device),
+            "the CUTLASS grouped GEMM's workspace",
+        )
+    return buf.data_ptr()
+
+
+@functools.cache
+def _workspace_bytes(which: int, groups: int, sm_count: int, device: int) -> int:
+    q = [0, 0, 0, 0, 0, 1, 0, 0, 0, groups, 8, 8, sm_count, device, 0]
+    return int(load().workspace_bytes(which, q))
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out: Tensor, *, variant: str, sm_count: int = 0) -> Tensor:
+    """``out[offs[g - 1]:offs[g]] = a[offs[g - 1]:offs[g]] @ b[g]`` on the current stream (``torch._grouped_mm``'s
+    groups; rows past ``offs[-1]`` are left as they are) with the variant ``variant`` (a name of
+    GROUPED_VARIANTS); :func:`operands_unsupported` says what fits."""
+    if variant not in GROUPED_VARIANTS:
+        raise ValueError(f"fluxcompile: no CUTLASS grouped variant {variant!r}")
+    if (why := operands_unsupported(a, b, offs, out)) is not None:
+        raise ValueError(f"fluxcompile: the CUTLASS grouped GEMM does not take {why}")
+    layout = weight_layout(b)
+    device = a.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    which = _index(variant)
+    groups = b.shape[0]
+    ws = _workspace(device, stream, _workspace_bytes(which, groups, sm_count, index))
+    q = [
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if layout == "kn" else b.stride(2), b.stride(0),
+        int(layout == "nk"), out.data_ptr(), out.stride(0), offs.data_ptr(), groups, b.shape[2], b.shape[1],
+        sm_count, index, ws,
+    ]  # fmt: skip
+    load().run(which, q, stream)
+    return out
