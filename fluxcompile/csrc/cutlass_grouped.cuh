@@ -1,6 +1,6 @@
 // The experts' grouped GEMM (see cutlass_grouped.h): CUTLASS 3.x's Hopper ptr-array grouped kernel, built from the
 // collective builders (TMA warp-specialized mainloop and epilogue, cooperative or ping-pong) under CUTLASS's
-// group tile scheduler. The groups' shapes, pointers and strides live on the device: a small kernel writes them
+// group tile scheduler, its mainloop wrapped to wait for the dispatch's blocks of rows (WaitingGroupedMainloop). The groups' shapes, pointers and strides live on the device: a small kernel writes them
 // on the stream from `offs` (no host synchronization, graph-capturable), and the kernel reads them (its TMA
 // descriptors are re-pointed per group on the device, as CUTLASS's grouped kernels do). The host side caches the
 // kernel parameters per workspace and shape: a repeated call launches two kernels and nothing else.
@@ -22,11 +22,82 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "bounded_wait.cuh"
 #include "cutlass_grouped.h"
 
 namespace fluxcompile::grouped {
 
 using namespace cute;
+
+// --- the mainloop: wait for the tile's blocks of rows, then CUTLASS's TMA loads -------------------------------
+
+CUTLASS_DEVICE int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The tile's rows are [start_g + m * TM, min(end_g, start_g + (m + 1) * TM)) of `a`; each block of
+// sync.block_rows rows they overlap is awaited (a whole warp polls: every lane's later reads are ordered after
+// its acquire). CUTLASS's grouped kernel tells its mainloop the group through tensors_perform_update (called on
+// every change of group, before the group's first load), so the wrapper remembers it there.
+template <class Base>
+struct WaitingGroupedMainloop : Base {
+  struct Arguments : Base::Arguments {
+    GroupedSync sync;
+  };
+  struct Params : Base::Params {
+    GroupedSync sync;
+  };
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                                  void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    p.sync = args.sync;
+    return p;
+  }
+
+  template <class InputTensors, class ProblemShape_MNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& inputs, Params const& params,
+                                                     ProblemShape_MNKL problem, int32_t next_batch) {
+    group_ = next_batch;
+    return Base::tensors_perform_update(inputs, params, problem, next_batch);
+  }
+
+  template <class Pipeline, class PipelineState, class LoadInputs, class TensorMaps, class BlockCoord,
+            class... Rest>
+  CUTLASS_DEVICE void load(Params const& params, Pipeline pipeline, PipelineState state, LoadInputs const& inputs,
+                           TensorMaps const& tensormaps, BlockCoord const& blk_coord, Rest&&... rest) {
+    GroupedSync const& s = params.sync;
+    if (s.flags != nullptr && s.block_rows > 0) {
+      constexpr int TM = size<0>(typename Base::TileShape{});
+      const int start = group_ == 0 ? 0 : s.offs[group_ - 1];
+      const int end = s.offs[group_];
+      const int lo = start + int(get<0>(blk_coord)) * TM;
+      const int hi = min(end, lo + TM);
+      const int epoch = *s.epoch;
+      bool ok = true;
+      for (int b = lo / s.block_rows; ok && hi > lo && b <= (hi - 1) / s.block_rows; ++b) {
+        unsigned long long t0 = 0;
+        for (unsigned iter = 0;; ++iter) {
+          if (ld_acquire_gpu(s.flags + b) >= epoch) break;
+          if (bounded_wait_gives_up<true>(iter, t0, s, (threadIdx.x & 31) == 0, s.rank, b, epoch, 3)) {
+            ok = false;
+            break;
+          }
+        }
+      }
+      // The rows were written through the generic proxy; TMA reads them through the async proxy.
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+    }
+    Base::load(params, pipeline, state, inputs, tensormaps, blk_coord, static_cast<Rest&&>(rest)...);
+  }
+
+ private:
+  int group_ = 0;
+};
 
 // Bytes `n` rounded up to 128 (every array of the workspace starts on a 128-byte boundary).
 constexpr size_t round_up(size_t n) { return (n + 127) / 128 * 128; }
@@ -128,7 +199,7 @@ struct Grouped {
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, WaitingGroupedMainloop<Mainloop>, Epilogue>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using W = Arrays<typename ProblemShape::UnderlyingProblemShape, Element, typename Kernel::InternalStrideA,
                    typename Kernel::InternalStrideB, typename Kernel::InternalStrideD>;
@@ -138,7 +209,13 @@ struct Grouped {
     hw.device_id = p.device;
     hw.sm_count = p.sm_count > 0 ? p.sm_count
                                  : cutlass::KernelHardwareInfo::query_device_multiprocessor_count(p.device);
-    typename Kernel::MainloopArguments mainloop{w.a, w.sa, w.b, w.sb};
+    typename Kernel::MainloopArguments mainloop{};
+    mainloop.ptr_A = w.a;
+    mainloop.dA = w.sa;
+    mainloop.ptr_B = w.b;
+    mainloop.dB = w.sb;
+    mainloop.sync = p.sync;
+    mainloop.sync.offs = p.offs;
     typename Kernel::EpilogueArguments epilogue{};
     epilogue.thread.alpha = 1.0f;
     epilogue.thread.beta = 0.0f;
@@ -153,9 +230,9 @@ struct Grouped {
                                       hw};
   }
 
-  // Kernel parameters per (workspace, groups, device, SM count): everything else reaches the kernel through the
-  // groups' arrays.
-  using Key = std::array<int64_t, 4>;
+  // Kernel parameters per (workspace, groups, device, SM count, the dispatch's waits): everything else reaches the
+  // kernel through the groups' arrays.
+  using Key = std::array<int64_t, 11>;
   struct KeyHash {
     size_t operator()(Key const& k) const {
       size_t h = 1469598103934665603ull;
@@ -176,7 +253,10 @@ struct Grouped {
     static std::mutex mutex;
     static std::unordered_map<Key, typename Kernel::Params, KeyHash> cache;
     static bool attribute_set = false;
-    Key key{static_cast<int64_t>(reinterpret_cast<intptr_t>(p.workspace)), p.groups, p.device, p.sm_count};
+    auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
+    auto const& y = p.sync;
+    Key key{i(p.workspace), p.groups, p.device, p.sm_count, i(p.offs), i(y.flags), y.block_rows, i(y.epoch),
+            i(y.err), y.rank, y.timeout_ns};
     typename Kernel::Params params;
     {
       std::lock_guard<std::mutex> lock(mutex);

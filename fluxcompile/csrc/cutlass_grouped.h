@@ -10,6 +10,22 @@
 
 namespace fluxcompile {
 
+// The dispatch's part of a call (every pointer may be null: that part is off). Before loading a tile, the producer
+// waits until flags[b] >= *epoch for every block b of block_rows rows of `a` (the experts' rows, in their order)
+// that the tile's rows overlap: whoever writes a block of rows raises its flag to the call's epoch once they have
+// landed, so the GEMM starts on the first blocks while later ones are still arriving.
+struct GroupedSync {
+  const int* flags = nullptr;
+  int block_rows = 0;
+  const int* epoch = nullptr;  // a device word: the epoch this call awaits (read by the kernel, so graphs replay)
+  // Bounded waits (bounded_wait.cuh): after timeout_ns of %globaltimer a wait gives up and the first one records
+  // err[0..5] = 1, rank, rank (the block's writer is this rank's own copy), the block, the epoch, kind 3.
+  int* err = nullptr;
+  int rank = 0;
+  long long timeout_ns = 60'000'000'000LL;
+  const int* offs = nullptr;  // the problem's group ends (set by the host side)
+};
+
 struct GroupedProblem {
   // out[start_g:end_g] = a[start_g:end_g] @ b[g] for g < groups, start_g = offs[g - 1] (0 for g = 0), end_g = offs[g]
   // (int32 on the device, non-decreasing; rows past offs[groups - 1] are not written). bf16 operands and output,
@@ -32,6 +48,7 @@ struct GroupedProblem {
   // grouped_workspace_bytes(groups, variant) bytes of device memory: the groups' shapes, pointers and strides
   // (written on the stream by a small kernel from `offs`) and CUTLASS's own workspace.
   void* workspace = nullptr;
+  GroupedSync sync;
 };
 
 struct GroupedVariant {

@@ -26,8 +26,9 @@ const fluxcompile::GroupedVariant& variant(int64_t index) {
 }
 
 // q: a, lda, b, ldb, b_group, b_kmajor, d, ldd, offs, groups, n, k, sm_count, device, workspace
+//    [, flags, block_rows, epoch, err, rank, timeout_ns (the dispatch's waits)]
 fluxcompile::GroupedProblem problem(const std::vector<int64_t>& q) {
-  if (q.size() != 15) throw std::invalid_argument("fluxcompile cutlass_grouped: bad argument count");
+  if (q.size() != 15 && q.size() != 21) throw std::invalid_argument("fluxcompile cutlass_grouped: bad argument count");
   fluxcompile::GroupedProblem p{};
   p.a = ptr<const void*>(q[0]);
   p.lda = q[1];
@@ -44,6 +45,15 @@ fluxcompile::GroupedProblem problem(const std::vector<int64_t>& q) {
   p.sm_count = static_cast<int>(q[12]);
   p.device = static_cast<int>(q[13]);
   p.workspace = ptr<void*>(q[14]);
+  if (q.size() == 21) {
+    auto& y = p.sync;
+    y.flags = ptr<const int*>(q[15]);
+    y.block_rows = static_cast<int>(q[16]);
+    y.epoch = ptr<const int*>(q[17]);
+    y.err = ptr<int*>(q[18]);
+    y.rank = static_cast<int>(q[19]);
+    y.timeout_ns = q[20];
+  }
   return p;
 }
 

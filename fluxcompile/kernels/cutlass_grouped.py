@@ -15,12 +15,15 @@ import functools
 import torch
 from torch import Tensor
 
+from ..config import config
 from ..symm_mem import persistent
 from . import extensions
 from .cutlass_build import GROUPED_VARIANTS
 from .cutlass_gemm import unavailable
 
-__all__ = ["GROUPED_VARIANTS", "grouped_mm", "operands_unsupported", "unavailable"]
+__all__ = ["ERR_WORDS", "GROUPED_VARIANTS", "check_error", "grouped_mm", "operands_unsupported", "unavailable"]
+
+ERR_WORDS = 6  # csrc/cutlass_grouped.h GroupedSync::err
 
 
 def load():
@@ -90,14 +93,38 @@ def _workspace_bytes(which: int, groups: int, sm_count: int, device: int) -> int
     return int(load().workspace_bytes(which, q))
 
 
-def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out: Tensor, *, variant: str, sm_count: int = 0) -> Tensor:
+def grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    offs: Tensor,
+    out: Tensor,
+    *,
+    variant: str,
+    sm_count: int = 0,
+    wait: tuple[Tensor, int, Tensor] | None = None,
+    err: Tensor | None = None,
+    rank: int = 0,
+) -> Tensor:
     """``out[offs[g - 1]:offs[g]] = a[offs[g - 1]:offs[g]] @ b[g]`` on the current stream (``torch._grouped_mm``'s
     groups; rows past ``offs[-1]`` are left as they are) with the variant ``variant`` (a name of
-    GROUPED_VARIANTS); :func:`operands_unsupported` says what fits."""
+    GROUPED_VARIANTS); :func:`operands_unsupported` says what fits.
+
+    wait: (flags, block_rows, epoch), the dispatch's: int32 ``flags`` (one per block of ``block_rows`` rows of
+      ``a``) and ``epoch`` (one int32 on the device, read by the kernel): a tile loads its rows once the flag of
+      every block they overlap is at least the epoch (bounded by ``config.wait_timeout_s``; a timeout fills
+      ``err``, int32 [ERR_WORDS], as :func:`check_error` reads it)."""
     if variant not in GROUPED_VARIANTS:
         raise ValueError(f"fluxcompile: no CUTLASS grouped variant {variant!r}")
     if (why := operands_unsupported(a, b, offs, out)) is not None:
         raise ValueError(f"fluxcompile: the CUTLASS grouped GEMM does not take {why}")
+    if wait is not None:
+        flags, block_rows, epoch = wait
+        if err is None or err.dtype != torch.int32 or err.numel() < ERR_WORDS:
+            raise ValueError("fluxcompile: the grouped GEMM's waits need int32 error words")
+        if flags.dtype != torch.int32 or epoch.dtype != torch.int32 or block_rows <= 0:
+            raise ValueError("fluxcompile: the grouped GEMM waits on int32 flags and an int32 epoch word")
+        if flags.numel() * block_rows < a.shape[0]:
+            raise ValueError("fluxcompile: the grouped GEMM's flags do not cover every block of rows")
     layout = weight_layout(b)
     device = a.device
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -110,5 +137,17 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, out: Tensor, *, variant: str,
         int(layout == "nk"), out.data_ptr(), out.stride(0), offs.data_ptr(), groups, b.shape[2], b.shape[1],
         sm_count, index, ws,
     ]  # fmt: skip
+    if wait is not None:
+        q += [wait[0].data_ptr(), wait[1], wait[2].data_ptr(), err.data_ptr(), rank, int(config.wait_timeout_s * 1e9)]
     load().run(which, q, stream)
     return out
+
+
+def check_error(err: Tensor, what: str) -> None:
+    """Raise if a wait of the kernel timed out (reads ``err``: a host synchronization)."""
+    words = [int(x) for x in err[:ERR_WORDS].tolist()]
+    if words[0]:
+        raise RuntimeError(
+            f"fluxcompile: {what}: rank {words[1]} timed out waiting for block {words[3]} of the experts' rows "
+            f"(its flag never reached epoch {words[4]}): did the dispatch's copy run?"
+        )

@@ -67,6 +67,69 @@ def test_grouped_mm_graph_replays_new_routing(variant):
         assert_close(out, torch._grouped_mm(a, b, offs=offs).float(), TOL, f"{variant} replay {sizes}")
 
 
+@pytest.mark.parametrize("variant", list(cutlass_grouped.GROUPED_VARIANTS))
+def test_grouped_mm_waits_for_its_blocks_of_rows(variant):
+    """The dispatch's waits: flags already at the epoch (nothing awaited), then flags raised by the copy engine
+    after a delay on another stream while the GEMM (on 16 SMs, the rest free) waits, then a graph replay at the next
+    epoch; the output equals torch's each time."""
+    b = _weights("nk")
+    sizes = [300, 0, 1, 513, 128, 77, 0, 200]
+    offs = _offs(sizes)
+    rows, block = sum(sizes), 64
+    a = torch.randn(rows, K, device="cuda", dtype=BF16)
+    flags = torch.ones(-(-rows // block), dtype=torch.int32, device="cuda")
+    epoch = torch.ones(1, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_grouped.ERR_WORDS, dtype=torch.int32, device="cuda")
+    kw = dict(variant=variant, wait=(flags, block, epoch), err=err, sm_count=16)
+    out = torch.full((rows, N), float("nan"), device="cuda", dtype=BF16)
+    cutlass_grouped.grouped_mm(a, b, offs, out, **kw)
+    assert_close(out, torch._grouped_mm(a, b, offs=offs).float(), TOL, f"{variant} flags preset")
+    # epoch 2: the flags rise later, from pinned host memory through the copy engine on a side stream
+    epoch.fill_(2)
+    raised = torch.full_like(flags, 2, device="cpu").pin_memory()
+    side = torch.cuda.Stream()
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds: the GEMM is launched and waiting meanwhile
+        flags.copy_(raised, non_blocking=True)
+    cutlass_grouped.grouped_mm(a, b, offs, out, **kw)
+    torch.cuda.synchronize()
+    cutlass_grouped.check_error(err, "test")
+    assert_close(out, torch._grouped_mm(a, b, offs=offs).float(), TOL, f"{variant} flags raised late")
+    # a CUDA graph of the call, replayed at epoch 3 with new rows (the epoch is read on the device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cutlass_grouped.grouped_mm(a, b, offs, out, **kw)
+    epoch.fill_(3)
+    flags.fill_(3)
+    a.copy_(torch.randn_like(a))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    cutlass_grouped.check_error(err, "test")
+    assert_close(out, torch._grouped_mm(a, b, offs=offs).float(), TOL, f"{variant} replay at the next epoch")
+
+
+def test_grouped_mm_wait_timeout_names_the_block():
+    from fluxcompile import config
+
+    b = _weights("kn")
+    offs = _offs([64] * E)
+    a = torch.randn(512, K, device="cuda", dtype=BF16)
+    out = torch.empty(512, N, device="cuda", dtype=BF16)
+    flags = torch.zeros(8, dtype=torch.int32, device="cuda")
+    flags[:5] = 1
+    epoch = torch.ones(1, dtype=torch.int32, device="cuda")
+    err = torch.zeros(cutlass_grouped.ERR_WORDS, dtype=torch.int32, device="cuda")
+    variant = next(iter(cutlass_grouped.GROUPED_VARIANTS))
+    with config.patch(wait_timeout_s=0.2):
+        cutlass_grouped.grouped_mm(a, b, offs, out, variant=variant, wait=(flags, 64, epoch), err=err, rank=3)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=r"rank 3 timed out waiting for block [5-7] of the experts' rows"):
+        cutlass_grouped.check_error(err, "test")
+
+
 def test_bad_operands_are_refused():
     b = _weights("kn")
     a = torch.randn(64, K, device="cuda", dtype=BF16)
