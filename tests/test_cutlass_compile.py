@@ -13,7 +13,7 @@ import prebuild
 import pytest
 from toolchain import find_cuobjdump, find_nvcc, torch_cxx_std, torch_syntax_check
 
-from fluxcompile.kernels import cutlass_build, cutlass_gemm, extensions
+from fluxcompile.kernels import cutlass_build, cutlass_gemm, cutlass_grouped_build, extensions
 
 # The variant the check compiles: the first (the persistent cooperative 128x256 tile); the others differ only in
 # template arguments. All of them build on a GPU machine (scripts/gpu-check cutlass).
@@ -21,7 +21,7 @@ VARIANT = next(iter(cutlass_gemm.VARIANTS))
 
 
 def _write_sources(tmp_path: Path) -> Path:
-    for name, text in {**cutlass_build.generated_sources(), **cutlass_build.grouped_sources()}.items():
+    for name, text in {**cutlass_build.generated_sources(), **cutlass_grouped_build.grouped_sources()}.items():
         (tmp_path / name).write_text(text)
     return tmp_path
 
@@ -93,7 +93,7 @@ prebuild.register("flux_gemm_ring_sm90a", _flux_gemm_job(f"flux_gemm_ring_{RING_
 FP8_VARIANT = next(n for n in cutlass_gemm.variants(fp8=True) if cutlass_gemm.VARIANTS[n].promotes)
 prebuild.register("flux_gemm_fp8_sm90a", _flux_gemm_job(f"flux_gemm_{FP8_VARIANT}_s20.cu"))
 # The experts' grouped GEMM: one variant (both weight layouts, and the kernel writing the groups' arrays).
-GROUPED_VARIANT = next(iter(cutlass_build.GROUPED_VARIANTS))
+GROUPED_VARIANT = next(iter(cutlass_grouped_build.GROUPED_VARIANTS))
 prebuild.register("cutlass_grouped_sm90a", _flux_gemm_job(f"cutlass_grouped_{GROUPED_VARIANT}.cu"))
 for _source in HOST_SOURCES:
     prebuild.register(f"host:{_source}", _host_job(_source), timeout_s=300)
@@ -144,12 +144,12 @@ def test_registry_and_binding_compile(source):
 
 
 def test_grouped_variants_and_generated_sources():
-    files = cutlass_build.grouped_sources()
-    assert set(files) == {f"cutlass_grouped_{n}.cu" for n in cutlass_build.GROUPED_VARIANTS} | {
+    files = cutlass_grouped_build.grouped_sources()
+    assert set(files) == {f"cutlass_grouped_{n}.cu" for n in cutlass_grouped_build.GROUPED_VARIANTS} | {
         "cutlass_grouped_registry.cpp"
     }
     registry = files["cutlass_grouped_registry.cpp"]
-    for name, v in cutlass_build.GROUPED_VARIANTS.items():
+    for name, v in cutlass_grouped_build.GROUPED_VARIANTS.items():
         assert v.name == name
         assert f"GROUPED_VARIANT({name}, {v.tile[0]}, {v.tile[1]}, {v.tile[2]}" in files[f"cutlass_grouped_{name}.cu"]
         assert f'{{"{name}", {v.tile[0]}, {v.tile[1]}, {v.tile[2]}' in registry and f"&cutlass_grouped_{name}}}" in registry

@@ -1,6 +1,6 @@
 // Python binding of the experts' CUTLASS grouped GEMM (cutlass_grouped.h). Pointers and the stream come from
 // Python as integers; kernels/cutlass_grouped.py validates shapes, layouts and dtypes. The variant table is
-// generated at build time (cutlass_grouped_registry.cpp) from kernels/cutlass_build.py's GROUPED_VARIANTS.
+// generated at build time (cutlass_grouped_registry.cpp) from kernels/cutlass_grouped_build.py's GROUPED_VARIANTS.
 #include <torch/extension.h>
 
 #include <stdexcept>

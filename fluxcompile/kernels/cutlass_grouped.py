@@ -3,7 +3,7 @@ grouped kernel, the one ``torch._grouped_mm`` runs on sm_90, for the MoE choices
 pointers and strides are written on the device from ``offs`` by a small kernel before it (no host
 synchronization; CUDA graphs replay it with whatever ``offs`` holds then).
 
-``GROUPED_VARIANTS`` (cutlass_build.py, the build spec) lists the tile configurations, each compiled into the
+``GROUPED_VARIANTS`` (cutlass_grouped_build.py, the build spec) lists the tile configurations, each compiled into the
 ``cutlass_grouped`` extension; a call picks one by name. Without CUTLASS's headers, or off Hopper,
 :func:`flux_gemm's unavailable <fluxcompile.kernels.cutlass_gemm.unavailable>` gives the reason.
 """
@@ -18,8 +18,8 @@ from torch import Tensor
 from ..config import config
 from ..symm_mem import persistent
 from . import extensions
-from .cutlass_build import GROUPED_VARIANTS
 from .cutlass_gemm import unavailable
+from .cutlass_grouped_build import GROUPED_VARIANTS
 
 __all__ = ["ERR_WORDS", "GROUPED_VARIANTS", "check_error", "grouped_mm", "operands_unsupported", "unavailable"]
 

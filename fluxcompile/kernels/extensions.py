@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 from ..config import config
-from . import cutlass_build
+from . import cutlass_build, cutlass_grouped_build
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"  # fluxcompile/csrc, shipped inside the package
 SOURCES: dict[str, tuple[str, ...]] = {
@@ -36,7 +36,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
     "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh"),
     # the experts' CUTLASS grouped GEMM; its per-variant translation units are generated too
-    "cutlass_grouped": ("cutlass_grouped.h", "cutlass_grouped.cuh", "cutlass_grouped_binding.cpp"),
+    "cutlass_grouped": ("cutlass_grouped.h", "cutlass_grouped.cuh", "cutlass_grouped_binding.cpp", "bounded_wait.cuh"),
 }  # fmt: skip
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 # Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build
@@ -56,7 +56,7 @@ def _generated(name: str) -> dict[str, str]:
     if name == "flux_gemm":
         return cutlass_build.generated_sources()
     if name == "cutlass_grouped":
-        return cutlass_build.grouped_sources()
+        return cutlass_grouped_build.grouped_sources()
     return {}
 
 
