@@ -57,7 +57,7 @@ def test_grouped_gemm_pull_and_scatter_in_interpreter():
     results, seed = _interpreted("moe_interpreted.py")
     for name, want in _TIMEOUTS.items():
         assert want in results.pop(name), f"{name}: {results.get(name)}"
-    assert len(results) == 21, sorted(results)
+    assert len(results) == 23, sorted(results)
     for name, err in results.items():
         tol = 1e-6 if "fp32" in name or "TMA" in name else 1e-3  # fp16 outputs: one rounding
         assert err <= tol, f"{name}: relative error {err:.2e} (seed {seed})"
@@ -226,6 +226,11 @@ def test_small_kernels_compile_for_sm90(tmp_path, monkeypatch):
     compile_like_launch(gg.publish_kernel, values, {}, 1, 1)
     k = compile_like_launch(gg.wait_kernel, values, dict(KIND=3, SKIP_SELF=True, TIMED=True), 1, 1)
     assert "%globaltimer" in k.asm["ptx"], "the waits are bounded by the GPU's timer"
+    values.update({"row_index": "*i64", "local_addr": 1 << 40, "src_bases": "*i64", "x_out": "*bf16",
+                   "block_flags": "*i32", "n_x": 1000, "n_pull": 998, "K": 4096, "num_progs": 16})  # fmt: skip
+    consts = dict(ALIGN=16, TIMED=True, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K)
+    k = compile_like_launch(gg.permuted_pull_kernel, values, consts, 4, 1)
+    assert "%globaltimer" in k.asm["ptx"] and ".release" in k.asm["ptx"], "bounded waits, flags raised with release"
 
 
 # --- the launcher's host side -----------------------------------------------------------------------------------

@@ -898,6 +898,89 @@ def launch_grouped(
     )  # fmt: skip
 
 
+# --- the dispatch's copy in the experts' order (for a GEMM that waits per block of rows) -------------------------
+
+
+@triton.jit(do_not_specialize=["n_x", "n_pull", "rank", "world", "max_spin", "num_progs", "local_addr"])
+def permuted_pull_kernel(
+    row_index, local_addr, src_bases, x_out, block_flags, my_flags, peer_flags, err,
+    n_x, n_pull, K, rank, world, max_spin, num_progs,
+    ALIGN: tl.constexpr, TIMED: tl.constexpr, COPY_M: tl.constexpr, COPY_K: tl.constexpr,
+):  # fmt: skip
+    """Flux's permuting copy for the dispatch: row j of ``x_out`` (the experts' rows, in their order) is exchanged row
+    ``row_index[j]`` (``A_exchanged[row_index[j]]``, a padding index a zero row), pulled straight from its source's
+    send buffer (this rank's own rows from ``local_addr``); once a tile of ``COPY_M`` rows of ``x_out`` is stored,
+    ``block_flags[tile]`` becomes the call's epoch (release): a GEMM that waits per block of rows
+    (csrc/cutlass_grouped.cuh) starts on the first blocks while later ones arrive. The protocol around it is the
+    pull's (module docstring): every source's ``ready`` awaited first, the last program tells every source ``done``.
+    Tiles are taken round robin by the programs from the first one holding this rank's own rows on (read locally,
+    so the first blocks are ready soonest)."""
+    pid = tl.program_id(0)
+    e_call = tl.load(my_flags + _STATE, volatile=True)  # this call's epoch (publish() advanced it)
+    ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False, TIMED)
+    tl.debug_barrier()
+    n_tiles = tl.cdiv(n_x, COPY_M)
+    if ok != 0:
+        total = tl.full((), 0, tl.int32)
+        for s in range(world):
+            total += tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
+        if pid == 0 and total != n_pull:
+            record_error(err, rank, -1, total, n_pull, 6)  # not a timeout: the splits disagree
+        dtype = x_out.dtype.element_ty
+        for t in range(pid, n_tiles, num_progs):
+            j = t * COPY_M + tl.arange(0, COPY_M)
+            in_x = j < n_x
+            good, ex = _gathered(row_index, j, in_x, n_pull)
+            who, start = _locate(ex, my_flags + _INFO, world)
+            good = good & (who < world)
+            src = tl.minimum(who, world - 1)
+            offset = tl.load(my_flags + _INFO + 2 * src, mask=good, other=0, cache_modifier=".cg")
+            base = tl.load(src_bases + src, mask=good, other=0)
+            base = tl.where(src == rank, local_addr, base)
+            src_row = (offset + ex - start).to(tl.int64)
+            row_ptr = tl.multiple_of(base.to(tl.pointer_type(dtype)) + src_row * K, ALIGN)
+            out_row = j.to(tl.int64) * K
+            for k0 in range(0, K, COPY_K):
+                ks = k0 + tl.arange(0, COPY_K)
+                in_k = ks[None, :] < K
+                x = tl.load(row_ptr[:, None] + ks[None, :], mask=good[:, None] & in_k, other=0.0, cache_modifier=".cg")
+                tl.store(x_out + out_row[:, None] + ks[None, :], x, mask=in_x[:, None] & in_k)
+            tl.debug_barrier()  # every thread's stores before the block's (cumulative) release
+            tl.atomic_xchg(block_flags + t, e_call, sem="release", scope="gpu")
+    # --- the last program to finish: tell every source its send buffer is free
+    tl.debug_barrier()
+    finished = tl.atomic_add(my_flags + _STATE + 2, 1, sem="acq_rel", scope="sys")
+    if finished == num_progs - 1:
+        tl.atomic_xchg(my_flags + _STATE + 2, 0, sem="relaxed", scope="gpu")
+        for p in range(world):
+            if p != rank:
+                pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(pf + _DONE + rank, e_call, sem="release", scope="sys")
+
+
+def permuted_pull(
+    pull: Pull, row_index: torch.Tensor, block_flags: torch.Tensor, sig: Signals, num_programs: int
+) -> None:
+    """One launch of :func:`permuted_pull_kernel`: ``pull.a_out`` receives the experts' rows ``x`` (``len(row_index)``
+    rows, ``x[j] = A_exchanged[row_index[j]]``, zeros for a padding index) and ``block_flags`` (int32, one per
+    ``COPY_M`` rows of ``x``) the call's epoch as each block lands; ``pull.rows`` is the exchanged rows' count.
+    After :func:`publish` on every rank, as the pull."""
+    x_out, k = pull.a_out, pull.a_out.shape[1]
+    n_x = row_index.numel()
+    if x_out.shape[0] < n_x or not x_out.is_contiguous() or block_flags.dtype != torch.int32:
+        raise ValueError("fluxcompile: the permuted pull writes a contiguous [len(row_index), K] and int32 flags")
+    if block_flags.numel() < triton.cdiv(n_x, COPY_M):
+        raise ValueError(f"fluxcompile: one block flag per {COPY_M} rows of the experts' rows")
+    es = x_out.element_size()
+    align = 16 if (k * es) % 16 == 0 and pull.a_local.data_ptr() % 16 == 0 else 1
+    progs = max(1, min(num_programs, triton.cdiv(n_x, COPY_M)))
+    permuted_pull_kernel[(progs,)](
+        row_index, pull.a_local.data_ptr(), pull.src_bases, x_out, block_flags, sig.my_flags, sig.peer_flags, sig.err,
+        n_x, pull.rows, k, sig.rank, sig.world, sig.max_spin, progs,
+        ALIGN=align, TIMED=x_out.is_cuda, COPY_M=COPY_M, COPY_K=COPY_K, num_warps=4,
+    )  # fmt: skip
+
+
 def check_error(err: torch.Tensor, group_name: str, what: str = "the MoE all-to-all") -> None:
     """Raise if a wait of the kernels timed out or the splits disagreed (reads ``err``: a host synchronization
     when on the GPU)."""

@@ -6,8 +6,9 @@ gathered rows with padding, up to three weights, both weight layouts, TMA and po
 plays every rank of a small world: their flag words and symmetric buffers are ordinary tensors in one
 allocation each, ``publish`` runs for every rank, and one rank's pull (dispatch) or scatter (combine) launch is
 checked against the ``ops`` references: the exchanged rows exactly, the products, what landed in every peer's
-receive buffer, the flags it wrote into its peers' words and the counters it reset. Last, waits that time out
-and splits that disagree, through the error words and ``check_error``.
+receive buffer, the flags it wrote into its peers' words and the counters it reset; the dispatch's permuting copy
+(``permuted_pull``: the experts' rows in their order, a flag per block). Last, waits that time out and splits that
+disagree, through the error words and ``check_error``.
 
 The interpreter runs a launch's programs one after the other: the fused pull (GEMM tiles waiting for the copy
 tiles of other programs) runs with one program. bf16 products are wrong in Triton 3.6's interpreter (``tl.dot``),
@@ -128,6 +129,45 @@ def prefix(xs: list[int]) -> list[int]:
         out.append(acc)
         acc += x
     return out
+
+
+def permuted_case(seed, counts, rank, K, dtype, *, progs, calls=2) -> float:
+    """The dispatch's permuting copy at ``rank`` (``gg.permuted_pull``): the experts' rows in a random order with
+    padding rows, every value exact, every block flag at the call's epoch, the peers told ``done``, the finish
+    counter reset; two calls in a row (the epochs advance)."""
+    g = torch.Generator().manual_seed(seed)
+    world = len(counts)
+    worst = 0.0
+    w = World(counts, max(sum(c) for c in counts) * K, dtype)
+    for call in range(calls):
+        As = [torch.randn(sum(counts[s]), K, generator=g).to(dtype) for s in range(world)]
+        for s in range(world):
+            if s != rank:
+                w.data[s][: As[s].numel()] = As[s].reshape(-1)  # its send buffer
+            gg.publish(w.sig(s), w.sent(s))
+        recv = w.received(rank)
+        exchanged = torch.cat(
+            [As[s][prefix(counts[s])[rank] : prefix(counts[s])[rank] + recv[s]] for s in range(world)]
+        )
+        n = exchanged.shape[0]
+        row_index = torch.cat([torch.randperm(n, generator=g), torch.tensor([n, -1, n])])
+        row_index = row_index[torch.randperm(row_index.numel(), generator=g)]
+        x = torch.cat([exchanged, exchanged.new_zeros(1, K)])[row_index.clamp(max=n).where(row_index >= 0, n)]
+        x_out = torch.full((row_index.numel(), K), float("nan"), dtype=dtype)
+        blocks = -(-row_index.numel() // gg.COPY_M)
+        flags = torch.zeros(blocks + 1, dtype=torch.int32)
+        gg.permuted_pull(gg.Pull(As[rank], w.bases, x_out, n), row_index, flags, w.sig(rank), progs)
+        gg.check_error(w.errs[rank], "test")
+        e = call + 1
+        if not torch.equal(x_out, x) or flags[:blocks].tolist() != [e] * blocks or int(flags[blocks]) != 0:
+            worst = float("inf")
+        for p in range(world):
+            if p != rank and int(w.flags[p][gg.DONE + rank]) != e:
+                worst = float("inf")  # the peer was not told its send buffer is free
+        mine = w.flags[rank]
+        if int(mine[gg.STATE]) != e or int(mine[gg.STATE + 2]) != 0:
+            worst = float("inf")
+    return worst
 
 
 def pull_case(
@@ -368,6 +408,11 @@ if __name__ == "__main__":
             seed + 16, [[3, 0, 6], [1, 2, 9], [7, 4, 5]], 2, 16, 2, 16, f16, gather=True, accumulate=True, progs=2
         ),
     }
+    f16 = torch.float16
+    results["permuted pull, world 2"] = permuted_case(seed + 19, [[30, 25], [17, 40]], 0, 16, f16, progs=2)
+    results["permuted pull, world 3, bf16"] = permuted_case(
+        seed + 20, [[3, 20, 6], [11, 2, 9], [7, 14, 5]], 1, 24, torch.bfloat16, progs=3
+    )
     results["timeout pull"] = timeout_pull()
     results["timeout scatter"] = timeout_scatter()
     results["timeout done"] = timeout_done()
