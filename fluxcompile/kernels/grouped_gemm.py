@@ -242,29 +242,50 @@ def _wait_all(my_flags, slot, e, err, max_spin, rank, world, kind, SKIP_SELF: tl
 
 
 @triton.jit
+def _tell_done(peer_flags, rank, world, e, SKIP_SELF: tl.constexpr):
+    """``done[rank] = e`` (release) in every rank's flag words (not this rank's own with ``SKIP_SELF``)."""
+    for p in range(world):
+        if not SKIP_SELF or p != rank:
+            pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(pf + _DONE + rank, e, sem="release", scope="sys")
+
+
+@triton.jit
+def _copy_rows(ex, ok, out_rows, out_ok, out, local_addr, src_bases, my_flags, K, rank, world,
+               ALIGN: tl.constexpr, COPY_K: tl.constexpr, ZERO_FILL: tl.constexpr):  # fmt: skip
+    """Exchanged rows ``ex`` (where ``ok`` and a published range holds them) read from their sources' send buffers
+    (this rank's own from ``local_addr``) into rows ``out_rows`` of ``out`` (where ``out_ok``; with ``ZERO_FILL``
+    rows not read store zeros, else nothing): (the source of each row, whether it was read)."""
+    dtype = out.dtype.element_ty
+    who, start = _locate(ex, my_flags + _INFO, world)
+    ok = ok & (who < world)
+    src = tl.minimum(who, world - 1)
+    offset = tl.load(my_flags + _INFO + 2 * src, mask=ok, other=0, cache_modifier=".cg")
+    base = tl.load(src_bases + src, mask=ok, other=0)
+    base = tl.where(src == rank, local_addr, base)
+    src_row = (offset + ex - start).to(tl.int64)
+    row_ptr = tl.multiple_of(base.to(tl.pointer_type(dtype)) + src_row * K, ALIGN)
+    out_row = out_rows.to(tl.int64) * K
+    for k0 in range(0, K, COPY_K):
+        ks = k0 + tl.arange(0, COPY_K)
+        in_k = ks[None, :] < K
+        x = tl.load(row_ptr[:, None] + ks[None, :], mask=ok[:, None] & in_k, other=0.0, cache_modifier=".cg")
+        stored = out_ok if ZERO_FILL else out_ok & ok
+        tl.store(out + out_row[:, None] + ks[None, :], x, mask=stored[:, None] & in_k)
+    return who, ok
+
+
+@triton.jit
 def _pull_tile(
     t, local_addr, src_bases, a_out, my_flags, n_rows, K, rank, world,
     COUNT: tl.constexpr, ALIGN: tl.constexpr, COPY_M: tl.constexpr, COPY_K: tl.constexpr,
 ):  # fmt: skip
     """Copy exchanged rows t * COPY_M.. from their sources into ``a_out``; with COUNT, add them to the sources'
     arrival counters afterwards."""
-    dtype = a_out.dtype.element_ty
     rows = t * COPY_M + tl.arange(0, COPY_M)
     valid = rows < n_rows
-    who, start = _locate(rows, my_flags + _INFO, world)
-    valid = valid & (who < world)
-    src = tl.minimum(who, world - 1)
-    offset = tl.load(my_flags + _INFO + 2 * src, mask=valid, other=0, cache_modifier=".cg")
-    base = tl.load(src_bases + src, mask=valid, other=0)
-    base = tl.where(src == rank, local_addr, base)
-    src_row = (offset + rows - start).to(tl.int64)
-    row_ptr = tl.multiple_of(base.to(tl.pointer_type(dtype)) + src_row * K, ALIGN)
-    out_row = rows.to(tl.int64) * K
-    for k0 in range(0, K, COPY_K):
-        ks = k0 + tl.arange(0, COPY_K)
-        m = valid[:, None] & (ks[None, :] < K)
-        x = tl.load(row_ptr[:, None] + ks[None, :], mask=m, other=0.0, cache_modifier=".cg")
-        tl.store(a_out + out_row[:, None] + ks[None, :], x, mask=m)
+    who, valid = _copy_rows(rows, valid, rows, valid, a_out, local_addr, src_bases, my_flags, K, rank, world,
+                            ALIGN, COPY_K, False)  # fmt: skip
     if COUNT:
         tl.debug_barrier()  # every thread's stores before the counters' (cumulative) release
         for s in range(world):
@@ -615,14 +636,9 @@ def grouped_gemm_kernel(
                 if GEMM:
                     for s in range(world):
                         tl.atomic_xchg(my_flags + _ARRIVED + s, 0, sem="relaxed", scope="gpu")
-                for p in range(world):
-                    if p != rank:  # we read nothing more from p's send buffer in this call
-                        pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
-                        tl.atomic_xchg(pf + _DONE + rank, e_call, sem="release", scope="sys")
+                _tell_done(peer_flags, rank, world, e_call, True)  # we read nothing more from their send buffers
             if SCATTER:
-                for d in range(world):  # everything we send to d has landed
-                    pf = tl.load(peer_flags + d).to(tl.pointer_type(tl.int32))
-                    tl.atomic_xchg(pf + _DONE + rank, e_call, sem="release", scope="sys")
+                _tell_done(peer_flags, rank, world, e_call, False)  # everything we send them has landed
 
 
 @triton.jit
@@ -926,25 +942,11 @@ def permuted_pull_kernel(
             total += tl.load(my_flags + _INFO + 2 * s + 1, cache_modifier=".cg")
         if pid == 0 and total != n_pull:
             record_error(err, rank, -1, total, n_pull, 6)  # not a timeout: the splits disagree
-        dtype = x_out.dtype.element_ty
         for t in range(pid, n_tiles, num_progs):
             j = t * COPY_M + tl.arange(0, COPY_M)
             in_x = j < n_x
             good, ex = _gathered(row_index, j, in_x, n_pull)
-            who, start = _locate(ex, my_flags + _INFO, world)
-            good = good & (who < world)
-            src = tl.minimum(who, world - 1)
-            offset = tl.load(my_flags + _INFO + 2 * src, mask=good, other=0, cache_modifier=".cg")
-            base = tl.load(src_bases + src, mask=good, other=0)
-            base = tl.where(src == rank, local_addr, base)
-            src_row = (offset + ex - start).to(tl.int64)
-            row_ptr = tl.multiple_of(base.to(tl.pointer_type(dtype)) + src_row * K, ALIGN)
-            out_row = j.to(tl.int64) * K
-            for k0 in range(0, K, COPY_K):
-                ks = k0 + tl.arange(0, COPY_K)
-                in_k = ks[None, :] < K
-                x = tl.load(row_ptr[:, None] + ks[None, :], mask=good[:, None] & in_k, other=0.0, cache_modifier=".cg")
-                tl.store(x_out + out_row[:, None] + ks[None, :], x, mask=in_x[:, None] & in_k)
+            _copy_rows(ex, good, j, in_x, x_out, local_addr, src_bases, my_flags, K, rank, world, ALIGN, COPY_K, True)
             tl.debug_barrier()  # every thread's stores before the block's (cumulative) release
             tl.atomic_xchg(block_flags + t, e_call, sem="release", scope="gpu")
     # --- the last program to finish: tell every source its send buffer is free
@@ -952,10 +954,7 @@ def permuted_pull_kernel(
     finished = tl.atomic_add(my_flags + _STATE + 2, 1, sem="acq_rel", scope="sys")
     if finished == num_progs - 1:
         tl.atomic_xchg(my_flags + _STATE + 2, 0, sem="relaxed", scope="gpu")
-        for p in range(world):
-            if p != rank:
-                pf = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(pf + _DONE + rank, e_call, sem="release", scope="sys")
+        _tell_done(peer_flags, rank, world, e_call, True)
 
 
 def permuted_pull(
