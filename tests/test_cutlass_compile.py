@@ -104,35 +104,33 @@ for _source in HOST_SOURCES:
 @pytest.mark.parametrize("job", ("flux_gemm_sm90a", "flux_gemm_ring_sm90a"))
 def test_flux_gemm_compiles_for_sm90a_without_spills(job):
     """One variant's translation unit, plain and with the reduce-scatter ring's source and epilogue."""
+    _built_without_spills(job, 4, "HGMMA")  # 2 dtypes x 2 weight layouts
+
+
+def _built_without_spills(job: str, kernels: int, mma: str) -> None:
+    """The prebuilt unit ``job`` compiled, its ``kernels`` or more kernels (ptxas reports) without spills, and its
+    SASS with the warpgroup MMA ``mma`` and TMA loads and stores (skipped without cuobjdump)."""
     got = prebuild.finished(job)
     out = got.out
     assert out.returncode == 0, out.stderr[-4000:]
     reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert len(reports) >= 4, out.stderr[-3000:]  # 2 dtypes x 2 weight layouts
+    assert len(reports) >= kernels, out.stderr[-3000:]
     assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
     cuobjdump = find_cuobjdump(out.args[0])
     if cuobjdump is None:
         pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
     sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
-    assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
+    assert mma in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
 
 
 @pytest.mark.prebuild("flux_gemm_fp8_sm90a")
 def test_flux_gemm_fp8_compiles_for_sm90a_without_spills():
     """One kernel of an fp8 variant (e4m3 x e4m3, row-wise scales in the epilogue, no fast accumulation)."""
     got = prebuild.finished("flux_gemm_fp8_sm90a")
-    out = got.out
-    assert out.returncode == 0, out.stderr[-4000:]
-    reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert reports and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
-    assert "E4M3E4M3" in out.stderr  # the kernel's name: Hopper's fp8 warpgroup MMA
-    cuobjdump = find_cuobjdump(out.args[0])
-    if cuobjdump is None:
-        pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
-    sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
-    assert sass.returncode == 0, sass.stderr[-2000:]
-    assert "QGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
+    assert got.out.returncode == 0, got.out.stderr[-4000:]
+    assert "E4M3E4M3" in got.out.stderr  # the kernel's name: Hopper's fp8 warpgroup MMA
+    _built_without_spills("flux_gemm_fp8_sm90a", 1, "QGMMA")
 
 
 @pytest.mark.prebuild("host:flux_gemm_registry.cpp")
@@ -159,15 +157,4 @@ def test_grouped_variants_and_generated_sources():
 @pytest.mark.prebuild("cutlass_grouped_sm90a")
 def test_cutlass_grouped_compiles_for_sm90a_without_spills():
     """One variant of the experts' grouped GEMM: CUTLASS's ptr-array kernel in both weight layouts."""
-    got = prebuild.finished("cutlass_grouped_sm90a")
-    out = got.out
-    assert out.returncode == 0, out.stderr[-4000:]
-    reports = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert len(reports) >= 2, out.stderr[-3000:]
-    assert all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in reports), "\n".join(reports)
-    cuobjdump = find_cuobjdump(out.args[0])
-    if cuobjdump is None:
-        pytest.skip("compiled without spills; no cuobjdump to read the SASS with")
-    sass = subprocess.run([cuobjdump, "-sass", str(got.workdir / "v.o")], capture_output=True, text=True)
-    assert sass.returncode == 0, sass.stderr[-2000:]
-    assert "HGMMA" in sass.stdout and "UTMALDG" in sass.stdout and "UTMASTG" in sass.stdout
+    _built_without_spills("cutlass_grouped_sm90a", 2, "HGMMA")
