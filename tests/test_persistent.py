@@ -252,12 +252,13 @@ def _dlrm(mp, mode) -> list[torch.Tensor]:
 
 def _cutlass_scratch(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.kernels import cutlass_gemm as m
+    from fluxcompile.kernels import stream_scratch
 
-    mp.setattr(m, "persistent", mode.persistent)
-    mp.setattr(m, "_workspaces", {})
-    mp.setattr(m, "_retired", [])
-    m._workspace(torch.device("cuda", 0), 0, 4096)
-    return list(m._workspaces.values())
+    mp.setattr(stream_scratch, "persistent", mode.persistent)
+    scratch = stream_scratch.StreamScratch("the CUTLASS GEMM", "the CUTLASS GEMM's scratch", 1 << 20)
+    mp.setattr(m, "_scratch", scratch)
+    m._scratch.address(torch.device("cuda", 0), 0, 4096)
+    return list(scratch._buffers.values())
 
 
 def _async_input_mm(mp, mode) -> list[torch.Tensor]:

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from ..config import config
-from ..symm_mem import persistent
 from . import extensions
 from .cutlass_build import VARIANTS, cutlass_include
 from .sequencer import graph_limit, sequencer
+from .stream_scratch import StreamScratch
 
 RASTERS = {"auto": 0, "m": 1, "n": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float8_e4m3fn: 2}  # e4m3: the fp8 variants, a bf16 output
@@ -114,26 +114,8 @@ def _index(name: str) -> int:
     return list(load().names()).index(name)
 
 
-_workspaces: dict[tuple[int, int], Tensor] = {}
-_retired: list[Tensor] = []  # outgrown scratch, kept for CUDA graphs captured over it
-
-
-def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
-    """Scratch for stream-K's partials per (device, stream), so GEMMs on concurrent streams never share it; grown
-    eagerly and then reused (0 if none is needed)."""
-    if nbytes == 0:
-        return 0
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fluxcompile: run the CUTLASS GEMM once eagerly before CUDA graph capture")
-        if buf is not None:
-            _retired.append(buf)
-        buf = _workspaces[key] = persistent(
-            lambda: torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device), "the CUTLASS GEMM's scratch"
-        )
-    return buf.data_ptr()
+# Scratch for stream-K's partials, so GEMMs on concurrent streams never share it.
+_scratch = StreamScratch("the CUTLASS GEMM", "the CUTLASS GEMM's scratch", 1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +242,7 @@ def gemm(
     # The raw handle: torch.cuda.current_stream() builds a Stream object per call.
     stream = torch._C._cuda_getCurrentRawStream(index)
     if v.stream_k:
-        q[16] = _workspace(device, stream, ext.workspace_bytes(which, q, s))
+        q[16] = _scratch.address(device, stream, ext.workspace_bytes(which, q, s))
     ext.run(which, q, s, stream)
     return out
 
@@ -328,7 +310,7 @@ def ag_sequence(
             q = (0, 0, 0, 0, m, b.shape[1], k, buffer.stride(0), b.stride(0) if layout == "kn" else b.stride(1), b.shape[1],
                  int(layout == "nk"), DTYPES[buffer.dtype], sm_count, RASTERS[raster], swizzle, index, 0)  # fmt: skip
             nbytes = max(nbytes, _stream_k_bytes(_index(variant), q, s))
-        workspace = _workspace(device, stream, nbytes)  # one scratch for the call's GEMMs: they run one after another
+        workspace = _scratch.address(device, stream, nbytes)  # one scratch for the call's GEMMs: they run one after another
     launch = [
         run_address(), _index(variant), sm_count, RASTERS[raster], swizzle, int(config.wait_timeout_s * 1e9), workspace,
         group_m,

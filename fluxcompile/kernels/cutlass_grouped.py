@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from ..config import config
-from ..symm_mem import persistent
 from . import extensions
 from .cutlass_gemm import unavailable
 from .cutlass_grouped_build import GROUPED_VARIANTS
+from .stream_scratch import StreamScratch
 
 __all__ = ["ERR_WORDS", "GROUPED_VARIANTS", "check_error", "grouped_mm", "operands_unsupported", "unavailable"]
 
@@ -66,25 +66,8 @@ def weight_layout(b: Tensor) -> str | None:
     return None
 
 
-_workspaces: dict[tuple[int, int], Tensor] = {}
-_retired: list[Tensor] = []  # outgrown workspaces, kept for CUDA graphs captured over them
-
-
-def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
-    """The groups' arrays and CUTLASS's workspace per (device, stream): calls on one stream run one after another;
-    grown eagerly, then reused."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < nbytes:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fluxcompile: run the CUTLASS grouped GEMM once eagerly before CUDA graph capture")
-        if buf is not None:
-            _retired.append(buf)
-        buf = _workspaces[key] = persistent(
-            lambda: torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=device),
-            "the CUTLASS grouped GEMM's workspace",
-        )
-    return buf.data_ptr()
+# The groups' arrays and CUTLASS's workspace: calls on one stream run one after another.
+_scratch = StreamScratch("the CUTLASS grouped GEMM", "the CUTLASS grouped GEMM's workspace", 1 << 16)
 
 
 @functools.cache
@@ -131,7 +114,7 @@ def grouped_mm(
     stream = torch._C._cuda_getCurrentRawStream(index)
     which = _index(variant)
     groups = b.shape[0]
-    ws = _workspace(device, stream, _workspace_bytes(which, groups, sm_count, index))
+    ws = _scratch.address(device, stream, _workspace_bytes(which, groups, sm_count, index))
     q = [
         a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(1) if layout == "kn" else b.stride(2), b.stride(0),
         int(layout == "nk"), out.data_ptr(), out.stride(0), offs.data_ptr(), groups, b.shape[2], b.shape[1],
