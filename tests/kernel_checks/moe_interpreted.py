@@ -131,6 +131,20 @@ def prefix(xs: list[int]) -> list[int]:
     return out
 
 
+def staged(w, g, counts, rank, K, dtype):
+    """A call's rows on every rank of ``w``: (every rank's rows, what ``rank`` receives from each, those rows in
+    source order); the peers' rows in their send buffers, every rank's splits published."""
+    world = len(counts)
+    As = [torch.randn(sum(counts[s]), K, generator=g).to(dtype) for s in range(world)]
+    for s in range(world):
+        if s != rank:
+            w.data[s][: As[s].numel()] = As[s].reshape(-1)  # its send buffer
+        gg.publish(w.sig(s), w.sent(s))
+    recv = w.received(rank)
+    exchanged = torch.cat([As[s][prefix(counts[s])[rank] : prefix(counts[s])[rank] + recv[s]] for s in range(world)])
+    return As, recv, exchanged
+
+
 def permuted_case(seed, counts, rank, K, dtype, *, progs, calls=2) -> float:
     """The dispatch's permuting copy at ``rank`` (``gg.permuted_pull``): the experts' rows in a random order with
     padding rows, every value exact, every block flag at the call's epoch, the peers told ``done``, the finish
@@ -140,15 +154,7 @@ def permuted_case(seed, counts, rank, K, dtype, *, progs, calls=2) -> float:
     worst = 0.0
     w = World(counts, max(sum(c) for c in counts) * K, dtype)
     for call in range(calls):
-        As = [torch.randn(sum(counts[s]), K, generator=g).to(dtype) for s in range(world)]
-        for s in range(world):
-            if s != rank:
-                w.data[s][: As[s].numel()] = As[s].reshape(-1)  # its send buffer
-            gg.publish(w.sig(s), w.sent(s))
-        recv = w.received(rank)
-        exchanged = torch.cat(
-            [As[s][prefix(counts[s])[rank] : prefix(counts[s])[rank] + recv[s]] for s in range(world)]
-        )
+        As, _, exchanged = staged(w, g, counts, rank, K, dtype)
         n = exchanged.shape[0]
         row_index = torch.cat([torch.randperm(n, generator=g), torch.tensor([n, -1, n])])
         row_index = row_index[torch.randperm(row_index.numel(), generator=g)]
@@ -183,15 +189,7 @@ def pull_case(
     worst = 0.0
     w = World(counts, max(sum(c) for c in counts) * K, dtype)
     for call in range(calls):
-        As = [torch.randn(sum(counts[s]), K, generator=g).to(dtype) for s in range(world)]
-        for s in range(world):
-            if s != rank:
-                w.data[s][: As[s].numel()] = As[s].reshape(-1)  # its send buffer
-            gg.publish(w.sig(s), w.sent(s))
-        recv = w.received(rank)
-        exchanged = torch.cat(
-            [As[s][prefix(counts[s])[rank] : prefix(counts[s])[rank] + recv[s]] for s in range(world)]
-        )
+        As, recv, exchanged = staged(w, g, counts, rank, K, dtype)
         n = exchanged.shape[0]
         a_out = torch.full((n, K), float("nan"), dtype=dtype)
         pull = gg.Pull(As[rank], w.bases, a_out, n)
