@@ -18,12 +18,10 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/kernel_hardware_info.h>
 
-#include <array>
-#include <mutex>
-#include <unordered_map>
 
 #include "bounded_wait.cuh"
 #include "cutlass_grouped.h"
+#include "cutlass_params.cuh"
 
 namespace fluxcompile::grouped {
 
@@ -232,14 +230,7 @@ struct Grouped {
 
   // Kernel parameters per (workspace, groups, device, SM count, the dispatch's waits): everything else reaches the
   // kernel through the groups' arrays.
-  using Key = std::array<int64_t, 11>;
-  struct KeyHash {
-    size_t operator()(Key const& k) const {
-      size_t h = 1469598103934665603ull;
-      for (int64_t v : k) h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
-      return h;
-    }
-  };
+  using Cache = ParamsCache<Kernel, 11>;
 
   static cudaError_t run(GroupedProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
     if (p.groups <= 0) return cudaErrorInvalidValue;
@@ -250,37 +241,22 @@ struct Grouped {
     }
     if (p.workspace == nullptr || p.offs == nullptr) return cudaErrorInvalidValue;
     W w = W::in(p.workspace, p.groups);
-    static std::mutex mutex;
-    static std::unordered_map<Key, typename Kernel::Params, KeyHash> cache;
-    static bool attribute_set = false;
+    static Cache cache;
     auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
     auto const& y = p.sync;
-    Key key{i(p.workspace), p.groups, p.device, p.sm_count, i(p.offs), i(y.flags), y.block_rows, i(y.epoch),
-            i(y.err), y.rank, y.timeout_ns};
+    typename Cache::Key key{i(p.workspace), p.groups, p.device, p.sm_count, i(p.offs), i(y.flags), y.block_rows,
+                            i(y.epoch), i(y.err), y.rank, y.timeout_ns};
     typename Kernel::Params params;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      auto it = cache.find(key);
-      if (it == cache.end()) {
-        auto args = arguments(p, w);
-        if (Kernel::can_implement(args) != true) return cudaErrorInvalidValue;
-        if (!attribute_set) {
-          int smem = Kernel::SharedStorageSize;
-          if (smem >= (48 << 10)) {
-            cudaError_t rc = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-            if (rc != cudaSuccess) return rc;
-          }
-          attribute_set = true;
-        }
-        if (Kernel::initialize_workspace(args, w.rest, stream) != cutlass::Status::kSuccess) {
-          return cudaErrorInvalidValue;
-        }
-        if (cache.size() >= 4096) cache.clear();
-        it = cache.emplace(key, Kernel::to_underlying_arguments(args, w.rest)).first;
+    cudaError_t made = cache.get(key, params, [&](typename Kernel::Params& out) {
+      auto args = arguments(p, w);
+      if (Kernel::can_implement(args) != true) return cudaErrorInvalidValue;
+      if (Kernel::initialize_workspace(args, w.rest, stream) != cutlass::Status::kSuccess) {
+        return cudaErrorInvalidValue;
       }
-      params = it->second;
-    }
+      out = Kernel::to_underlying_arguments(args, w.rest);
+      return cudaSuccess;
+    });
+    if (made != cudaSuccess) return made;
     prepare_groups<BKMajor, W, Element><<<(p.groups + 127) / 128, 128, 0, stream>>>(p, w);
     cudaError_t rc = cudaGetLastError();
     if (rc != cudaSuccess) return rc;

@@ -28,10 +28,9 @@
 
 #include <array>
 #include <cstring>
-#include <mutex>
-#include <unordered_map>
 
 #include "bounded_wait.cuh"
+#include "cutlass_params.cuh"
 #include "flux_gemm.h"
 
 namespace fluxcompile::flux {
@@ -609,8 +608,7 @@ struct Gemm {
   }
 
   // Kernel parameters per problem (every field of it, pointers included but our shard's and the ring's output),
-  // made once: a repeated call (steady state, CUDA-graph capture) skips the TMA descriptor encoding and the
-  // attribute call; our shard's and the output's descriptors only get their addresses replaced.
+  // made once (ParamsCache); our shard's and the output's descriptors only get their addresses replaced.
   using Key = std::array<int64_t, 50>;
   static Key key_of(FluxGemmProblem const& p) {
     auto i = [](const void* x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x)); };
@@ -625,44 +623,20 @@ struct Gemm {
                i(s.c_flags), s.c_elems, s.c_peer, s.chunk_elems, s.zero_chunk, s.own_chunk, i(s.zero), s.ldz,
                s.out != nullptr ? s.ldo : -1, i(p.scale_a), i(p.scale_b), p.scale_mode, p.fast_accum};
   }
-  struct KeyHash {
-    size_t operator()(Key const& k) const {
-      size_t h = 1469598103934665603ull;
-      for (int64_t v : k) h = (h ^ static_cast<size_t>(v)) * 1099511628211ull;
-      return h;
-    }
-  };
-
   static cudaError_t run(FluxGemmProblem const& p, cudaStream_t stream, size_t* workspace_bytes) {
-    static std::mutex mutex;
-    static std::unordered_map<Key, typename Kernel::Params, KeyHash> cache;
-    static bool attribute_set = false;
+    static ParamsCache<Kernel, std::tuple_size<Key>::value> cache;
     if (workspace_bytes != nullptr) {
       *workspace_bytes = Device::get_workspace_size(arguments(p));
       return cudaSuccess;
     }
-    Key key = key_of(p);
     typename Kernel::Params params;
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      auto it = cache.find(key);
-      if (it == cache.end()) {
-        auto args = arguments(p);
-        if (Kernel::can_implement(args) != true) return cudaErrorInvalidValue;
-        if (!attribute_set) {
-          int smem = Kernel::SharedStorageSize;
-          if (smem >= (48 << 10)) {
-            cudaError_t rc = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-            if (rc != cudaSuccess) return rc;
-          }
-          attribute_set = true;
-        }
-        if (cache.size() >= 4096) cache.clear();
-        it = cache.emplace(key, Kernel::to_underlying_arguments(args, p.workspace)).first;
-      }
-      params = it->second;
-    }
+    cudaError_t made = cache.get(key_of(p), params, [&](typename Kernel::Params& out) {
+      auto args = arguments(p);
+      if (Kernel::can_implement(args) != true) return cudaErrorInvalidValue;
+      out = Kernel::to_underlying_arguments(args, p.workspace);
+      return cudaSuccess;
+    });
+    if (made != cudaSuccess) return made;
     if (p.sync.local_a != nullptr) {
       cudaError_t rc = replace_address(params.mainloop.local.tma_load_a.get_tma_descriptor(), p.sync.local_a);
       if (rc != cudaSuccess) return rc;

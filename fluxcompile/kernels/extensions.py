@@ -34,9 +34,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
         "pipelined_binding.cpp",
     ),
     # the Flux-style CUTLASS GEMM; its per-variant translation units are generated (GENERATED)
-    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh"),
+    "flux_gemm": ("flux_gemm.h", "flux_gemm.cuh", "flux_gemm_binding.cpp", "bounded_wait.cuh", "cutlass_params.cuh"),
     # the experts' CUTLASS grouped GEMM; its per-variant translation units are generated too
-    "cutlass_grouped": ("cutlass_grouped.h", "cutlass_grouped.cuh", "cutlass_grouped_binding.cpp", "bounded_wait.cuh"),
+    "cutlass_grouped": (
+        "cutlass_grouped.h", "cutlass_grouped.cuh", "cutlass_grouped_binding.cpp", "bounded_wait.cuh", "cutlass_params.cuh",
+    ),
 }  # fmt: skip
 NVCC_FLAGS = ("-O3", "-lineinfo")  # the C++ standard is cpp_extension's choice (it matches torch's headers)
 # Per module: extra nvcc flags, and a function returning its generated files ({name: text}, written into the build
