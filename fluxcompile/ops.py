@@ -73,11 +73,13 @@ The ops
     ``out = reduce_scatter(P.reshape(out_shape), dim=scatter_dim)``; ``scatter_dim`` may be the last (feature) dim.
 ``matmul_all_reduce(As, Bs, bias, out_shape, reduce_op, group_name) -> out``
     ``out = all_reduce(P.reshape(out_shape))``.
-``all_to_all_matmul(A, Bs, biases, output_split_sizes, input_split_sizes, group_name, ..., offs, row_index)
--> (A_exchanged, outs)``
+``all_to_all_matmul(A, Bs, biases, output_split_sizes, input_split_sizes, group_name, ..., offs, row_index,
+return_A) -> (A_exchanged, outs)``
     ``A_exchanged = all_to_all_single(A)`` along dim 0; ``X = A_exchanged.reshape(-1, K)``, or its rows picked
     by ``row_index`` (see "Expert matmuls"); ``outs[i]`` = the matmul of ``X`` with ``Bs[i]``: dense (with
-    ``biases[i]``, as for all_gather_matmul) or per expert. MoE dispatch, Ulysses attention.
+    ``biases[i]``, as for all_gather_matmul) or per expert. MoE dispatch, Ulysses attention. ``return_A``
+    (default True) as all_gather_matmul's: False where only the fused matmuls read the exchanged rows (set by
+    the rewrite), and the op returns None in their place.
 ``matmul_all_to_all(As, Bs, bias, out_shape, output_split_sizes, input_split_sizes, group_name, ..., offs,
 row_index, accumulate) -> out``
     ``P`` = the sum of the matmuls (dense or per expert); ``Y = P.reshape(-1, N)``, or its rows put at
@@ -140,8 +142,8 @@ _lib.define(
 )
 _lib.define(
     "all_to_all_matmul(Tensor A, Tensor[] Bs, Tensor?[] biases, SymInt[] output_split_sizes,"
-    f" SymInt[] input_split_sizes, str group_name, Tensor? A_scale=None, {_SCALING}, {_EXPERTS}, {_CHOICE})"
-    " -> (Tensor, Tensor[])"
+    f" SymInt[] input_split_sizes, str group_name, Tensor? A_scale=None, {_SCALING}, {_EXPERTS},"
+    f" bool return_A=True, {_CHOICE}) -> (Tensor?, Tensor[])"
 )
 _lib.define(
     "matmul_all_to_all(Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape,"
@@ -455,20 +457,22 @@ def _check_experts(Bs: Sequence[Tensor], offs: Tensor | None, row_index: Tensor 
 @torch.library.impl(_lib, "all_to_all_matmul", "CompositeExplicitAutograd")
 def _all_to_all_matmul_ref(
     A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, return_A=True,
+    choice="",
 ):  # fmt: skip
     _check_experts(Bs, offs, row_index)
     A_exchanged = _exchange(A, output_split_sizes, input_split_sizes, group_name)
+    returned = A_exchanged if return_A else None
     if all(b.dim() == 2 for b in Bs) and row_index is None:
         if _row_scale(A, A_scale):
             A_scale = _exchange(A_scale, output_split_sizes, input_split_sizes, group_name)
-        return A_exchanged, _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
+        return returned, _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
     if A_scale is not None or B_scales is not None:
         raise ValueError("fluxcompile: scaled matmuls with expert weights or row_index are not supported")
     if len(Bs) != len(biases):
         raise ValueError(f"fluxcompile: {len(Bs)} weights but {len(biases)} biases")
     x = gather_rows(A_exchanged.reshape(-1, A_exchanged.shape[-1]), row_index)
-    return A_exchanged, [expert_matmul(x, b, bias, offs) for b, bias in zip(Bs, biases)]
+    return returned, [expert_matmul(x, b, bias, offs) for b, bias in zip(Bs, biases)]
 
 
 @torch.library.impl(_lib, "matmul_all_to_all", "CompositeExplicitAutograd")
@@ -600,15 +604,17 @@ def _expert_out(x: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtyp
 @torch.library.register_fake("fluxcompile::all_to_all_matmul")
 def _all_to_all_matmul_fake(
     A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, return_A=True,
+    choice="",
 ):  # fmt: skip
     _check_experts(Bs, offs, row_index)
     rows = sum(output_split_sizes) if output_split_sizes else A.shape[0]
     A_out = A.new_empty([rows, *A.shape[1:]])
+    returned = A_out if return_A else None
     if all(b.dim() == 2 for b in Bs) and row_index is None:
-        return A_out, _rows_out(A_out, Bs, out_dtype)
+        return returned, _rows_out(A_out, Bs, out_dtype)
     x = A_out.new_empty((rows * math.prod(A.shape[1:-1]) if row_index is None else row_index.shape[0], A.shape[-1]))
-    return A_out, [_expert_out(x, b, offs, out_dtype) for b in Bs]
+    return returned, [_expert_out(x, b, offs, out_dtype) for b in Bs]
 
 
 @torch.library.register_fake("fluxcompile::matmul_all_to_all")

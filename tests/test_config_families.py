@@ -27,6 +27,7 @@ FAMILY_OF = {
     ("all_reduce_rmsnorm", "triton:"): "decode",
     ("all_reduce_rmsnorm", "cuda:"): "decode",
     ("all_to_all_matmul", "triton:"): "moe",
+    ("all_to_all_matmul", "cutlass:"): "moe",
     ("matmul_all_to_all", "triton:"): "moe",
     ("embedding_bag_all_to_all", "triton:"): "dlrm",
     ("matmul_reduce_scatter", "cutlass:"): "rs_ring",

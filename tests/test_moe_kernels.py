@@ -57,7 +57,7 @@ def test_grouped_gemm_pull_and_scatter_in_interpreter():
     results, seed = _interpreted("moe_interpreted.py")
     for name, want in _TIMEOUTS.items():
         assert want in results.pop(name), f"{name}: {results.get(name)}"
-    assert len(results) == 23, sorted(results)
+    assert len(results) == 25, sorted(results)
     for name, err in results.items():
         tol = 1e-6 if "fp32" in name or "TMA" in name else 1e-3  # fp16 outputs: one rounding
         assert err <= tol, f"{name}: relative error {err:.2e} (seed {seed})"
@@ -227,8 +227,9 @@ def test_small_kernels_compile_for_sm90(tmp_path, monkeypatch):
     k = compile_like_launch(gg.wait_kernel, values, dict(KIND=3, SKIP_SELF=True, TIMED=True), 1, 1)
     assert "%globaltimer" in k.asm["ptx"], "the waits are bounded by the GPU's timer"
     values.update({"row_index": "*i64", "local_addr": 1 << 40, "src_bases": "*i64", "x_out": "*bf16",
-                   "block_flags": "*i32", "n_x": 1000, "n_pull": 998, "K": 4096, "num_progs": 16})  # fmt: skip
-    consts = dict(ALIGN=16, TIMED=True, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K)
+                   "ex_out": "*bf16", "block_flags": "*i32", "n_x": 1000, "n_pull": 998, "K": 4096,
+                   "num_progs": 16})  # fmt: skip
+    consts = dict(ALIGN=16, TIMED=True, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K, GATHER=True, EXCHANGED=True)
     k = compile_like_launch(gg.permuted_pull_kernel, values, consts, 4, 1)
     assert "%globaltimer" in k.asm["ptx"] and ".release" in k.asm["ptx"], "bounded waits, flags raised with release"
 
@@ -262,12 +263,12 @@ def test_weight_layouts():
 
 
 def test_splits_and_buffers():
-    assert moe._splits([1, 2], 3, 2, 4, "x") == [4, 8]
-    assert moe._splits([], 6, 3, 2, "x") == [4, 4, 4]
+    assert moe.split_rows([1, 2], 3, 2, 4, "x") == [4, 8]
+    assert moe.split_rows([], 6, 3, 2, "x") == [4, 4, 4]
     with pytest.raises(ValueError):
-        moe._splits([], 5, 2, 1, "x")
+        moe.split_rows([], 5, 2, 1, "x")
     with pytest.raises(ValueError):
-        moe._splits([1, 2, 3], 6, 2, 1, "x")
+        moe.split_rows([1, 2, 3], 6, 2, 1, "x")
     assert moe.buffer_bytes(1) == 1 << 20 and moe.buffer_bytes((1 << 22) + 1) == 1 << 23
     assert moe.combine_bytes([10, 64], [4, 6], 64, BF16, False) == 10 * 64 * 2
     assert moe.combine_bytes([10, 3, 64], [], 64, BF16, True) == 30 * 64 * 4
@@ -283,7 +284,7 @@ def cuda(*shape, dtype=BF16) -> torch.Tensor:
 
 
 def _triton(op: str) -> dict:
-    return {name: c for name, c in _REGISTRY[op].items() if c.family == "moe"}
+    return {name: c for name, c in _REGISTRY[op].items() if name.startswith("triton:")}
 
 
 def test_choices_registered_for_both_ops():
@@ -293,6 +294,38 @@ def test_choices_registered_for_both_ops():
     ordered = [f"triton:{v}-pull{n}" for v in one for n in moe.ORDERED_COPIERS]
     assert list(_triton(OPS[0])) == [f"triton:{v}" for v in one] + [f"triton:{v}-split" for v in gg.VARIANTS] + ordered
     assert list(_triton(OPS[1])) == [f"triton:{v}" for v in one]
+
+
+def test_cutlass_dispatch_choices():
+    """The CUTLASS dispatch (lowerings/all_to_all/cutlass.py): its names, family and declines (no GPU here: the
+    operands' checks pass and the CUTLASS kernels' own reason is last)."""
+    from fluxcompile.kernels import cutlass_grouped
+    from fluxcompile.lowerings.all_to_all import cutlass as cm
+
+    names = [n for n, c in _REGISTRY[OPS[0]].items() if n.startswith("cutlass:")]
+    assert names == [f"cutlass:{n}" for n in cm.NAMES] and len(names) == 2 * len(cutlass_grouped.GROUPED_VARIANTS)
+    assert all(_REGISTRY[OPS[0]][n].family == "moe" for n in names)
+    assert not any(n.startswith("cutlass:") for n in _REGISTRY[OPS[1]]), "the combine has no CUTLASS choice yet"
+    v = next(iter(cutlass_grouped.GROUPED_VARIANTS))
+    assert cm.parse(f"{v}-pull8") == (v, 8)
+    for bad in (v, f"{v}-pull0", f"{v}-pullx", "128x128x32-pull8"):
+        with pytest.raises(ValueError, match="CUTLASS MoE dispatch"):
+            cm.make(bad)
+    assert cm.supports(torch.empty(4, 8), [torch.empty(2, 8, 8)], [None], [], [], "g") == "needs CUDA tensors"
+
+
+def test_cutlass_dispatch_declines(group4):
+    from fluxcompile.kernels import cutlass_grouped
+    from fluxcompile.lowerings.all_to_all import cutlass as cm
+
+    args, kw = _dispatch()
+    assert cm.supports(*args, **kw) == cutlass_grouped.unavailable(), "operands fit: only the kernels' own reason"
+    args, kw = _dispatch(offs=None)
+    assert "without offs" in cm.supports(*args, **kw)
+    args, kw = _dispatch(A=cuda(10, 512, dtype=FP16), Bs=[cuda(2, 512, 768, dtype=FP16)])
+    assert "bf16" in cm.supports(*args, **kw)
+    args, kw = _dispatch(Bs=[cuda(2, 512, 770)])
+    assert "16-byte aligned" in cm.supports(*args, **kw)
 
 
 def test_variant_names():

@@ -81,7 +81,7 @@ struct WaitingGroupedMainloop : Base {
         unsigned long long t0 = 0;
         for (unsigned iter = 0;; ++iter) {
           if (ld_acquire_gpu(s.flags + b) >= epoch) break;
-          if (bounded_wait_gives_up<true>(iter, t0, s, (threadIdx.x & 31) == 0, s.rank, b, epoch, 3)) {
+          if (bounded_wait_gives_up<true>(iter, t0, s, (threadIdx.x & 31) == 0, s.rank, b, epoch, kBlockWaitKind)) {
             ok = false;
             break;
           }

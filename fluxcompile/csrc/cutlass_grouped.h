@@ -14,12 +14,16 @@ namespace fluxcompile {
 // waits until flags[b] >= *epoch for every block b of block_rows rows of `a` (the experts' rows, in their order)
 // that the tile's rows overlap: whoever writes a block of rows raises its flag to the call's epoch once they have
 // landed, so the GEMM starts on the first blocks while later ones are still arriving.
+// The kind a timed-out block wait records (kernels/grouped_gemm.py's WAIT_KINDS names it).
+constexpr int kBlockWaitKind = 8;
+
 struct GroupedSync {
   const int* flags = nullptr;
   int block_rows = 0;
   const int* epoch = nullptr;  // a device word: the epoch this call awaits (read by the kernel, so graphs replay)
   // Bounded waits (bounded_wait.cuh): after timeout_ns of %globaltimer a wait gives up and the first one records
-  // err[0..5] = 1, rank, rank (the block's writer is this rank's own copy), the block, the epoch, kind 3.
+  // err[0..5] = 1, rank, rank (the block's writer is this rank's own copy), the block, the epoch, kind
+  // kBlockWaitKind (the MoE dispatch shares these words with kernels/grouped_gemm.py's waits: its WAIT_KINDS).
   int* err = nullptr;
   int rank = 0;
   long long timeout_ns = 60'000'000'000LL;

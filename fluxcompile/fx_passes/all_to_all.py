@@ -102,25 +102,27 @@ def _expert_consumer(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
     weights = [t.w for t in found.terms]
     args = [source, weights, [None] * len(weights), out_splits, in_splits, group_name, *_NO_SCALES, found.offs,
             found.permutation.index]  # fmt: skip
+    flags = _exchanged_flags(wait, [t.node for t in found.terms], found.permutation.nodes)
     # Tuned with the index form's index only: a layout's row index is made below, once the site is rewritten.
-    decision = decide(CONSUMER, args, group_name, cfg)
+    decision = decide(CONSUMER, args, group_name, cfg, flags)
     if decision.keep:
         return decision.keep
     with graph.inserting_before(node):
         args[-1] = experts.gather_index(graph, wait, found.permutation)
-        fused = call(graph, ops.op(CONSUMER), tuple(args), decision.kwargs())
+        fused = call(graph, ops.op(CONSUMER), tuple(args), {**flags, **decision.kwargs()})
         exchanged = call(graph, operator.getitem, (fused, 0))
         outs = call(graph, operator.getitem, (fused, 1))
         for i, t in enumerate(found.terms):
             t.node.replace_all_uses_with(call(graph, operator.getitem, (outs, i)))
     wait.replace_all_uses_with(exchanged)
     experts.erase_unused(graph, [*(t.node for t in found.terms), *reversed(found.permutation.nodes), wait, node])
+    unread = _settle_exchanged(graph, fused, exchanged)
     kind = "grouped_mm" if found.offs is not None else "bmm"
     how = _how(found.permutation)
     note = f"; {decision.note}" if decision.note else ""
     return Entry(node.name, "all_to_all_single", str(group_name), CONSUMER,
                  f"{len(found.terms)} expert {kind}(s) [{', '.join(t.node.name for t in found.terms)}], "
-                 f"permutation {how}{note}")  # fmt: skip
+                 f"permutation {how}{unread}{note}")  # fmt: skip
 
 
 def _loop_consumer(graph: Graph, node: Node, wait: Node, found: experts.ExpertConsumers, cfg: Config) -> Entry | str:
@@ -134,20 +136,49 @@ def _loop_consumer(graph: Graph, node: Node, wait: Node, found: experts.ExpertCo
         row_index = experts.gather_index(graph, wait, found.permutation)
         weights, offs = experts.loop_operands(graph, loop, val(wait).device)
     args = (source, weights, [None] * len(weights), out_splits, in_splits, group_name, *_NO_SCALES, offs, row_index)
-    decision = decide(CONSUMER, args, group_name, cfg)
+    mms = [mm for per_weight in loop.mms for mm in per_weight]
+    flags = _exchanged_flags(wait, [*mms, loop.split], found.permutation.nodes)
+    decision = decide(CONSUMER, args, group_name, cfg, flags)
     if decision.keep:
         return decision.keep  # the operands made above are dead and go with Inductor's dead-code elimination
     with graph.inserting_before(node):
-        fused = call(graph, ops.op(CONSUMER), args, decision.kwargs())
+        fused = call(graph, ops.op(CONSUMER), args, {**flags, **decision.kwargs()})
         exchanged = call(graph, operator.getitem, (fused, 0))
         experts.loop_results(graph, loop, call(graph, operator.getitem, (fused, 1)))
     wait.replace_all_uses_with(exchanged)
-    mms = [mm for per_weight in loop.mms for mm in per_weight]
     experts.erase_unused(graph, [*mms, loop.split, *reversed(found.permutation.nodes), wait, node])
+    unread = _settle_exchanged(graph, fused, exchanged)
     note = f"; {decision.note}" if decision.note else ""
     return Entry(node.name, "all_to_all_single", str(group_name), CONSUMER,
                  f"one mm per expert ({len(loop.sizes)} experts x {len(weights)} weight(s)) as grouped matmuls, "
-                 f"permutation {_how(found.permutation)}{note}")  # fmt: skip
+                 f"permutation {_how(found.permutation)}{unread}{note}")  # fmt: skip
+
+
+def _exchanged_flags(wait: Node, replaced: list[Node], between: list[Node]) -> dict:
+    """The fused consumer's ``return_A``, where it is not the default: False when nothing but the nodes the rewrite
+    replaces (``replaced``, the expert matmuls) and those it then erases (``between``, the permutation, where only
+    those read it) reads the exchanged tensor."""
+    dead = set(replaced)
+    candidates = [*between, *(u for n in between for u in n.users if is_call(u, operator.getitem))]
+    changed = True
+    while changed:
+        changed = False
+        for n in candidates:
+            if n not in dead and all(u in dead for u in n.users):
+                dead.add(n)
+                changed = True
+    return {} if any(u not in dead for u in wait.users) else {"return_A": False}
+
+
+def _settle_exchanged(graph: Graph, fused: Node, exchanged: Node) -> str:
+    """After the rewrite: the unread exchanged tensor's getitem goes; one still read (where the prediction of
+    :func:`_exchanged_flags` missed a reader) makes the op return it after all. The report's words for an op
+    that does not return it."""
+    if not exchanged.users:
+        graph.erase_node(exchanged)
+    elif fused.kwargs.get("return_A") is False:
+        fused.kwargs = {k: v for k, v in fused.kwargs.items() if k != "return_A"}
+    return ", exchanged rows not returned (only the experts read them)" if fused.kwargs.get("return_A") is False else ""
 
 
 def _how(permutation: experts.Permutation) -> str:

@@ -124,6 +124,7 @@ WAIT_KINDS = {
     5: ("done flag", "its rows delivered into this rank's receive buffer (combine)"),
     6: ("published splits", "the split sizes every rank published (they disagree with this rank's)"),
     7: ("segment table", "its program 0 to write the ordered dispatch's segments (this rank's own)"),
+    8: ("block flag", "its permuted pull to land a block of the experts' rows (the CUTLASS dispatch's GEMM)"),
 }
 
 
@@ -919,18 +920,19 @@ def launch_grouped(
 
 @triton.jit(do_not_specialize=["n_x", "n_pull", "rank", "world", "max_spin", "num_progs", "local_addr"])
 def permuted_pull_kernel(
-    row_index, local_addr, src_bases, x_out, block_flags, my_flags, peer_flags, err,
+    row_index, local_addr, src_bases, x_out, ex_out, block_flags, my_flags, peer_flags, err,
     n_x, n_pull, K, rank, world, max_spin, num_progs,
     ALIGN: tl.constexpr, TIMED: tl.constexpr, COPY_M: tl.constexpr, COPY_K: tl.constexpr,
+    GATHER: tl.constexpr, EXCHANGED: tl.constexpr,
 ):  # fmt: skip
     """Flux's permuting copy for the dispatch: row j of ``x_out`` (the experts' rows, in their order) is exchanged row
-    ``row_index[j]`` (``A_exchanged[row_index[j]]``, a padding index a zero row), pulled straight from its source's
-    send buffer (this rank's own rows from ``local_addr``); once a tile of ``COPY_M`` rows of ``x_out`` is stored,
-    ``block_flags[tile]`` becomes the call's epoch (release): a GEMM that waits per block of rows
-    (csrc/cutlass_grouped.cuh) starts on the first blocks while later ones arrive. The protocol around it is the
-    pull's (module docstring): every source's ``ready`` awaited first, the last program tells every source ``done``.
-    Tiles are taken round robin by the programs from the first one holding this rank's own rows on (read locally,
-    so the first blocks are ready soonest)."""
+    ``row_index[j]`` (``A_exchanged[row_index[j]]``, a padding index a zero row; without ``GATHER``, row j), pulled
+    straight from its source's send buffer (this rank's own rows from ``local_addr``); once a tile of ``COPY_M`` rows
+    of ``x_out`` is stored, ``block_flags[tile]`` becomes the call's epoch (release): a GEMM that waits per block of
+    rows (csrc/cutlass_grouped.cuh) starts on the first blocks while later ones arrive. With ``EXCHANGED`` the
+    programs then also pull the exchanged rows in source order into ``ex_out`` (``A_exchanged``, for a caller that
+    reads it). The protocol around it is the pull's (module docstring): every source's ``ready`` awaited first,
+    the last program tells every source ``done``. Tiles are taken round robin by the programs."""
     pid = tl.program_id(0)
     e_call = tl.load(my_flags + _STATE, volatile=True)  # this call's epoch (publish() advanced it)
     ok = _wait_all(my_flags, _READY, e_call, err, max_spin, rank, world, 1, False, TIMED)
@@ -945,10 +947,19 @@ def permuted_pull_kernel(
         for t in range(pid, n_tiles, num_progs):
             j = t * COPY_M + tl.arange(0, COPY_M)
             in_x = j < n_x
-            good, ex = _gathered(row_index, j, in_x, n_pull)
+            if GATHER:
+                good, ex = _gathered(row_index, j, in_x, n_pull)
+            else:
+                good, ex = in_x & (j < n_pull), j
             _copy_rows(ex, good, j, in_x, x_out, local_addr, src_bases, my_flags, K, rank, world, ALIGN, COPY_K, True)
             tl.debug_barrier()  # every thread's stores before the block's (cumulative) release
             tl.atomic_xchg(block_flags + t, e_call, sem="release", scope="gpu")
+        if EXCHANGED:
+            for t in range(pid, tl.cdiv(n_pull, COPY_M), num_progs):
+                rows = t * COPY_M + tl.arange(0, COPY_M)
+                valid = rows < n_pull
+                _copy_rows(rows, valid, rows, valid, ex_out, local_addr, src_bases, my_flags, K, rank, world,
+                           ALIGN, COPY_K, False)  # fmt: skip
     # --- the last program to finish: tell every source its send buffer is free
     tl.debug_barrier()
     finished = tl.atomic_add(my_flags + _STATE + 2, 1, sem="acq_rel", scope="sys")
@@ -958,25 +969,31 @@ def permuted_pull_kernel(
 
 
 def permuted_pull(
-    pull: Pull, row_index: torch.Tensor, block_flags: torch.Tensor, sig: Signals, num_programs: int
-) -> None:
+    pull: Pull, row_index: torch.Tensor | None, block_flags: torch.Tensor, sig: Signals, num_programs: int,
+    exchanged: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """One launch of :func:`permuted_pull_kernel`: ``pull.a_out`` receives the experts' rows ``x`` (``len(row_index)``
-    rows, ``x[j] = A_exchanged[row_index[j]]``, zeros for a padding index) and ``block_flags`` (int32, one per
-    ``COPY_M`` rows of ``x``) the call's epoch as each block lands; ``pull.rows`` is the exchanged rows' count.
-    After :func:`publish` on every rank, as the pull."""
+    rows, ``x[j] = A_exchanged[row_index[j]]``, zeros for a padding index; without ``row_index``, the exchanged rows
+    themselves) and ``block_flags`` (int32, one per ``COPY_M`` rows of ``x``) the call's epoch as each block lands;
+    ``pull.rows`` is the exchanged rows' count; ``exchanged`` (contiguous ``[pull.rows, K]``), where given, the
+    exchanged rows in source order too. After :func:`publish` on every rank, as the pull."""
     x_out, k = pull.a_out, pull.a_out.shape[1]
-    n_x = row_index.numel()
+    n_x = row_index.numel() if row_index is not None else pull.rows
     if x_out.shape[0] < n_x or not x_out.is_contiguous() or block_flags.dtype != torch.int32:
         raise ValueError("fluxcompile: the permuted pull writes a contiguous [len(row_index), K] and int32 flags")
     if block_flags.numel() < triton.cdiv(n_x, COPY_M):
         raise ValueError(f"fluxcompile: one block flag per {COPY_M} rows of the experts' rows")
+    if exchanged is not None and (not exchanged.is_contiguous() or tuple(exchanged.shape) != (pull.rows, k)):
+        raise ValueError("fluxcompile: the permuted pull writes the exchanged rows as a contiguous [rows, K]")
     es = x_out.element_size()
     align = 16 if (k * es) % 16 == 0 and pull.a_local.data_ptr() % 16 == 0 else 1
-    progs = max(1, min(num_programs, triton.cdiv(n_x, COPY_M)))
+    progs = max(1, min(num_programs, triton.cdiv(max(n_x, pull.rows if exchanged is not None else 0), COPY_M)))
     permuted_pull_kernel[(progs,)](
-        row_index, pull.a_local.data_ptr(), pull.src_bases, x_out, block_flags, sig.my_flags, sig.peer_flags, sig.err,
+        row_index if row_index is not None else x_out, pull.a_local.data_ptr(), pull.src_bases, x_out,
+        exchanged if exchanged is not None else x_out, block_flags, sig.my_flags, sig.peer_flags, sig.err,
         n_x, pull.rows, k, sig.rank, sig.world, sig.max_spin, progs,
-        ALIGN=align, TIMED=x_out.is_cuda, COPY_M=COPY_M, COPY_K=COPY_K, num_warps=4,
+        ALIGN=align, TIMED=x_out.is_cuda, COPY_M=COPY_M, COPY_K=COPY_K, GATHER=row_index is not None,
+        EXCHANGED=exchanged is not None, num_warps=4,
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..kernels import cutlass_gemm
+from ..kernels import cutlass_gemm, cutlass_grouped
 
 try:
     from ..kernels import embedding_bag, grouped_gemm
@@ -31,9 +31,15 @@ CUTLASS_ALL_GATHER: Launches = ((cutlass_gemm, "ag_sequence"),)
 # matmul_reduce_scatter's ``cutlass`` choices: one C++ sequence per call (the ring's GEMM and its pushes).
 CUTLASS_REDUCE_SCATTER: Launches = ((cutlass_gemm, "rs_sequence"),)
 # The MoE dispatch and combine (lowerings/all_to_all/triton.py): publish, the wait for the peers' reads, the
-# grouped GEMM's launch.
+# grouped GEMM's launch; the CUTLASS dispatch's (lowerings/all_to_all/cutlass.py) permuted pull and its CUTLASS
+# grouped GEMM.
 MOE: Launches = (
-    tuple((grouped_gemm, name) for name in ("publish", "wait_done", "launch_grouped")) if grouped_gemm is not None else ()
+    (
+        *((grouped_gemm, name) for name in ("publish", "wait_done", "launch_grouped", "permuted_pull")),
+        (cutlass_grouped, "grouped_mm"),
+    )
+    if grouped_gemm is not None
+    else ()
 )
 # The DLRM embedding-bag all-to-all (lowerings/embedding_bag_all_to_all/triton.py).
 DLRM: Launches = (

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 
 from fluxcompile import config, ops
+from fluxcompile.kernels import cutlass_grouped
 from fluxcompile.kernels import grouped_gemm as gg
+from fluxcompile.lowerings.all_to_all import cutlass as cutlass_moe
 from fluxcompile.lowerings.all_to_all import triton as moe
 from fluxcompile.symm_mem import Comm
 from fluxcompile.testing import launches
@@ -40,6 +42,7 @@ WORLDS = (1, 2, 4, 8)
 EAGER_CALLS, REPLAYS = 3, 3
 SPIN = 5_000_000  # microseconds: a missing flag is an error after 5 s, not a hang
 DEVICE = "cuda"  # the Layer's tensors (a CPU smoke run of this file's logic sets "cpu")
+CUTLASS = "cutlass:"
 
 
 def _queues(world: int) -> None:
@@ -165,14 +168,22 @@ class Layer:
             self.row_index[r].copy_(idx)
             self.offs[r].copy_(torch.tensor(_ragged_ends(self.g, n + self.pad, E), dtype=torch.int32))
 
-    def call(self, r: int, dcomm: Comm, ccomm: Comm, dispatch_variant: str, combine_variant: str):
-        """One rank's layer: dispatch (w1, w3 [, a third]), SwiGLU, combine (w2)."""
+    def call(self, r: int, dcomm: Comm, ccomm: Comm, dispatch_variant: str, combine_variant: str, return_A=True):
+        """One rank's layer: dispatch (w1, w3 [, a third]; ``cutlass:<variant>-pull<N>`` the CUTLASS dispatch, which
+        returns the exchanged rows only with ``return_A``), SwiGLU, combine (w2)."""
         A, send, recv = self.A[r], self.counts[r], self.recv[r]
         if self.bmm:  # equal splits (empty lists), A as [world, rows per rank, D]
             A, send, recv = A.view(self.world, -1, D), [], []
-        A_ex, outs = moe.all_to_all_matmul_on(
-            dcomm, A, self.w[r], recv, send, self.offs[r], self.row_index[r], variant=dispatch_variant
-        )
+        if dispatch_variant.startswith(CUTLASS):
+            variant, copiers = cutlass_moe.parse(dispatch_variant[len(CUTLASS) :])
+            A_ex, outs = cutlass_moe.all_to_all_matmul_on(
+                dcomm, A, self.w[r], recv, send, self.offs[r], self.row_index[r], variant=variant, copiers=copiers,
+                return_A=return_A,
+            )  # fmt: skip
+        else:
+            A_ex, outs = moe.all_to_all_matmul_on(
+                dcomm, A, self.w[r], recv, send, self.offs[r], self.row_index[r], variant=dispatch_variant
+            )
         h = (F.silu(outs[0].float()) * outs[1].float()).to(self.dtype)
         y_rows = sum(self.recv[r])
         out = moe.matmul_all_to_all_on(
@@ -187,7 +198,8 @@ class Layer:
         for r in range(self.world):
             A_ex, outs, h, _ = results[r]
             want = _exchange(self.A, self.counts, r)
-            assert torch.equal(A_ex.reshape(-1, D), want), f"{what}: rank {r}'s exchanged rows"
+            if A_ex is not None:  # None: not asked for (return_A False)
+                assert torch.equal(A_ex.reshape(-1, D), want), f"{what}: rank {r}'s exchanged rows"
             x = ops.gather_rows(want, self.row_index[r])
             for i, (o, w) in enumerate(zip(outs, self.w[r])):
                 ref = ops.expert_matmul(x.float(), w.float(), None, self.offs[r])
@@ -228,6 +240,7 @@ def _harness(world: int, rows: int, tag: str) -> tuple[list[Comm], list[Comm], O
             Comm(
                 data=ranks.data.ranks[r], flags=ranks.flags.ranks[r], errors=moe.make_errors(dev),
                 group_name=f"sim{world}", sm_count=ranks.sm_count, init_flags=ranks.init_flags, max_spin=SPIN,
+                side=ranks.streams(r)[1],
             )
             for r in range(world)
         ]  # fmt: skip
@@ -282,6 +295,47 @@ def test_layer_between_simulated_ranks(world, mode):
         layer.check(results, f"{dvar} world {world} replay {replay}")
     layer.refresh()
     layer.check(_run(ranks, fn), f"{dvar} world {world} eager after replays")  # epochs continue from the graph's
+
+
+@pytest.mark.skipif(cutlass_grouped.unavailable() is not None, reason=f"CUTLASS: {cutlass_grouped.unavailable()}")
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("variant", ["128x128x64_c1x2_pp", "128x256x64_c2x1"])
+def test_cutlass_dispatch_between_simulated_ranks(world, variant):
+    """The CUTLASS dispatch (the permuted pull on the side stream, the grouped GEMM waiting per block of rows) in
+    the layer with the Triton combine: eager calls with changing routing (one rank delayed, one call without the
+    exchanged rows), then one CUDA graph replayed with new tokens and routing, outputs NaN-filled."""
+    _queues(2 * world)
+    g = torch.Generator().manual_seed(300 + world)
+    dvar = f"{CUTLASS}{variant}{cutlass_moe.PULL}4"
+    dcomms, ccomms, ranks = _harness(world, world * 160 + 64, f"moe-c{world}{variant[:7]}")
+    for call in range(EAGER_CALLS):
+        layer = Layer(world, _counts(world, g), g)
+        poison_allocator(1 << 28)
+        delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
+        ret = call != 2
+        results = _run(
+            ranks, lambda r, _c, la=layer, ret=ret: la.call(r, dcomms[r], ccomms[r], dvar, gg.DEFAULT, ret), **delay
+        )  # fmt: skip
+        _no_errors(dcomms, ccomms)
+        assert all((res[0] is None) != ret for res in results), "the exchanged rows returned as asked"
+        layer.check(results, f"{dvar} world {world} eager call {call}")
+    layer = Layer(world, _counts(world, g), g)
+    fn = lambda r, _c: layer.call(r, dcomms[r], ccomms[r], dvar, gg.DEFAULT)  # noqa: E731
+    layer.check(_run(ranks, fn), f"{dvar} world {world} before capture")
+    graph, results = ranks.capture(fn)
+    for replay in range(REPLAYS):
+        layer.refresh()
+        for A_ex, outs, h, out in results:
+            for t in (A_ex, *outs, h, out):
+                t.fill_(float("nan"))
+        graph.replay()
+        try:
+            ranks.wait(90.0)
+        except TimeoutError as e:
+            sys.stderr.write(f"\n{e}\n")
+            os._exit(1)
+        _no_errors(dcomms, ccomms)
+        layer.check(results, f"{dvar} world {world} replay {replay}")
 
 
 @pytest.mark.parametrize("world", (2, 4))

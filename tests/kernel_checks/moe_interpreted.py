@@ -145,9 +145,10 @@ def staged(w, g, counts, rank, K, dtype):
     return As, recv, exchanged
 
 
-def permuted_case(seed, counts, rank, K, dtype, *, progs, calls=2) -> float:
+def permuted_case(seed, counts, rank, K, dtype, *, progs, calls=2, gather=True, exchanged_too=False) -> float:
     """The dispatch's permuting copy at ``rank`` (``gg.permuted_pull``): the experts' rows in a random order with
-    padding rows, every value exact, every block flag at the call's epoch, the peers told ``done``, the finish
+    padding rows (``gather``; else the exchanged rows as they are), with ``exchanged_too`` the exchanged rows in
+    source order too, every value exact, every block flag at the call's epoch, the peers told ``done``, the finish
     counter reset; two calls in a row (the epochs advance)."""
     g = torch.Generator().manual_seed(seed)
     world = len(counts)
@@ -156,16 +157,21 @@ def permuted_case(seed, counts, rank, K, dtype, *, progs, calls=2) -> float:
     for call in range(calls):
         As, _, exchanged = staged(w, g, counts, rank, K, dtype)
         n = exchanged.shape[0]
-        row_index = torch.cat([torch.randperm(n, generator=g), torch.tensor([n, -1, n])])
-        row_index = row_index[torch.randperm(row_index.numel(), generator=g)]
-        x = torch.cat([exchanged, exchanged.new_zeros(1, K)])[row_index.clamp(max=n).where(row_index >= 0, n)]
-        x_out = torch.full((row_index.numel(), K), float("nan"), dtype=dtype)
-        blocks = -(-row_index.numel() // gg.COPY_M)
+        row_index, x = None, exchanged
+        if gather:
+            row_index = torch.cat([torch.randperm(n, generator=g), torch.tensor([n, -1, n])])
+            row_index = row_index[torch.randperm(row_index.numel(), generator=g)]
+            x = torch.cat([exchanged, exchanged.new_zeros(1, K)])[row_index.clamp(max=n).where(row_index >= 0, n)]
+        x_out = torch.full((x.shape[0], K), float("nan"), dtype=dtype)
+        ex_out = torch.full((n, K), float("nan"), dtype=dtype) if exchanged_too else None
+        blocks = -(-x.shape[0] // gg.COPY_M)
         flags = torch.zeros(blocks + 1, dtype=torch.int32)
-        gg.permuted_pull(gg.Pull(As[rank], w.bases, x_out, n), row_index, flags, w.sig(rank), progs)
+        gg.permuted_pull(gg.Pull(As[rank], w.bases, x_out, n), row_index, flags, w.sig(rank), progs, ex_out)
         gg.check_error(w.errs[rank], "test")
         e = call + 1
         if not torch.equal(x_out, x) or flags[:blocks].tolist() != [e] * blocks or int(flags[blocks]) != 0:
+            worst = float("inf")
+        if ex_out is not None and not torch.equal(ex_out, exchanged):
             worst = float("inf")
         for p in range(world):
             if p != rank and int(w.flags[p][gg.DONE + rank]) != e:
@@ -410,6 +416,12 @@ if __name__ == "__main__":
     results["permuted pull, world 2"] = permuted_case(seed + 19, [[30, 25], [17, 40]], 0, 16, f16, progs=2)
     results["permuted pull, world 3, bf16"] = permuted_case(
         seed + 20, [[3, 20, 6], [11, 2, 9], [7, 14, 5]], 1, 24, torch.bfloat16, progs=3
+    )
+    results["permuted pull, exchanged rows too, world 3"] = permuted_case(
+        seed + 21, [[3, 20, 6], [11, 2, 9], [7, 14, 5]], 2, 16, f16, progs=2, exchanged_too=True
+    )
+    results["permuted pull, no row index, world 2"] = permuted_case(
+        seed + 22, [[30, 25], [17, 40]], 1, 16, f16, progs=3, gather=False
     )
     results["timeout pull"] = timeout_pull()
     results["timeout scatter"] = timeout_scatter()

@@ -9,6 +9,9 @@ Choices, in registration order:
   (``-split``: in a launch of its own), the combine's epilogue stores every row at its final place in its
   destination's receive buffer. Expert weights (``[E, K, N]``, grouped by ``offs`` or equal groups) only: dense
   weights are declined;
+* ``cutlass:<variant>-pull<N>`` (cutlass.py, family ``moe``, experimental), the dispatch only: N programs on the
+  side stream pull the experts' rows in their order (Flux's permuting copy), a flag per block of rows, while the
+  experts' CUTLASS grouped GEMM (kernels/cutlass_grouped.py) waits per tile for its blocks; bf16, ``offs`` only;
 * ``reference`` (NCCL ``all_to_all_single`` + matmuls, registered by lowerings/choices.py).
 
 Their CUDA implementations ask the rank-synchronized autotuner for one choice per call signature and run it. The
@@ -31,10 +34,18 @@ from . import triton
 OPS = ("all_to_all_matmul", "matmul_all_to_all")
 
 if triton.gg is not None:
+    from . import cutlass
+
     for _name in triton.DISPATCH_VARIANTS:
         register_choice(OPS[0], Choice(f"{triton.NAME}:{_name}", *triton.make_dispatch(_name), family="moe"))
+    for _name in cutlass.NAMES:
+        register_choice(OPS[0], Choice(f"{cutlass.NAME}:{_name}", *cutlass.make(_name), family="moe"))
     for _name in triton.COMBINE_VARIANTS:
         register_choice(OPS[1], Choice(f"{triton.NAME}:{_name}", *triton.make_combine(_name), family="moe"))
+
+
+# The dispatch choices' keyword arguments of a call that does not read the exchanged rows (its own signature).
+_WITHOUT_A = {"return_A": False}
 
 
 def _rows_free(t: Tensor | None) -> Any:
@@ -49,14 +60,17 @@ def all_to_all_matmul_cuda(
     A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], group_name: str, A_scale: Tensor | None = None,
     B_scales: Sequence[Tensor] | None = None, out_dtype=None, use_fast_accum: bool = False,
-    offs: Tensor | None = None, row_index: Tensor | None = None, choice: str = "",
-) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature."""
+    offs: Tensor | None = None, row_index: Tensor | None = None, return_A: bool = True, choice: str = "",
+) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (a call
+    with ``return_A`` False is tuned apart: a choice may skip producing the exchanged rows)."""
     args = (A, list(Bs), list(biases), list(output_split_sizes), list(input_split_sizes), group_name, A_scale,
             None if B_scales is None else list(B_scales), out_dtype, use_fast_accum, offs, row_index)  # fmt: skip
     key = (_rows_free(A), list(Bs), [b is None for b in biases], len(output_split_sizes), group_name,
            _rows_free(A_scale), B_scales is None, out_dtype, use_fast_accum, _rows_free(offs), _rows_free(row_index))  # fmt: skip
-    return pick(OPS[0], args, group_name, compiled=choice, key_args=key).fn(*args)
+    if return_A:
+        return pick(OPS[0], args, group_name, compiled=choice, key_args=key).fn(*args)
+    return pick(OPS[0], args, group_name, compiled=choice, key_args=key, kwargs=_WITHOUT_A).fn(*args, **_WITHOUT_A)
 
 
 @cuda_impl(OPS[1], probe=lambda args: args[0][0])

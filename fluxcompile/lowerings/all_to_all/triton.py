@@ -120,7 +120,7 @@ def make_errors(device: torch.device) -> ErrorWords:
 
 
 @functools.cache
-def _checker(group_name: str) -> Callable[[Tensor, str], None]:
+def checker(group_name: str) -> Callable[[Tensor, str], None]:
     """The error words' check: ``grouped_gemm.check_error``, naming the group."""
     return lambda words, what: gg.check_error(words, group_name, what)
 
@@ -163,6 +163,14 @@ def group_comm(group_name: str, world: int, data_bytes: int, tag: str) -> Comm:
 
 
 # --- supports -------------------------------------------------------------------------------------------
+
+
+def group_world(group_name: str) -> int:
+    """The size of the process group ``group_name`` (ValueError naming it where there is none)."""
+    world = _group_size(group_name)
+    if isinstance(world, str):
+        raise ValueError(f"fluxcompile: {world}")
+    return world
 
 
 def _group_size(group_name: str) -> int | str:
@@ -212,7 +220,8 @@ def _common_declines(
 
 def dispatch_supports(
     A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
-    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
+    A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, return_A=True,
+    choice="",
 ) -> str | None:  # fmt: skip
     """None when the Triton choices handle this all_to_all_matmul call, else why not (never raises)."""
     try:
@@ -290,11 +299,13 @@ def make_dispatch(name: str) -> tuple[Callable[..., tuple[Tensor, list[Tensor]]]
 
     def run(
         A, Bs, biases, output_split_sizes, input_split_sizes, group_name,
-        A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None, choice="",
+        A_scale=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None,
+        return_A=True, choice="",
     ):  # fmt: skip
-        return all_to_all_matmul(
+        A_exchanged, outs = all_to_all_matmul(
             A, Bs, output_split_sizes, input_split_sizes, group_name, offs=offs, row_index=row_index, variant=name
-        )
+        )  # the pull's target either way: the exchanged rows are written whether read or not
+        return (A_exchanged if return_A else None), outs
 
     return run, dispatch_supports
 
@@ -320,7 +331,7 @@ def make_combine(name: str) -> tuple[Callable[..., Tensor], Callable[..., str | 
 # --- the protocols --------------------------------------------------------------------------------------
 
 
-def _splits(sizes: Sequence[int], rows: int, world: int, unit: int, what: str) -> list[int]:
+def split_rows(sizes: Sequence[int], rows: int, world: int, unit: int, what: str) -> list[int]:
     """Matrix rows per rank of an exchange along dim 0 (``unit`` matrix rows per dim-0 index): the given split
     sizes, or equal splits of ``rows`` dim-0 indices where the list is empty (all_to_all_single's convention)."""
     if sizes:
@@ -346,9 +357,7 @@ def all_to_all_matmul(
     offs: Tensor | None = None, row_index: Tensor | None = None, variant: str = DEFAULT,
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
-    world = _group_size(group_name)
-    if isinstance(world, str):
-        raise ValueError(f"fluxcompile: {world}")
+    world = group_world(group_name)
     comm = group_comm(group_name, world, dispatch_bytes(A, world), DISPATCH_TAG)
     return all_to_all_matmul_on(comm, A, Bs, output_split_sizes, input_split_sizes, offs, row_index, variant=variant)
 
@@ -367,14 +376,14 @@ def all_to_all_matmul_on(
     a_local = A.reshape(-1, k)
     if not a_local.is_contiguous() or a_local.data_ptr() % 16:
         a_local = a_local.contiguous()
-    send = _splits(input_split_sizes, A.shape[0], world, unit, "input split sizes")
-    recv = _splits(output_split_sizes, A.shape[0], world, unit, "output split sizes")
+    send = split_rows(input_split_sizes, A.shape[0], world, unit, "input split sizes")
+    recv = split_rows(output_split_sizes, A.shape[0], world, unit, "output split sizes")
     if sum(send) != a_local.shape[0]:
         raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, A has {a_local.shape[0]}")
     received = sum(recv)
     exchanged_shape = [received // unit, *A.shape[1:]] if unit else [0, *A.shape[1:]]
     sig = signals(comm)
-    comm.errors.check_previous(what, _checker(comm.group_name))
+    comm.errors.check_previous(what, checker(comm.group_name))
 
     stage_rows(comm, sig, a_local, send, what)
 
@@ -391,7 +400,7 @@ def all_to_all_matmul_on(
         outs = gg.grouped_gemm(a_ex, Bs, offs=offs_, row_index=rows_, pull=pull, sig=sig, copiers=copiers, **kw)
     if offs is None:  # bmm: [E, rows / E, N]
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
-    comm.errors.report(what, _checker(comm.group_name))
+    comm.errors.report(what, checker(comm.group_name))
     return A_exchanged, outs
 
 
@@ -425,9 +434,7 @@ def matmul_all_to_all(
     offs: Tensor | None = None, row_index: Tensor | None = None, accumulate: bool = False, variant: str = DEFAULT,
 ) -> Tensor:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group, then the protocol."""
-    world = _group_size(group_name)
-    if isinstance(world, str):
-        raise ValueError(f"fluxcompile: {world}")
+    world = group_world(group_name)
     acc32 = accumulate and row_index is not None
     nbytes = combine_bytes(out_shape, output_split_sizes, b.shape[2], a.dtype, acc32)
     comm = group_comm(group_name, world, nbytes, COMBINE_TAG)
@@ -452,8 +459,8 @@ def matmul_all_to_all_on(
         h = h.contiguous()
     unit = math.prod(out_shape[1:-1])
     y_rows = out_shape[0] * unit
-    send = _splits(input_split_sizes, out_shape[0], world, unit, "input split sizes")
-    recv = _splits(output_split_sizes, out_shape[0], world, unit, "output split sizes")
+    send = split_rows(input_split_sizes, out_shape[0], world, unit, "input split sizes")
+    recv = split_rows(output_split_sizes, out_shape[0], world, unit, "output split sizes")
     if sum(send) != y_rows:
         raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, out_shape has {y_rows}")
     if row_index is None and h.shape[0] != y_rows:
@@ -469,7 +476,7 @@ def matmul_all_to_all_on(
     if comm.data is None or comm.data.nbytes < nbytes:
         raise ValueError(f"fluxcompile: {what}: the receive buffer has too few bytes for {nbytes}")
     sig = signals(comm)
-    comm.errors.check_previous(what, _checker(comm.group_name))
+    comm.errors.check_previous(what, checker(comm.group_name))
 
     received = comm.data.view(rank, (mine, n), buf_dtype)
     if row_index is not None:
@@ -484,5 +491,5 @@ def matmul_all_to_all_on(
     gg.wait_done(sig, 5, skip_self=False)  # every source's rows have landed
     out = torch.empty([mine // unit if unit else 0, *out_shape[1:]], dtype=a.dtype, device=a.device)
     out.view(mine, n).copy_(received)
-    comm.errors.report(what, _checker(comm.group_name))
+    comm.errors.report(what, checker(comm.group_name))
     return out
