@@ -150,7 +150,9 @@ def test_protocols_launch_through_their_listed_functions():
     call runs): each is a function the protocol calls through its module, so the patch reaches every launch."""
     import inspect
 
+    from fluxcompile.kernels import cutlass_grouped
     from fluxcompile.kernels import grouped_gemm as gg
+    from fluxcompile.lowerings.all_to_all import cutlass as cutlass_moe
     from fluxcompile.lowerings.all_to_all import triton as moe
     from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
     from fluxcompile.testing import launches
@@ -159,10 +161,14 @@ def test_protocols_launch_through_their_listed_functions():
     assert [name for _, name in launches.DLRM] == ["publish", "fetch_offsets", "pool", "wait", "copy_out"]
     for owner, name in launches.DLRM:
         assert owner is lo.eb and callable(getattr(owner, name)) and f"eb.{name}(" in dlrm, name
-    moe_src = "".join(inspect.getsource(f) for f in (moe.all_to_all_matmul_on, moe.stage_rows, moe.matmul_all_to_all_on))
+    moe_src = "".join(
+        inspect.getsource(f)
+        for f in (moe.all_to_all_matmul_on, moe.stage_rows, moe.matmul_all_to_all_on, cutlass_moe.all_to_all_matmul_on)
+    )
     for owner, name in launches.MOE:
-        assert owner is gg and callable(getattr(gg, name)), name
-        assert f"gg.{name}(" in moe_src or f"{name}(" in inspect.getsource(gg.grouped_gemm), name
+        assert owner in (gg, cutlass_grouped) and callable(getattr(owner, name)), name
+        prefix = "gg" if owner is gg else "cutlass_grouped"
+        assert f"{prefix}.{name}(" in moe_src or f"{name}(" in inspect.getsource(gg.grouped_gemm), name
 
 
 def test_cutlass_protocols_launch_through_their_listed_functions():
