@@ -9,9 +9,11 @@
   every rank's layer replayed with new tokens, permutations and group sizes written into the captured inputs
   (the splits, host ints, stay those of the capture), outputs NaN-filled before each replay; the split and
   ordered variants, three weights, accumulate with repeated rows, bmm with equal splits; a rank whose peer never
-  calls gets an error naming the rank and the signal.
-* The registered choices (``group_comm``, group resolution) on a group of one rank and, between the GPUs of
-  scripts/gpu-check, against ``ops.REFERENCES`` (NCCL ``all_to_all_single`` + grouped_mm): calls whose splits
+  calls gets an error naming the rank and the signal. The CUTLASS dispatch (lowerings/all_to_all/cutlass.py: the
+  permuted pull beside the CUTLASS grouped GEMM that waits per block of rows) in the same layer, with and without
+  the exchanged rows, eager and replayed.
+* The registered choices (``group_comm``, group resolution; the CUTLASS dispatch's too) on a group of one rank
+  and, between the GPUs of scripts/gpu-check, against ``ops.REFERENCES`` (NCCL ``all_to_all_single`` + grouped_mm): calls whose splits
   change from one to the next, the fused, split and ordered dispatch in turn over the same workspaces.
 """
 
@@ -391,8 +393,12 @@ def _choice_call(group, world: int, rank: int, g: torch.Generator, counts, dtype
     layer = Layer(world, counts, g, dtype=dtype)  # every rank builds every rank's inputs; keeps its own
     A, w, w2, offs, row_index = layer.A[rank], layer.w[rank], layer.w2[rank], layer.offs[rank], layer.row_index[rank]
     send, recv = counts[rank], layer.recv[rank]
-    run_d, sup_d = moe.make_dispatch(variant)
-    run_c, sup_c = moe.make_combine(moe.tile_variant(variant))
+    if variant.startswith(CUTLASS):  # the CUTLASS dispatch, with the default Triton combine
+        run_d, sup_d = cutlass_moe.make(variant[len(CUTLASS) :])
+        run_c, sup_c = moe.make_combine(gg.DEFAULT)
+    else:
+        run_d, sup_d = moe.make_dispatch(variant)
+        run_c, sup_c = moe.make_combine(moe.tile_variant(variant))
     dargs = (A, w, [None] * len(w), recv, send, name, None, None, None, False, offs, row_index)
     with config.patch(experimental_moe=True):
         assert sup_d(*dargs) is None, sup_d(*dargs)
@@ -430,9 +436,12 @@ def test_registered_choices_on_a_group_of_one(monkeypatch):
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
     g = torch.Generator().manual_seed(shared_seed())
-    for call in range(2):
-        problems = _choice_call(groups[rank], 1, 0, g, [[int(torch.randint(50, 300, (1,), generator=g))]])
-        assert not problems, f"call {call}: {problems}"
+    variants = [gg.DEFAULT] + ([f"{CUTLASS}{cutlass_moe.NAMES[0]}"] if cutlass_grouped.unavailable() is None else [])
+    for variant in variants:
+        for call in range(2):
+            rows = [[int(torch.randint(50, 300, (1,), generator=g))]]
+            problems = _choice_call(groups[rank], 1, 0, g, rows, variant=variant)
+            assert not problems, f"{variant} call {call}: {problems}"
 
 
 @pytest.mark.peers
@@ -441,8 +450,11 @@ def test_registered_choices_between_gpus(monkeypatch):
     monkeypatch.setattr(moe, "timeout_s", lambda: 10.0)
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(shared_seed())
-    for call in range(6):
+    ways = [gg.DEFAULT, gg.DEFAULT + moe.SPLIT, f"{gg.DEFAULT}{moe.ORDERED}16"]
+    if cutlass_grouped.unavailable() is None:
+        ways += [f"{CUTLASS}{name}" for name in cutlass_moe.NAMES[:2]]
+    for call in range(2 * len(ways)):
         counts = _equal_counts(world, g, 300 * world if call else 40 * world)  # the workspaces grow after call 0
-        variant = gg.DEFAULT + (("", moe.SPLIT, f"{moe.ORDERED}16")[call % 3])
+        variant = ways[call % len(ways)]
         problems = _choice_call(dist.group.WORLD, world, rank, g, counts, variant=variant)
         assert_on_every_rank("; ".join(f"call {call} ({variant}): {p}" for p in problems) or None)
