@@ -229,9 +229,10 @@ def test_small_kernels_compile_for_sm90(tmp_path, monkeypatch):
     values.update({"row_index": "*i64", "local_addr": 1 << 40, "src_bases": "*i64", "x_out": "*bf16",
                    "ex_out": "*bf16", "block_flags": "*i32", "n_x": 1000, "n_pull": 998, "K": 4096,
                    "num_progs": 16})  # fmt: skip
-    consts = dict(ALIGN=16, TIMED=True, COPY_M=gg.COPY_M, COPY_K=gg.COPY_K, GATHER=True, EXCHANGED=True)
-    k = compile_like_launch(gg.permuted_pull_kernel, values, consts, 4, 1)
+    consts = dict(ALIGN=16, TIMED=True, COPY_M=gg.COPY_M, COPY_K=gg.PERMUTED_K, GATHER=True, EXCHANGED=True)
+    k = compile_like_launch(gg.permuted_pull_kernel, values, consts, gg.PERMUTED_WARPS, 1)
     assert "%globaltimer" in k.asm["ptx"] and ".release" in k.asm["ptx"], "bounded waits, flags raised with release"
+    assert _ptxas_spills(k.asm["ptx"], tmp_path) == 0, "the permuted pull's registers spill"
 
 
 # --- the launcher's host side -----------------------------------------------------------------------------------

@@ -168,6 +168,8 @@ DEFAULT = "128x128x64-w8s4"
 COPY_M = 32  # rows of a copy tile (pull)
 COPY_K = 256  # columns per copy step
 COPIER_K = 512  # columns per copy step where a few programs copy (more bytes in flight per program)
+PERMUTED_K = 1024  # columns per copy step of the permuted pull: one program per SM, 16 warps, 64 KiB in flight
+PERMUTED_WARPS = 16
 
 
 @dataclasses.dataclass
@@ -976,7 +978,9 @@ def permuted_pull(
     rows, ``x[j] = A_exchanged[row_index[j]]``, zeros for a padding index; without ``row_index``, the exchanged rows
     themselves) and ``block_flags`` (int32, one per ``COPY_M`` rows of ``x``) the call's epoch as each block lands;
     ``pull.rows`` is the exchanged rows' count; ``exchanged`` (contiguous ``[pull.rows, K]``), where given, the
-    exchanged rows in source order too. After :func:`publish` on every rank, as the pull."""
+    exchanged rows in source order too. After :func:`publish` on every rank, as the pull. ``num_programs``
+    programs of ``PERMUTED_WARPS`` warps each, ``COPY_M`` x ``PERMUTED_K`` elements a step: one program fills an
+    SM's worth of loads in flight, so a GEMM beside it on the other SMs keeps them all."""
     x_out, k = pull.a_out, pull.a_out.shape[1]
     n_x = row_index.numel() if row_index is not None else pull.rows
     if x_out.shape[0] < n_x or not x_out.is_contiguous() or block_flags.dtype != torch.int32:
@@ -992,8 +996,8 @@ def permuted_pull(
         row_index if row_index is not None else x_out, pull.a_local.data_ptr(), pull.src_bases, x_out,
         exchanged if exchanged is not None else x_out, block_flags, sig.my_flags, sig.peer_flags, sig.err,
         n_x, pull.rows, k, sig.rank, sig.world, sig.max_spin, progs,
-        ALIGN=align, TIMED=x_out.is_cuda, COPY_M=COPY_M, COPY_K=COPY_K, GATHER=row_index is not None,
-        EXCHANGED=exchanged is not None, num_warps=4,
+        ALIGN=align, TIMED=x_out.is_cuda, COPY_M=COPY_M, COPY_K=min(PERMUTED_K, triton.next_power_of_2(k)),
+        GATHER=row_index is not None, EXCHANGED=exchanged is not None, num_warps=PERMUTED_WARPS if x_out.is_cuda else 4,
     )  # fmt: skip
 
 
