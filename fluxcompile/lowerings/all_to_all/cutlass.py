@@ -41,7 +41,7 @@ from . import triton
 gg = triton.gg  # kernels/grouped_gemm.py (Triton): the permuted pull and the protocol's flags
 
 NAME = "cutlass"
-COPIERS = (8, 16)  # the permuted pull's programs, per choice
+COPIERS = (8, 32)  # the permuted pull's programs (one per SM), per choice
 PULL = "-pull"  # "<variant>-pull<N>"
 NAMES = [f"{v}{PULL}{n}" for v in cutlass_grouped.GROUPED_VARIANTS for n in COPIERS]
 _BLOCK_FLAGS = "the MoE dispatch's block flags"

@@ -36,7 +36,11 @@ count a rank needs from its peers (published into its flag words), ``offs`` and 
 kernel: group sizes and the permutation never reach the host), the error words. What comes from the host: the
 split sizes, which the op receives as host ints (SymInt lists) and which fix the shapes: they reach the device
 as ``publish``'s kernel arguments (by value, so a CUDA graph replays them; a graph is captured for fixed splits,
-and ``offs``/``row_index`` may change between its replays). Nothing is synchronized with the host and nothing is
+and ``offs``/``row_index`` may change between its replays). Splits that change between replays: torch.compile's
+CUDA graphs record one graph per set of int inputs and keep any graph that reads its splits with ``.tolist()``
+out of capture (``aten._local_scalar_dense`` is among Inductor's ops forbidden in CUDA graphs), so a compiled
+model never replays stale splits; a capture made by hand replays the splits of its capture, as NCCL's
+``all_to_all_single`` (the reference) does. Nothing is synchronized with the host and nothing is
 allocated on the hot path but the op's outputs: workspaces, flag views and address tables are made on a rank's
 first call (eagerly; a collective where a symmetric workspace is made or grows) and reused.
 
