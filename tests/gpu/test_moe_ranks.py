@@ -258,6 +258,25 @@ def _no_errors(*comm_lists) -> None:
     assert all(not w[0] for w in words), f"wait errors: {words}"
 
 
+def _replayed(ranks: OneGpuRanks, layer: Layer, fn, dcomms, ccomms, what: str) -> None:
+    """One CUDA graph of every rank's layer ``fn`` (the splits are the capture's), replayed with new tokens and
+    routing, the outputs NaN-filled before each replay and checked after."""
+    graph, results = ranks.capture(fn)
+    for replay in range(REPLAYS):
+        layer.refresh()
+        for A_ex, outs, h, out in results:
+            for t in (A_ex, *outs, h, out):
+                t.fill_(float("nan"))
+        graph.replay()
+        try:
+            ranks.wait(90.0)
+        except TimeoutError as e:
+            sys.stderr.write(f"\n{e}\n")
+            os._exit(1)
+        _no_errors(dcomms, ccomms)
+        layer.check(results, f"{what} replay {replay}")
+
+
 # The dispatch's ways: fused, split, ordered (four programs of a rank's share copy).
 _MODES = {"fused": "", "split": moe.SPLIT, "ordered": f"{moe.ORDERED}4"}
 
@@ -281,20 +300,7 @@ def test_layer_between_simulated_ranks(world, mode):
     layer = Layer(world, _counts(world, g), g)
     fn = lambda r, _c: layer.call(r, dcomms[r], ccomms[r], dvar, gg.DEFAULT)  # noqa: E731
     layer.check(_run(ranks, fn), f"{dvar} world {world} before capture")  # compiles every kernel it captures
-    graph, results = ranks.capture(fn)
-    for replay in range(REPLAYS):
-        layer.refresh()
-        for A_ex, outs, h, out in results:
-            for t in (A_ex, *outs, h, out):
-                t.fill_(float("nan"))
-        graph.replay()
-        try:
-            ranks.wait(90.0)
-        except TimeoutError as e:
-            sys.stderr.write(f"\n{e}\n")
-            os._exit(1)
-        _no_errors(dcomms, ccomms)
-        layer.check(results, f"{dvar} world {world} replay {replay}")
+    _replayed(ranks, layer, fn, dcomms, ccomms, f"{dvar} world {world}")
     layer.refresh()
     layer.check(_run(ranks, fn), f"{dvar} world {world} eager after replays")  # epochs continue from the graph's
 
@@ -324,20 +330,7 @@ def test_cutlass_dispatch_between_simulated_ranks(world, variant):
     layer = Layer(world, _counts(world, g), g)
     fn = lambda r, _c: layer.call(r, dcomms[r], ccomms[r], dvar, gg.DEFAULT)  # noqa: E731
     layer.check(_run(ranks, fn), f"{dvar} world {world} before capture")
-    graph, results = ranks.capture(fn)
-    for replay in range(REPLAYS):
-        layer.refresh()
-        for A_ex, outs, h, out in results:
-            for t in (A_ex, *outs, h, out):
-                t.fill_(float("nan"))
-        graph.replay()
-        try:
-            ranks.wait(90.0)
-        except TimeoutError as e:
-            sys.stderr.write(f"\n{e}\n")
-            os._exit(1)
-        _no_errors(dcomms, ccomms)
-        layer.check(results, f"{dvar} world {world} replay {replay}")
+    _replayed(ranks, layer, fn, dcomms, ccomms, f"{dvar} world {world}")
 
 
 @pytest.mark.parametrize("world", (2, 4))
