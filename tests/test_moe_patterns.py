@@ -132,7 +132,7 @@ def test_moe_dispatch_and_combine_fuse(ranks, world, form):
         assert "permutation by layout" in report
 
 
-def dlrm_case(train: bool) -> tuple[int, float, str]:
+def dlrm_case(train: bool, mode: str = "mean") -> tuple[int, float, str]:
     torch.manual_seed(_seed())
     world, T, D, B = dist.get_world_size(), 3, 8, 4
     tables = [torch.randn(20 + t, D, requires_grad=train) for t in range(T)]
@@ -141,17 +141,25 @@ def dlrm_case(train: bool) -> tuple[int, float, str]:
     indices = [torch.randint(0, 20, (int(n.sum()),)) for n in lengths]
 
     def pooled_exchange(indices, offsets):
-        pooled = [F.embedding_bag(i, w, o, mode="mean") for w, i, o in zip(tables, indices, offsets)]
+        pooled = [F.embedding_bag(i, w, o, mode=mode) for w, i, o in zip(tables, indices, offsets)]
         p = torch.stack(pooled, dim=1).reshape(B * world, T * D)
         r = fc.all_to_all_single_autograd(p, None, None, dist.group.WORLD)
         return r.view(world, B, T * D).transpose(0, 1).reshape(B, world * T * D)
 
+    grad = torch.randn(B, world * T * D)
     with fresh_compiles(), fluxcompile.collect_reports() as rep, torch.set_grad_enabled(train):
         out = torch.compile(pooled_exchange, backend="fluxcompile")(indices, offsets)
         if train:
-            out.sum().backward()
-    ref = pooled_exchange(indices, offsets)
-    return rep.count(POOLED), rel_err(out, ref), rep.format()
+            out.backward(grad)
+    compiled_grads = [t.grad for t in tables] if train else []
+    for t in tables:
+        t.grad = None
+    with torch.set_grad_enabled(train):
+        ref = pooled_exchange(indices, offsets)
+        if train:
+            ref.backward(grad)
+    errs = [rel_err(out, ref), *(rel_err(a, t.grad) for a, t in zip(compiled_grads, tables))]
+    return rep.count(POOLED), max(errs), rep.format()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -161,8 +169,16 @@ def test_dlrm_embedding_bags_fuse_in_inference(ranks, world):
         assert err <= 1e-6, report
 
 
-def test_dlrm_training_keeps_its_embedding_bags(ranks):
-    # The training forward saves the bags' bookkeeping for the backward, which the fused op does not produce.
-    for count, err, report in ranks(2).run(dlrm_case, True):
-        assert count == 0 and "saved for its backward" in report, report
-        assert err <= 1e-6
+@pytest.mark.parametrize(("world", "mode"), [(2, "mean"), (2, "sum"), (4, "mean")])
+def test_dlrm_training_forward_fuses(ranks, world, mode):
+    """The training forward fuses its bags and exchange; the backward's bookkeeping comes from a one-column bag,
+    so every gradient equals eager's (the backward keeps its own ops: the report's forward count is one)."""
+    for count, err, report in ranks(world).run(dlrm_case, True, mode):
+        assert count == 1 and "bookkeeping of 3 for the backward over one column" in report, report
+        assert err <= 1e-6, report
+
+
+def test_dlrm_training_with_max_pooling_keeps_its_bags(ranks):
+    for count, err, report in ranks(2).run(dlrm_case, True, "max"):
+        assert count == 0 and "max pooling whose max_indices a backward reads" in report, report
+        assert err <= 1e-6, report

@@ -228,13 +228,17 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     if decision.keep:
         return decision.keep
     with graph.inserting_before(node):
+        for bag in found.bookkept:  # a training forward: the backward's bookkeeping, made apart
+            if why := embedding_bag.bookkeeping(graph, bag):
+                return why  # the nodes made so far are dead and go with Inductor's dead-code elimination
         fused = call(graph, ops.op(POOLED), args, decision.kwargs())
     wait.replace_all_uses_with(fused)
     experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
     note = f"; {decision.note}" if decision.note else ""
     mode = {0: "sum", 1: "mean", 2: "max"}.get(found.mode, str(found.mode))
+    kept = f", the bookkeeping of {len(found.bookkept)} for the backward over one column" if found.bookkept else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
-                 f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{note}")  # fmt: skip
+                 f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
 
 
 def _sizes_from_wait(node: Node) -> None:

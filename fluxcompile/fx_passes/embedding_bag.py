@@ -2,9 +2,11 @@
 
 DLRM's model-parallel embeddings: every rank pools the global batch for its own tables, stacks the pooled rows
 (``stack(dim=1)`` or ``cat(dim=1)``: ``[B, T * D]`` either way) and sends each sample's row to the rank that owns
-the sample. Matched where the pooled output is all that is read of every ``embedding_bag``: a training graph
-saves the bag bookkeeping (``offset2bag``, ``bag_size``) for the backward, which the fused op does not produce,
-so there the original ops stay and the report says so.
+the sample. A training graph also saves each bag's bookkeeping (``offset2bag``, ``bag_size``, ``max_indices``) for
+its backward: the rewrite then makes them with the same ``embedding_bag`` over the table's first column only (the
+bookkeeping does not depend on the columns in sum and mean pooling; aten's own conventions per device stay), so
+the pooling of the whole rows happens once, in the fused op. Max pooling's ``max_indices`` are per column: a
+training graph with max pooling keeps its ops.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-from torch.fx import Node
+from torch.fx import Graph, Node
 
-from .graph_utils import aten, is_call, is_reshape, shape
+from .graph_utils import aten, call, is_call, is_reshape, shape, val
 
 BAGS = (aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
 
@@ -27,6 +29,7 @@ class EmbeddingBagMatch:
     chain: list[Node]  # reshapes between the stack and the exchange's input
     mode: int
     include_last_offset: bool
+    bookkept: list[Node]  # the bags whose bookkeeping (getitem 1..3) a backward reads: made apart (bookkeeping())
 
 
 def _arg(node: Node, i: int, name: str, default):
@@ -58,10 +61,33 @@ def find_pooled(source: Node) -> EmbeddingBagMatch | str:
             return "an embedding_bag with per_sample_weights"
         if _arg(b, 8, "padding_idx", -1) not in (None, -1):
             return "an embedding_bag with a padding_idx"
-        if any(u.args[1] != 0 and u.users for u in b.users):
-            return "the embedding_bag's offset2bag/bag_size are saved for its backward (training)"
     if len({shape(p)[-1] for p in parts}) > 1 and node.target is aten.stack.default:
         return "stacked tables of different widths"
     if any(len(p.users) != 1 for p in parts):
         return "a pooled output that other ops read too"
-    return EmbeddingBagMatch(bags, parts, node, chain, modes.pop(), last.pop())
+    mode = modes.pop()
+    bookkept = [b for b in bags if any(u.args[1] != 0 and u.users for u in b.users)]
+    if bookkept and mode == 2:
+        return "max pooling whose max_indices a backward reads (training): they are per column"
+    return EmbeddingBagMatch(bags, parts, node, chain, mode, last.pop(), bookkept)
+
+
+def bookkeeping(graph: Graph, bag: Node) -> str | None:
+    """``bag``'s bookkeeping outputs that a backward reads, made by the same embedding_bag over the first column of
+    its table (inserted at the insertion point): its users read those instead. None when done, else why not (the
+    graph unchanged)."""
+    weight = bag.args[0]
+    column = call(graph, aten.slice.Tensor, (weight, 1, 0, 1))
+    kept = call(graph, bag.target, (column, *bag.args[1:]), dict(bag.kwargs))
+    swaps = []
+    for u in bag.users:
+        if u.args[1] == 0 or not u.users:
+            continue
+        new = call(graph, operator.getitem, (kept, u.args[1]))
+        old_val, new_val = val(u), val(new)
+        if old_val is None or new_val is None or old_val.shape != new_val.shape or old_val.dtype != new_val.dtype:
+            return f"the bookkeeping of {bag.name} over one column is not shaped as over the whole rows"
+        swaps.append((u, new))
+    for u, new in swaps:
+        u.replace_all_uses_with(new)
+    return None
