@@ -51,6 +51,7 @@ class DemoArgs:
     dense_in: int = 13
     pooling: str = "sum"  # "sum" | "mean"
     interaction: str = "dot"  # "dot" | "cat"
+    inference: bool = False  # dlrm: the forward alone, without gradients (its inference form)
 
 
 @dataclasses.dataclass
@@ -277,6 +278,8 @@ def check_dlrm(group, a: DemoArgs) -> ModelResult:
     rank = eager.rank
     rows = slice(rank * a.batch, (rank + 1) * a.batch)
     my_sparse = sparse[rank * eager.local_tables : (rank + 1) * eager.local_tables].contiguous()
+    if a.inference:
+        return _dlrm_inference(model, eager, params, dense, sparse, my_sparse, rows, a)
     d_eager, d_model = dense[rows].clone().requires_grad_(), dense[rows].clone().requires_grad_()
 
     out, rep = _compile_and_run(model, (d_model, my_sparse), grads[rows], a)
@@ -291,6 +294,34 @@ def check_dlrm(group, a: DemoArgs) -> ModelResult:
         input_grad_error=rel_err(d_model.grad, d_eager.grad),
         grad_errors=grad_errors(pairs),
         reference_errors=dlrm_reference_errors(eager, params, dense, sparse, grads, ref, d_eager.grad),
+        tolerance=TOLERANCE[dense.dtype],
+        graphs=_graphs(rep),
+    )
+
+
+def _dlrm_inference(model, eager, params, dense, sparse, my_sparse, rows, a: DemoArgs) -> ModelResult:
+    """check_dlrm's inference form: the forward alone under ``torch.no_grad()``, compiled vs eager and eager vs the
+    model in one process (outputs only)."""
+    import fluxcompile
+    from fluxcompile.models.dlrm import dlrm_reference
+    from fluxcompile.testing.numerics import TOLERANCE, rel_err
+
+    with (
+        torch.no_grad(),
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        fluxcompile.collect_reports() as rep,
+    ):
+        out = torch.compile(model, backend="fluxcompile", dynamic=a.dynamic)(dense[rows], my_sparse)
+        ref = eager(dense[rows], my_sparse)
+        single = dlrm_reference(params, dense, sparse, eager.a)
+    return ModelResult(
+        report=rep.format(),
+        counts=_counts(rep),
+        output_error=rel_err(out, ref),
+        input_grad_error=0.0,
+        grad_errors={},
+        reference_errors={"output": rel_err(ref, single[rows])},
         tolerance=TOLERANCE[dense.dtype],
         graphs=_graphs(rep),
     )
@@ -459,6 +490,11 @@ def parser() -> argparse.ArgumentParser:
         "--pooling", choices=("sum", "mean"), default=d.pooling, help="embedding bag pooling (default: %(default)s)"
     )
     dlrm.add_argument(
+        "--inference",
+        action="store_true",
+        help="run the forward alone, without gradients: the inference form (default: a training step)",
+    )
+    dlrm.add_argument(
         "--interaction",
         choices=("dot", "cat"),
         default=d.interaction,
@@ -495,7 +531,7 @@ def parse(argv: list[str]) -> tuple[DemoArgs, str]:
     args.tokens, args.experts, args.top_k = ns.tokens, ns.experts, ns.top_k
     args.capacity_factor, args.expert_form = ns.capacity_factor, ns.expert_form
     args.tables, args.rows, args.bag_size, args.dense_in = ns.tables, ns.rows, ns.bag_size, ns.dense_in
-    args.pooling, args.interaction = ns.pooling, ns.interaction
+    args.pooling, args.interaction, args.inference = ns.pooling, ns.interaction, ns.inference
     return args, backend
 
 
@@ -614,15 +650,15 @@ def main(argv: list[str]) -> int:
     print(f"\nnumerics vs eager (relative error, bound {r0.tolerance:.0e}):")
     print(f"{'rank':>4} {'output':>10} {'input grad':>10} {'worst param grad':>28}")
     for rank, r in enumerate(results):
-        worst = max(r.grad_errors.items(), key=lambda kv: kv[1])
+        worst = max(r.grad_errors.items(), key=lambda kv: kv[1], default=("no gradients: --inference", 0.0))
         print(f"{rank:>4} {r.output_error:10.2e} {r.input_grad_error:10.2e} {worst[1]:10.2e} ({worst[0]})")
     if isinstance(r0, ModelResult):
         print(f"\neager vs the model in one process (relative error, bound {r0.tolerance:.0e}):")
         print(f"{'rank':>4} {'output':>10} {'input grad':>10} {'worst param grad':>28}")
         for rank, r in enumerate(results):
             e = dict(r.reference_errors)
-            out, inp = e.pop("output"), e.pop("input grad")
-            worst = max(e.items(), key=lambda kv: kv[1])
+            out, inp = e.pop("output"), e.pop("input grad", 0.0)
+            worst = max(e.items(), key=lambda kv: kv[1], default=("no gradients: --inference", 0.0))
             dropped = f"  {r.dropped} token copies dropped" if a.capacity_factor is not None and a.model == "moe" else ""
             print(f"{rank:>4} {out:10.2e} {inp:10.2e} {worst[1]:10.2e} ({worst[0]}){dropped}")
     ok = all(r.ok for r in results)

@@ -132,6 +132,8 @@ def test_demo_parses_the_model_options():
     )
     a, _ = demo.parse(["--backend", "gloo", "--model", "moe"])  # grouped experts compile in bfloat16 only
     assert (a.capacity_factor, a.expert_form, a.dtype) == (None, "grouped", "bfloat16")
+    a, _ = demo.parse(["--backend", "gloo", "--model", "dlrm", "--inference"])
+    assert a.inference and not demo.parse(["--backend", "gloo", "--model", "dlrm"])[0].inference
     dlrm = "--model dlrm --tables 4 --rows 10 --bag-size 2 --dense-in 5 --pooling mean --interaction cat"
     a, _ = demo.parse(["--backend", "gloo", *dlrm.split()])
     assert (a.model, a.tables, a.rows, a.bag_size, a.dense_in, a.pooling, a.interaction, a.batch) == (

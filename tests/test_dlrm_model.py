@@ -2,7 +2,8 @@
 one process, compiled with backend="fluxcompile" == eager, forward and backward (dense-input grad and every
 parameter's grad, the tables' dense grads included).
 
-No assertion on fusion counts yet: ``ModelResult.report`` and ``.counts`` carry what the rewrite pass did.
+The training forward's bags and exchange fuse (the backward's bookkeeping from a one-column bag); the backward
+keeps its ops (issue 57). ``--inference`` (the forward alone, no gradients) fuses its one graph.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def run(ranks, world: int, **kw) -> list[ModelResult]:
         assert r.graphs == {"forward": 1, "backward": 1}, f"rank {rank}: graph breaks: {r.graphs}\n{r.report}"
         assert any(name.startswith("tables.") for name in r.grad_errors), r.grad_errors
     assert all(r.counts == results[0].counts for r in results), "ranks rewrote their graphs differently"
+    assert results[0].counts["forward"]["embedding_bag_all_to_all"] == 1, results[0].report
     return results
 
 
@@ -60,6 +62,15 @@ def test_compiled_sum_pooling_dot_interaction(ranks):
 
 def test_compiled_mean_pooling_cat_interaction_four_ranks(ranks):
     run(ranks, 4, pooling="mean", interaction="cat", tables=8, batch=5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_inference_form_fuses(ranks, world):
+    a = DemoArgs(**{**SMALL, "tables": 8, "inference": True})
+    results = ranks(world).run(dlrm_on_world, a)
+    for rank, r in enumerate(results):
+        assert r.ok and not r.grad_errors, f"rank {rank}: {r}"
+        assert r.graphs.get("backward", 0) == 0 and "1 embedding_bag_all_to_all" in r.report, r.report
 
 
 def test_dlrm_args_refuse_unknown_pooling():
