@@ -94,6 +94,9 @@ class Config:
     all_reduce_rmsnorm: bool = True
     # Embedding-bag pooling over this rank's tables, then the all-to-all to the batch owners (DLRM).
     embedding_bag_all_to_all: bool = True
+    # Its backward: the all-to-all of the pooled rows' gradients back to the tables' owners, then the tables'
+    # embedding-bag gradients.
+    all_to_all_embedding_bag_backward: bool = True
 
     # Minimum sizes of the (local) matmul for a rewrite: M rows (after the collective), N columns, K
     # contraction. Below them the original ops stay and the report says which bound was missed.

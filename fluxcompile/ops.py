@@ -89,6 +89,12 @@ input_split_sizes, group_name) -> out``
     ``P = cat([embedding_bag(indices[t], weights[t], offsets[t], mode)[0] for t], dim=-1)`` (``[B, T * D]``,
     the layout of the pooled rows stacked along dim 1); ``out = all_to_all_single(P.reshape(out_shape))`` along
     dim 0. ``mode`` is aten's: 0 sum, 1 mean, 2 max. The model-parallel embedding tables of DLRM.
+``all_to_all_embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights,
+scale_grad_by_freq, mode, output_split_sizes, input_split_sizes, group_name) -> weight_grads``
+    Its backward: ``G = all_to_all_single(grad)`` along dim 0 (``grad`` ``[rows, T * D]``, the pooled rows'
+    gradients on the samples' owners); ``weight_grads[t] = _embedding_bag_backward(G.view(-1, T, D)[:, t],
+    indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t], scale_grad_by_freq, mode)``
+    (dense gradients, no per-sample weights, no padding index): the tables' gradients on their owner.
 ``all_reduce_rmsnorm(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op,
 group_name) -> (h, normed)``
     The decoder layer's tail after a row-parallel projection: ``r = all_reduce(x if x is given else
@@ -156,6 +162,11 @@ _lib.define(
     ' str group_name, str choice="") -> Tensor'
 )
 _lib.define(
+    "all_to_all_embedding_bag_backward(Tensor grad, Tensor[] indices, Tensor[] offsets, Tensor[] offset2bag,"
+    " Tensor[] bag_size, Tensor[] max_indices, SymInt[] num_weights, bool scale_grad_by_freq, int mode,"
+    ' SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, str choice="") -> Tensor[]'
+)
+_lib.define(
     "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
     " Tensor weight, float eps, bool upcast, bool weight_after_cast, str reduce_op, str group_name,"
     f" {_PRODUCER_TAIL}) -> (Tensor, Tensor)"
@@ -169,6 +180,7 @@ FUSED_OPS: tuple[str, ...] = (
     "matmul_all_to_all",
     "all_reduce_rmsnorm",
     "embedding_bag_all_to_all",
+    "all_to_all_embedding_bag_backward",
 )
 
 
@@ -523,6 +535,25 @@ def _embedding_bag_all_to_all_ref(
     return _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
 
 
+@torch.library.impl(_lib, "all_to_all_embedding_bag_backward", "CompositeExplicitAutograd")
+def _all_to_all_embedding_bag_backward_ref(
+    grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
+    output_split_sizes, input_split_sizes, group_name, choice="",
+):  # fmt: skip
+    tables = len(indices)
+    if grad.dim() != 2 or not tables or grad.shape[1] % tables:
+        raise ValueError(f"fluxcompile: pooled gradients {list(grad.shape)} for {tables} tables side by side")
+    G = _exchange(grad, output_split_sizes, input_split_sizes, group_name)
+    per_table = G.view(G.shape[0], tables, -1)
+    grads = []
+    for t in range(tables):
+        grads.append(torch.ops.aten._embedding_bag_backward(
+            per_table[:, t], indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t],
+            scale_grad_by_freq, mode, False, None,
+        ))  # fmt: skip
+    return grads
+
+
 def rms_norm(h: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool) -> Tensor:
     """RMSNorm in the op order the graphs use (pow, mean, +eps, rsqrt, mul; weight before or after the cast)."""
     x = h.to(torch.float32) if upcast else h
@@ -641,6 +672,15 @@ def _embedding_bag_all_to_all_fake(
     return weights[0].new_empty(shape)
 
 
+@torch.library.register_fake("fluxcompile::all_to_all_embedding_bag_backward")
+def _all_to_all_embedding_bag_backward_fake(
+    grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
+    output_split_sizes, input_split_sizes, group_name, choice="",
+):  # fmt: skip
+    width = grad.shape[1] // max(len(indices), 1)
+    return [grad.new_empty((n, width)) for n in num_weights]
+
+
 @torch.library.register_fake("fluxcompile::all_reduce_rmsnorm")
 def _all_reduce_rmsnorm_fake(
     x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op, group_name,
@@ -662,4 +702,5 @@ REFERENCES: dict[str, Callable[..., Any]] = {
     "matmul_all_to_all": _matmul_all_to_all_ref,
     "all_reduce_rmsnorm": _all_reduce_rmsnorm_ref,
     "embedding_bag_all_to_all": _embedding_bag_all_to_all_ref,
+    "all_to_all_embedding_bag_backward": _all_to_all_embedding_bag_backward_ref,
 }

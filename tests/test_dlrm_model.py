@@ -2,8 +2,9 @@
 one process, compiled with backend="fluxcompile" == eager, forward and backward (dense-input grad and every
 parameter's grad, the tables' dense grads included).
 
-The training forward's bags and exchange fuse (the backward's bookkeeping from a one-column bag); the backward
-keeps its ops (issue 57). ``--inference`` (the forward alone, no gradients) fuses its one graph.
+The training forward's bags and exchange fuse (the backward's bookkeeping from a one-column bag), and so do the
+backward's exchange of the pooled gradients and the tables' embedding-bag backwards (issue 57). ``--inference``
+(the forward alone, no gradients) fuses its one graph.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def run(ranks, world: int, **kw) -> list[ModelResult]:
         assert any(name.startswith("tables.") for name in r.grad_errors), r.grad_errors
     assert all(r.counts == results[0].counts for r in results), "ranks rewrote their graphs differently"
     assert results[0].counts["forward"]["embedding_bag_all_to_all"] == 1, results[0].report
+    assert results[0].counts["backward"]["all_to_all_embedding_bag_backward"] == 1, results[0].report
     return results
 
 

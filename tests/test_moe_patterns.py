@@ -14,6 +14,7 @@ from fluxcompile.testing import fresh_compiles
 from fluxcompile.testing.numerics import rel_err
 
 A2AMM, MMA2A, POOLED = "all_to_all_matmul", "matmul_all_to_all", "embedding_bag_all_to_all"
+POOLED_BACKWARD = "all_to_all_embedding_bag_backward"
 
 
 def _seed() -> int:
@@ -159,7 +160,7 @@ def dlrm_case(train: bool, mode: str = "mean") -> tuple[int, float, str]:
         if train:
             ref.backward(grad)
     errs = [rel_err(out, ref), *(rel_err(a, t.grad) for a, t in zip(compiled_grads, tables))]
-    return rep.count(POOLED), max(errs), rep.format()
+    return rep.count(POOLED) + rep.count(POOLED_BACKWARD, "backward"), max(errs), rep.format()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -170,15 +171,19 @@ def test_dlrm_embedding_bags_fuse_in_inference(ranks, world):
 
 
 @pytest.mark.parametrize(("world", "mode"), [(2, "mean"), (2, "sum"), (4, "mean")])
-def test_dlrm_training_forward_fuses(ranks, world, mode):
-    """The training forward fuses its bags and exchange; the backward's bookkeeping comes from a one-column bag,
-    so every gradient equals eager's (the backward keeps its own ops: the report's forward count is one)."""
+def test_dlrm_training_fuses_forward_and_backward(ranks, world, mode):
+    """The training forward fuses its bags and exchange (the backward's bookkeeping from a one-column bag), the
+    backward its exchange of the pooled gradients and the tables' embedding-bag backwards; the output and every
+    table's gradient equal eager's."""
     for count, err, report in ranks(world).run(dlrm_case, True, mode):
-        assert count == 1 and "bookkeeping of 3 for the backward over one column" in report, report
+        assert count == 2 and "bookkeeping of 3 for the backward over one column" in report, report
+        assert "3 embedding bag backward(s)" in report, report
         assert err <= 1e-6, report
 
 
-def test_dlrm_training_with_max_pooling_keeps_its_bags(ranks):
+def test_dlrm_training_with_max_pooling_keeps_its_forward_bags(ranks):
+    """Max pooling's max_indices are per column: the forward keeps its bags; the backward (which reads them as
+    the bags made them) still fuses."""
     for count, err, report in ranks(2).run(dlrm_case, True, "max"):
-        assert count == 0 and "max pooling whose max_indices a backward reads" in report, report
+        assert count == 1 and "max pooling whose max_indices a backward reads" in report, report
         assert err <= 1e-6, report

@@ -158,6 +158,25 @@ def references(dtype_name: str) -> list[str]:
     assert_close(out, expected, tol, "embedding_bag_all_to_all, equal splits as empty lists")
     _check_fake("embedding_bag_all_to_all", args, out)
     checked.append("embedding_bag_all_to_all")
+
+    # all_to_all_embedding_bag_backward: the pooled rows' gradients back to the tables' owners, then each table's
+    # embedding-bag gradient (sum and mean, the bookkeeping as aten's forward makes it).
+    for mode in (0, 1):
+        tables = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+        books = [torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, False, -1)
+                 for w, i, o in zip(tables, indices, offsets)]  # fmt: skip
+        pooled = torch.cat([b[0] for b in books], 1)
+        gout = _rand(g, 2 * ws, 16, dtype=dtype)
+        args = (gout, indices, offsets, [b[1] for b in books], [b[2] for b in books], [b[3] for b in books],
+                [w.shape[0] for w in weights], False, mode, [2] * ws, [2] * ws, group)  # fmt: skip
+        grads = ops.op("all_to_all_embedding_bag_backward")(*args)
+        back = torch.empty(2 * ws, 16, dtype=dtype)
+        dist.all_to_all_single(back, gout, [2] * ws, [2] * ws)
+        pooled.backward(back)
+        for t, (got, w) in enumerate(zip(grads, tables)):
+            assert_close(got, w.grad.float(), tol, f"all_to_all_embedding_bag_backward mode {mode} table {t}")
+        _check_fake("all_to_all_embedding_bag_backward", args, grads)
+    checked.append("all_to_all_embedding_bag_backward")
     return checked
 
 

@@ -37,7 +37,7 @@ _reduce_scatter = getattr(fc, "reduce_scatter_single", fc.reduce_scatter_tensor)
 # What AOTAutograd/Inductor decompose before the post-grad passes and that the matchers rely on.
 _DECOMPS = get_decompositions([aten._to_copy])
 AG, RS, AR, A2A = "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"
-AGMM, MMRS, MMAR, A2AMM, MMA2A, ARNORM, EBA2A = ops.FUSED_OPS
+AGMM, MMRS, MMAR, A2AMM, MMA2A, ARNORM, EBA2A, A2AEBB = ops.FUSED_OPS
 
 
 @dataclasses.dataclass

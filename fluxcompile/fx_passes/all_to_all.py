@@ -1,10 +1,12 @@
-"""all_to_all_single <-> matmuls => fluxcompile.all_to_all_matmul / fluxcompile.matmul_all_to_all, and
-embedding_bag -> all_to_all_single => fluxcompile.embedding_bag_all_to_all.
+"""all_to_all_single <-> matmuls => fluxcompile.all_to_all_matmul / fluxcompile.matmul_all_to_all,
+embedding_bag -> all_to_all_single => fluxcompile.embedding_bag_all_to_all, and its backward,
+all_to_all_single -> embedding_bag backwards => fluxcompile.all_to_all_embedding_bag_backward.
 
 The exchange is along dim 0 (tokens or samples), as in MoE dispatch and combine, Ulysses-style sequence
 parallelism and DLRM's embeddings. A collective whose result feeds matmuls is fused with them (consumer side:
 the MoE experts, fx_passes/experts.py, or dense ``mm``s); otherwise one whose input is made of matmuls is fused
-with those (producer side: the experts, or a sum of ``mm``s), or with the embedding bags that pool it.
+with those (producer side: the experts, or a sum of ``mm``s), or with the embedding bags that pool it, or with
+the embedding-bag backwards that read it (fx_passes/embedding_bag.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .rewrite import describe_sum, disabled_reason, matmul_sum, rewrite_consumer
 CONSUMER = "all_to_all_matmul"
 PRODUCER = "matmul_all_to_all"
 POOLED = "embedding_bag_all_to_all"
+POOLED_BACKWARD = "all_to_all_embedding_bag_backward"
 _NO_SCALES = (None, None, None, False)  # A_scale(s), B_scales, out_dtype, use_fast_accum
 
 
@@ -241,6 +244,31 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
                  f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
 
 
+def _pooled_backward(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
+    if why := disabled_reason(cfg, POOLED_BACKWARD):
+        return why
+    source, out_splits, in_splits, group_name = node.args[:4]
+    found = embedding_bag.find_bag_backwards(wait)
+    if isinstance(found, str):
+        return found
+    bw = found.backwards
+    args = (source, [b.args[1] for b in bw], [b.args[2] for b in bw], [b.args[3] for b in bw],
+            [b.args[4] for b in bw], [b.args[5] for b in bw], [b.args[6] for b in bw], found.scale_grad_by_freq,
+            found.mode, out_splits, in_splits, group_name)  # fmt: skip
+    decision = decide(POOLED_BACKWARD, args, group_name, cfg)
+    if decision.keep:
+        return decision.keep
+    with graph.inserting_before(node):
+        fused = call(graph, ops.op(POOLED_BACKWARD), args, decision.kwargs())
+        for t, b in enumerate(bw):
+            b.replace_all_uses_with(call(graph, operator.getitem, (fused, t)))
+    experts.erase_unused(graph, [*bw, *found.selects, found.view, wait, node])
+    note = f"; {decision.note}" if decision.note else ""
+    mode = {0: "sum", 1: "mean", 2: "max"}.get(found.mode, str(found.mode))
+    return Entry(node.name, "all_to_all_single", str(group_name), POOLED_BACKWARD,
+                 f"{len(bw)} embedding bag backward(s) ({mode}) [{', '.join(b.name for b in bw)}]{note}")  # fmt: skip
+
+
 def _sizes_from_wait(node: Node) -> None:
     """Point the collective's size reads (``sym_size`` of an exchange with unbacked splits) at its wait, which has
     the same shape, so the wait is the collective's only user."""
@@ -277,10 +305,13 @@ def fuse(graph: Graph, node: Node, cfg: Config) -> Entry:
     pooled = _pooled(graph, node, wait, cfg)
     if isinstance(pooled, Entry):
         return pooled
+    pooled_backward = _pooled_backward(graph, node, wait, cfg)
+    if isinstance(pooled_backward, Entry):
+        return pooled_backward
     return Entry(
         node.name, "all_to_all_single", group, None,
         f"consumer side: {_first(expert_consumer, consumer)}; producer side: {_first(expert_producer, producer)}; "
-        f"embedding bags: {pooled}",
+        f"embedding bags: {pooled}; embedding bag backwards: {pooled_backward}",
     )  # fmt: skip
 
 

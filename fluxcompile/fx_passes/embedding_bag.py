@@ -1,4 +1,5 @@
-"""embedding_bag (this rank's tables) -> all_to_all_single => fluxcompile.embedding_bag_all_to_all.
+"""embedding_bag (this rank's tables) -> all_to_all_single => fluxcompile.embedding_bag_all_to_all, and its
+backward, all_to_all_single -> embedding_bag backward per table => fluxcompile.all_to_all_embedding_bag_backward.
 
 DLRM's model-parallel embeddings: every rank pools the global batch for its own tables, stacks the pooled rows
 (``stack(dim=1)`` or ``cat(dim=1)``: ``[B, T * D]`` either way) and sends each sample's row to the rank that owns
@@ -19,6 +20,7 @@ from torch.fx import Graph, Node
 from .graph_utils import aten, call, is_call, is_reshape, shape, val
 
 BAGS = (aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+BAG_BACKWARD = aten._embedding_bag_backward.default
 
 
 @dataclasses.dataclass
@@ -91,3 +93,51 @@ def bookkeeping(graph: Graph, bag: Node) -> str | None:
     for u, new in swaps:
         u.replace_all_uses_with(new)
     return None
+
+
+@dataclasses.dataclass
+class BagBackwardMatch:
+    """The backward's exchanged gradients ``[rows, T * D]``, viewed ``[rows, T, D]`` (``view``), table t's column
+    ``select(1, t)`` read by its embedding-bag backward ``backwards[t]`` alone."""
+
+    view: Node
+    selects: list[Node]
+    backwards: list[Node]
+    scale_grad_by_freq: bool
+    mode: int
+
+
+def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
+    """The tables' embedding-bag backwards that read the exchanged gradients ``wait``, one column of tables each."""
+    if len(wait.users) != 1:
+        return "the exchanged gradients have several readers"
+    (view,) = wait.users
+    wshape, vshape = shape(wait), shape(view)
+    if not is_reshape(view) or wshape is None or vshape is None or len(wshape) != 2 or len(vshape) != 3:
+        return "the exchanged tensor is not viewed as [rows, tables, dim]"
+    tables = vshape[1]
+    if not isinstance(tables, int) or vshape[0] != wshape[0]:
+        return "the exchanged tensor is not viewed as [rows, tables, dim]"
+    by_table: dict[int, Node] = {}
+    for u in view.users:
+        if not is_call(u, aten.select.int) or u.args[1] != 1 or len(u.users) != 1:
+            return "the tables' gradients are not one select(1, t) each"
+        by_table[u.args[2] % tables] = u
+    if sorted(by_table) != list(range(tables)):
+        return "not every table's gradient is read"
+    selects = [by_table[t] for t in range(tables)]
+    backwards = [next(iter(sel.users)) for sel in selects]
+    for sel, b in zip(selects, backwards):
+        if not is_call(b, BAG_BACKWARD) or b.args[0] is not sel:
+            return "a table's gradient is not read by an embedding_bag backward"
+        if _arg(b, 9, "sparse", False):
+            return "sparse embedding gradients"
+        if _arg(b, 10, "per_sample_weights", None) is not None:
+            return "an embedding_bag backward with per_sample_weights"
+        if _arg(b, 11, "padding_idx", -1) not in (None, -1):
+            return "an embedding_bag backward with a padding_idx"
+    flags = {(bool(_arg(b, 7, "scale_grad_by_freq", False)), _arg(b, 8, "mode", 0)) for b in backwards}
+    if len(flags) > 1:
+        return "the tables' backwards differ in mode or scale_grad_by_freq"
+    scale, mode = flags.pop()
+    return BagBackwardMatch(view, selects, backwards, scale, mode)
