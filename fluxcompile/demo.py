@@ -109,19 +109,22 @@ def _shared_seed(a: DemoArgs, device, group) -> int:
     return int(seed_t.item())
 
 
-def _compile_and_run(model, inputs: tuple, grad: torch.Tensor, a: DemoArgs, scalars: bool = False):
-    """Compile ``model`` with fluxcompile (caches off, so every graph is rewritten), run it forward and backward.
-    ``scalars``: keep ``.tolist()`` in the graph (data-dependent split sizes). Returns (output, report)."""
+def _compile_and_run(model, inputs: tuple, grad: torch.Tensor | None, a: DemoArgs, scalars: bool = False):
+    """Compile ``model`` with fluxcompile (caches off, so every graph is rewritten), run it forward and backward
+    (``grad`` None: forward alone, without gradients). ``scalars``: keep ``.tolist()`` in the graph (data-dependent
+    split sizes). Returns (output, report)."""
     import fluxcompile
 
     with (
         torch._inductor.config.patch(fx_graph_cache=False),
         torch._functorch.config.patch(enable_autograd_cache=False),
         torch._dynamo.config.patch(capture_scalar_outputs=scalars),
+        torch.set_grad_enabled(grad is not None),
         fluxcompile.collect_reports() as rep,
     ):
         out = torch.compile(model, backend="fluxcompile", dynamic=a.dynamic)(*inputs)
-        out.backward(grad)
+        if grad is not None:
+            out.backward(grad)
     return out, rep
 
 
@@ -302,17 +305,11 @@ def check_dlrm(group, a: DemoArgs) -> ModelResult:
 def _dlrm_inference(model, eager, params, dense, sparse, my_sparse, rows, a: DemoArgs) -> ModelResult:
     """check_dlrm's inference form: the forward alone under ``torch.no_grad()``, compiled vs eager and eager vs the
     model in one process (outputs only)."""
-    import fluxcompile
     from fluxcompile.models.dlrm import dlrm_reference
     from fluxcompile.testing.numerics import TOLERANCE, rel_err
 
-    with (
-        torch.no_grad(),
-        torch._inductor.config.patch(fx_graph_cache=False),
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        fluxcompile.collect_reports() as rep,
-    ):
-        out = torch.compile(model, backend="fluxcompile", dynamic=a.dynamic)(dense[rows], my_sparse)
+    out, rep = _compile_and_run(model, (dense[rows], my_sparse), None, a)
+    with torch.no_grad():
         ref = eager(dense[rows], my_sparse)
         single = dlrm_reference(params, dense, sparse, eager.a)
     return ModelResult(

@@ -545,13 +545,12 @@ def _all_to_all_embedding_bag_backward_ref(
         raise ValueError(f"fluxcompile: pooled gradients {list(grad.shape)} for {tables} tables side by side")
     G = _exchange(grad, output_split_sizes, input_split_sizes, group_name)
     per_table = G.view(G.shape[0], tables, -1)
-    grads = []
-    for t in range(tables):
-        grads.append(torch.ops.aten._embedding_bag_backward(
-            per_table[:, t], indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t],
-            scale_grad_by_freq, mode, False, None,
-        ))  # fmt: skip
-    return grads
+    backward = torch.ops.aten._embedding_bag_backward
+    return [
+        backward(per_table[:, t], indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t],
+                 scale_grad_by_freq, mode, False, None)
+        for t in range(tables)
+    ]
 
 
 def rms_norm(h: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool) -> Tensor:

@@ -255,7 +255,7 @@ def _cutlass_scratch(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.kernels import stream_scratch
 
     mp.setattr(stream_scratch, "persistent", mode.persistent)
-    scratch = stream_scratch.StreamScratch("the CUTLASS GEMM", "the CUTLASS GEMM's scratch", 1 << 20)
+    scratch = stream_scratch.StreamScratch("the CUTLASS GEMM's scratch", 1 << 20)
     mp.setattr(m, "_scratch", scratch)
     m._scratch.address(torch.device("cuda", 0), 0, 4096)
     return list(scratch._buffers.values())

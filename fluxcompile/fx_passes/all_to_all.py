@@ -238,7 +238,7 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     wait.replace_all_uses_with(fused)
     experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
     note = f"; {decision.note}" if decision.note else ""
-    mode = {0: "sum", 1: "mean", 2: "max"}.get(found.mode, str(found.mode))
+    mode = embedding_bag.mode_name(found.mode)
     kept = f", the bookkeeping of {len(found.bookkept)} for the backward over one column" if found.bookkept else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
                  f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
@@ -264,7 +264,7 @@ def _pooled_backward(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
             b.replace_all_uses_with(call(graph, operator.getitem, (fused, t)))
     experts.erase_unused(graph, [*bw, *found.selects, found.view, wait, node])
     note = f"; {decision.note}" if decision.note else ""
-    mode = {0: "sum", 1: "mean", 2: "max"}.get(found.mode, str(found.mode))
+    mode = embedding_bag.mode_name(found.mode)
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED_BACKWARD,
                  f"{len(bw)} embedding bag backward(s) ({mode}) [{', '.join(b.name for b in bw)}]{note}")  # fmt: skip
 

@@ -34,6 +34,11 @@ class EmbeddingBagMatch:
     bookkept: list[Node]  # the bags whose bookkeeping (getitem 1..3) a backward reads: made apart (bookkeeping())
 
 
+def mode_name(mode: int) -> str:
+    """aten's embedding-bag mode in words (the report's)."""
+    return {0: "sum", 1: "mean", 2: "max"}.get(mode, str(mode))
+
+
 def _arg(node: Node, i: int, name: str, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 

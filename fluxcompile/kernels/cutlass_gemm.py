@@ -115,7 +115,7 @@ def _index(name: str) -> int:
 
 
 # Scratch for stream-K's partials, so GEMMs on concurrent streams never share it.
-_scratch = StreamScratch("the CUTLASS GEMM", "the CUTLASS GEMM's scratch", 1 << 20)
+_scratch = StreamScratch("the CUTLASS GEMM's scratch", 1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ def weight_layout(b: Tensor) -> str | None:
 
 
 # The groups' arrays and CUTLASS's workspace: calls on one stream run one after another.
-_scratch = StreamScratch("the CUTLASS grouped GEMM", "the CUTLASS grouped GEMM's workspace", 1 << 16)
+_scratch = StreamScratch("the CUTLASS grouped GEMM's workspace", 1 << 16)
 
 
 @functools.cache

@@ -997,7 +997,7 @@ def permuted_pull(
         exchanged if exchanged is not None else x_out, block_flags, sig.my_flags, sig.peer_flags, sig.err,
         n_x, pull.rows, k, sig.rank, sig.world, sig.max_spin, progs,
         ALIGN=align, TIMED=x_out.is_cuda, COPY_M=COPY_M, COPY_K=min(PERMUTED_K, triton.next_power_of_2(k)),
-        GATHER=row_index is not None, EXCHANGED=exchanged is not None, num_warps=PERMUTED_WARPS if x_out.is_cuda else 4,
+        GATHER=row_index is not None, EXCHANGED=exchanged is not None, num_warps=PERMUTED_WARPS,
     )  # fmt: skip
 
 

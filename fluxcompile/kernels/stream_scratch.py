@@ -14,11 +14,10 @@ from ..symm_mem import persistent
 
 class StreamScratch:
     """``address(device, stream, nbytes)``: at least ``nbytes`` (and ``min_bytes``) of scratch for launches on the
-    raw ``stream`` of ``device`` (0 if none is needed). ``owner`` names the kernel, ``label`` the buffer
-    (``symm_mem.persistent``)."""
+    raw ``stream`` of ``device`` (0 if none is needed). ``label`` names the buffer (``symm_mem.persistent``)."""
 
-    def __init__(self, owner: str, label: str, min_bytes: int) -> None:
-        self.owner, self.label, self.min_bytes = owner, label, min_bytes
+    def __init__(self, label: str, min_bytes: int) -> None:
+        self.label, self.min_bytes = label, min_bytes
         self._buffers: dict[tuple[int, int], Tensor] = {}
         self._retired: list[Tensor] = []  # outgrown buffers, kept for CUDA graphs captured over them
 

@@ -28,7 +28,6 @@ other dtypes are declined.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -137,19 +136,11 @@ def all_to_all_matmul_on(
 ) -> tuple[Tensor | None, list[Tensor]]:  # fmt: skip
     """The dispatch's results on the rank of ``comm`` (every rank of its group makes the same call; ``comm.side``
     the side stream): the protocol of the module's docstring. ``(None, outs)`` where ``return_A`` is False."""
-    world = comm.world
     what = f"all_to_all_matmul ({NAME}:{variant}{PULL}{copiers})"
     if comm.side is None:
         raise ValueError(f"fluxcompile: {what} needs a side stream in its communication context")
     k = A.shape[-1]
-    unit = math.prod(A.shape[1:-1])
-    a_local = A.reshape(-1, k)
-    if not a_local.is_contiguous() or a_local.data_ptr() % 16:
-        a_local = a_local.contiguous()
-    send = triton.split_rows(input_split_sizes, A.shape[0], world, unit, "input split sizes")
-    recv = triton.split_rows(output_split_sizes, A.shape[0], world, unit, "output split sizes")
-    if sum(send) != a_local.shape[0]:
-        raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, A has {a_local.shape[0]}")
+    a_local, send, recv, unit = triton.dispatch_rows(A, output_split_sizes, input_split_sizes, comm.world, what)
     received = sum(recv)
     device = A.device
     sig = triton.signals(comm)

@@ -372,18 +372,10 @@ def all_to_all_matmul_on(
 ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """The dispatch's results on the rank of ``comm`` (every rank of its group makes the same call): the protocol
     of the module's docstring, on the current stream."""
-    world = comm.world
     v, split, copiers = _variant(variant)
     what = f"all_to_all_matmul ({NAME}:{variant})"
     k = A.shape[-1]
-    unit = math.prod(A.shape[1:-1])
-    a_local = A.reshape(-1, k)
-    if not a_local.is_contiguous() or a_local.data_ptr() % 16:
-        a_local = a_local.contiguous()
-    send = split_rows(input_split_sizes, A.shape[0], world, unit, "input split sizes")
-    recv = split_rows(output_split_sizes, A.shape[0], world, unit, "output split sizes")
-    if sum(send) != a_local.shape[0]:
-        raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, A has {a_local.shape[0]}")
+    a_local, send, recv, unit = dispatch_rows(A, output_split_sizes, input_split_sizes, comm.world, what)
     received = sum(recv)
     exchanged_shape = [received // unit, *A.shape[1:]] if unit else [0, *A.shape[1:]]
     sig = signals(comm)
@@ -406,6 +398,23 @@ def all_to_all_matmul_on(
         outs = [o.view(b.shape[0], -1, b.shape[2]) for o, b in zip(outs, Bs)]
     comm.errors.report(what, checker(comm.group_name))
     return A_exchanged, outs
+
+
+def dispatch_rows(
+    A: Tensor, output_split_sizes, input_split_sizes, world: int, what: str
+) -> tuple[Tensor, list[int], list[int], int]:
+    """The dispatch's rows of ``A`` (exchanged along dim 0): ``(a_local, send, recv, unit)``, ``a_local`` its rows as
+    a contiguous, 16-byte aligned ``[rows, K]``, ``send``/``recv`` the matrix rows per rank (:func:`split_rows`),
+    ``unit`` the matrix rows per dim-0 index; ValueError where the input splits do not add up to ``A``'s rows."""
+    unit = math.prod(A.shape[1:-1])
+    a_local = A.reshape(-1, A.shape[-1])
+    if not a_local.is_contiguous() or a_local.data_ptr() % 16:
+        a_local = a_local.contiguous()
+    send = split_rows(input_split_sizes, A.shape[0], world, unit, "input split sizes")
+    recv = split_rows(output_split_sizes, A.shape[0], world, unit, "output split sizes")
+    if sum(send) != a_local.shape[0]:
+        raise ValueError(f"fluxcompile: {what}: input split sizes add up to {sum(send)} rows, A has {a_local.shape[0]}")
+    return a_local, send, recv, unit
 
 
 def stage_rows(comm: Comm, sig: gg.Signals, a_local: Tensor, send: Sequence[int], what: str) -> None:
