@@ -238,16 +238,18 @@ def _moe(mp, mode) -> list[torch.Tensor]:
 
 
 def _dlrm(mp, mode) -> list[torch.Tensor]:
+    from fluxcompile.lowerings import device_tables as tables
     from fluxcompile.lowerings.embedding_bag_all_to_all import triton as m
 
     mp.setattr(m, "persistent", mode.persistent)
     mp.setattr(m, "_states", {})
-    mp.setattr(m, "_tables", collections.OrderedDict())
-    mp.setattr(m, "_captured", set())
-    mp.setattr(m, "eb", SimpleNamespace(fill=lambda t, values: None))  # a Triton kernel on the GPU
+    mp.setattr(tables, "persistent", mode.persistent)
+    mp.setattr(tables, "_tables", collections.OrderedDict())
+    mp.setattr(tables, "_captured", set())
+    mp.setattr(tables, "eb", SimpleNamespace(fill=lambda t, values: None))  # a Triton kernel on the GPU
     mp.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=7))
     state, scratch = m._state(SimpleNamespace(flags=_workspace()))
-    return [state, scratch, m.device_table((3, 1, 4), torch.device("cuda", 0))]
+    return [state, scratch, tables.device_table((3, 1, 4), torch.device("cuda", 0))]
 
 
 def _cutlass_scratch(mp, mode) -> list[torch.Tensor]:
