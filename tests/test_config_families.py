@@ -30,6 +30,7 @@ FAMILY_OF = {
     ("all_to_all_matmul", "cutlass:"): "moe",
     ("matmul_all_to_all", "triton:"): "moe",
     ("embedding_bag_all_to_all", "triton:"): "dlrm",
+    ("all_to_all_embedding_bag_backward", "triton"): "dlrm",
     ("matmul_reduce_scatter", "cutlass:"): "rs_ring",
 }
 

@@ -62,7 +62,7 @@ def test_every_op_with_a_cuda_implementation_has_an_entry():
     entries = direct_calls.registered()
     assert set(entries) == {
         "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_rmsnorm",
-        "embedding_bag_all_to_all", "all_to_all_matmul", "matmul_all_to_all",
+        "embedding_bag_all_to_all", "all_to_all_embedding_bag_backward", "all_to_all_matmul", "matmul_all_to_all",
     }  # fmt: skip
     for op, entry in entries.items():
         assert getattr(extern_kernels, direct_calls.entry_name(op)) is entry

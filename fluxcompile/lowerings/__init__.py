@@ -5,6 +5,7 @@ and the direct calls from Inductor's generated code (direct_calls.py)."""
 from . import (  # noqa: F401  (register their choices and CUDA implementations)
     all_gather_matmul,
     all_to_all,
+    all_to_all_embedding_bag_backward,
     comm_buffers,
     embedding_bag_all_to_all,
     matmul_all_reduce,

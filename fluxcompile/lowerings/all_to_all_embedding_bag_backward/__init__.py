@@ -1,0 +1,41 @@
+"""fluxcompile.all_to_all_embedding_bag_backward: its choices and its CUDA implementation, which asks the
+rank-synchronized autotuner for one choice per call signature (identically on every rank) and runs it.
+
+Choices, in registration order:
+* ``triton`` (triton.py; family ``dlrm``): the tables' owner reads every bag's gradient row from the rank that
+  holds it (symmetric memory, one ready flag per rank and call) and adds it at the bag's indices
+  (kernels/embedding_bag_backward.py): no exchanged tensor, no separate all-to-all;
+* ``reference`` (NCCL ``all_to_all_single`` + ``_embedding_bag_backward`` per table, registered by
+  lowerings/choices.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..autotune import pick
+from ..choices import Choice, register_choice
+from ..direct_calls import cuda_impl
+from . import triton
+
+OP = "all_to_all_embedding_bag_backward"
+
+if triton.ebb is not None:
+    register_choice(OP, Choice(triton.NAME, *triton.make(), family="dlrm"))
+
+
+@cuda_impl(OP, probe=lambda args: args[0])
+def all_to_all_embedding_bag_backward_cuda(
+    grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], offset2bag: Sequence[Tensor],
+    bag_size: Sequence[Tensor], max_indices: Sequence[Tensor], num_weights: Sequence[int], scale_grad_by_freq: bool,
+    mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], group_name: str,
+    choice: str = "",
+) -> list[Tensor]:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature."""
+    args = (
+        grad, list(indices), list(offsets), list(offset2bag), list(bag_size), list(max_indices), list(num_weights),
+        scale_grad_by_freq, mode, list(output_split_sizes), list(input_split_sizes), group_name,
+    )  # fmt: skip
+    return pick(OP, args, group_name, compiled=choice).fn(*args)

@@ -1,0 +1,217 @@
+"""Checks of kernels/embedding_bag_backward.py and its protocol (lowerings/all_to_all_embedding_bag_backward/triton.py)
+under Triton's CPU interpreter (run by tests/test_dlrm_backward_kernel.py in a subprocess with TRITON_INTERPRET=1).
+
+* one rank (the scatter reads ``grad`` itself) against aten's ``_embedding_bag_backward`` on the bookkeeping of
+  aten's own forward: ragged bags with empty ones, repeated indices within and across bags, tables of different
+  row counts, ``include_last_offset`` both ways, sum and mean, int32/int64 indices and offsets, fp32/bf16/fp16, a
+  dim that is not a power of two and one wider than a column block;
+* the whole protocol between 2 and 3 ranks simulated in one process (testing/one_gpu_ranks.OneGpuRanks on the
+  CPU, data poisoned), every rank's launches in lockstep (no launch waits for a peer's launch of the same or a
+  later position, so lockstep is an order the GPU may take): empty, uniform and unequal split lists (a zero split
+  included), several calls (both halves of the send buffers, the epoch growing), against the reference computed
+  per rank by hand (the sources' chunks in rank order, then aten's backward); the epoch and ready flags after;
+* the bounded waits: a peer that never stages (ready) or never publishes (offsets) -> the error words, in words.
+
+Prints one JSON line: {check name: worst relative error} plus "timeouts": [messages].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
+import torch
+
+from fluxcompile.kernels import embedding_bag_backward as ebb
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo
+from fluxcompile.symm_mem import Comm, ErrorWords
+from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error; NaN (a poisoned value read) counts as infinitely wrong."""
+    if a.shape != ref.shape:
+        return float("inf")
+    den = ref.double().norm().item() or 1.0
+    err = (a.double() - ref.double()).norm().item() / den
+    return err if err == err else float("inf")
+
+
+class Tables:
+    """One owner's tables: indices and offsets of ``bags`` ragged bags each (empty ones, repeats) and aten's
+    forward bookkeeping (offset2bag, bag_size) for them."""
+
+    def __init__(self, g, bags, rows, dim, mode, last, idx_dtype, off_dtype, max_len=5):
+        self.rows, self.dim, self.mode, self.last = rows, dim, mode, last
+        self.indices, self.offsets, self.bag_size, self.offset2bag, self.max_indices = [], [], [], [], []
+        for n in rows:
+            lens = torch.randint(0, max_len + 1, (bags,), generator=g)
+            if bags > 2:
+                lens[1] = 0
+                lens[-1] = 0
+            offs = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+            idx = torch.randint(0, max(1, n // 2), (int(offs[-1]),), generator=g)  # repeats within and across bags
+            offs = offs if last else offs[:-1]
+            _, o2b, size, maxi = torch.ops.aten._embedding_bag(
+                torch.zeros(n, dim), idx, offs, False, mode, False, None, last
+            )
+            self.indices.append(idx.to(idx_dtype))
+            self.offsets.append(offs.to(off_dtype))
+            self.offset2bag.append(o2b)
+            self.bag_size.append(size)
+            self.max_indices.append(maxi)
+
+    def reference(self, G: torch.Tensor) -> list[torch.Tensor]:
+        """aten's backward of each table on the exchanged gradients ``G`` ([bags, T * D]), in fp32."""
+        per = G.float().view(G.shape[0], len(self.rows), -1)
+        return [
+            torch.ops.aten._embedding_bag_backward(
+                per[:, t], self.indices[t].long(), self.offsets[t].long(), self.offset2bag[t], self.bag_size[t],
+                self.max_indices[t], n, False, self.mode, False, None,
+            )
+            for t, n in enumerate(self.rows)
+        ]  # fmt: skip
+
+    def args(self):
+        return self.indices, self.offsets, self.bag_size, self.rows
+
+
+def check_one_rank(g, results: dict) -> None:
+    cases = [
+        # name, bags, table rows, dim, dtype, index dtype, offset dtype
+        ("fp32-i64", 9, [13, 40, 7], 20, torch.float32, torch.int64, torch.int64),
+        ("fp32-i32-wide", 6, [5, 9], 300, torch.float32, torch.int32, torch.int32),
+        ("bf16-mixed", 7, [11, 3, 30], 16, torch.bfloat16, torch.int32, torch.int64),
+        ("fp16", 5, [8, 21], 40, torch.float16, torch.int64, torch.int32),
+    ]
+    for name, bags, rows, dim, dtype, it, ot in cases:
+        for last in (True, False):
+            for mode in (0, 1):
+                tb = Tables(g, bags, rows, dim, mode, last, it, ot)
+                grad = torch.randn(bags, len(rows) * dim, generator=g).to(dtype)
+                got = lo.all_to_all_embedding_bag_backward_on(None, grad, *tb.args(), mode, [], [])
+                want = tb.reference(grad)
+                key = f"one rank {name}"
+                for a, b in zip(got, want):
+                    ok = a.dtype == dtype
+                    results[key] = max(results.get(key, 0.0), rel(a, b) / TOL[dtype] * 1e-5 if ok else float("inf"))
+
+
+class Ranks:
+    """``world`` ranks' Comms over CPU workspaces (slices of one allocation each, data poisoned with 0xFF)."""
+
+    def __init__(self, world: int, data_bytes: int):
+        self.world = world
+        self.sim = OneGpuRanks(world, data_bytes, lo.FLAG_BYTES, tag=f"dlrm-bw{world}", device="cpu")
+        self.comms = [
+            Comm(
+                data=self.sim.data.ranks[r],
+                flags=self.sim.flags.ranks[r],
+                side=None,
+                errors=ErrorWords(*(torch.zeros(ebb.ERR_WORDS, dtype=torch.int32) for _ in range(2))),
+                init_flags=self.sim.init_flags,
+            )
+            for r in range(world)
+        ]
+
+    def run(self, calls, only=None, max_spin=200_000):
+        """Every rank's protocol in lockstep: ``calls[r]`` = the arguments after the Comm; ``only``: the ranks that
+        take part (the others never start)."""
+        ranks = range(self.world) if only is None else only
+        gens = {r: lo.protocol(self.comms[r], *calls[r], max_spin=max_spin) for r in ranks}
+        outs: dict[int, list[torch.Tensor]] = {}
+        while len(outs) < len(gens):
+            for r, gen in gens.items():
+                if r in outs:
+                    continue
+                try:
+                    next(gen)
+                except StopIteration as done:
+                    outs[r] = done.value
+        return [outs.get(r) for r in range(self.world)]
+
+
+def check_protocol(g, results: dict) -> None:
+    T, D, bags_per_rank = 2, 16, 3
+    scenarios = [
+        # name, world, dtype, splits
+        ("w2-equal-empty", 2, torch.float32, "empty"),
+        ("w3-uniform-lists", 3, torch.bfloat16, "uniform"),
+        ("w3-unequal", 3, torch.float32, "unequal"),
+        ("w2-unequal-fp16", 2, torch.float16, "unequal"),
+    ]
+    for name, world, dtype, splits in scenarios:
+        bags = bags_per_rank * world  # every owner pools the global batch; every rank holds ``bags`` rows
+        if splits == "unequal":
+            # rank s sends rank r sizes[s][r] rows; rank r receives column r, which must add up to its bags
+            if world == 2:
+                sizes = [[bags - 2, 2], [2, bags - 2]]
+            else:
+                sizes = [[bags - 2, 0, 2], [1, bags - 1, 0], [1, 1, bags - 2]]
+        else:
+            sizes = [[bags // world] * world for _ in range(world)]
+        recv = [[sizes[s][r] for s in range(world)] for r in range(world)]
+        ranks = None
+        for call in range(3):
+            last, mode = bool(call % 2), call % 2
+            owners = [
+                Tables(g, sum(recv[r]), [7 + 3 * r + t for t in range(T)], D, mode, last, torch.int64, torch.int64, 4)
+                for r in range(world)
+            ]
+            grads = [torch.randn(sum(sizes[s]), T * D, generator=g).to(dtype) for s in range(world)]
+            calls = []
+            for r in range(world):
+                o, i = (recv[r], sizes[r]) if splits != "empty" else ([], [])
+                calls.append((grads[r], *owners[r].args(), mode, o, i))
+            if ranks is None:
+                nbytes = max(lo.data_bytes(grads[r], owners[r].bag_size, calls[r][-2], calls[r][-1], world)
+                             for r in range(world))  # fmt: skip
+                ranks = Ranks(world, nbytes)
+            got = ranks.run(calls)
+            key = f"protocol {name}"
+            for r in range(world):
+                chunks = [torch.split(grads[s], sizes[s], dim=0)[r] for s in range(world)]
+                want = owners[r].reference(torch.cat(chunks, dim=0))
+                for a, b in zip(got[r], want):
+                    results[key] = max(results.get(key, 0.0), rel(a, b) / TOL[dtype] * 1e-5)
+            if any(c.errors.err[0] for c in ranks.comms):
+                results[f"{key} errors"] = float("inf")
+        for r in range(world):
+            state, _ = lo._state(ranks.comms[r])
+            ready = ranks.comms[r].flags.view(r, (1,), torch.int64, lo._READY)
+            if int(state[0]) != 3 or int(ready[0]) != 3:
+                results[f"epoch {name} rank {r}"] = float("inf")
+
+
+def check_timeouts(g) -> list[str]:
+    """Rank 0 of 2 alone: its wait for rank 1's staged gradients (equal splits), for its offsets (unequal)."""
+    msgs = []
+    T, D, bags = 2, 16, 4
+    for splits in ([], [1, 3]):
+        tb = Tables(g, bags, [5, 6], D, 0, False, torch.int64, torch.int64)
+        grad = torch.randn(bags, T * D, generator=g)
+        call = (grad, *tb.args(), 0, splits, splits[::-1])
+        ranks = Ranks(2, lo.data_bytes(grad, tb.bag_size, splits, splits[::-1], 2))
+        try:  # on CPU the call's report raises at once
+            ranks.run([call, call], only=[0], max_spin=50)
+            msgs.append(f"no timeout: {ranks.comms[0].errors.err.tolist()}")
+        except RuntimeError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def main() -> None:
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    g = torch.Generator().manual_seed(seed)
+    results: dict = {}
+    check_one_rank(g, results)
+    check_protocol(g, results)
+    results["timeouts"] = check_timeouts(g)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The DLRM backward kernel (kernels/embedding_bag_backward.py) and its choice
+(lowerings/all_to_all_embedding_bag_backward) on CPU: the scatter alone and the whole protocol between 2-3
+simulated ranks with its bounded waits under Triton's interpreter (kernel_checks/dlrm_backward_interpreted.py), the
+kernels compiled for sm_90, the layout of a call's rows, registration and the choice's reasons to decline. The
+protocol on GPUs: tests/gpu/test_dlrm_ranks.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
+
+from test_dlrm_kernel import _compile_sm90
+
+from fluxcompile import config
+from fluxcompile.config import IMPLEMENTATIONS
+from fluxcompile.kernels import embedding_bag_backward as ebb
+from fluxcompile.lowerings import all_to_all_embedding_bag_backward as lowering
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo
+from fluxcompile.lowerings.choices import _REGISTRY
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OP = "all_to_all_embedding_bag_backward"
+
+
+def test_kernels_in_interpreter():
+    seed = random.SystemRandom().randrange(2**31)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "kernel_checks", "dlrm_backward_interpreted.py"), str(seed)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=os.path.join(HERE, "kernel_checks"),
+    )  # fmt: skip
+    assert out.returncode == 0, f"seed {seed}:\n{out.stderr[-4000:]}"
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    ready, offs = results.pop("timeouts")
+    assert len(results) >= 8, sorted(results)
+    for name, err in results.items():
+        assert err <= 1e-5, f"{name}: relative error {err:.2e} of its dtype's tolerance (seed {seed})"
+    assert "rank 0 timed out in call 1 waiting for rank 1's staged gradients (its ready flag never reached 1)" in ready
+    assert "rank 0 timed out in call 1 waiting for rank 1's published split offsets" in offs, offs
+
+
+# --- compiled for Hopper (no GPU needed: Triton's front end and ptxas) -----------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "mode"), [("fp32", 0), ("bf16", 1), ("fp16", 0)])
+def test_scatter_compiles_for_sm90(dtype, mode, tmp_path, monkeypatch):
+    """The scatter's adds are fp32 reductions at GPU scope, relaxed (no fence per add)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    const = dict(MODE=mode, IDX64=True, OFF64=False, BLOCK_B=ebb.BLOCK_B, BLOCK_D=128)
+    types = {
+        "tables": "*i64", "dst": "*i64", "like": f"*{dtype}", "peer_send": "*i64", "src_off": "*i64",
+        "recv_start": "*i64", "state": "*i64", "parity_elems": "i64",
+    }  # fmt: skip
+    k = _compile_sm90(ebb.scatter_kernel, const, types, ebb.NUM_WARPS)
+    ptx = k.asm["ptx"]
+    adds = re.findall(r"\b(?:atom|red)\.global(?:\.gpu)?(?:\.relaxed)?(?:\.gpu)?\.add\.f32", ptx)
+    assert adds, "no fp32 atomic adds"
+    assert ".sys." not in " ".join(adds) and "acq_rel" not in ptx
+
+
+def test_protocol_kernels_compile_for_sm90(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    k = _compile_sm90(ebb.signal_kernel, {}, {"my_ready": "*i64", "state": "*i64"}, 1)
+    assert re.search(r"atom\.(global\.)?(release\.sys|sys\.release)", k.asm["ptx"]), "the ready flag's release store"
+    _compile_sm90(ebb.wait_kernel, {"TIMED": True}, {"peer_ready": "*i64", "state": "*i64", "err": "*i32"}, 1)
+    _compile_sm90(
+        ebb.stage_kernel, {"BLOCK": ebb.COPY_BLOCK},
+        {"grad": "*bf16", "send": "*bf16", "state": "*i64", "total": "i64", "parity_elems": "i64"}, 4,
+    )  # fmt: skip
+    for cast in (False, True):
+        _compile_sm90(
+            ebb.rows_kernel, {"CAST": cast, "IDX64": False, "BLOCK_P": ebb.BLOCK_P, "BLOCK_D": 64},
+            {"tables": "*i64", "acc": "*i64", "grads": "*i64", "like": "*bf16"}, ebb.NUM_WARPS,
+        )  # fmt: skip
+
+
+# --- layout -------------------------------------------------------------------------------------------------
+
+
+def test_layout_equal_and_unequal_splits():
+    # 4 ranks, 32 bags each (8 per source), 2 tables of 16: our chunk is rows 8..16 of every source's gradients
+    lay = lo.layout(32, 32, 2, 16, (), (), 1, 4)
+    assert lay.uniform and lay.recv_start == (0, 8, 16, 24, 32) and lay.row_elems == 32
+    assert lay.in_prefix == (0, 256, 512, 768) and lay.equal_src_off() == (256,) * 4
+    assert lay.parity_elems == 1024 and lay.data_bytes(2) == 4096
+    # unequal: rank 0 of 2 holds 8 rows, sends [3, 5], receives [3, 5] (its 8 bags)
+    lay = lo.layout(8, 8, 1, 16, (3, 5), (3, 5), 0, 2)
+    assert not lay.uniform and lay.recv_start == (0, 3, 8) and lay.in_prefix == (0, 48)
+    assert lay.parity_elems == 2 * 8 * 16
+    with pytest.raises(ValueError, match="6 exchanged rows for 8 bags"):
+        lo.layout(8, 8, 1, 16, (3, 3), (3, 5), 0, 2)
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ((8, 8, [1, 1, 6], [], 2), "split list of 3 entries for a group of 2 ranks"),
+        ((8, 8, [], [1, 2], 2), "input splits add up to 3"),
+        ((7, 7, [], [], 2), "equal splits of 7 rows over 2 ranks"),
+        ((8, 8, [-1, 9], [4, 4], 2), "negative output split"),
+        ((8, 6, [], [], 2), "8 exchanged rows for 6 bags"),
+    ],
+)
+def test_split_problems(args, why):
+    assert why in (lo.split_problem(*args) or ""), lo.split_problem(*args)
+
+
+# --- registration and declines --------------------------------------------------------------------------------
+
+
+def test_registered_choices():
+    assert sorted(_REGISTRY[OP]) == ["reference", "triton"]
+    assert _REGISTRY[OP]["triton"].family == "dlrm"
+    assert lowering.OP == OP
+    assert "CUDA" in str(torch._C._dispatch_dump(f"fluxcompile::{OP}"))
+
+
+def _args(dtype=torch.float32, mode=0, scale=False, tables=2, dim=16, bags=8, splits=(), last=False):
+    indices = [torch.randint(0, 10, (12,)) for _ in range(tables)]
+    offsets = [torch.arange(0, 2 * bags + int(last), 2) for _ in range(tables)]
+    bag_size = [torch.full((bags,), 2) for _ in range(tables)]
+    grad = torch.randn(bags, tables * dim, dtype=dtype)
+    return (grad, indices, offsets, [torch.empty(0)] * tables, bag_size, [torch.empty(0)] * tables, [10] * tables,
+            scale, mode, list(splits), list(splits), "g2")  # fmt: skip
+
+
+@pytest.fixture
+def group_of_two(monkeypatch):
+    monkeypatch.setitem(lo._group_sizes, "g2", 2)
+    with config.patch(implementations=IMPLEMENTATIONS):
+        yield
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        (dict(mode=2), "max pooling (mode 2)"),
+        (dict(scale=True), "scale_grad_by_freq"),
+        (dict(dtype=torch.float64), "dtype torch.float64"),
+        (dict(splits=(1, 1, 6)), "split list of 3 entries for a group of 2 ranks"),
+        (dict(bags=7), "equal splits of 7 rows over 2 ranks"),
+        (dict(), "not on a CUDA device"),  # the operands here are on the CPU; on CUDA this call is taken
+        (dict(last=True), "not on a CUDA device"),  # offsets with the last one are taken too
+    ],
+)
+def test_declines(group_of_two, kwargs, why):
+    choice = _REGISTRY[OP]["triton"]
+    assert why in (choice.declines(*_args(**kwargs)) or ""), choice.declines(*_args(**kwargs))
+
+
+def test_operand_checks():
+    grad, indices, offsets, _, bag_size, _, rows, *_ = _args()
+    assert lo.check_operands(grad, indices, offsets, bag_size, rows, False, 1) is None
+    assert lo.check_operands(grad[:, :31], indices, offsets, bag_size, rows, False, 0) == (
+        "gradients [8, 31] are not 2 tables' rows side by side"
+    )
+    assert lo.check_operands(grad, [indices[0], indices[1].int()], offsets, bag_size, rows, False, 0) == (
+        "index or offset tensors of mixed dtypes"
+    )
+    assert lo.check_operands(grad, indices, offsets, [bag_size[0], bag_size[1][:4]], rows, False, 0) == (
+        "tables with different bag counts"
+    )
+    assert lo.check_operands(grad, indices, [offsets[0], offsets[1][:3]], bag_size, rows, False, 0) == (
+        "offsets that do not start every bag"
+    )
+    assert lo.check_operands(grad, indices, offsets, bag_size, rows[:1], False, 0) == (
+        "need one index, offset and bag-size tensor and one row count per table"
+    )
+
+
+def test_declines_while_off(monkeypatch):
+    monkeypatch.setitem(lo._group_sizes, "g2", 2)
+    with config.patch(implementations=tuple(f for f in IMPLEMENTATIONS if f != "dlrm")):
+        assert _REGISTRY[OP]["triton"].declines(*_args()) == (
+            "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'dlrm'"
+        )
+
+
+def test_error_message_words():
+    assert ebb.error_message([0] * 6, "x") is None
+    msg = ebb.error_message([1, 3, 5, 7, 7, ebb.KIND_READY], "op")
+    assert msg.startswith("fluxcompile: op: rank 3 timed out in call 7 waiting for rank 5's staged gradients"), msg
+    assert "published split offsets" in ebb.error_message([1, 0, 1, 2, 2, ebb.KIND_OFFSETS], "op")
