@@ -55,7 +55,7 @@ def test_kernels_in_interpreter():
 def test_scatter_compiles_for_sm90(dtype, mode, tmp_path, monkeypatch):
     """The scatter's adds are fp32 reductions at GPU scope, relaxed (no fence per add)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    const = dict(MODE=mode, IDX64=True, OFF64=False, BLOCK_B=ebb.BLOCK_B, BLOCK_D=128)
+    const = dict(MODE=mode, IDX64=True, OFF64=False, ABS=mode == 1, BLOCK_B=ebb.BLOCK_B, BLOCK_D=128)
     types = {
         "tables": "*i64", "dst": "*i64", "like": f"*{dtype}", "peer_send": "*i64", "src_off": "*i64",
         "recv_start": "*i64", "state": "*i64", "parity_elems": "i64",
@@ -71,6 +71,14 @@ def test_protocol_kernels_compile_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     k = _compile_sm90(ebb.signal_kernel, {}, {"my_ready": "*i64", "state": "*i64"}, 1)
     assert re.search(r"atom\.(global\.)?(release\.sys|sys\.release)", k.asm["ptx"]), "the ready flag's release store"
+    _compile_sm90(
+        ebb.publish_kernel, {"BLOCK_W": 64},
+        {"my_pub": "*i64", "my_flag": "*i64", "my_prefix": "*i64", "state": "*i64", "parity_elems": "i64"}, 1,
+    )  # fmt: skip
+    _compile_sm90(
+        ebb.fetch_kernel, {"BLOCK_W": 64, "TIMED": True},
+        {"peer_pub": "*i64", "peer_flags": "*i64", "src_off": "*i64", "state": "*i64", "err": "*i32"}, 1,
+    )  # fmt: skip
     _compile_sm90(ebb.wait_kernel, {"TIMED": True}, {"peer_ready": "*i64", "state": "*i64", "err": "*i32"}, 1)
     _compile_sm90(
         ebb.stage_kernel, {"BLOCK": ebb.COPY_BLOCK},
@@ -95,7 +103,7 @@ def test_layout_equal_and_unequal_splits():
     # unequal: rank 0 of 2 holds 8 rows, sends [3, 5], receives [3, 5] (its 8 bags)
     lay = lo.layout(8, 8, 1, 16, (3, 5), (3, 5), 0, 2)
     assert not lay.uniform and lay.recv_start == (0, 3, 8) and lay.in_prefix == (0, 48)
-    assert lay.parity_elems == 2 * 8 * 16
+    assert lay.parity_elems == 8 * 16
     with pytest.raises(ValueError, match="6 exchanged rows for 8 bags"):
         lo.layout(8, 8, 1, 16, (3, 3), (3, 5), 0, 2)
 

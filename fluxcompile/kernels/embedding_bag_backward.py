@@ -25,9 +25,10 @@ Why no flag says a reader is done: a source overwrites half ``e % 2`` at call ``
 scatter of call ``e`` (stream order), which was its last read of that half. The waits sit in one-program kernels
 and the scatter never waits: ranks simulated on one GPU cannot starve a peer of SMs with spinning programs.
 
-Unequal splits: where our chunk starts in each source's staged gradients comes from the source, through the
-forward's published prefixes (kernels/embedding_bag.py's ``publish``/``fetch_offsets``, here of the input
-splits' prefix). Error words: kernels/embedding_bag.py's layout; kinds ``KIND_OFFSETS`` (its) and
+Unequal splits: where our chunk starts in each source's send buffer comes from the source: :func:`publish_kernel`
+publishes the prefix of its input splits plus this call's half (its half's size is its own: the ranks' gradients
+may differ in rows), read by :func:`fetch_kernel`. With equal splits every rank holds as
+many rows as it has bags, so the halves are alike and the offsets known on the host. Error words: kernels/embedding_bag.py's layout; kinds ``KIND_OFFSETS`` (its) and
 ``KIND_READY`` (a source's staged gradients).
 """
 
@@ -42,6 +43,7 @@ from .waits import timed_wait
 
 KIND_READY = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 COPY_BLOCK = 4096
 BLOCK_B = 16
 BLOCK_P = 32
@@ -75,16 +77,49 @@ def wait_kernel(peer_ready, state, err, max_spin, rank, world, TIMED: tl.constex
     tl.store(state, e)
 
 
+@triton.jit(do_not_specialize=["world", "parity_elems"])
+def publish_kernel(my_pub, my_flag, my_prefix, state, world, parity_elems, BLOCK_W: tl.constexpr):
+    """One program: where each destination's chunk starts in this call's half of our send buffer (``my_prefix`` +
+    ``epoch % 2`` halves, in elements) into half ``epoch % 2`` of ``my_pub``, then the epoch in ``my_flag``
+    (:func:`fetch_kernel` reads it)."""
+    e = tl.load(state, volatile=True) + 1
+    half = (e & 1).to(tl.int64)
+    w = tl.arange(0, BLOCK_W)
+    wm = w < world
+    v = tl.load(my_prefix + w, mask=wm, other=0) + half * parity_elems
+    tl.store(my_pub + half * BLOCK_W + w, v, mask=wm)
+    tl.debug_barrier()
+    tl.atomic_xchg(my_flag, e, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["max_spin", "rank", "world"])
+def fetch_kernel(
+    peer_pub, peer_flags, src_off, state, err, max_spin, rank, world, BLOCK_W: tl.constexpr, TIMED: tl.constexpr
+):  # fmt: skip
+    """One program: our entry of every rank's publication (ours too: stream order), once its flag has reached the
+    epoch (bounded wait): ``src_off[p]``."""
+    e = tl.load(state, volatile=True) + 1
+    half = (e & 1).to(tl.int64) * BLOCK_W
+    for p in range(0, world):
+        if p != rank:
+            flag = tl.load(peer_flags + p).to(tl.pointer_type(tl.int64))
+            timed_wait(flag, e, err, max_spin, rank, p, e, 1, True, TIMED)
+        pub = tl.load(peer_pub + p).to(tl.pointer_type(tl.int64))
+        tl.store(src_off + p, tl.load(pub + half + rank, volatile=True))
+
+
 @triton.jit(do_not_specialize=["B", "T", "TD", "parity_elems", "world", "rot"])
 def scatter_kernel(
     tables, dst, like, peer_send, src_off, recv_start, state, B, T, D, TD, parity_elems, world, rot,
-    MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, ABS: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Every (block of bags, table): the bags' gradient rows from their sources, added at the bags' indices into
     ``dst[t]`` (fp32). ``tables`` int64 ``[5, T]``: indices, offsets and bag-size addresses, index and offset
     counts; ``dst`` int64 ``[T]``: fp32 destinations (a table's gradient or its accumulator); ``like``: any
     tensor of the gradients' dtype (only its type is read); ``peer_send`` int64 ``[world]``: every source's send
-    buffer; ``src_off`` int64 ``[world]``: our chunk's element offset there; ``recv_start`` int64 ``[world]``: the
+    buffer; ``src_off`` int64 ``[world]``: our chunk's element offset in its half (``ABS``: in the buffer, the half
+    included, as :func:`publish_kernel` publishes it); ``recv_start`` int64 ``[world]``: the
     first bag of each source's chunk."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
@@ -123,7 +158,9 @@ def scatter_kernel(
         s += (bags >= tl.load(recv_start + k)).to(tl.int32)
     e = tl.load(state, volatile=True)
     base = tl.load(peer_send + s, mask=bmask, other=0).to(tl.pointer_type(dtype))
-    row = base + (e & 1).to(tl.int64) * parity_elems + tl.load(src_off + s, mask=bmask, other=0)
+    row = base + tl.load(src_off + s, mask=bmask, other=0)
+    if not ABS:
+        row += (e & 1).to(tl.int64) * parity_elems
     row += (bags - tl.load(recv_start + s, mask=bmask, other=0)).to(tl.int64) * TD + t * D
 
     for d0 in range(0, D, BLOCK_D):
@@ -183,6 +220,19 @@ def stage(grad: torch.Tensor, send: torch.Tensor, state: torch.Tensor, parity_el
                                                         num_warps=4)  # fmt: skip
 
 
+def publish(my_pub: torch.Tensor, my_flag: torch.Tensor, my_prefix: torch.Tensor, state: torch.Tensor, world: int,
+            parity_elems: int, block_w: int) -> None:  # fmt: skip
+    """Launch :func:`publish_kernel` (one program); ``my_pub`` holds two halves of ``block_w`` int64."""
+    publish_kernel[(1,)](my_pub, my_flag, my_prefix, state, world, parity_elems, BLOCK_W=block_w, num_warps=1)
+
+
+def fetch(peer_pub: torch.Tensor, peer_flags: torch.Tensor, src_off: torch.Tensor, state: torch.Tensor,
+          err: torch.Tensor, max_spin: int, rank: int, world: int, block_w: int) -> None:  # fmt: skip
+    """Launch :func:`fetch_kernel` (one program)."""
+    fetch_kernel[(1,)](peer_pub, peer_flags, src_off, state, err, max_spin, rank, world, BLOCK_W=block_w,
+                       TIMED=state.is_cuda, num_warps=1)  # fmt: skip
+
+
 def signal(my_ready: torch.Tensor, state: torch.Tensor) -> None:
     """Launch :func:`signal_kernel` (one program); ``my_ready``: this rank's ready flag (int64)."""
     signal_kernel[(1,)](my_ready, state, num_warps=1)
@@ -198,10 +248,11 @@ def scatter(
     tables: torch.Tensor, dst: torch.Tensor, like: torch.Tensor, num_bags: int, num_tables: int, dim: int, *,
     mode: int, index_dtype: torch.dtype, offset_dtype: torch.dtype, peer_send: torch.Tensor, src_off: torch.Tensor,
     recv_start: torch.Tensor, state: torch.Tensor, parity_elems: int, row_elems: int, world: int,
-    rot_bag: int = 0,
+    rot_bag: int = 0, absolute: bool = False,
 ) -> None:  # fmt: skip
     """Launch :func:`scatter_kernel` over ``num_bags`` bags of ``num_tables`` tables; ``row_elems``: elements of a
-    gradient row (``T * D``); ``rot_bag``: the bag whose block goes first."""
+    gradient row (``T * D``); ``rot_bag``: the bag whose block goes first; ``absolute``: ``src_off`` includes the
+    half (published by :func:`publish`)."""
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag backward: mode {mode} (0 sum and 1 mean only)")
     if num_bags == 0 or num_tables == 0:
@@ -210,7 +261,8 @@ def scatter(
     scatter_kernel[(nb, num_tables)](
         tables, dst, like, peer_send, src_off, recv_start, state, num_bags, num_tables, dim, row_elems,
         parity_elems, world, (rot_bag // BLOCK_B) % nb,
-        MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64, BLOCK_B=BLOCK_B,
+        MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64, ABS=bool(absolute),
+        BLOCK_B=BLOCK_B,
         BLOCK_D=column_block(dim), num_warps=NUM_WARPS,
     )  # fmt: skip
 

@@ -19,9 +19,9 @@ from typing import Any
 from ..kernels import cutlass_gemm, cutlass_grouped
 
 try:
-    from ..kernels import embedding_bag, grouped_gemm
-except ImportError:  # no Triton: neither protocol runs
-    embedding_bag = grouped_gemm = None
+    from ..kernels import embedding_bag, embedding_bag_backward, grouped_gemm
+except ImportError:  # no Triton: none of these protocols runs
+    embedding_bag = embedding_bag_backward = grouped_gemm = None
 
 Launches = tuple[tuple[Any, str], ...]
 
@@ -45,5 +45,11 @@ MOE: Launches = (
 DLRM: Launches = (
     tuple((embedding_bag, name) for name in ("publish", "fetch_offsets", "pool", "wait", "copy_out"))
     if embedding_bag is not None
+    else ()
+)
+# The DLRM backward (lowerings/all_to_all_embedding_bag_backward/triton.py).
+DLRM_BACKWARD: Launches = (
+    tuple((embedding_bag_backward, name) for name in ("publish", "fetch", "rows", "stage", "signal", "wait", "scatter"))
+    if embedding_bag_backward is not None
     else ()
 )

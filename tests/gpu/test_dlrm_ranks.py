@@ -24,7 +24,10 @@ from gpu_helpers import poison_allocator
 from fluxcompile import config, ops
 from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
+from fluxcompile.kernels import embedding_bag_backward as ebb
+from fluxcompile.lowerings import all_to_all_embedding_bag_backward as _registered_bw  # noqa: F401
 from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo_bw
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 from fluxcompile.symm_mem.comm import cached_comm
 from fluxcompile.testing import launches
@@ -269,3 +272,200 @@ def test_registered_choice_between_processes():
         torch.cuda.synchronize()
         errors = cached_comm(group.group_name, lo.TAG).errors.err.tolist() if world > 1 else [0] * eb.ERR_WORDS
         assert not errors[0], eb.error_message(errors, "registered choice")
+
+
+# --- the backward: all_to_all_embedding_bag_backward (lowerings/all_to_all_embedding_bag_backward/triton.py) ------
+
+
+class Owner:
+    """One rank's side of the backward (kept: a graph reads it), refreshed in place: its tables' indices, offsets
+    and aten's forward bookkeeping for ``bags`` ragged bags (empty ones, repeated indices), and the pooled rows'
+    gradients it holds (``rows`` x ``T * D``)."""
+
+    def __init__(self, g, tables, bags, rows, dim, dtype, idx_dtype, last, mode, row_base):
+        self.g, self.bags, self.last, self.mode, self.dim = g, bags, last, mode, dim
+        self.num_weights = [row_base + 37 * t for t in range(tables)]
+        self.n_idx = [bags * 3 + t for t in range(tables)]
+        self.indices = [torch.zeros(n, dtype=idx_dtype, device="cuda") for n in self.n_idx]
+        self.offsets = [torch.zeros(bags + int(last), dtype=idx_dtype, device="cuda") for _ in range(tables)]
+        self.bag_size = [torch.zeros(bags, dtype=torch.int64, device="cuda") for _ in range(tables)]
+        self.offset2bag = [torch.zeros(n, dtype=torch.int64, device="cuda") for n in self.n_idx]
+        self.max_indices = [torch.zeros(bags, dtype=torch.int64, device="cuda") for _ in range(tables)]
+        self.grad = torch.zeros(rows, tables * dim, dtype=dtype, device="cuda")
+        self.refresh()
+
+    def refresh(self) -> None:
+        for t, n in enumerate(self.n_idx):
+            # a fifth of the rows: indices repeat within and across bags (the adds collide)
+            self.indices[t].copy_(torch.randint(0, max(1, self.num_weights[t] // 5), (n,), generator=self.g))
+            cuts = torch.sort(torch.randint(0, n + 1, (self.bags - 1,), generator=self.g)).values
+            cuts[: min(2, len(cuts))] = 0
+            offs = torch.cat([torch.zeros(1, dtype=torch.long), cuts] + ([torch.tensor([n])] if self.last else []))
+            self.offsets[t].copy_(offs)
+            _, o2b, size, _ = torch.ops.aten._embedding_bag(
+                torch.zeros(self.num_weights[t], 1, device="cuda"), self.indices[t], self.offsets[t], False,
+                self.mode, False, None, self.last,
+            )  # fmt: skip
+            self.offset2bag[t].copy_(o2b)
+            self.bag_size[t].copy_(size)
+        self.grad.copy_(torch.randn(self.grad.shape, generator=self.g))
+
+    def args(self):
+        return self.indices, self.offsets, self.bag_size, self.num_weights
+
+    def reference(self, G: torch.Tensor) -> list[torch.Tensor]:
+        per = G.float().view(G.shape[0], len(self.num_weights), -1)
+        return [
+            torch.ops.aten._embedding_bag_backward(
+                per[:, t].contiguous(), self.indices[t], self.offsets[t], self.offset2bag[t], self.bag_size[t],
+                self.max_indices[t], n, False, self.mode, False, None,
+            )
+            for t, n in enumerate(self.num_weights)
+        ]  # fmt: skip
+
+
+def expected_grads(owners: list[Owner], sizes) -> list[list[torch.Tensor]]:
+    world = len(owners)
+    out = []
+    for r in range(world):
+        chunks = [torch.split(owners[s].grad, sizes[s], dim=0)[r] for s in range(world)]
+        out.append(owners[r].reference(torch.cat(chunks, dim=0)))
+    return out
+
+
+BACKWARD_CASES = {
+    # tables, bags per rank, dim, dtype, index dtype, include_last_offset, splits, mode
+    "fp32-sum": (3, 40, 64, torch.float32, torch.int64, False, "equal", 0),
+    "bf16-mean-last-i32": (2, 33, 128, torch.bfloat16, torch.int32, True, "equal", 1),
+    "fp16-unequal": (2, 48, 96, torch.float16, torch.int64, False, "unequal", 0),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_backward_between_simulated_ranks(world, case):
+    _queues(world)
+    tables, bags_local, dim, dtype, idx_dtype, last, split_kind, mode = BACKWARD_CASES[case]
+    bags = bags_local * world  # every owner pools the global batch; every rank holds as many gradient rows
+    sizes = _splits(split_kind, world, bags)  # sizes[s][r]: rows rank s sends rank r
+    recv = [[sizes[s][r] for s in range(world)] for r in range(world)]
+    g = torch.Generator().manual_seed(world * 1000 + len(case))
+    owners = [
+        Owner(g, tables, sum(recv[r]), sum(sizes[r]), dim, dtype, idx_dtype, last, mode, 60 + 7 * r)
+        for r in range(world)
+    ]
+    uniform = split_kind == "equal"
+    nbytes = max(lo_bw.data_bytes(o.grad, o.bag_size, recv[r], sizes[r], world) for r, o in enumerate(owners))
+    harness = OneGpuRanks(world, nbytes, lo_bw.FLAG_BYTES, tag=f"dlrm-bw{world}{case}", launches=launches.DLRM_BACKWARD)
+
+    def fn(r, comm):
+        o, i = ([], []) if uniform and r % 2 == 0 else (recv[r], sizes[r])  # empty lists mean equal splits
+        x = owners[r]
+        return lo_bw.all_to_all_embedding_bag_backward_on(comm, x.grad, *x.args(), mode, o, i, max_spin=SPIN)
+
+    def check(results, what):
+        want = expected_grads(owners, sizes)
+        for r, grads in enumerate(results):
+            for t, (a, b) in enumerate(zip(grads, want[r])):
+                assert a.shape == b.shape and a.dtype == dtype, f"{what}: rank {r} table {t}: {a.shape} {a.dtype}"
+                assert_close(a, b, TOL[dtype], f"{what}: rank {r} table {t}")
+
+    for call in range(EAGER_CALLS):
+        for x in owners:
+            x.refresh()
+        poison_allocator(1 << 28)
+        delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
+        results = _run(harness, fn, **delay)
+        _no_errors(harness)
+        check(results, f"backward {case} world {world} eager call {call}")
+
+    graph, results = harness.capture(fn)
+    for replay in range(REPLAYS):
+        for x in owners:
+            x.refresh()
+        for grads in results:
+            for t in grads:
+                t.fill_(float("nan"))
+        _replay(harness, graph)
+        check(results, f"backward {case} world {world} replay {replay}")
+    _no_errors(harness)
+    for x in owners:
+        x.refresh()
+    check(_run(harness, fn), f"backward {case} world {world} eager after replays")
+    _no_errors(harness)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_one_rank(dtype):
+    """World 1: the scatter reads ``grad`` itself; eager calls (sum and mean) and graph replays."""
+    g = torch.Generator().manual_seed(11)
+    for mode in (0, 1):
+        x = Owner(g, 4, 300, 300, 128, dtype, torch.int64, False, mode, 1000)
+        for call in range(2):
+            x.refresh()
+            poison_allocator(1 << 26)
+            got = lo_bw.all_to_all_embedding_bag_backward_on(None, x.grad, *x.args(), mode, [], [])
+            for t, (a, b) in enumerate(zip(got, x.reference(x.grad))):
+                assert_close(a, b, TOL[dtype], f"one rank mode {mode} call {call} table {t}")
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        lo_bw.all_to_all_embedding_bag_backward_on(None, x.grad, *x.args(), 1, [], [])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            got = lo_bw.all_to_all_embedding_bag_backward_on(None, x.grad, *x.args(), 1, [], [])
+    torch.cuda.current_stream().wait_stream(stream)
+    for replay in range(REPLAYS):
+        x.refresh()
+        for t in got:
+            t.fill_(float("nan"))
+        graph.replay()
+        for t, (a, b) in enumerate(zip(got, x.reference(x.grad))):
+            assert_close(a, b, TOL[dtype], f"one rank replay {replay} table {t}")
+
+
+def test_backward_wait_times_out_into_error_words():
+    """Rank 1 of 2 never stages: rank 0's wait gives up and names it; the next eager call on rank 0 raises."""
+    g = torch.Generator().manual_seed(5)
+    x = Owner(g, 2, 16, 16, 32, torch.float32, torch.int64, False, 0, 40)
+    harness = OneGpuRanks(2, lo_bw.data_bytes(x.grad, x.bag_size, [], [], 2), lo_bw.FLAG_BYTES, tag="dlrm-bw-timeout",
+                          launches=launches.DLRM_BACKWARD)  # fmt: skip
+
+    def fn(r, comm):
+        if r == 1:
+            return None
+        return lo_bw.all_to_all_embedding_bag_backward_on(comm, x.grad, *x.args(), 0, [], [], max_spin=20_000)
+
+    _run(harness, fn)
+    words = harness.errors()[0]
+    msg = ebb.error_message(words, "test")
+    assert msg is not None and "waiting for rank 1's staged gradients" in msg, words
+    with pytest.raises(RuntimeError, match="waiting for rank 1's staged gradients"):
+        _run(harness, fn)
+
+
+@pytest.mark.peers
+def test_backward_registered_choice_between_processes():
+    """The backward op with the compiled choice ``triton`` between this run's processes against its reference
+    (NCCL + aten's backward per table)."""
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    op = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
+    g = torch.Generator().manual_seed(4321 + rank)
+    bags_local, tables, dim = 64, 3, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in (0, 1):
+            x = Owner(g, tables, bags_local * world, bags_local * world, dim, dtype, torch.int64, False, mode, 500)
+            args = (x.grad, x.indices, x.offsets, x.offset2bag, x.bag_size, x.max_indices, x.num_weights, False, mode,
+                    [], [], group.group_name)  # fmt: skip
+            for call in range(3):
+                x.refresh()
+                poison_allocator(1 << 26)
+                got = op(*args, choice="triton")
+                want = op(*args, choice="reference")
+                for t, (a, b) in enumerate(zip(got, want)):
+                    assert_close(a, b, TOL[dtype], f"rank {rank} {dtype} mode {mode} call {call} table {t}")
+        torch.cuda.synchronize()
+        errors = cached_comm(group.group_name, lo_bw.TAG).errors.err.tolist() if world > 1 else [0] * ebb.ERR_WORDS
+        assert not errors[0], ebb.error_message(errors, "registered choice")

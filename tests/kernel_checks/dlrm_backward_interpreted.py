@@ -144,13 +144,14 @@ def check_protocol(g, results: dict) -> None:
         ("w2-unequal-fp16", 2, torch.float16, "unequal"),
     ]
     for name, world, dtype, splits in scenarios:
-        bags = bags_per_rank * world  # every owner pools the global batch; every rank holds ``bags`` rows
+        bags = bags_per_rank * world  # every owner pools the global batch (of about ``bags``)
         if splits == "unequal":
             # rank s sends rank r sizes[s][r] rows; rank r receives column r, which must add up to its bags
             if world == 2:
                 sizes = [[bags - 2, 2], [2, bags - 2]]
             else:
-                sizes = [[bags - 2, 0, 2], [1, bags - 1, 0], [1, 1, bags - 2]]
+                # ranks holding and owners receiving different row counts (bags + 1 on rank 2 and owner 0)
+                sizes = [[bags - 2, 0, 2], [1, bags - 1, 0], [2, 1, bags - 2]]
         else:
             sizes = [[bags // world] * world for _ in range(world)]
         recv = [[sizes[s][r] for s in range(world)] for r in range(world)]

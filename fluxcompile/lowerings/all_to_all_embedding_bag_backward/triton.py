@@ -3,9 +3,9 @@ reads every bag's gradient row straight from the rank that holds it and adds it 
 exchanged tensor and no separate all-to-all.
 
 Per call, on rank r of w, all on the current stream:
-  [unequal splits only] publish where each destination's chunk starts in r's gradients (the exclusive prefix of
-      its input splits, in elements), then read from every peer p where r's chunk starts in p's (the forward's
-      kernels, kernels/embedding_bag.py)
+  [unequal splits only] publish where each destination's chunk starts in this call's half of r's send buffer
+      (the exclusive prefix of its input splits, in elements, plus the half), then read from every peer p where
+      r's chunk starts in p's
   [bf16/fp16] rows kernel: zero the fp32 accumulator's rows that the indices reach
   stage kernel: r's gradients into half ``epoch % 2`` of its send buffer
   signal kernel (one program): r's ready flag to the epoch
@@ -18,8 +18,8 @@ source's gradients: known on the host, no offsets kernels. With one rank, the sc
 workspace, no signals).
 
 Memory: besides the gradients, bf16/fp16 tables take an fp32 accumulator as large as their gradients (only the rows
-their indices reach are written). Every rank must pool equal batches (the same bag count and row width), as DLRM's
-ranks do: the send buffers' halves are sized from them, alike on every rank.
+their indices reach are written). A send buffer's half holds the rank's gradients; with equal splits every rank's
+half is alike, computed by its readers, else published with the offsets.
 
 Epochs only grow (state on the device), so CUDA graphs replay the protocol; every rank must run the same calls of
 this choice in the same order (as for any collective). The communication context (``symm_mem.Comm``) comes from
@@ -44,10 +44,9 @@ from ...symm_mem import Comm, ErrorSpec, FlagArray, capturing, comm_for, group_s
 from ..device_tables import device_table
 
 try:
-    from ...kernels import embedding_bag as eb
     from ...kernels import embedding_bag_backward as ebb
 except ImportError:  # no Triton: the choice is not registered (__init__.py)
-    eb = ebb = None
+    ebb = None
 
 NAME = "triton"
 OP = "all_to_all_embedding_bag_backward"
@@ -82,7 +81,7 @@ class Layout:
     uniform: bool  # every split of both lists equal
     recv_start: tuple[int, ...]  # [world + 1]: the first bag of each source's chunk
     in_prefix: tuple[int, ...]  # [world]: where each destination's chunk starts in our gradients (elements)
-    parity_elems: int  # elements of one half of a send buffer (the same on every rank)
+    parity_elems: int  # elements of one half of a send buffer (the same on every rank with uniform splits)
 
     @property
     def row_elems(self) -> int:
@@ -130,15 +129,9 @@ def layout(
     uniform = len(set(ins) | set(outs)) == 1
     recv_start = tuple(sum(outs[:s]) for s in range(world + 1))
     in_prefix = tuple(sum(ins[:k]) * row_elems for k in range(world))
-    # The send buffer's half: our gradients exactly with uniform splits (every rank holds as many rows as it has
-    # bags); otherwise bounded by what every rank could hold, ``world`` times the rows of our bags.
-    bound = bags * row_elems if uniform else world * bags * row_elems
-    parity = -(-bound // _ALIGN_ELEMS) * _ALIGN_ELEMS
-    if rows * row_elems > parity:
-        raise ValueError(
-            f"fluxcompile: {OP}: rank {rank} sends {rows * row_elems} elements, more than the {parity} of its send "
-            "buffer (every rank's batch must be alike)"
-        )
+    # The send buffer's half: our gradients. With uniform splits every rank's is alike (as many rows as bags) and
+    # readers compute it; otherwise each source publishes its offsets with its half included.
+    parity = -(-rows * row_elems // _ALIGN_ELEMS) * _ALIGN_ELEMS
     return Layout(rows, bags, tables, dim, rank, world, uniform, recv_start, in_prefix, parity)
 
 
@@ -187,9 +180,9 @@ def check_operands(
         return f"dtype {grad.dtype} (fp32, bf16 and fp16 only)"
     if grad.dim() != 2 or grad.shape[1] % tables or grad.shape[1] == 0:
         return f"gradients {list(grad.shape)} are not {tables} tables' rows side by side"
-    if any(i.dim() != 1 or i.dtype not in eb.INDEX_DTYPES for i in indices):
+    if any(i.dim() != 1 or i.dtype not in ebb.INDEX_DTYPES for i in indices):
         return "indices that are not 1-D int32/int64"
-    if any(o.dim() != 1 or o.dtype not in eb.INDEX_DTYPES for o in offsets):
+    if any(o.dim() != 1 or o.dtype not in ebb.INDEX_DTYPES for o in offsets):
         return "offsets that are not 1-D int32/int64"
     if any(i.dtype != indices[0].dtype for i in indices) or any(o.dtype != offsets[0].dtype for o in offsets):
         return "index or offset tensors of mixed dtypes"
@@ -377,14 +370,15 @@ def protocol(
             src_off = scratch
             prefix = device_table(lay.in_prefix, device)
             my_pub = comm.flags.view(rank, (2 * MAX_WORLD,), torch.int64, _PUB)
-            eb.publish(my_pub, comm.flags.view(rank, (1,), torch.int64, _PUB_FLAG), prefix, state, world, MAX_WORLD)
+            my_flag = comm.flags.view(rank, (1,), torch.int64, _PUB_FLAG)
+            ebb.publish(my_pub, my_flag, prefix, state, world, lay.parity_elems, MAX_WORLD)
             yield "publish"
-            eb.fetch_offsets(
-                prefix, device_table(tuple(p + _PUB for p in flags), device),
+            ebb.fetch(
+                device_table(tuple(p + _PUB for p in flags), device),
                 device_table(tuple(p + _PUB_FLAG for p in flags), device), src_off, state, err, spin, rank, world,
                 MAX_WORLD,
             )  # fmt: skip
-            yield "fetch_offsets"
+            yield "fetch"
         send = comm.data.view(rank, (2 * lay.parity_elems,), dtype)
         ebb.stage(grad, send, state, lay.parity_elems)
         yield "stage"
@@ -395,7 +389,8 @@ def protocol(
         peer_send = device_table(tuple(int(p) for p in comm.data.handle.buffer_ptrs[:world]), device)
         ebb.scatter(
             tables, dst, grad, lay.bags, T, dim, peer_send=peer_send, src_off=src_off, state=state,
-            parity_elems=lay.parity_elems, rot_bag=lay.recv_start[(rank + 1) % world], **scatter,
+            parity_elems=lay.parity_elems, rot_bag=lay.recv_start[(rank + 1) % world], absolute=not lay.uniform,
+            **scatter,
         )  # fmt: skip
         yield "scatter"
         comm.errors.report(what, ebb.check_error)
