@@ -2,6 +2,7 @@
 
     python benchmarks/dlrm.py [--dtypes fp32,bf16] [--rounds 10] [--out DIR]               # (a) one GPU, pooling
     torchrun --nproc-per-node N benchmarks/dlrm.py --peers [--out DIR]                     # (b) N GPUs, the op
+    torchrun --nproc-per-node N benchmarks/dlrm.py --peers --training [--out DIR]          # (c) N GPUs, training
 
 (a) One GPU, pooling only, as one rank pools it: the DLRM of 4096 samples per rank, tables of 1M x 128 rows, 32
 lookups per bag (uniform random indices, int64), sum; shapes: world 1 (32 tables, 4096 bags) and the TP=8 rank (4
@@ -16,8 +17,17 @@ mean, both include_last_offset, ragged bags), then each timed shape's output.
 rank r: the fused choice (``triton:<variant>``, symmetric memory) against embedding_bag + cat + NCCL
 ``all_to_all_single``, interleaved, medians of each rank, the slowest rank reported; outputs compared.
 
-Writes ``dlrm-pool.json`` / ``dlrm-peers.json`` and a readable ``dlrm-pool.txt`` / ``dlrm-peers.txt`` into ``--out``
-and prints the table after ``== dlrm table``.
+(c) Several GPUs, the training step's embedding stage (forward + backward) as (b) lays it out, sum pooling, the
+pooled rows' gradients random: ``nccl`` (what ``nn.EmbeddingBag`` + ``all_to_all_single`` run: aten's
+``_embedding_bag`` per table, ``cat``, NCCL all-to-all; NCCL all-to-all of the gradients, aten's dense
+``_embedding_bag_backward`` per table), ``unfused`` (our kernels beside NCCL: the pooling kernel and the scatter
+of one rank, each NCCL all-to-all apart), ``fused`` (both fused ops, with the bookkeeping the rewrite adds to the
+forward for the backward: ``_embedding_bag`` per table over one column), ``fused-nobook`` (the same without it).
+Gradients compared with ``nccl``'s. Bar: fused <= 0.7 x nccl and < unfused at every world size.
+
+Writes ``dlrm-pool.json`` / ``dlrm-peers.json`` / ``dlrm-training-w<N>.json`` and a readable ``.txt`` of each into
+``--out``, and prints the table after ``== dlrm table``. (c) takes ``--rows`` 131072 unless given: the dense
+gradients' zero fill of 1M-row tables would be most of what it times.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch.nn.functional as F
 from fluxcompile import config, ops
 from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo_bw
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 
 ROWS, DIM, LOOKUPS, BATCH, TABLES = 1 << 20, 128, 32, 4096, 32
@@ -320,12 +331,140 @@ def peers_main(args) -> None:
     dist.destroy_process_group()
 
 
+class Training:
+    """One rank's embedding stage in training (see the module, (c)): its tables, the global batch's bags, the
+    gradients of the rows it receives."""
+
+    def __init__(self, p: Problem, group, g: torch.Generator):
+        self.p, self.group = p, group
+        self.name = group.group_name
+        self.rows = [w.shape[0] for w in p.weights]
+        self.grad_out = torch.randn(p.out_shape, generator=g).to(p.weights[0])  # this rank's received rows' grads
+
+    def _bookkeeping(self, weights) -> list[tuple]:
+        return [torch.ops.aten._embedding_bag(w, i, o, False, 0, False, None, False)
+                for w, i, o in zip(weights, self.p.indices, self.p.offsets)]  # fmt: skip
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
+
+    def _backward(self, G: torch.Tensor, book: list[tuple]) -> list[torch.Tensor]:
+        per = G.view(G.shape[0], len(self.rows), -1)
+        return [
+            torch.ops.aten._embedding_bag_backward(per[:, t], self.p.indices[t], self.p.offsets[t], b[1], b[2], b[3],
+                                                   n, False, 0, False, None)
+            for t, (b, n) in enumerate(zip(book, self.rows))
+        ]  # fmt: skip
+
+    def nccl(self) -> list[torch.Tensor]:
+        book = self._bookkeeping(self.p.weights)
+        self._exchange(torch.cat([b[0] for b in book], dim=1))
+        return self._backward(self._exchange(self.grad_out), book)
+
+    def unfused(self) -> list[torch.Tensor]:
+        p = self.p
+        P = lo.embedding_bag_all_to_all_on(None, p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [])
+        self._exchange(P)
+        G = self._exchange(self.grad_out)
+        sizes = [torch.empty(0, dtype=torch.int64, device=G.device)] * len(self.rows)  # sum: not read
+        return lo_bw.all_to_all_embedding_bag_backward_on(None, G, p.indices, p.offsets, sizes, self.rows, 0, [], [])
+
+    def fused(self, book: bool = True) -> list[torch.Tensor]:
+        p = self.p
+        fwd = torch.ops.fluxcompile.embedding_bag_all_to_all.default
+        bwd = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
+        fwd(p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name, choice=f"triton:{eb.DEFAULT}")
+        if book:
+            b = self._bookkeeping([w[:, :1] for w in p.weights])
+            o2b, sizes, maxi = [x[1] for x in b], [x[2] for x in b], [x[3] for x in b]
+        else:
+            none = [torch.empty(0, dtype=torch.int64, device=self.grad_out.device)] * len(self.rows)
+            o2b = sizes = maxi = none
+        return bwd(self.grad_out, p.indices, p.offsets, o2b, sizes, maxi, self.rows, False, 0, [], [], self.name,
+                   choice="triton")  # fmt: skip
+
+
+def training_main(args) -> None:
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(), dist.get_rank()
+    lines, rows = [], []
+
+    def say(s: str) -> None:
+        if rank == 0:
+            print(s, flush=True)
+            lines.append(s)
+
+    say(f"== {world} x {torch.cuda.get_device_name()} torch {torch.__version__} (training: forward + backward)")
+    g = torch.Generator().manual_seed(rank)
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            t_local = max(1, TABLES // world)
+            store = torch.empty(t_local, args.rows, DIM, dtype=dtype, device="cuda")
+            for t in range(t_local):
+                store[t].normal_()
+            p = Problem(list(store.unbind(0)), args.batch * world, g)
+            tr = Training(p, group, g)
+            fns = {"nccl": tr.nccl, "unfused": tr.unfused, "fused": tr.fused, "fused-nobook": lambda tr=tr: tr.fused(False)}
+            want = tr.nccl()
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            for k in ("unfused", "fused", "fused-nobook"):
+                err = max(rel(a, b.to(a.dtype)) for a, b in zip(fns[k](), want))
+                if err > tol:
+                    raise SystemExit(f"rank {rank}: {k} differs from nccl: rel {err:.2e}")
+            del want
+            it = max(3, p.iters() // 2)
+            samples = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, f in fns.items():
+                    dist.barrier(group=group)
+                    samples[k].append(time_us(f, it))
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            spread = {k: (min(v), max(v)) for k, v in samples.items()}
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, (med, spread), group=group)
+            worst = {k: max(m[0][k] for m in gathered) for k in fns}
+            row = dict(dtype=dname, world=world, tables_per_rank=t_local, bags=p.bags, rows=args.rows, us=worst,
+                       spread_rank0=spread, rounds=args.rounds)  # fmt: skip
+            rows.append(row)
+            say(f"   {dname}: " + "  ".join(f"{k} {v:8.1f} us" for k, v in worst.items()))
+            del p, tr, store
+            torch.cuda.empty_cache()
+    say(f"\n== dlrm table (training, {world} GPUs: the slowest rank's median; ratios to nccl and to unfused)")
+    met = True
+    for r in rows:
+        us = r["us"]
+        vs_nccl, vs_unfused = us["fused"] / us["nccl"], us["fused"] / us["unfused"]
+        met &= vs_nccl <= 0.7 and vs_unfused < 1.0
+        say(f"{r['dtype']:5s} T/rank={r['tables_per_rank']:3d} bags={r['bags']:6d} nccl {us['nccl']:9.1f} us  "
+            f"unfused {us['unfused']:9.1f}  fused {us['fused']:9.1f} (x{vs_nccl:.3f} nccl, x{vs_unfused:.3f} unfused)"
+            f"  fused-nobook {us['fused-nobook']:9.1f}")  # fmt: skip
+    say(f"bar (fused <= 0.7 x nccl and < unfused): {'met' if met else 'NOT met'} at {world} GPU(s)")
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"dlrm-training-w{world}.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), world=world, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, f"dlrm-training-w{world}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peers", action="store_true", help="(b): the op between the GPUs of torchrun's processes")
+    ap.add_argument("--training", action="store_true", help="(c): with --peers, forward + backward")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--rows", type=int, default=ROWS, help="rows per table")
+    ap.add_argument("--rows", type=int, default=0, help=f"rows per table (default {ROWS}; (c): 131072)")
     ap.add_argument("--batch", type=int, default=BATCH, help="samples per rank")
     ap.add_argument("--variants", default="", help="(b) variants besides the default (names of the sweep)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -337,7 +476,10 @@ def main() -> None:
         args.rows, args.batch, args.rounds = 64, 4, 2
         SWEEP = {k: SWEEP[k] for k in (eb.DEFAULT, "b16u4w8")}
     torch.manual_seed(0)
-    if args.peers:
+    args.rows = args.rows or (1 << 17 if args.training else ROWS)
+    if args.peers and args.training:
+        training_main(args)
+    elif args.peers:
         peers_main(args)
     else:
         pool_main(args)
