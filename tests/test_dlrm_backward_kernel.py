@@ -96,30 +96,39 @@ def test_protocol_kernels_compile_for_sm90(tmp_path, monkeypatch):
 
 def test_layout_equal_and_unequal_splits():
     # 4 ranks, 32 bags each (8 per source), 2 tables of 16: our chunk is rows 8..16 of every source's gradients
-    lay = lo.layout(32, 32, 2, 16, (), (), 1, 4)
+    lay = lo.layout(32, 2, 16, (), (), 1, 4)
     assert lay.uniform and lay.recv_start == (0, 8, 16, 24, 32) and lay.row_elems == 32
     assert lay.in_prefix == (0, 256, 512, 768) and lay.equal_src_off() == (256,) * 4
     assert lay.parity_elems == 1024 and lay.data_bytes(2) == 4096
     # unequal: rank 0 of 2 holds 8 rows, sends [3, 5], receives [3, 5] (its 8 bags)
-    lay = lo.layout(8, 8, 1, 16, (3, 5), (3, 5), 0, 2)
+    lay = lo.layout(8, 1, 16, (3, 5), (3, 5), 0, 2)
     assert not lay.uniform and lay.recv_start == (0, 3, 8) and lay.in_prefix == (0, 48)
     assert lay.parity_elems == 8 * 16
-    with pytest.raises(ValueError, match="6 exchanged rows for 8 bags"):
-        lo.layout(8, 8, 1, 16, (3, 3), (3, 5), 0, 2)
+    assert lo.layout(8, 1, 16, (3, 4), (3, 5), 0, 2).bags == 7  # an owner of 7 bags, holding 8 rows
+    with pytest.raises(ValueError, match="input splits add up to 7"):
+        lo.layout(8, 1, 16, (3, 5), (3, 4), 0, 2)
 
 
 @pytest.mark.parametrize(
     ("args", "why"),
     [
-        ((8, 8, [1, 1, 6], [], 2), "split list of 3 entries for a group of 2 ranks"),
-        ((8, 8, [], [1, 2], 2), "input splits add up to 3"),
-        ((7, 7, [], [], 2), "equal splits of 7 rows over 2 ranks"),
-        ((8, 8, [-1, 9], [4, 4], 2), "negative output split"),
-        ((8, 6, [], [], 2), "8 exchanged rows for 6 bags"),
+        ((8, [1, 1, 6], [], 2), "split list of 3 entries for a group of 2 ranks"),
+        ((8, [], [1, 2], 2), "input splits add up to 3"),
+        ((7, [], [], 2), "equal splits of 7 rows over 2 ranks"),
+        ((8, [-1, 9], [4, 4], 2), "negative output split"),
     ],
 )
 def test_split_problems(args, why):
     assert why in (lo.split_problem(*args) or ""), lo.split_problem(*args)
+
+
+def test_bag_problems():
+    offs, sizes = [torch.zeros(8, dtype=torch.long)], [torch.zeros(8, dtype=torch.long)]
+    assert lo.bag_problem(8, offs, sizes, 1) is None
+    assert lo.bag_problem(7, offs, sizes, 1) is None  # include_last_offset
+    assert lo.bag_problem(6, offs, sizes, 0) == "offsets of 8 entries for 6 exchanged rows (one per bag)"
+    assert lo.bag_problem(8, offs, [torch.zeros(0, dtype=torch.long)], 0) is None  # sum: bag sizes not read
+    assert lo.bag_problem(8, offs, [torch.zeros(7, dtype=torch.long)], 1) == "bag sizes of fewer than 8 entries"
 
 
 # --- registration and declines --------------------------------------------------------------------------------
@@ -156,6 +165,7 @@ def group_of_two(monkeypatch):
         (dict(dtype=torch.float64), "dtype torch.float64"),
         (dict(splits=(1, 1, 6)), "split list of 3 entries for a group of 2 ranks"),
         (dict(bags=7), "equal splits of 7 rows over 2 ranks"),
+        (dict(splits=(3, 3)), "input splits add up to 6, not the gradients' 8 rows"),
         (dict(), "not on a CUDA device"),  # the operands here are on the CPU; on CUDA this call is taken
         (dict(last=True), "not on a CUDA device"),  # offsets with the last one are taken too
     ],
@@ -174,11 +184,8 @@ def test_operand_checks():
     assert lo.check_operands(grad, [indices[0], indices[1].int()], offsets, bag_size, rows, False, 0) == (
         "index or offset tensors of mixed dtypes"
     )
-    assert lo.check_operands(grad, indices, offsets, [bag_size[0], bag_size[1][:4]], rows, False, 0) == (
-        "tables with different bag counts"
-    )
     assert lo.check_operands(grad, indices, [offsets[0], offsets[1][:3]], bag_size, rows, False, 0) == (
-        "offsets that do not start every bag"
+        "tables with different bag counts"
     )
     assert lo.check_operands(grad, indices, offsets, bag_size, rows[:1], False, 0) == (
         "need one index, offset and bag-size tensor and one row count per table"

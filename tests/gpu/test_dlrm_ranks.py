@@ -288,9 +288,10 @@ class Owner:
         self.n_idx = [bags * 3 + t for t in range(tables)]
         self.indices = [torch.zeros(n, dtype=idx_dtype, device="cuda") for n in self.n_idx]
         self.offsets = [torch.zeros(bags + int(last), dtype=idx_dtype, device="cuda") for _ in range(tables)]
-        self.bag_size = [torch.zeros(bags, dtype=torch.int64, device="cuda") for _ in range(tables)]
+        # aten's CUDA forward gives one bag size per offset (one more with include_last_offset)
+        self.bag_size = [torch.zeros(bags + int(last), dtype=torch.int64, device="cuda") for _ in range(tables)]
         self.offset2bag = [torch.zeros(n, dtype=torch.int64, device="cuda") for n in self.n_idx]
-        self.max_indices = [torch.zeros(bags, dtype=torch.int64, device="cuda") for _ in range(tables)]
+        self.max_indices = [torch.zeros(bags + int(last), dtype=torch.int64, device="cuda") for _ in range(tables)]
         self.grad = torch.zeros(rows, tables * dim, dtype=dtype, device="cuda")
         self.refresh()
 
@@ -355,7 +356,7 @@ def test_backward_between_simulated_ranks(world, case):
         for r in range(world)
     ]
     uniform = split_kind == "equal"
-    nbytes = max(lo_bw.data_bytes(o.grad, o.bag_size, recv[r], sizes[r], world) for r, o in enumerate(owners))
+    nbytes = max(lo_bw.data_bytes(o.grad, tables, recv[r], sizes[r], world) for r, o in enumerate(owners))
     harness = OneGpuRanks(world, nbytes, lo_bw.FLAG_BYTES, tag=f"dlrm-bw{world}{case}", launches=launches.DLRM_BACKWARD)
 
     def fn(r, comm):
@@ -429,7 +430,7 @@ def test_backward_wait_times_out_into_error_words():
     """Rank 1 of 2 never stages: rank 0's wait gives up and names it; the next eager call on rank 0 raises."""
     g = torch.Generator().manual_seed(5)
     x = Owner(g, 2, 16, 16, 32, torch.float32, torch.int64, False, 0, 40)
-    harness = OneGpuRanks(2, lo_bw.data_bytes(x.grad, x.bag_size, [], [], 2), lo_bw.FLAG_BYTES, tag="dlrm-bw-timeout",
+    harness = OneGpuRanks(2, lo_bw.data_bytes(x.grad, 2, [], [], 2), lo_bw.FLAG_BYTES, tag="dlrm-bw-timeout",
                           launches=launches.DLRM_BACKWARD)  # fmt: skip
 
     def fn(r, comm):

@@ -168,7 +168,7 @@ def check_protocol(g, results: dict) -> None:
                 o, i = (recv[r], sizes[r]) if splits != "empty" else ([], [])
                 calls.append((grads[r], *owners[r].args(), mode, o, i))
             if ranks is None:
-                nbytes = max(lo.data_bytes(grads[r], owners[r].bag_size, calls[r][-2], calls[r][-1], world)
+                nbytes = max(lo.data_bytes(grads[r], T, calls[r][-2], calls[r][-1], world)
                              for r in range(world))  # fmt: skip
                 ranks = Ranks(world, nbytes)
             got = ranks.run(calls)
@@ -195,7 +195,7 @@ def check_timeouts(g) -> list[str]:
         tb = Tables(g, bags, [5, 6], D, 0, False, torch.int64, torch.int64)
         grad = torch.randn(bags, T * D, generator=g)
         call = (grad, *tb.args(), 0, splits, splits[::-1])
-        ranks = Ranks(2, lo.data_bytes(grad, tb.bag_size, splits, splits[::-1], 2))
+        ranks = Ranks(2, lo.data_bytes(grad, T, splits, splits[::-1], 2))
         try:  # on CPU the call's report raises at once
             ranks.run([call, call], only=[0], max_spin=50)
             msgs.append(f"no timeout: {ranks.comms[0].errors.err.tolist()}")

@@ -96,9 +96,9 @@ class Layout:
 
 
 def split_problem(
-    rows: int, bags: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], world: int
-) -> str | None:
-    """Why the split lists do not exchange ``rows`` gradient rows into one per bag (None if they do)."""
+    rows: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], world: int
+) -> str | None:  # fmt: skip
+    """Why the split lists do not exchange ``rows`` gradient rows (None if they do)."""
     for name, splits in (("input", input_split_sizes), ("output", output_split_sizes)):
         if splits and len(splits) != world:
             return f"{name} split list of {len(splits)} entries for a group of {world} ranks"
@@ -106,22 +106,25 @@ def split_problem(
             return f"a negative {name} split"
     if input_split_sizes and sum(input_split_sizes) != rows:
         return f"input splits add up to {sum(input_split_sizes)}, not the gradients' {rows} rows"
-    received = sum(output_split_sizes) if output_split_sizes else rows
-    if received != bags:
-        return f"{received} exchanged rows for {bags} bags"
     if (not input_split_sizes or not output_split_sizes) and rows % world:
         return f"equal splits of {rows} rows over {world} ranks"
     return None
 
 
+def received(rows: int, output_split_sizes: Sequence[int]) -> int:
+    """The exchanged rows this rank receives: one per bag of its tables."""
+    return sum(output_split_sizes) if output_split_sizes else rows
+
+
 @functools.lru_cache(maxsize=256)
 def layout(
-    rows: int, bags: int, tables: int, dim: int, output_split_sizes: tuple[int, ...],
-    input_split_sizes: tuple[int, ...], rank: int, world: int,
+    rows: int, tables: int, dim: int, output_split_sizes: tuple[int, ...], input_split_sizes: tuple[int, ...],
+    rank: int, world: int,
 ) -> Layout:  # fmt: skip
-    why = split_problem(rows, bags, output_split_sizes, input_split_sizes, world)
+    why = split_problem(rows, output_split_sizes, input_split_sizes, world)
     if why is not None:
         raise ValueError(f"fluxcompile: {OP}: {why}")
+    bags = received(rows, output_split_sizes)
     row_elems = tables * dim
     equal = rows // world if rows % world == 0 else 0
     ins = tuple(input_split_sizes) if input_split_sizes else (equal,) * world
@@ -135,17 +138,16 @@ def layout(
     return Layout(rows, bags, tables, dim, rank, world, uniform, recv_start, in_prefix, parity)
 
 
-def _layout_of(grad: Tensor, bag_size: Sequence[Tensor], output_split_sizes, input_split_sizes, rank, world):
-    tables = len(bag_size)
+def _layout_of(grad: Tensor, tables: int, output_split_sizes, input_split_sizes, rank, world):
     return layout(
-        grad.shape[0], bag_size[0].numel(), tables, grad.shape[1] // tables,
-        tuple(int(s) for s in output_split_sizes), tuple(int(s) for s in input_split_sizes), rank, world,
+        grad.shape[0], tables, grad.shape[1] // tables, tuple(int(s) for s in output_split_sizes),
+        tuple(int(s) for s in input_split_sizes), rank, world,
     )  # fmt: skip
 
 
-def data_bytes(grad: Tensor, bag_size: Sequence[Tensor], output_split_sizes, input_split_sizes, world: int) -> int:
+def data_bytes(grad: Tensor, tables: int, output_split_sizes, input_split_sizes, world: int) -> int:
     """Bytes of the data workspace a call needs on every rank (the one-GPU harness sizes its workspaces with it)."""
-    lay = _layout_of(grad, bag_size, output_split_sizes, input_split_sizes, 0, world)
+    lay = _layout_of(grad, tables, output_split_sizes, input_split_sizes, 0, world)
     return lay.data_bytes(grad.element_size())
 
 
@@ -190,11 +192,8 @@ def check_operands(
         return "bag sizes that are not 1-D int64"
     if any(not t.is_contiguous() for t in (*indices, *offsets, *bag_size)):
         return "non-contiguous indices, offsets or bag sizes"
-    bags = bag_size[0].numel()
-    if any(s.numel() != bags for s in bag_size):
+    if any(o.numel() != offsets[0].numel() for o in offsets):
         return "tables with different bag counts"
-    if any(o.numel() not in (bags, bags + 1) for o in offsets):
-        return "offsets that do not start every bag"
     device = grad.device
     if any(t.device != device for t in (*indices, *offsets, *bag_size)):
         return "operands on several devices"
@@ -216,10 +215,23 @@ def supports(
         return f"no process group {group_name!r} ({type(e).__name__})"
     if world > MAX_WORLD:
         return f"more than {MAX_WORLD} ranks"
-    why = split_problem(grad.shape[0], bag_size[0].numel(), list(output_split_sizes), list(input_split_sizes), world)
-    if why is None and grad.device.type != "cuda":
-        why = "not on a CUDA device"
-    return why
+    why = split_problem(grad.shape[0], list(output_split_sizes), list(input_split_sizes), world)
+    if why is not None:
+        return why
+    return bag_problem(received(grad.shape[0], list(output_split_sizes)), offsets, bag_size, mode) or (
+        "not on a CUDA device" if grad.device.type != "cuda" else None
+    )
+
+
+def bag_problem(bags: int, offsets: Sequence[Tensor], bag_size: Sequence[Tensor], mode: int) -> str | None:
+    """Why the tables' offsets (and, in mean mode, bag sizes) do not describe ``bags`` bags (None if they do):
+    ``include_last_offset`` adds one offset, aten's CUDA forward one bag size."""
+    n = offsets[0].numel()
+    if n not in (bags, bags + 1):
+        return f"offsets of {n} entries for {bags} exchanged rows (one per bag)"
+    if mode == 1 and any(s.numel() < bags for s in bag_size):
+        return f"bag sizes of fewer than {bags} entries"
+    return None
 
 
 def make() -> tuple[Callable[..., list[Tensor]], Callable[..., str | None]]:
@@ -258,7 +270,7 @@ def all_to_all_embedding_bag_backward(
     comm = None
     grad = grad.contiguous()
     if world > 1:
-        comm = group_comm(group_name, world, data_bytes(grad, bag_size, output_split_sizes, input_split_sizes, world))
+        comm = group_comm(group_name, world, data_bytes(grad, len(indices), output_split_sizes, input_split_sizes, world))
     return all_to_all_embedding_bag_backward_on(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes
     )
@@ -324,8 +336,11 @@ def protocol(
     interpreter, which cannot run two ranks at once."""
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     device, dtype = grad.device, grad.dtype
-    lay = _layout_of(grad, bag_size, output_split_sizes, input_split_sizes, rank, world)
-    dim, T = lay.dim, lay.tables
+    T = len(indices)
+    lay = _layout_of(grad, T, output_split_sizes, input_split_sizes, rank, world)
+    if why := bag_problem(lay.bags, offsets, bag_size, mode):
+        raise ValueError(f"fluxcompile: {OP}: {why}")
+    dim = lay.dim
     num_weights = [int(n) for n in num_weights]
     fp32 = dtype == torch.float32
     grads = [torch.zeros(n, dim, dtype=dtype, device=device) for n in num_weights]
