@@ -21,8 +21,8 @@ rank r: the fused choice (``triton:<variant>``, symmetric memory) against embedd
 pooled rows' gradients random: ``nccl`` (what ``nn.EmbeddingBag`` + ``all_to_all_single`` run: aten's
 ``_embedding_bag`` per table, ``cat``, NCCL all-to-all; NCCL all-to-all of the gradients, aten's dense
 ``_embedding_bag_backward`` per table), ``unfused`` (our kernels beside NCCL: the pooling kernel and the scatter
-of one rank, each NCCL all-to-all apart), ``fused`` (both fused ops, with the bookkeeping the rewrite adds to the
-forward for the backward: ``_embedding_bag`` per table over one column), ``fused-nobook`` (the same without it).
+of one rank, each NCCL all-to-all apart), ``fused`` (both fused ops, the forward with the bookkeeping a training
+graph's rewrite asks of it), ``fused-nobook`` (the same without it).
 Gradients compared with ``nccl``'s. Bar: fused <= 0.7 x nccl and < unfused at every world size.
 
 Writes ``dlrm-pool.json`` / ``dlrm-peers.json`` / ``dlrm-training-w<N>.json`` and a readable ``.txt`` of each into
@@ -377,13 +377,10 @@ class Training:
         p = self.p
         fwd = torch.ops.fluxcompile.embedding_bag_all_to_all.default
         bwd = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
-        fwd(p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name, choice=f"triton:{eb.DEFAULT}")
-        if book:
-            b = self._bookkeeping([w[:, :1] for w in p.weights])
-            o2b, sizes, maxi = [x[1] for x in b], [x[2] for x in b], [x[3] for x in b]
-        else:
-            none = [torch.empty(0, dtype=torch.int64, device=self.grad_out.device)] * len(self.rows)
-            o2b = sizes = maxi = none
+        _, o2b, sizes, maxi = fwd(p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name,
+                                  bookkeeping=book, choice=f"triton:{eb.DEFAULT}")  # fmt: skip
+        if not book:
+            o2b = sizes = maxi = [torch.empty(0, dtype=torch.int64, device=self.grad_out.device)] * len(self.rows)
         return bwd(self.grad_out, p.indices, p.offsets, o2b, sizes, maxi, self.rows, False, 0, [], [], self.name,
                    choice="triton")  # fmt: skip
 

@@ -85,10 +85,13 @@ row_index, accumulate) -> out``
     ``P`` = the sum of the matmuls (dense or per expert); ``Y = P.reshape(-1, N)``, or its rows put at
     ``row_index``; ``out = all_to_all_single(Y.reshape(out_shape))`` along dim 0. MoE combine.
 ``embedding_bag_all_to_all(weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes,
-input_split_sizes, group_name) -> out``
+input_split_sizes, group_name, bookkeeping) -> (out, offset2bag, bag_size, max_indices)``
     ``P = cat([embedding_bag(indices[t], weights[t], offsets[t], mode)[0] for t], dim=-1)`` (``[B, T * D]``,
     the layout of the pooled rows stacked along dim 1); ``out = all_to_all_single(P.reshape(out_shape))`` along
-    dim 0. ``mode`` is aten's: 0 sum, 1 mean, 2 max. The model-parallel embedding tables of DLRM.
+    dim 0. ``mode`` is aten's: 0 sum, 1 mean, 2 max. The model-parallel embedding tables of DLRM. With
+    ``bookkeeping`` (a training forward, set by the rewrite) also every table's ``offset2bag``, ``bag_size`` and
+    ``max_indices`` as aten's ``_embedding_bag`` makes them on the tables' device, for the backward; without it
+    three empty lists.
 ``all_to_all_embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights,
 scale_grad_by_freq, mode, output_split_sizes, input_split_sizes, group_name) -> weight_grads``
     Its backward: ``G = all_to_all_single(grad)`` along dim 0 (``grad`` ``[rows, T * D]``, the pooled rows'
@@ -159,7 +162,7 @@ _lib.define(
 _lib.define(
     "embedding_bag_all_to_all(Tensor[] weights, Tensor[] indices, Tensor[] offsets, int mode,"
     " bool include_last_offset, SymInt[] out_shape, SymInt[] output_split_sizes, SymInt[] input_split_sizes,"
-    ' str group_name, str choice="") -> Tensor'
+    ' str group_name, bool bookkeeping=False, str choice="") -> (Tensor, Tensor[], Tensor[], Tensor[])'
 )
 _lib.define(
     "all_to_all_embedding_bag_backward(Tensor grad, Tensor[] indices, Tensor[] offsets, Tensor[] offset2bag,"
@@ -512,6 +515,14 @@ def pooled_rows(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int, include_last_offset: bool
 ) -> Tensor:
     """``cat([embedding_bag(indices[t], weights[t], offsets[t], mode)[0] for t], dim=-1)``: ``[B, T * D]``."""
+    return _bags(weights, indices, offsets, mode, include_last_offset)[0]
+
+
+def _bags(
+    weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int, include_last_offset: bool
+) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    """The pooled rows side by side, and each table's bookkeeping (offset2bag, bag_size, max_indices) as aten's
+    ``_embedding_bag`` makes them."""
     if not weights or not len(weights) == len(indices) == len(offsets):
         raise ValueError(
             f"fluxcompile: need as many tables, index and offset tensors (>0), got {len(weights)}, {len(indices)} "
@@ -519,20 +530,23 @@ def pooled_rows(
         )
     if mode not in (0, 1, 2):
         raise ValueError(f"fluxcompile: embedding_bag mode {mode} is not 0 (sum), 1 (mean) or 2 (max)")
-    pooled = [
-        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset)[0]
+    bags = [
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset)
         for w, i, o in zip(weights, indices, offsets)
     ]
-    return torch.cat(pooled, dim=-1)
+    return torch.cat([b[0] for b in bags], dim=-1), *([b[k] for b in bags] for k in (1, 2, 3))
 
 
 @torch.library.impl(_lib, "embedding_bag_all_to_all", "CompositeExplicitAutograd")
 def _embedding_bag_all_to_all_ref(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name, choice="",
+    group_name, bookkeeping=False, choice="",
 ):  # fmt: skip
-    P = pooled_rows(weights, indices, offsets, mode, include_last_offset)
-    return _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
+    P, offset2bag, bag_size, max_indices = _bags(weights, indices, offsets, mode, include_last_offset)
+    out = _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
+    if not bookkeeping:
+        return out, [], [], []
+    return out, offset2bag, bag_size, max_indices
 
 
 @torch.library.impl(_lib, "all_to_all_embedding_bag_backward", "CompositeExplicitAutograd")
@@ -663,12 +677,20 @@ def _matmul_all_to_all_fake(
 @torch.library.register_fake("fluxcompile::embedding_bag_all_to_all")
 def _embedding_bag_all_to_all_fake(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name, choice="",
+    group_name, bookkeeping=False, choice="",
 ):  # fmt: skip
     shape = list(out_shape)
     if output_split_sizes:
         shape[0] = sum(output_split_sizes)
-    return weights[0].new_empty(shape)
+    out = weights[0].new_empty(shape)
+    if not bookkeeping:
+        return out, [], [], []
+    # aten's own shapes and dtypes of the bookkeeping (its meta function)
+    books = [
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset)
+        for w, i, o in zip(weights, indices, offsets)
+    ]
+    return out, *([b[k] for b in books] for k in (1, 2, 3))
 
 
 @torch.library.register_fake("fluxcompile::all_to_all_embedding_bag_backward")

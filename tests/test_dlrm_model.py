@@ -2,7 +2,7 @@
 one process, compiled with backend="fluxcompile" == eager, forward and backward (dense-input grad and every
 parameter's grad, the tables' dense grads included).
 
-The training forward's bags and exchange fuse (the backward's bookkeeping from a one-column bag), and so do the
+The training forward's bags and exchange fuse (the fused op makes the backward's bookkeeping), and so do the
 backward's exchange of the pooled gradients and the tables' embedding-bag backwards (issue 57). ``--inference``
 (the forward alone, no gradients) fuses its one graph.
 """

@@ -172,11 +172,11 @@ def test_dlrm_embedding_bags_fuse_in_inference(ranks, world):
 
 @pytest.mark.parametrize(("world", "mode"), [(2, "mean"), (2, "sum"), (4, "mean")])
 def test_dlrm_training_fuses_forward_and_backward(ranks, world, mode):
-    """The training forward fuses its bags and exchange (the backward's bookkeeping from a one-column bag), the
+    """The training forward fuses its bags and exchange (the fused op makes the backward's bookkeeping), the
     backward its exchange of the pooled gradients and the tables' embedding-bag backwards; the output and every
     table's gradient equal eager's."""
     for count, err, report in ranks(world).run(dlrm_case, True, mode):
-        assert count == 2 and "bookkeeping of 3 for the backward over one column" in report, report
+        assert count == 2 and "with the bookkeeping of 3 for the backward" in report, report
         assert "3 embedding bag backward(s)" in report, report
         assert err <= 1e-6, report
 

@@ -146,17 +146,28 @@ def references(dtype_name: str) -> list[str]:
     indices = [torch.randint(0, 5, (3 * ws,), generator=g) for _ in weights]
     offsets = [torch.arange(2 * ws) for _ in weights]  # the last bag holds the rest
     args = (weights, indices, offsets, 0, False, [2 * ws, 16], [2] * ws, [2] * ws, group)
-    out = ops.op("embedding_bag_all_to_all")(*args)
+    out, *book = ops.op("embedding_bag_all_to_all")(*args)
+    assert book == [[], [], []], book
     pooled = torch.cat([torch.nn.functional.embedding_bag(i, w, o, mode="sum") for w, i, o in zip(weights, indices, offsets)], 1)
     expected = torch.empty(2 * ws, 16, dtype=dtype)
     dist.all_to_all_single(expected, pooled.contiguous(), [2] * ws, [2] * ws)
     assert_close(out, expected, tol, "embedding_bag_all_to_all")
-    _check_fake("embedding_bag_all_to_all", args, out)
+    _check_fake("embedding_bag_all_to_all", args, (out, *book))
     # Equal splits as empty lists (a graph's all_to_all_single without split sizes).
     args = (weights, indices, offsets, 0, False, [2 * ws, 16], [], [], group)
-    out = ops.op("embedding_bag_all_to_all")(*args)
-    assert_close(out, expected, tol, "embedding_bag_all_to_all, equal splits as empty lists")
-    _check_fake("embedding_bag_all_to_all", args, out)
+    result = ops.op("embedding_bag_all_to_all")(*args)
+    assert_close(result[0], expected, tol, "embedding_bag_all_to_all, equal splits as empty lists")
+    _check_fake("embedding_bag_all_to_all", args, result)
+    # With the bookkeeping (a training forward): aten's own, table by table.
+    for mode in (0, 1):
+        args = (weights, indices, offsets, mode, False, [2 * ws, 16], [], [], group)
+        out, *book = ops.op("embedding_bag_all_to_all")(*args, bookkeeping=True)
+        for t, (w, i, o) in enumerate(zip(weights, indices, offsets)):
+            want = torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, False)
+            for k in (1, 2, 3):
+                assert torch.equal(book[k - 1][t], want[k]), f"bookkeeping output {k} of table {t}, mode {mode}"
+        if dtype == torch.float32:  # aten's CPU meta sizes a bf16 sum's offset2bag unlike its kernel (empty)
+            _check_fake("embedding_bag_all_to_all", args, (out, *book), bookkeeping=True)
     checked.append("embedding_bag_all_to_all")
 
     # all_to_all_embedding_bag_backward: the pooled rows' gradients back to the tables' owners, then each table's

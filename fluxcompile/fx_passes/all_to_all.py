@@ -225,21 +225,24 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     if isinstance(found, str):
         return found
     bags = found.bags
+    if found.bookkept and (why := embedding_bag.bookkeeping_problem(bags)):
+        return why
     args = ([b.args[0] for b in bags], [b.args[1] for b in bags], [b.args[2] for b in bags], found.mode,
             found.include_last_offset, list(shape(source)), out_splits, in_splits, group_name)  # fmt: skip
-    decision = decide(POOLED, args, group_name, cfg)
+    flags = {"bookkeeping": True} if found.bookkept else {}
+    decision = decide(POOLED, args, group_name, cfg, flags or None)
     if decision.keep:
         return decision.keep
     with graph.inserting_before(node):
-        for bag in found.bookkept:  # a training forward: the backward's bookkeeping, made apart
-            if why := embedding_bag.bookkeeping(graph, bag):
-                return why  # the nodes made so far are dead and go with Inductor's dead-code elimination
-        fused = call(graph, ops.op(POOLED), args, decision.kwargs())
-    wait.replace_all_uses_with(fused)
+        fused = call(graph, ops.op(POOLED), args, {**flags, **decision.kwargs()})
+        out = call(graph, operator.getitem, (fused, 0))
+        if flags and (why := embedding_bag.take_bookkeeping(graph, fused, bags)):
+            return why  # the nodes made so far are dead and go with Inductor's dead-code elimination
+    wait.replace_all_uses_with(out)
     experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
     note = f"; {decision.note}" if decision.note else ""
     mode = embedding_bag.mode_name(found.mode)
-    kept = f", the bookkeeping of {len(found.bookkept)} for the backward over one column" if found.bookkept else ""
+    kept = f", with the bookkeeping of {len(found.bookkept)} for the backward" if found.bookkept else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
                  f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
 

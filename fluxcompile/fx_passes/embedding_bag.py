@@ -4,10 +4,9 @@ backward, all_to_all_single -> embedding_bag backward per table => fluxcompile.a
 DLRM's model-parallel embeddings: every rank pools the global batch for its own tables, stacks the pooled rows
 (``stack(dim=1)`` or ``cat(dim=1)``: ``[B, T * D]`` either way) and sends each sample's row to the rank that owns
 the sample. A training graph also saves each bag's bookkeeping (``offset2bag``, ``bag_size``, ``max_indices``) for
-its backward: the rewrite then makes them with the same ``embedding_bag`` over the table's first column only (the
-bookkeeping does not depend on the columns in sum and mean pooling; aten's own conventions per device stay), so
-the pooling of the whole rows happens once, in the fused op. Max pooling's ``max_indices`` are per column: a
-training graph with max pooling keeps its ops.
+its backward: the fused op then makes them too (``bookkeeping``: its reference by aten's own ``_embedding_bag``,
+its pooling kernel as it pools, in aten's CUDA conventions), and the backward reads them from it. Max pooling's
+``max_indices`` are per column: a training graph with max pooling keeps its ops.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class EmbeddingBagMatch:
     chain: list[Node]  # reshapes between the stack and the exchange's input
     mode: int
     include_last_offset: bool
-    bookkept: list[Node]  # the bags whose bookkeeping (getitem 1..3) a backward reads: made apart (bookkeeping())
+    bookkept: list[Node]  # the bags whose bookkeeping (getitem 1..3) a backward reads: the fused op makes it
 
 
 def mode_name(mode: int) -> str:
@@ -79,22 +78,31 @@ def find_pooled(source: Node) -> EmbeddingBagMatch | str:
     return EmbeddingBagMatch(bags, parts, node, chain, mode, last.pop(), bookkept)
 
 
-def bookkeeping(graph: Graph, bag: Node) -> str | None:
-    """``bag``'s bookkeeping outputs that a backward reads, made by the same embedding_bag over the first column of
-    its table (inserted at the insertion point): its users read those instead. None when done, else why not (the
-    graph unchanged)."""
-    weight = bag.args[0]
-    column = call(graph, aten.slice.Tensor, (weight, 1, 0, 1))
-    kept = call(graph, bag.target, (column, *bag.args[1:]), dict(bag.kwargs))
+def bookkeeping_problem(bags: list[Node]) -> str | None:
+    """Why the fused op cannot make these bags' bookkeeping (None if it can): aten's CUDA forward promotes mixed
+    index and offset dtypes to int64 where its meta function keeps the indices' dtype."""
+    for b in bags:
+        i, o = val(b.args[1]), val(b.args[2])
+        if i is None or o is None or i.dtype != o.dtype:
+            return f"a training embedding_bag ({b.name}) with indices and offsets of different dtypes"
+    return None
+
+
+def take_bookkeeping(graph: Graph, fused: Node, bags: list[Node]) -> str | None:
+    """The fused op's bookkeeping (outputs 1..3: lists by table) in place of each bag's getitem 1..3 that a backward
+    reads (inserted at the insertion point). None when done, else why not (the graph unchanged but for dead nodes,
+    which Inductor's dead-code elimination takes)."""
+    lists = {k: call(graph, operator.getitem, (fused, k)) for k in (1, 2, 3)}
     swaps = []
-    for u in bag.users:
-        if u.args[1] == 0 or not u.users:
-            continue
-        new = call(graph, operator.getitem, (kept, u.args[1]))
-        old_val, new_val = val(u), val(new)
-        if old_val is None or new_val is None or old_val.shape != new_val.shape or old_val.dtype != new_val.dtype:
-            return f"the bookkeeping of {bag.name} over one column is not shaped as over the whole rows"
-        swaps.append((u, new))
+    for t, bag in enumerate(bags):
+        for u in bag.users:
+            if u.args[1] == 0 or not u.users:
+                continue
+            new = call(graph, operator.getitem, (lists[u.args[1]], t))
+            old_val, new_val = val(u), val(new)
+            if old_val is None or new_val is None or old_val.shape != new_val.shape or old_val.dtype != new_val.dtype:
+                return f"the fused op's bookkeeping of {bag.name} is not shaped as aten's"
+            swaps.append((u, new))
     for u, new in swaps:
         u.replace_all_uses_with(new)
     return None

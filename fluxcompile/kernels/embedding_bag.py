@@ -29,6 +29,10 @@ and CUDA graphs replay it (everything lives on the device). Receive buffers alte
 a sender can be at most one call ahead of a receiver (its next call follows its own wait, which needed the
 receiver's signals of this call, sent after the receiver's previous copy-out).
 
+With ``BOOK`` (a training forward) the pooling kernel also writes what aten's CUDA ``_embedding_bag`` gives its
+backward: each bag's size and, for each index position, its bag (``offset2bag``), in the indices' dtype; no
+extra launch, and no index is read for it.
+
 :func:`publish_kernel` and :func:`fetch_offsets_kernel` (unequal splits): every rank publishes the exclusive prefix
 of what it receives per source (``my_prefix``) in its flag workspace (half ``epoch % 2``) with the epoch in a flag;
 then reads, from every peer ``r``, the entry for itself once ``r``'s flag has reached the epoch: ``dst_off[r]``.
@@ -100,10 +104,10 @@ def name_of(v: Variant) -> str:
 
 @triton.jit(do_not_specialize=["B", "T", "rank", "world", "rot"])
 def pool_kernel(
-    tables, out, peer_data, peer_counters, dst_off, src_start, state,
+    tables, out, peer_data, peer_counters, dst_off, src_start, state, book,
     B, T, D, parity_elems, rank, world, rot,
     MODE: tl.constexpr, LAST: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIGNAL: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
+    ALIGNED: tl.constexpr, BOOK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     dtype = out.dtype.element_ty
     pid = tl.program_id(0)
@@ -135,6 +139,19 @@ def pool_kernel(
         end = tl.where(nxt < B, end, n_idx)
     lens = tl.where(bmask, tl.maximum(end - start, 0), 0)
     max_len = tl.max(lens, axis=0).to(tl.int32)
+    if BOOK:  # the backward's bookkeeping, in the indices' dtype: each bag's size, each position's bag
+        if IDX64:
+            sizes = tl.load(book + T + t).to(tl.pointer_type(tl.int64))
+            o2b = tl.load(book + t).to(tl.pointer_type(tl.int64))
+        else:
+            sizes = tl.load(book + T + t).to(tl.pointer_type(tl.int32))
+            o2b = tl.load(book + t).to(tl.pointer_type(tl.int32))
+        ty = sizes.dtype.element_ty
+        tl.store(sizes + bags, lens.to(ty), mask=bmask)
+        for j in range(0, max_len, UNROLL):
+            pos = j + tl.arange(0, UNROLL)
+            pm = pos[None, :] < lens[:, None]
+            tl.store(o2b + start[:, None] + pos[None, :], (bags[:, None] + 0 * pos[None, :]).to(ty), mask=pm)
 
     # Where each bag's pooled row goes: its chunk's rank r, the element offset in r's output.
     seg = bags.to(tl.int64) * T + t
@@ -292,6 +309,7 @@ def pool(
     parity_elems: int = 0,
     rot_segment: int | None = None,
     aligned: bool = False,
+    book: torch.Tensor | None = None,
 ) -> None:
     """Launch :func:`pool_kernel`. ``tables``: int64 ``[4, T]`` (weight, indices, offsets addresses; index counts);
     ``out``: this rank's output (contiguous, the tables' dtype); ``dst_off`` int64 ``[world]``, ``src_start`` int64
@@ -299,7 +317,10 @@ def pool(
     (addresses of every rank's receive buffer and counter array), ``state`` (this rank's int64 ``[1 + MAX_WORLD]``),
     ``parity_elems`` (elements of a receive buffer's half). ``rot_segment``: the segment whose bag block goes
     first (None: bag 0). ``aligned``: every table's address and ``dim`` are multiples of 16 (bytes and elements),
-    so are ``out``'s, every receive buffer's and ``parity_elems``: the kernel vectorizes its loads and stores."""
+    so are ``out``'s, every receive buffer's and ``parity_elems``: the kernel vectorizes its loads and stores.
+    ``book``: int64 ``[2, T]``, every table's offset2bag and bag_size addresses (the indices' dtype, which the
+    offsets share): the kernel writes each position's bag and each bag's size there, as aten's CUDA
+    ``_embedding_bag`` does for its backward."""
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag pooling: mode {mode} (0 sum and 1 mean only)")
     signal = world > 1
@@ -316,10 +337,10 @@ def pool(
     pool_kernel[(nb, num_tables)](
         tables, out,
         peer_data if signal else dummy, peer_counters if signal else dummy,
-        dst_off, src_start, state if signal else dummy,
+        dst_off, src_start, state if signal else dummy, book if book is not None else dummy,
         num_bags, num_tables, dim, parity_elems, rank, world, rot,
         MODE=mode, LAST=bool(include_last_offset), IDX64=index_dtype == torch.int64,
-        OFF64=offset_dtype == torch.int64, SIGNAL=signal, ALIGNED=bool(aligned),
+        OFF64=offset_dtype == torch.int64, SIGNAL=signal, ALIGNED=bool(aligned), BOOK=book is not None,
         BLOCK_B=variant.block_b, BLOCK_D=block_d, UNROLL=variant.unroll, num_warps=variant.num_warps,
     )  # fmt: skip
 

@@ -249,6 +249,37 @@ def test_wait_times_out_into_error_words():
         _run(harness, fn)
 
 
+def _same_bookkeeping(got: list, want: list, bags: int, what: str) -> None:
+    """The pooling kernel's offset2bag and bag sizes (the first ``bags``: aten leaves the one of the last offset
+    unwritten) equal aten's, table by table; max_indices alike in shape and dtype."""
+    assert len(got) == len(want) == 3 and len(got[0]) == len(want[0]), f"{what}: bookkeeping lists"
+    for t in range(len(got[0])):
+        assert torch.equal(got[0][t], want[0][t]), f"{what}: offset2bag of table {t}"
+        assert got[1][t].shape == want[1][t].shape and got[1][t].dtype == want[1][t].dtype, f"{what}: bag_size {t}"
+        assert torch.equal(got[1][t][:bags], want[1][t][:bags]), f"{what}: bag_size of table {t}"
+        assert got[2][t].shape == want[2][t].shape and got[2][t].dtype == want[2][t].dtype, f"{what}: max_indices {t}"
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("last", [False, True])
+def test_bookkeeping_one_rank(mode, idx_dtype, last, monkeypatch):
+    """A Triton choice with ``bookkeeping`` on a group of one: the pooled rows and aten's CUDA bookkeeping, ragged
+    bags with empty ones."""
+    g = torch.Generator().manual_seed(17 + mode)
+    x = Rank(g, 3, 200, 64, torch.bfloat16, idx_dtype, last, 9, 700)
+    monkeypatch.setitem(lo._group_sizes, "one", 1)
+    run, _ = lo.make(eb.DEFAULT)
+    for call in range(2):
+        x.refresh()
+        poison_allocator(1 << 26)
+        out, *book = run(x.weights, x.indices, x.offsets, mode, last, [200, 3 * 64], [], [], "one", bookkeeping=True)
+        assert_close(out, x.pooled(mode), TOL[torch.bfloat16], f"bookkeeping call {call}")
+        want = [torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, last)
+                for w, i, o in zip(x.weights, x.indices, x.offsets)]  # fmt: skip
+        _same_bookkeeping(book, [[w[k] for w in want] for k in (1, 2, 3)], 200, f"one rank call {call}")
+
+
 @pytest.mark.peers
 def test_registered_choice_between_processes():
     """The op with the compiled choice ``triton:<variant>`` between this run's processes (one rank per GPU: real
@@ -266,9 +297,10 @@ def test_registered_choice_between_processes():
             for call in range(3):
                 x.refresh()
                 poison_allocator(1 << 26)
-                got = op(*args, choice=f"triton:{variant}")
-                want = op(*args, choice="reference")
+                got, *book = op(*args, bookkeeping=call == 1, choice=f"triton:{variant}")
+                want, *want_book = op(*args, bookkeeping=call == 1, choice="reference")
                 assert_close(got, want, TOL[dtype], f"rank {rank} {dtype} {variant} call {call}")
+                _same_bookkeeping(book, want_book, x.bags, f"rank {rank} {dtype} {variant} call {call}")
         torch.cuda.synchronize()
         errors = cached_comm(group.group_name, lo.TAG).errors.err.tolist() if world > 1 else [0] * eb.ERR_WORDS
         assert not errors[0], eb.error_message(errors, "registered choice")

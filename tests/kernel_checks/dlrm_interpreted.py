@@ -60,6 +60,16 @@ def reference(weights, indices, offsets, mode, last) -> torch.Tensor:
     )
 
 
+def bookkeeping_of(indices: torch.Tensor, offsets: torch.Tensor, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's bag and each bag's size, by hand."""
+    starts = offsets[:bags].long()
+    ends = torch.cat([offsets[1:bags].long(), torch.tensor([indices.numel()])]) if offsets.numel() == bags else (
+        offsets[1 : bags + 1].long()
+    )  # fmt: skip
+    sizes = (ends - starts).clamp_min(0)
+    return torch.repeat_interleave(torch.arange(bags), sizes), sizes
+
+
 class Case:
     """One rank's operands."""
 
@@ -99,6 +109,20 @@ def check_pool(g, results: dict) -> None:
                 )  # fmt: skip
                 key = f"one rank {name}"
                 results[key] = max(results.get(key, 0.0), rel(full, ref) / TOL[dtype] * 1e-5)
+                if it == ot:  # the bookkeeping (indices and offsets of one dtype): each position's bag, bag sizes
+                    book = lo.bookkeeping_tensors(c.indices, c.offsets)
+                    for t in book[1]:
+                        t.fill_(-7)  # the last offset's bag size stays unwritten, as aten leaves it
+                    lo.embedding_bag_all_to_all_on(
+                        None, c.weights, c.indices, c.offsets, mode, last, [bags, len(rows) * dim], [], [], book=book
+                    )  # fmt: skip
+                    ok = all(
+                        torch.equal(o2b.long(), want_o2b) and torch.equal(size[:bags].long(), want_size)
+                        and (not last or int(size[-1]) == -7) and m.numel() == 0 and o2b.dtype == it
+                        for o2b, size, m, (want_o2b, want_size) in zip(*book, (
+                            bookkeeping_of(i, o, bags) for i, o in zip(c.indices, c.offsets)))
+                    )  # fmt: skip
+                    results[f"bookkeeping {name}"] = 0.0 if ok else float("inf")
 
 
 class Ranks:

@@ -4,7 +4,8 @@ autotuner for one choice per call signature (identically on every rank) and runs
 Choices, in registration order:
 * ``triton:<variant>`` (triton.py; family ``dlrm``): the Triton pooling kernel of
   kernels/embedding_bag.py, which stores every pooled row straight into its owner's output (one launch for all
-  tables), counters per (source, destination) pair, a bounded wait and a copy out of the receive buffer;
+  tables; with ``bookkeeping`` it also writes the backward's offset2bag and bag sizes), counters per (source,
+  destination) pair, a bounded wait and a copy out of the receive buffer;
 * ``reference`` (``embedding_bag`` per table + ``cat`` + NCCL ``all_to_all_single``, registered by
   lowerings/choices.py).
 """
@@ -31,11 +32,16 @@ if triton.eb is not None:
 def embedding_bag_all_to_all_cuda(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
-    input_split_sizes: Sequence[int], group_name: str, choice: str = "",
-) -> Tensor:  # fmt: skip
-    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature."""
+    input_split_sizes: Sequence[int], group_name: str, bookkeeping: bool = False, choice: str = "",
+) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (with the
+    bookkeeping tuned apart)."""
     args = (
         list(weights), list(indices), list(offsets), mode, include_last_offset, list(out_shape),
         list(output_split_sizes), list(input_split_sizes), group_name,
     )  # fmt: skip
-    return pick(OP, args, group_name, compiled=choice).fn(*args)
+    flags = _BOOKKEEPING if bookkeeping else {}
+    return pick(OP, args, group_name, compiled=choice, kwargs=flags).fn(*args, **flags)
+
+
+_BOOKKEEPING = {"bookkeeping": True}

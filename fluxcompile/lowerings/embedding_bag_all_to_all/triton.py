@@ -282,13 +282,30 @@ def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]
         raise ValueError(f"fluxcompile: no embedding-bag variant {variant!r}")
 
     def run(weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-            group_name):  # fmt: skip
-        return embedding_bag_all_to_all(
+            group_name, bookkeeping=False):  # fmt: skip
+        book = bookkeeping_tensors(indices, offsets) if bookkeeping else None
+        out = embedding_bag_all_to_all(
             weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-            group_name, variant=variant,
+            group_name, variant=variant, book=book,
         )  # fmt: skip
+        return (out, [], [], []) if book is None else (out, *book)
 
     return run, supports
+
+
+def bookkeeping_tensors(
+    indices: Sequence[Tensor], offsets: Sequence[Tensor]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
+    """Every table's offset2bag, bag_size and max_indices as aten's CUDA ``_embedding_bag`` allocates them in sum
+    and mean pooling (the indices' dtype; one bag size per offset; no max indices), for the pooling kernel to fill
+    (the last bag size is left unwritten with ``include_last_offset``, as aten leaves it)."""
+    if any(i.dtype != o.dtype for i, o in zip(indices, offsets)):
+        raise ValueError(f"fluxcompile: {OP}: the bookkeeping of indices and offsets of different dtypes")
+    return (
+        [torch.empty(i.numel(), dtype=i.dtype, device=i.device) for i in indices],
+        [torch.empty(o.numel(), dtype=i.dtype, device=i.device) for i, o in zip(indices, offsets)],
+        [torch.empty(0, dtype=i.dtype, device=i.device) for i in indices],
+    )
 
 
 # --- the protocol -------------------------------------------------------------------------------------------------
@@ -309,6 +326,7 @@ def embedding_bag_all_to_all(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], group_name: str, *, variant: str | eb.Variant = "",
+    book: tuple[Sequence[Tensor], ...] | None = None,
 ) -> Tensor:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -318,7 +336,7 @@ def embedding_bag_all_to_all(
         comm = group_comm(group_name, world, lay.data_bytes(weights[0].element_size()))
     return embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-        variant=variant,
+        variant=variant, book=book,
     )  # fmt: skip
 
 
@@ -376,13 +394,15 @@ def embedding_bag_all_to_all_on(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
+    book: tuple[Sequence[Tensor], ...] | None = None,
 ) -> Tensor:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
     call. The protocol of the module's docstring, on the current stream. ``variant``: a name of ``VARIANTS``
-    (default: ``DEFAULT``) or a ``Variant``."""
+    (default: ``DEFAULT``) or a ``Variant``. ``book``: the bookkeeping's tensors (:func:`bookkeeping_tensors`),
+    which the pooling kernel fills."""
     steps = protocol(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-        variant=variant, max_spin=max_spin,
+        variant=variant, max_spin=max_spin, book=book,
     )  # fmt: skip
     while True:
         try:
@@ -395,6 +415,7 @@ def protocol(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
+    book: tuple[Sequence[Tensor], ...] | None = None,
 ) -> Generator[str, None, Tensor]:  # fmt: skip
     """:func:`embedding_bag_all_to_all_on` as a generator that yields the name of each launch after it (its value
     is the output): the CPU tests run every simulated rank's launches in lockstep in Triton's interpreter, which
@@ -418,6 +439,7 @@ def protocol(
         mode=mode, include_last_offset=include_last_offset, index_dtype=indices[0].dtype,
         offset_dtype=offsets[0].dtype, variant=v, aligned=aligned,
         src_start=device_table(lay.src_start, device),
+        book=None if book is None else device_table(tuple(t.data_ptr() for t in (*book[0], *book[1])), device),
     )  # fmt: skip
     if world == 1:
         eb.pool(tables, out, lay.bags, lay.tables, dim, dst_off=device_table((0,), device), **common)
