@@ -55,7 +55,8 @@ def test_kernels_in_interpreter():
 def test_scatter_compiles_for_sm90(dtype, mode, tmp_path, monkeypatch):
     """The scatter's adds are fp32 reductions at GPU scope, relaxed (no fence per add)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    const = dict(MODE=mode, IDX64=True, OFF64=False, ABS=mode == 1, BLOCK_B=ebb.BLOCK_B, BLOCK_D=128)
+    const = dict(MODE=mode, IDX64=True, OFF64=False, SIZE64=dtype != "bf16", ABS=mode == 1, BLOCK_B=ebb.BLOCK_B,
+                 BLOCK_D=128)  # fmt: skip
     types = {
         "tables": "*i64", "dst": "*i64", "like": f"*{dtype}", "peer_send": "*i64", "src_off": "*i64",
         "recv_start": "*i64", "state": "*i64", "parity_elems": "i64",

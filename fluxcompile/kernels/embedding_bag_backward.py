@@ -111,8 +111,8 @@ def fetch_kernel(
 @triton.jit(do_not_specialize=["B", "T", "TD", "parity_elems", "world", "rot"])
 def scatter_kernel(
     tables, dst, like, peer_send, src_off, recv_start, state, B, T, D, TD, parity_elems, world, rot,
-    MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, ABS: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIZE64: tl.constexpr, ABS: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Every (block of bags, table): the bags' gradient rows from their sources, added at the bags' indices into
     ``dst[t]`` (fp32). ``tables`` int64 ``[5, T]``: indices, offsets and bag-size addresses, index and offset
@@ -148,7 +148,10 @@ def scatter_kernel(
     lens = tl.where(bmask, tl.maximum(end - start, 0), 0)
     max_len = tl.max(lens, axis=0).to(tl.int32)
     if MODE == 1:
-        s_ptr = tl.load(tables + 2 * T + t).to(tl.pointer_type(tl.int64))
+        if SIZE64:
+            s_ptr = tl.load(tables + 2 * T + t).to(tl.pointer_type(tl.int64))
+        else:
+            s_ptr = tl.load(tables + 2 * T + t).to(tl.pointer_type(tl.int32))
         size = tl.load(s_ptr + bags, mask=bmask, other=1)
         scale = 1.0 / tl.maximum(size, 1).to(tl.float32)
 
@@ -246,7 +249,8 @@ def wait(peer_ready: torch.Tensor, state: torch.Tensor, err: torch.Tensor, max_s
 
 def scatter(
     tables: torch.Tensor, dst: torch.Tensor, like: torch.Tensor, num_bags: int, num_tables: int, dim: int, *,
-    mode: int, index_dtype: torch.dtype, offset_dtype: torch.dtype, peer_send: torch.Tensor, src_off: torch.Tensor,
+    mode: int, index_dtype: torch.dtype, offset_dtype: torch.dtype, size_dtype: torch.dtype = torch.int64,
+    peer_send: torch.Tensor, src_off: torch.Tensor,
     recv_start: torch.Tensor, state: torch.Tensor, parity_elems: int, row_elems: int, world: int,
     rot_bag: int = 0, absolute: bool = False,
 ) -> None:  # fmt: skip
@@ -261,7 +265,8 @@ def scatter(
     scatter_kernel[(nb, num_tables)](
         tables, dst, like, peer_send, src_off, recv_start, state, num_bags, num_tables, dim, row_elems,
         parity_elems, world, (rot_bag // BLOCK_B) % nb,
-        MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64, ABS=bool(absolute),
+        MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64,
+        SIZE64=size_dtype == torch.int64, ABS=bool(absolute),
         BLOCK_B=BLOCK_B,
         BLOCK_D=column_block(dim), num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -320,10 +320,11 @@ class Owner:
         self.n_idx = [bags * 3 + t for t in range(tables)]
         self.indices = [torch.zeros(n, dtype=idx_dtype, device="cuda") for n in self.n_idx]
         self.offsets = [torch.zeros(bags + int(last), dtype=idx_dtype, device="cuda") for _ in range(tables)]
-        # aten's CUDA forward gives one bag size per offset (one more with include_last_offset)
-        self.bag_size = [torch.zeros(bags + int(last), dtype=torch.int64, device="cuda") for _ in range(tables)]
-        self.offset2bag = [torch.zeros(n, dtype=torch.int64, device="cuda") for n in self.n_idx]
-        self.max_indices = [torch.zeros(bags + int(last), dtype=torch.int64, device="cuda") for _ in range(tables)]
+        # aten's CUDA forward: the indices' dtype, one bag size per offset (one more with include_last_offset), no
+        # max indices in sum and mean pooling
+        self.bag_size = [torch.zeros(bags + int(last), dtype=idx_dtype, device="cuda") for _ in range(tables)]
+        self.offset2bag = [torch.zeros(n, dtype=idx_dtype, device="cuda") for n in self.n_idx]
+        self.max_indices = [torch.zeros(0, dtype=idx_dtype, device="cuda") for _ in range(tables)]
         self.grad = torch.zeros(rows, tables * dim, dtype=dtype, device="cuda")
         self.refresh()
 

@@ -61,7 +61,7 @@ class Tables:
             self.indices.append(idx.to(idx_dtype))
             self.offsets.append(offs.to(off_dtype))
             self.offset2bag.append(o2b)
-            self.bag_size.append(size)
+            self.bag_size.append(size.to(idx_dtype))  # as aten's CUDA forward: the indices' dtype
             self.max_indices.append(maxi)
 
     def reference(self, G: torch.Tensor) -> list[torch.Tensor]:
@@ -69,7 +69,7 @@ class Tables:
         per = G.float().view(G.shape[0], len(self.rows), -1)
         return [
             torch.ops.aten._embedding_bag_backward(
-                per[:, t], self.indices[t].long(), self.offsets[t].long(), self.offset2bag[t], self.bag_size[t],
+                per[:, t], self.indices[t].long(), self.offsets[t].long(), self.offset2bag[t], self.bag_size[t].long(),
                 self.max_indices[t], n, False, self.mode, False, None,
             )
             for t, n in enumerate(self.rows)

@@ -188,8 +188,10 @@ def check_operands(
         return "offsets that are not 1-D int32/int64"
     if any(i.dtype != indices[0].dtype for i in indices) or any(o.dtype != offsets[0].dtype for o in offsets):
         return "index or offset tensors of mixed dtypes"
-    if any(s.dim() != 1 or s.dtype != torch.int64 for s in bag_size):
-        return "bag sizes that are not 1-D int64"
+    if any(s.dim() != 1 or s.dtype not in ebb.INDEX_DTYPES for s in bag_size):
+        return "bag sizes that are not 1-D int32/int64"
+    if any(s.dtype != bag_size[0].dtype for s in bag_size):
+        return "bag sizes of mixed dtypes"
     if any(not t.is_contiguous() for t in (*indices, *offsets, *bag_size)):
         return "non-contiguous indices, offsets or bag sizes"
     if any(o.numel() != offsets[0].numel() for o in offsets):
@@ -358,7 +360,7 @@ def protocol(
         ebb.rows(tables, dst, out_table, grad, max_idx, T, dim, cast=False, **kinds)
         yield "zero"
     scatter = dict(
-        mode=mode, offset_dtype=offsets[0].dtype, recv_start=device_table(lay.recv_start, device),
+        mode=mode, offset_dtype=offsets[0].dtype, size_dtype=bag_size[0].dtype, recv_start=device_table(lay.recv_start, device),
         row_elems=lay.row_elems, world=world, **kinds,
     )  # fmt: skip
     if world == 1:
