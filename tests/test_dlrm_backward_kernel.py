@@ -206,3 +206,24 @@ def test_error_message_words():
     msg = ebb.error_message([1, 3, 5, 7, 7, ebb.KIND_READY], "op")
     assert msg.startswith("fluxcompile: op: rank 3 timed out in call 7 waiting for rank 5's staged gradients"), msg
     assert "published split offsets" in ebb.error_message([1, 0, 1, 2, 2, ebb.KIND_OFFSETS], "op")
+
+
+def test_compile_time_samples_are_bags_like_a_real_calls():
+    """decide.py tunes on materialized operands (integers as zeros: one bag of row 0); the DLRM ops' sample
+    functions make equal bags over random rows, and the backward's bookkeeping as aten's forward makes it."""
+    from fluxcompile.lowerings.choices import sample
+
+    w = [torch.zeros(50, 8), torch.zeros(30, 8)]
+    i = [torch.zeros(40, dtype=torch.int32), torch.zeros(41, dtype=torch.long)]
+    o = [torch.zeros(5, dtype=torch.int32), torch.zeros(5, dtype=torch.long)]
+    sample("embedding_bag_all_to_all", (w, i, o, 0, True, [4, 16], [], [], "g"))
+    assert o[0].tolist() == [0, 10, 20, 30, 40] and o[1].tolist() == [0, 10, 20, 30, 41]
+    assert int(i[0].max()) < 50 and int(i[1].max()) < 30 and len(set(i[0].tolist())) > 10
+    o2b = [torch.zeros(40, dtype=torch.int32), torch.zeros(41, dtype=torch.long)]
+    sizes = [torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.long)]
+    args = (torch.zeros(4, 16), i, o, o2b, sizes, [], [50, 30], False, 1, [], [], "g")
+    sample(OP, args)
+    for t in range(2):
+        _, want_o2b, want_sizes, _ = torch.ops.aten._embedding_bag(w[t], i[t].long(), o[t].long(), False, 1, False,
+                                                                   None, True)  # fmt: skip
+        assert torch.equal(o2b[t].long(), want_o2b) and torch.equal(sizes[t][:4].long(), want_sizes), t

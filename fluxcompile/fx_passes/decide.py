@@ -135,9 +135,12 @@ def _pick(
     """The autotuner's choice for the site's arguments made real (sizes substituted by ``subs``), called with
     ``kwargs`` as the fused op's implementation will call its choices."""
     from ..lowerings import pick
+    from ..lowerings.choices import sample
 
     return _on_fresh_thread(
-        lambda: pick(op_name, tuple(_materialize(args, subs)), group_name, kwargs=kwargs, decomposed=True).name,
+        lambda: pick(
+            op_name, sample(op_name, tuple(_materialize(args, subs))), group_name, kwargs=kwargs, decomposed=True
+        ).name,
         device,
     )
 

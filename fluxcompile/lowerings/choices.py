@@ -86,6 +86,22 @@ def choices_for(op_name: str) -> list[Choice]:
     return sorted(allowed, key=lambda c: order.get(c.family, len(order)))
 
 
+# op name -> a function that makes a site's materialized operands look like a real call's where zeros would not
+# (fx_passes/decide.py tunes on them): the DLRM ops' indices and offsets.
+_SAMPLES: dict[str, Callable[[tuple], tuple]] = {}
+
+
+def register_sample(op_name: str, fn: Callable[[tuple], tuple]) -> None:
+    """``fn(args) -> args``: the op's compile-time tuning operands made realistic (in place or new)."""
+    _SAMPLES[op_name] = fn
+
+
+def sample(op_name: str, args: tuple) -> tuple:
+    """``args`` through the op's registered sample function (unchanged where it has none)."""
+    fn = _SAMPLES.get(op_name)
+    return fn(args) if fn is not None else args
+
+
 # The ops whose matmuls may be scaled (fp8, ops.py "Scaled matmuls").
 SCALABLE_OPS: tuple[str, ...] = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce_rmsnorm")
 

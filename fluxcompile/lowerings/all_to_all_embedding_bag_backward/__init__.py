@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..autotune import pick
-from ..choices import Choice, register_choice
+from ..bag_samples import bag_of_positions, bag_sizes, even_bags
+from ..choices import Choice, register_choice, register_sample
 from ..direct_calls import cuda_impl
 from . import triton
 
@@ -39,3 +40,21 @@ def all_to_all_embedding_bag_backward_cuda(
         scale_grad_by_freq, mode, list(output_split_sizes), list(input_split_sizes), group_name,
     )  # fmt: skip
     return pick(OP, args, group_name, compiled=choice).fn(*args)
+
+
+def _sample(args: tuple) -> tuple:
+    """Compile-time tuning operands: every table's bags of equal length over random rows (bag_samples.py), with
+    the bookkeeping that matches them (each position's bag, each bag's size)."""
+    grad, indices, offsets, offset2bag, bag_size, _, num_weights = args[:7]
+    output_split_sizes = args[9]
+    bags = sum(output_split_sizes) if output_split_sizes else grad.shape[0]
+    for t, (i, o) in enumerate(zip(indices, offsets)):
+        even_bags(i, o, int(num_weights[t]), bags)
+        if offset2bag[t].numel() == i.numel():
+            offset2bag[t].copy_(bag_of_positions(i.numel(), bags, i.device))
+        if bag_size[t].numel() >= bags:
+            bag_size[t][:bags].copy_(bag_sizes(i.numel(), bags, i.device))
+    return args
+
+
+register_sample(OP, _sample)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..autotune import pick
-from ..choices import Choice, register_choice
+from ..bag_samples import even_bags
+from ..choices import Choice, register_choice, register_sample
 from ..direct_calls import cuda_impl
 from . import triton
 
@@ -45,3 +46,14 @@ def embedding_bag_all_to_all_cuda(
 
 
 _BOOKKEEPING = {"bookkeeping": True}
+
+
+def _sample(args: tuple) -> tuple:
+    """Compile-time tuning operands: every table's bags of equal length over random rows (bag_samples.py)."""
+    weights, indices, offsets, _, last = args[:5]
+    for w, i, o in zip(weights, indices, offsets):
+        even_bags(i, o, w.shape[0], o.numel() - int(last))
+    return args
+
+
+register_sample(OP, _sample)
