@@ -52,6 +52,7 @@ class DemoArgs:
     pooling: str = "sum"  # "sum" | "mean"
     interaction: str = "dot"  # "dot" | "cat"
     inference: bool = False  # dlrm: the forward alone, without gradients (its inference form)
+    padding_idx: int | None = None  # dlrm: the tables' padding index (nn.EmbeddingBag's)
 
 
 @dataclasses.dataclass
@@ -224,6 +225,7 @@ def dlrm_args(a: DemoArgs):
         top_mlp=(a.ffn, max(1, a.ffn // 2)),
         mode=a.pooling,
         interaction=a.interaction,
+        padding_idx=a.padding_idx,
     )
 
 
@@ -487,6 +489,9 @@ def parser() -> argparse.ArgumentParser:
         "--pooling", choices=("sum", "mean"), default=d.pooling, help="embedding bag pooling (default: %(default)s)"
     )
     dlrm.add_argument(
+        "--padding-idx", type=int, default=d.padding_idx, help="the tables' padding index (default: none)"
+    )
+    dlrm.add_argument(
         "--inference",
         action="store_true",
         help="run the forward alone, without gradients: the inference form (default: a training step)",
@@ -529,6 +534,7 @@ def parse(argv: list[str]) -> tuple[DemoArgs, str]:
     args.capacity_factor, args.expert_form = ns.capacity_factor, ns.expert_form
     args.tables, args.rows, args.bag_size, args.dense_in = ns.tables, ns.rows, ns.bag_size, ns.dense_in
     args.pooling, args.interaction, args.inference = ns.pooling, ns.interaction, ns.inference
+    args.padding_idx = ns.padding_idx
     return args, backend
 
 

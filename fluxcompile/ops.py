@@ -91,13 +91,14 @@ input_split_sizes, group_name, bookkeeping) -> (out, offset2bag, bag_size, max_i
     dim 0. ``mode`` is aten's: 0 sum, 1 mean, 2 max. The model-parallel embedding tables of DLRM. With
     ``bookkeeping`` (a training forward, set by the rewrite) also every table's ``offset2bag``, ``bag_size`` and
     ``max_indices`` as aten's ``_embedding_bag`` makes them on the tables' device, for the backward; without it
-    three empty lists.
+    three empty lists. ``padding_idx`` as aten's (-1: none).
 ``all_to_all_embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights,
 scale_grad_by_freq, mode, output_split_sizes, input_split_sizes, group_name) -> weight_grads``
     Its backward: ``G = all_to_all_single(grad)`` along dim 0 (``grad`` ``[rows, T * D]``, the pooled rows'
     gradients on the samples' owners); ``weight_grads[t] = _embedding_bag_backward(G.view(-1, T, D)[:, t],
     indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t], scale_grad_by_freq, mode)``
-    (dense gradients, no per-sample weights, no padding index): the tables' gradients on their owner.
+    (dense gradients, no per-sample weights; ``padding_idx`` as aten's, -1 none): the tables' gradients on their
+    owner.
 ``all_reduce_rmsnorm(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op,
 group_name) -> (h, normed)``
     The decoder layer's tail after a row-parallel projection: ``r = all_reduce(x if x is given else
@@ -162,12 +163,14 @@ _lib.define(
 _lib.define(
     "embedding_bag_all_to_all(Tensor[] weights, Tensor[] indices, Tensor[] offsets, int mode,"
     " bool include_last_offset, SymInt[] out_shape, SymInt[] output_split_sizes, SymInt[] input_split_sizes,"
-    ' str group_name, bool bookkeeping=False, str choice="") -> (Tensor, Tensor[], Tensor[], Tensor[])'
+    ' str group_name, bool bookkeeping=False, int padding_idx=-1, str choice="")'
+    " -> (Tensor, Tensor[], Tensor[], Tensor[])"
 )
 _lib.define(
     "all_to_all_embedding_bag_backward(Tensor grad, Tensor[] indices, Tensor[] offsets, Tensor[] offset2bag,"
     " Tensor[] bag_size, Tensor[] max_indices, SymInt[] num_weights, bool scale_grad_by_freq, int mode,"
-    ' SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, str choice="") -> Tensor[]'
+    ' SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, int padding_idx=-1, str choice="")'
+    " -> Tensor[]"
 )
 _lib.define(
     "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
@@ -519,8 +522,9 @@ def pooled_rows(
 
 
 def _bags(
-    weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int, include_last_offset: bool
-) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
+    include_last_offset: bool, padding_idx: int = -1,
+) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
     """The pooled rows side by side, and each table's bookkeeping (offset2bag, bag_size, max_indices) as aten's
     ``_embedding_bag`` makes them."""
     if not weights or not len(weights) == len(indices) == len(offsets):
@@ -531,7 +535,7 @@ def _bags(
     if mode not in (0, 1, 2):
         raise ValueError(f"fluxcompile: embedding_bag mode {mode} is not 0 (sum), 1 (mean) or 2 (max)")
     bags = [
-        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset)
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset, padding_idx)
         for w, i, o in zip(weights, indices, offsets)
     ]
     return torch.cat([b[0] for b in bags], dim=-1), *([b[k] for b in bags] for k in (1, 2, 3))
@@ -540,9 +544,9 @@ def _bags(
 @torch.library.impl(_lib, "embedding_bag_all_to_all", "CompositeExplicitAutograd")
 def _embedding_bag_all_to_all_ref(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name, bookkeeping=False, choice="",
+    group_name, bookkeeping=False, padding_idx=-1, choice="",
 ):  # fmt: skip
-    P, offset2bag, bag_size, max_indices = _bags(weights, indices, offsets, mode, include_last_offset)
+    P, offset2bag, bag_size, max_indices = _bags(weights, indices, offsets, mode, include_last_offset, padding_idx)
     out = _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
     if not bookkeeping:
         return out, [], [], []
@@ -552,7 +556,7 @@ def _embedding_bag_all_to_all_ref(
 @torch.library.impl(_lib, "all_to_all_embedding_bag_backward", "CompositeExplicitAutograd")
 def _all_to_all_embedding_bag_backward_ref(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name, choice="",
+    output_split_sizes, input_split_sizes, group_name, padding_idx=-1, choice="",
 ):  # fmt: skip
     tables = len(indices)
     if grad.dim() != 2 or not tables or grad.shape[1] % tables:
@@ -562,7 +566,7 @@ def _all_to_all_embedding_bag_backward_ref(
     backward = torch.ops.aten._embedding_bag_backward
     return [
         backward(per_table[:, t], indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t],
-                 scale_grad_by_freq, mode, False, None)
+                 scale_grad_by_freq, mode, False, None, padding_idx)
         for t in range(tables)
     ]
 
@@ -677,7 +681,7 @@ def _matmul_all_to_all_fake(
 @torch.library.register_fake("fluxcompile::embedding_bag_all_to_all")
 def _embedding_bag_all_to_all_fake(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name, bookkeeping=False, choice="",
+    group_name, bookkeeping=False, padding_idx=-1, choice="",
 ):  # fmt: skip
     shape = list(out_shape)
     if output_split_sizes:
@@ -687,7 +691,7 @@ def _embedding_bag_all_to_all_fake(
         return out, [], [], []
     # aten's own shapes and dtypes of the bookkeeping (its meta function)
     books = [
-        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset)
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset, padding_idx)
         for w, i, o in zip(weights, indices, offsets)
     ]
     return out, *([b[k] for b in books] for k in (1, 2, 3))
@@ -696,7 +700,7 @@ def _embedding_bag_all_to_all_fake(
 @torch.library.register_fake("fluxcompile::all_to_all_embedding_bag_backward")
 def _all_to_all_embedding_bag_backward_fake(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name, choice="",
+    output_split_sizes, input_split_sizes, group_name, padding_idx=-1, choice="",
 ):  # fmt: skip
     width = grad.shape[1] // max(len(indices), 1)
     return [grad.new_empty((n, width)) for n in num_weights]

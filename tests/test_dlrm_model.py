@@ -66,6 +66,13 @@ def test_compiled_mean_pooling_cat_interaction_four_ranks(ranks):
     run(ranks, 4, pooling="mean", interaction="cat", tables=8, batch=5)
 
 
+def test_compiled_padding_index(ranks):
+    """nn.EmbeddingBag's padding_idx (row 3 of 8: every bag meets it often) in mean pooling: both graphs fuse,
+    the padding row pools nothing, counts in no mean and gets no gradient."""
+    results = run(ranks, 2, pooling="mean", interaction="dot", rows=8, padding_idx=3)
+    assert "padding_idx 3" in results[0].report, results[0].report
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_inference_form_fuses(ranks, world):
     a = DemoArgs(**{**SMALL, "tables": 8, "inference": True})

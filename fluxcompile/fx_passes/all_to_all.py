@@ -230,6 +230,8 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     args = ([b.args[0] for b in bags], [b.args[1] for b in bags], [b.args[2] for b in bags], found.mode,
             found.include_last_offset, list(shape(source)), out_splits, in_splits, group_name)  # fmt: skip
     flags = {"bookkeeping": True} if found.bookkept else {}
+    if found.padding_idx >= 0:
+        flags["padding_idx"] = found.padding_idx
     decision = decide(POOLED, args, group_name, cfg, flags or None)
     if decision.keep:
         return decision.keep
@@ -241,7 +243,7 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     wait.replace_all_uses_with(out)
     experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
     note = f"; {decision.note}" if decision.note else ""
-    mode = embedding_bag.mode_name(found.mode)
+    mode = embedding_bag.mode_name(found.mode) + (f", padding_idx {found.padding_idx}" if found.padding_idx >= 0 else "")
     kept = f", with the bookkeeping of {len(found.bookkept)} for the backward" if found.bookkept else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
                  f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
@@ -258,16 +260,17 @@ def _pooled_backward(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
     args = (source, [b.args[1] for b in bw], [b.args[2] for b in bw], [b.args[3] for b in bw],
             [b.args[4] for b in bw], [b.args[5] for b in bw], [b.args[6] for b in bw], found.scale_grad_by_freq,
             found.mode, out_splits, in_splits, group_name)  # fmt: skip
-    decision = decide(POOLED_BACKWARD, args, group_name, cfg)
+    flags = {"padding_idx": found.padding_idx} if found.padding_idx >= 0 else {}
+    decision = decide(POOLED_BACKWARD, args, group_name, cfg, flags or None)
     if decision.keep:
         return decision.keep
     with graph.inserting_before(node):
-        fused = call(graph, ops.op(POOLED_BACKWARD), args, decision.kwargs())
+        fused = call(graph, ops.op(POOLED_BACKWARD), args, {**flags, **decision.kwargs()})
         for t, b in enumerate(bw):
             b.replace_all_uses_with(call(graph, operator.getitem, (fused, t)))
     experts.erase_unused(graph, [*bw, *found.selects, found.view, wait, node])
     note = f"; {decision.note}" if decision.note else ""
-    mode = embedding_bag.mode_name(found.mode)
+    mode = embedding_bag.mode_name(found.mode) + (f", padding_idx {found.padding_idx}" if found.padding_idx >= 0 else "")
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED_BACKWARD,
                  f"{len(bw)} embedding bag backward(s) ({mode}) [{', '.join(b.name for b in bw)}]{note}")  # fmt: skip
 

@@ -31,6 +31,7 @@ class EmbeddingBagMatch:
     mode: int
     include_last_offset: bool
     bookkept: list[Node]  # the bags whose bookkeeping (getitem 1..3) a backward reads: the fused op makes it
+    padding_idx: int = -1
 
 
 def mode_name(mode: int) -> str:
@@ -65,8 +66,9 @@ def find_pooled(source: Node) -> EmbeddingBagMatch | str:
     for b in bags:
         if _arg(b, 6, "per_sample_weights", None) is not None:
             return "an embedding_bag with per_sample_weights"
-        if _arg(b, 8, "padding_idx", -1) not in (None, -1):
-            return "an embedding_bag with a padding_idx"
+    pads = {_padding(b, 8) for b in bags}
+    if len(pads) > 1:
+        return "the embedding bags differ in padding_idx"
     if len({shape(p)[-1] for p in parts}) > 1 and node.target is aten.stack.default:
         return "stacked tables of different widths"
     if any(len(p.users) != 1 for p in parts):
@@ -75,7 +77,13 @@ def find_pooled(source: Node) -> EmbeddingBagMatch | str:
     bookkept = [b for b in bags if any(u.args[1] != 0 and u.users for u in b.users)]
     if bookkept and mode == 2:
         return "max pooling whose max_indices a backward reads (training): they are per column"
-    return EmbeddingBagMatch(bags, parts, node, chain, mode, last.pop(), bookkept)
+    return EmbeddingBagMatch(bags, parts, node, chain, mode, last.pop(), bookkept, pads.pop())
+
+
+def _padding(node: Node, i: int) -> int:
+    """The node's padding_idx argument, -1 for none."""
+    pad = _arg(node, i, "padding_idx", -1)
+    return -1 if pad is None else int(pad)
 
 
 def bookkeeping_problem(bags: list[Node]) -> str | None:
@@ -118,6 +126,7 @@ class BagBackwardMatch:
     backwards: list[Node]
     scale_grad_by_freq: bool
     mode: int
+    padding_idx: int = -1
 
 
 def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
@@ -147,10 +156,8 @@ def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
             return "sparse embedding gradients"
         if _arg(b, 10, "per_sample_weights", None) is not None:
             return "an embedding_bag backward with per_sample_weights"
-        if _arg(b, 11, "padding_idx", -1) not in (None, -1):
-            return "an embedding_bag backward with a padding_idx"
-    flags = {(bool(_arg(b, 7, "scale_grad_by_freq", False)), _arg(b, 8, "mode", 0)) for b in backwards}
+    flags = {(bool(_arg(b, 7, "scale_grad_by_freq", False)), _arg(b, 8, "mode", 0), _padding(b, 11)) for b in backwards}
     if len(flags) > 1:
-        return "the tables' backwards differ in mode or scale_grad_by_freq"
-    scale, mode = flags.pop()
-    return BagBackwardMatch(view, selects, backwards, scale, mode)
+        return "the tables' backwards differ in mode, scale_grad_by_freq or padding_idx"
+    scale, mode, pad = flags.pop()
+    return BagBackwardMatch(view, selects, backwards, scale, mode, pad)

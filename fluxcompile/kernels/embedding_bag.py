@@ -31,7 +31,8 @@ receiver's signals of this call, sent after the receiver's previous copy-out).
 
 With ``BOOK`` (a training forward) the pooling kernel also writes what aten's CUDA ``_embedding_bag`` gives its
 backward: each bag's size and, for each index position, its bag (``offset2bag``), in the indices' dtype; no
-extra launch, and no index is read for it.
+extra launch, and no index is read for it. With ``PAD`` (a padding index) positions of that index pool nothing and
+count in no bag's size (a mean divides by the others), as aten's.
 
 :func:`publish_kernel` and :func:`fetch_offsets_kernel` (unequal splits): every rank publishes the exclusive prefix
 of what it receives per source (``my_prefix``) in its flag workspace (half ``epoch % 2``) with the epoch in a flag;
@@ -102,12 +103,13 @@ def name_of(v: Variant) -> str:
     return f"b{v.block_b}u{v.unroll}w{v.num_warps}" + (f"d{v.block_d}" if v.block_d else "")
 
 
-@triton.jit(do_not_specialize=["B", "T", "rank", "world", "rot"])
+@triton.jit(do_not_specialize=["B", "T", "rank", "world", "rot", "pad"])
 def pool_kernel(
     tables, out, peer_data, peer_counters, dst_off, src_start, state, book,
-    B, T, D, parity_elems, rank, world, rot,
+    B, T, D, parity_elems, rank, world, rot, pad,
     MODE: tl.constexpr, LAST: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIGNAL: tl.constexpr,
-    ALIGNED: tl.constexpr, BOOK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
+    ALIGNED: tl.constexpr, BOOK: tl.constexpr, PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     dtype = out.dtype.element_ty
     pid = tl.program_id(0)
@@ -139,6 +141,14 @@ def pool_kernel(
         end = tl.where(nxt < B, end, n_idx)
     lens = tl.where(bmask, tl.maximum(end - start, 0), 0)
     max_len = tl.max(lens, axis=0).to(tl.int32)
+    ks = tl.arange(0, UNROLL)
+    count = lens  # the bag's size: its positions but the padding index's
+    if PAD:
+        count = tl.zeros((BLOCK_B,), dtype=tl.int64)
+        for j in range(0, max_len, UNROLL):
+            pm = (j + ks)[None, :] < lens[:, None]
+            idx = tl.load(i_ptr + start[:, None] + (j + ks)[None, :], mask=pm, other=0).to(tl.int64)
+            count += tl.sum((pm & (idx != pad)).to(tl.int64), axis=1)
     if BOOK:  # the backward's bookkeeping, in the indices' dtype: each bag's size, each position's bag
         if IDX64:
             sizes = tl.load(book + T + t).to(tl.pointer_type(tl.int64))
@@ -147,9 +157,9 @@ def pool_kernel(
             sizes = tl.load(book + T + t).to(tl.pointer_type(tl.int32))
             o2b = tl.load(book + t).to(tl.pointer_type(tl.int32))
         ty = sizes.dtype.element_ty
-        tl.store(sizes + bags, lens.to(ty), mask=bmask)
+        tl.store(sizes + bags, count.to(ty), mask=bmask)
         for j in range(0, max_len, UNROLL):
-            pos = j + tl.arange(0, UNROLL)
+            pos = j + ks
             pm = pos[None, :] < lens[:, None]
             tl.store(o2b + start[:, None] + pos[None, :], (bags[:, None] + 0 * pos[None, :]).to(ty), mask=pm)
 
@@ -170,7 +180,6 @@ def pool_kernel(
         if ALIGNED:  # receive buffers are 16-byte aligned, halves and chunks too
             dst = tl.multiple_of(dst, 16)
 
-    ks = tl.arange(0, UNROLL)
     for d0 in range(0, D, BLOCK_D):
         cols = tl.max_contiguous(tl.multiple_of(d0 + tl.arange(0, BLOCK_D), BLOCK_D), BLOCK_D)
         cmask = cols < D
@@ -179,6 +188,8 @@ def pool_kernel(
             pos = j + ks
             pmask = pos[None, :] < lens[:, None]  # [BLOCK_B, UNROLL]
             idx = tl.load(i_ptr + start[:, None] + pos[None, :], mask=pmask, other=0).to(tl.int64)
+            if PAD:  # the padding index pools nothing
+                pmask = pmask & (idx != pad)
             row = idx * D
             if ALIGNED:
                 row = tl.multiple_of(row, [16, 16])
@@ -188,7 +199,7 @@ def pool_kernel(
             )  # fmt: skip
             acc += tl.sum(rows.to(tl.float32), axis=1)
         if MODE == 1:
-            acc = acc / tl.maximum(lens, 1).to(tl.float32)[:, None]
+            acc = acc / tl.maximum(count, 1).to(tl.float32)[:, None]
         res = acc.to(dtype)
         tl.store(out + elem[:, None] + cols[None, :], res, mask=local[:, None] & cmask[None, :])
         if SIGNAL:
@@ -310,6 +321,7 @@ def pool(
     rot_segment: int | None = None,
     aligned: bool = False,
     book: torch.Tensor | None = None,
+    padding_idx: int = -1,
 ) -> None:
     """Launch :func:`pool_kernel`. ``tables``: int64 ``[4, T]`` (weight, indices, offsets addresses; index counts);
     ``out``: this rank's output (contiguous, the tables' dtype); ``dst_off`` int64 ``[world]``, ``src_start`` int64
@@ -320,7 +332,8 @@ def pool(
     so are ``out``'s, every receive buffer's and ``parity_elems``: the kernel vectorizes its loads and stores.
     ``book``: int64 ``[2, T]``, every table's offset2bag and bag_size addresses (the indices' dtype, which the
     offsets share): the kernel writes each position's bag and each bag's size there, as aten's CUDA
-    ``_embedding_bag`` does for its backward."""
+    ``_embedding_bag`` does for its backward. ``padding_idx`` (-1: none): positions of that index pool nothing and
+    count in no bag's size."""
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag pooling: mode {mode} (0 sum and 1 mean only)")
     signal = world > 1
@@ -338,9 +351,10 @@ def pool(
         tables, out,
         peer_data if signal else dummy, peer_counters if signal else dummy,
         dst_off, src_start, state if signal else dummy, book if book is not None else dummy,
-        num_bags, num_tables, dim, parity_elems, rank, world, rot,
+        num_bags, num_tables, dim, parity_elems, rank, world, rot, padding_idx,
         MODE=mode, LAST=bool(include_last_offset), IDX64=index_dtype == torch.int64,
         OFF64=offset_dtype == torch.int64, SIGNAL=signal, ALIGNED=bool(aligned), BOOK=book is not None,
+        PAD=padding_idx >= 0,
         BLOCK_B=variant.block_b, BLOCK_D=block_d, UNROLL=variant.unroll, num_warps=variant.num_warps,
     )  # fmt: skip
 

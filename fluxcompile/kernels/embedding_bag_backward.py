@@ -108,9 +108,9 @@ def fetch_kernel(
         tl.store(src_off + p, tl.load(pub + half + rank, volatile=True))
 
 
-@triton.jit(do_not_specialize=["B", "T", "TD", "parity_elems", "world", "rot"])
+@triton.jit(do_not_specialize=["B", "T", "TD", "parity_elems", "world", "rot", "pad"])
 def scatter_kernel(
-    tables, dst, like, peer_send, src_off, recv_start, state, B, T, D, TD, parity_elems, world, rot,
+    tables, dst, like, peer_send, src_off, recv_start, state, B, T, D, TD, parity_elems, world, rot, pad,
     MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIZE64: tl.constexpr, ABS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -176,6 +176,7 @@ def scatter_kernel(
         for j in range(0, max_len):
             pm = j < lens
             idx = tl.load(i_ptr + start + j, mask=pm, other=0).to(tl.int64)
+            pm = pm & (idx != pad)  # the padding index gets no gradient
             tl.atomic_add(out + idx[:, None] * D + cols[None, :], g, mask=pm[:, None] & cmask[None, :], sem="relaxed")
 
 
@@ -252,11 +253,11 @@ def scatter(
     mode: int, index_dtype: torch.dtype, offset_dtype: torch.dtype, size_dtype: torch.dtype = torch.int64,
     peer_send: torch.Tensor, src_off: torch.Tensor,
     recv_start: torch.Tensor, state: torch.Tensor, parity_elems: int, row_elems: int, world: int,
-    rot_bag: int = 0, absolute: bool = False,
+    rot_bag: int = 0, absolute: bool = False, padding_idx: int = -1,
 ) -> None:  # fmt: skip
     """Launch :func:`scatter_kernel` over ``num_bags`` bags of ``num_tables`` tables; ``row_elems``: elements of a
     gradient row (``T * D``); ``rot_bag``: the bag whose block goes first; ``absolute``: ``src_off`` includes the
-    half (published by :func:`publish`)."""
+    half (published by :func:`publish`); ``padding_idx`` (-1: none): that index gets no gradient."""
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag backward: mode {mode} (0 sum and 1 mean only)")
     if num_bags == 0 or num_tables == 0:
@@ -264,7 +265,7 @@ def scatter(
     nb = triton.cdiv(num_bags, BLOCK_B)
     scatter_kernel[(nb, num_tables)](
         tables, dst, like, peer_send, src_off, recv_start, state, num_bags, num_tables, dim, row_elems,
-        parity_elems, world, (rot_bag // BLOCK_B) % nb,
+        parity_elems, world, (rot_bag // BLOCK_B) % nb, padding_idx,
         MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64,
         SIZE64=size_dtype == torch.int64, ABS=bool(absolute),
         BLOCK_B=BLOCK_B,

@@ -34,6 +34,7 @@ class DLRMArgs:
     top_mlp: tuple[int, ...] = (64, 32)  # hidden widths; the last layer outputs 1 logit
     mode: str = "sum"  # pooling: "sum" | "mean"
     interaction: str = "dot"  # "dot" (pairwise dot products, DLRM) | "cat" (concatenation)
+    padding_idx: int | None = None  # nn.EmbeddingBag's: that row pools nothing and gets no gradient
 
     def __post_init__(self) -> None:
         if self.mode not in ("sum", "mean"):
@@ -116,7 +117,9 @@ class ModelParallelDLRM(nn.Module):
         params = params if params is not None else full_params(a, 0)
         first = self.rank * self.local_tables
         self.tables = nn.ModuleList(
-            nn.EmbeddingBag.from_pretrained(params["tables"][first + t].detach().clone(), freeze=False, mode=a.mode)
+            nn.EmbeddingBag.from_pretrained(
+                params["tables"][first + t].detach().clone(), freeze=False, mode=a.mode, padding_idx=a.padding_idx
+            )
             for t in range(self.local_tables)
         )
         self.dense = DenseArch(a).to(device=params["tables"].device, dtype=params["tables"].dtype)
@@ -139,7 +142,10 @@ def dlrm_reference(params: dict[str, torch.Tensor], dense: torch.Tensor, sparse:
     B = sparse.shape[1]
     offsets = offsets_of(B, a.bag_size, sparse.device)
     pooled = torch.stack(
-        [F.embedding_bag(sparse[t].reshape(-1), params["tables"][t], offsets, mode=a.mode) for t in range(a.num_tables)],
+        [
+            F.embedding_bag(sparse[t].reshape(-1), params["tables"][t], offsets, mode=a.mode, padding_idx=a.padding_idx)
+            for t in range(a.num_tables)
+        ],
         dim=1,
     )
     with torch.device("meta"):

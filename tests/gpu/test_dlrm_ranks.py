@@ -262,10 +262,11 @@ def _same_bookkeeping(got: list, want: list, bags: int, what: str) -> None:
 
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("last", [False, True])
-def test_bookkeeping_one_rank(mode, idx_dtype, last, monkeypatch):
+@pytest.mark.parametrize(("last", "pad"), [(False, -1), (True, -1), (False, 4)])
+def test_bookkeeping_one_rank(mode, idx_dtype, last, pad, monkeypatch):
     """A Triton choice with ``bookkeeping`` on a group of one: the pooled rows and aten's CUDA bookkeeping, ragged
-    bags with empty ones."""
+    bags with empty ones, and a padding index (row 4 of tables whose indices repeat: it pools nothing, counts in
+    no bag's size)."""
     g = torch.Generator().manual_seed(17 + mode)
     x = Rank(g, 3, 200, 64, torch.bfloat16, idx_dtype, last, 9, 700)
     monkeypatch.setitem(lo._group_sizes, "one", 1)
@@ -273,10 +274,15 @@ def test_bookkeeping_one_rank(mode, idx_dtype, last, monkeypatch):
     for call in range(2):
         x.refresh()
         poison_allocator(1 << 26)
-        out, *book = run(x.weights, x.indices, x.offsets, mode, last, [200, 3 * 64], [], [], "one", bookkeeping=True)
-        assert_close(out, x.pooled(mode), TOL[torch.bfloat16], f"bookkeeping call {call}")
-        want = [torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, last)
+        if pad >= 0:
+            for i in x.indices:
+                i.remainder_(40)  # indices among 40 rows: row 4 in many bags
+        out, *book = run(x.weights, x.indices, x.offsets, mode, last, [200, 3 * 64], [], [], "one", bookkeeping=True,
+                         padding_idx=pad)  # fmt: skip
+        want = [torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, last, pad)
                 for w, i, o in zip(x.weights, x.indices, x.offsets)]  # fmt: skip
+        pooled = torch.cat([w[0].float() for w in want], dim=1)
+        assert_close(out, pooled, TOL[torch.bfloat16], f"bookkeeping call {call}")
         _same_bookkeeping(book, [[w[k] for w in want] for k in (1, 2, 3)], 200, f"one rank call {call}")
 
 
@@ -314,8 +320,8 @@ class Owner:
     and aten's forward bookkeeping for ``bags`` ragged bags (empty ones, repeated indices), and the pooled rows'
     gradients it holds (``rows`` x ``T * D``)."""
 
-    def __init__(self, g, tables, bags, rows, dim, dtype, idx_dtype, last, mode, row_base):
-        self.g, self.bags, self.last, self.mode, self.dim = g, bags, last, mode, dim
+    def __init__(self, g, tables, bags, rows, dim, dtype, idx_dtype, last, mode, row_base, pad=-1):
+        self.g, self.bags, self.last, self.mode, self.dim, self.pad = g, bags, last, mode, dim, pad
         self.num_weights = [row_base + 37 * t for t in range(tables)]
         self.n_idx = [bags * 3 + t for t in range(tables)]
         self.indices = [torch.zeros(n, dtype=idx_dtype, device="cuda") for n in self.n_idx]
@@ -338,7 +344,7 @@ class Owner:
             self.offsets[t].copy_(offs)
             _, o2b, size, _ = torch.ops.aten._embedding_bag(
                 torch.zeros(self.num_weights[t], 1, device="cuda"), self.indices[t], self.offsets[t], False,
-                self.mode, False, None, self.last,
+                self.mode, False, None, self.last, self.pad,
             )  # fmt: skip
             self.offset2bag[t].copy_(o2b)
             self.bag_size[t].copy_(size)
@@ -352,7 +358,7 @@ class Owner:
         return [
             torch.ops.aten._embedding_bag_backward(
                 per[:, t].contiguous(), self.indices[t], self.offsets[t], self.offset2bag[t], self.bag_size[t],
-                self.max_indices[t], n, False, self.mode, False, None,
+                self.max_indices[t], n, False, self.mode, False, None, self.pad,
             )
             for t, n in enumerate(self.num_weights)
         ]  # fmt: skip
@@ -368,10 +374,10 @@ def expected_grads(owners: list[Owner], sizes) -> list[list[torch.Tensor]]:
 
 
 BACKWARD_CASES = {
-    # tables, bags per rank, dim, dtype, index dtype, include_last_offset, splits, mode
-    "fp32-sum": (3, 40, 64, torch.float32, torch.int64, False, "equal", 0),
-    "bf16-mean-last-i32": (2, 33, 128, torch.bfloat16, torch.int32, True, "equal", 1),
-    "fp16-unequal": (2, 48, 96, torch.float16, torch.int64, False, "unequal", 0),
+    # tables, bags per rank, dim, dtype, index dtype, include_last_offset, splits, mode, padding index
+    "fp32-sum": (3, 40, 64, torch.float32, torch.int64, False, "equal", 0, -1),
+    "bf16-mean-last-i32-padding": (2, 33, 128, torch.bfloat16, torch.int32, True, "equal", 1, 5),
+    "fp16-unequal": (2, 48, 96, torch.float16, torch.int64, False, "unequal", 0, -1),
 }
 
 
@@ -379,13 +385,13 @@ BACKWARD_CASES = {
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_backward_between_simulated_ranks(world, case):
     _queues(world)
-    tables, bags_local, dim, dtype, idx_dtype, last, split_kind, mode = BACKWARD_CASES[case]
+    tables, bags_local, dim, dtype, idx_dtype, last, split_kind, mode, pad = BACKWARD_CASES[case]
     bags = bags_local * world  # every owner pools the global batch; every rank holds as many gradient rows
     sizes = _splits(split_kind, world, bags)  # sizes[s][r]: rows rank s sends rank r
     recv = [[sizes[s][r] for s in range(world)] for r in range(world)]
     g = torch.Generator().manual_seed(world * 1000 + len(case))
     owners = [
-        Owner(g, tables, sum(recv[r]), sum(sizes[r]), dim, dtype, idx_dtype, last, mode, 60 + 7 * r)
+        Owner(g, tables, sum(recv[r]), sum(sizes[r]), dim, dtype, idx_dtype, last, mode, 60 + 7 * r, pad)
         for r in range(world)
     ]
     uniform = split_kind == "equal"
@@ -395,7 +401,9 @@ def test_backward_between_simulated_ranks(world, case):
     def fn(r, comm):
         o, i = ([], []) if uniform and r % 2 == 0 else (recv[r], sizes[r])  # empty lists mean equal splits
         x = owners[r]
-        return lo_bw.all_to_all_embedding_bag_backward_on(comm, x.grad, *x.args(), mode, o, i, max_spin=SPIN)
+        return lo_bw.all_to_all_embedding_bag_backward_on(
+            comm, x.grad, *x.args(), mode, o, i, max_spin=SPIN, padding_idx=pad
+        )
 
     def check(results, what):
         want = expected_grads(owners, sizes)

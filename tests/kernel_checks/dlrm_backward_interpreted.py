@@ -44,8 +44,8 @@ class Tables:
     """One owner's tables: indices and offsets of ``bags`` ragged bags each (empty ones, repeats) and aten's
     forward bookkeeping (offset2bag, bag_size) for them."""
 
-    def __init__(self, g, bags, rows, dim, mode, last, idx_dtype, off_dtype, max_len=5):
-        self.rows, self.dim, self.mode, self.last = rows, dim, mode, last
+    def __init__(self, g, bags, rows, dim, mode, last, idx_dtype, off_dtype, max_len=5, pad=-1):
+        self.rows, self.dim, self.mode, self.last, self.pad = rows, dim, mode, last, pad
         self.indices, self.offsets, self.bag_size, self.offset2bag, self.max_indices = [], [], [], [], []
         for n in rows:
             lens = torch.randint(0, max_len + 1, (bags,), generator=g)
@@ -56,7 +56,7 @@ class Tables:
             idx = torch.randint(0, max(1, n // 2), (int(offs[-1]),), generator=g)  # repeats within and across bags
             offs = offs if last else offs[:-1]
             _, o2b, size, maxi = torch.ops.aten._embedding_bag(
-                torch.zeros(n, dim), idx, offs, False, mode, False, None, last
+                torch.zeros(n, dim), idx, offs, False, mode, False, None, last, pad
             )
             self.indices.append(idx.to(idx_dtype))
             self.offsets.append(offs.to(off_dtype))
@@ -70,7 +70,7 @@ class Tables:
         return [
             torch.ops.aten._embedding_bag_backward(
                 per[:, t], self.indices[t].long(), self.offsets[t].long(), self.offset2bag[t], self.bag_size[t].long(),
-                self.max_indices[t], n, False, self.mode, False, None,
+                self.max_indices[t], n, False, self.mode, False, None, self.pad,
             )
             for t, n in enumerate(self.rows)
         ]  # fmt: skip
@@ -88,11 +88,11 @@ def check_one_rank(g, results: dict) -> None:
         ("fp16", 5, [8, 21], 40, torch.float16, torch.int64, torch.int32),
     ]
     for name, bags, rows, dim, dtype, it, ot in cases:
-        for last in (True, False):
-            for mode in (0, 1):
-                tb = Tables(g, bags, rows, dim, mode, last, it, ot)
+        for last, mode, pad in ((True, 0, -1), (False, 1, -1), (True, 1, 2), (False, 0, 1)):
+            if True:
+                tb = Tables(g, bags, rows, dim, mode, last, it, ot, pad=pad)
                 grad = torch.randn(bags, len(rows) * dim, generator=g).to(dtype)
-                got = lo.all_to_all_embedding_bag_backward_on(None, grad, *tb.args(), mode, [], [])
+                got = lo.all_to_all_embedding_bag_backward_on(None, grad, *tb.args(), mode, [], [], padding_idx=pad)
                 want = tb.reference(grad)
                 key = f"one rank {name}"
                 for a, b in zip(got, want):
@@ -121,7 +121,12 @@ class Ranks:
         """Every rank's protocol in lockstep: ``calls[r]`` = the arguments after the Comm; ``only``: the ranks that
         take part (the others never start)."""
         ranks = range(self.world) if only is None else only
-        gens = {r: lo.protocol(self.comms[r], *calls[r], max_spin=max_spin) for r in ranks}
+        gens = {
+            r: lo.protocol(
+                self.comms[r], *calls[r][:8], max_spin=max_spin, padding_idx=calls[r][8] if len(calls[r]) > 8 else -1
+            )
+            for r in ranks
+        }
         outs: dict[int, list[torch.Tensor]] = {}
         while len(outs) < len(gens):
             for r, gen in gens.items():
@@ -137,13 +142,13 @@ class Ranks:
 def check_protocol(g, results: dict) -> None:
     T, D, bags_per_rank = 2, 16, 3
     scenarios = [
-        # name, world, dtype, splits
-        ("w2-equal-empty", 2, torch.float32, "empty"),
-        ("w3-uniform-lists", 3, torch.bfloat16, "uniform"),
-        ("w3-unequal", 3, torch.float32, "unequal"),
-        ("w2-unequal-fp16", 2, torch.float16, "unequal"),
+        # name, world, dtype, splits, padding index
+        ("w2-equal-empty", 2, torch.float32, "empty", -1),
+        ("w3-uniform-lists", 3, torch.bfloat16, "uniform", -1),
+        ("w3-unequal-padding", 3, torch.float32, "unequal", 2),
+        ("w2-unequal-fp16", 2, torch.float16, "unequal", -1),
     ]
-    for name, world, dtype, splits in scenarios:
+    for name, world, dtype, splits, pad in scenarios:
         bags = bags_per_rank * world  # every owner pools the global batch (of about ``bags``)
         if splits == "unequal":
             # rank s sends rank r sizes[s][r] rows; rank r receives column r, which must add up to its bags
@@ -159,16 +164,16 @@ def check_protocol(g, results: dict) -> None:
         for call in range(3):
             last, mode = bool(call % 2), call % 2
             owners = [
-                Tables(g, sum(recv[r]), [7 + 3 * r + t for t in range(T)], D, mode, last, torch.int64, torch.int64, 4)
+                Tables(g, sum(recv[r]), [7 + 3 * r + t for t in range(T)], D, mode, last, *(torch.int64,) * 2, 4, pad)
                 for r in range(world)
             ]
             grads = [torch.randn(sum(sizes[s]), T * D, generator=g).to(dtype) for s in range(world)]
             calls = []
             for r in range(world):
                 o, i = (recv[r], sizes[r]) if splits != "empty" else ([], [])
-                calls.append((grads[r], *owners[r].args(), mode, o, i))
+                calls.append((grads[r], *owners[r].args(), mode, o, i, pad))
             if ranks is None:
-                nbytes = max(lo.data_bytes(grads[r], T, calls[r][-2], calls[r][-1], world)
+                nbytes = max(lo.data_bytes(grads[r], T, calls[r][-3], calls[r][-2], world)
                              for r in range(world))  # fmt: skip
                 ranks = Ranks(world, nbytes)
             got = ranks.run(calls)

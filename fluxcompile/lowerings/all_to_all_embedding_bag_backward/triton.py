@@ -240,10 +240,11 @@ def make() -> tuple[Callable[..., list[Tensor]], Callable[..., str | None]]:
     """(fn, supports) of the choice ``triton``."""
 
     def run(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-            output_split_sizes, input_split_sizes, group_name):  # fmt: skip
+            output_split_sizes, input_split_sizes, group_name, padding_idx=-1):  # fmt: skip
         return all_to_all_embedding_bag_backward(
-            grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes, group_name
-        )
+            grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes, group_name,
+            padding_idx=padding_idx,
+        )  # fmt: skip
 
     return run, supports
 
@@ -265,7 +266,7 @@ def group_comm(group_name: str, world: int, data_bytes: int) -> Comm:
 def all_to_all_embedding_bag_backward(
     grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
-    group_name: str,
+    group_name: str, padding_idx: int = -1,
 ) -> list[Tensor]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -274,8 +275,9 @@ def all_to_all_embedding_bag_backward(
     if world > 1:
         comm = group_comm(group_name, world, data_bytes(grad, len(indices), output_split_sizes, input_split_sizes, world))
     return all_to_all_embedding_bag_backward_on(
-        comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes
-    )
+        comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
+        padding_idx=padding_idx,
+    )  # fmt: skip
 
 
 def _state(comm: Comm) -> tuple[Tensor, Tensor]:
@@ -301,13 +303,13 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
 def all_to_all_embedding_bag_backward_on(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
-    max_spin: int | None = None,
+    max_spin: int | None = None, padding_idx: int = -1,
 ) -> list[Tensor]:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
-    call. The protocol of the module's docstring, on the current stream."""
+    call. The protocol of the module's docstring, on the current stream. ``padding_idx``: aten's (-1: none)."""
     steps = protocol(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
-        max_spin=max_spin,
+        max_spin=max_spin, padding_idx=padding_idx,
     )  # fmt: skip
     while True:
         try:
@@ -331,7 +333,7 @@ def _tables(indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequ
 def protocol(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
-    max_spin: int | None = None,
+    max_spin: int | None = None, padding_idx: int = -1,
 ) -> Generator[str, None, list[Tensor]]:  # fmt: skip
     """:func:`all_to_all_embedding_bag_backward_on` as a generator that yields the name of each launch after it (its
     value is the tables' gradients): the CPU tests run every simulated rank's launches in lockstep in Triton's
@@ -361,7 +363,7 @@ def protocol(
         yield "zero"
     scatter = dict(
         mode=mode, offset_dtype=offsets[0].dtype, size_dtype=bag_size[0].dtype, recv_start=device_table(lay.recv_start, device),
-        row_elems=lay.row_elems, world=world, **kinds,
+        row_elems=lay.row_elems, world=world, padding_idx=padding_idx, **kinds,
     )  # fmt: skip
     if world == 1:
         ebb.scatter(

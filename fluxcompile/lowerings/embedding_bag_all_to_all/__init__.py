@@ -33,19 +33,23 @@ if triton.eb is not None:
 def embedding_bag_all_to_all_cuda(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
-    input_split_sizes: Sequence[int], group_name: str, bookkeeping: bool = False, choice: str = "",
+    input_split_sizes: Sequence[int], group_name: str, bookkeeping: bool = False, padding_idx: int = -1,
+    choice: str = "",
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
     """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (with the
-    bookkeeping tuned apart)."""
+    bookkeeping and a padding index tuned apart, passed to the choices as keywords)."""
     args = (
         list(weights), list(indices), list(offsets), mode, include_last_offset, list(out_shape),
         list(output_split_sizes), list(input_split_sizes), group_name,
     )  # fmt: skip
-    flags = _BOOKKEEPING if bookkeeping else {}
+    flags = _BOOKKEEPING if bookkeeping else _NONE
+    if padding_idx >= 0:
+        flags = {**flags, "padding_idx": padding_idx}
     return pick(OP, args, group_name, compiled=choice, kwargs=flags).fn(*args, **flags)
 
 
 _BOOKKEEPING = {"bookkeeping": True}
+_NONE: dict = {}
 
 
 def _sample(args: tuple) -> tuple:

@@ -282,11 +282,11 @@ def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]
         raise ValueError(f"fluxcompile: no embedding-bag variant {variant!r}")
 
     def run(weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-            group_name, bookkeeping=False):  # fmt: skip
+            group_name, bookkeeping=False, padding_idx=-1):  # fmt: skip
         book = bookkeeping_tensors(indices, offsets) if bookkeeping else None
         out = embedding_bag_all_to_all(
             weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-            group_name, variant=variant, book=book,
+            group_name, variant=variant, book=book, padding_idx=padding_idx,
         )  # fmt: skip
         return (out, [], [], []) if book is None else (out, *book)
 
@@ -326,7 +326,7 @@ def embedding_bag_all_to_all(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], group_name: str, *, variant: str | eb.Variant = "",
-    book: tuple[Sequence[Tensor], ...] | None = None,
+    book: tuple[Sequence[Tensor], ...] | None = None, padding_idx: int = -1,
 ) -> Tensor:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -336,7 +336,7 @@ def embedding_bag_all_to_all(
         comm = group_comm(group_name, world, lay.data_bytes(weights[0].element_size()))
     return embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-        variant=variant, book=book,
+        variant=variant, book=book, padding_idx=padding_idx,
     )  # fmt: skip
 
 
@@ -394,15 +394,15 @@ def embedding_bag_all_to_all_on(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
-    book: tuple[Sequence[Tensor], ...] | None = None,
+    book: tuple[Sequence[Tensor], ...] | None = None, padding_idx: int = -1,
 ) -> Tensor:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
     call. The protocol of the module's docstring, on the current stream. ``variant``: a name of ``VARIANTS``
     (default: ``DEFAULT``) or a ``Variant``. ``book``: the bookkeeping's tensors (:func:`bookkeeping_tensors`),
-    which the pooling kernel fills."""
+    which the pooling kernel fills. ``padding_idx``: aten's (-1: none)."""
     steps = protocol(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-        variant=variant, max_spin=max_spin, book=book,
+        variant=variant, max_spin=max_spin, book=book, padding_idx=padding_idx,
     )  # fmt: skip
     while True:
         try:
@@ -415,7 +415,7 @@ def protocol(
     comm: Comm | None, weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
-    book: tuple[Sequence[Tensor], ...] | None = None,
+    book: tuple[Sequence[Tensor], ...] | None = None, padding_idx: int = -1,
 ) -> Generator[str, None, Tensor]:  # fmt: skip
     """:func:`embedding_bag_all_to_all_on` as a generator that yields the name of each launch after it (its value
     is the output): the CPU tests run every simulated rank's launches in lockstep in Triton's interpreter, which
@@ -440,6 +440,7 @@ def protocol(
         offset_dtype=offsets[0].dtype, variant=v, aligned=aligned,
         src_start=device_table(lay.src_start, device),
         book=None if book is None else device_table(tuple(t.data_ptr() for t in (*book[0], *book[1])), device),
+        padding_idx=padding_idx,
     )  # fmt: skip
     if world == 1:
         eb.pool(tables, out, lay.bags, lay.tables, dim, dst_off=device_table((0,), device), **common)
