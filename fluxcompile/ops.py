@@ -97,8 +97,8 @@ scale_grad_by_freq, mode, output_split_sizes, input_split_sizes, group_name) -> 
     Its backward: ``G = all_to_all_single(grad)`` along dim 0 (``grad`` ``[rows, T * D]``, the pooled rows'
     gradients on the samples' owners); ``weight_grads[t] = _embedding_bag_backward(G.view(-1, T, D)[:, t],
     indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t], scale_grad_by_freq, mode)``
-    (dense gradients, no per-sample weights; ``padding_idx`` as aten's, -1 none): the tables' gradients on their
-    owner.
+    (no per-sample weights; ``sparse`` and ``padding_idx`` as aten's, -1 none): the tables' gradients on their
+    owner, sparse COO tensors with ``sparse``.
 ``all_reduce_rmsnorm(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op,
 group_name) -> (h, normed)``
     The decoder layer's tail after a row-parallel projection: ``r = all_reduce(x if x is given else
@@ -169,8 +169,8 @@ _lib.define(
 _lib.define(
     "all_to_all_embedding_bag_backward(Tensor grad, Tensor[] indices, Tensor[] offsets, Tensor[] offset2bag,"
     " Tensor[] bag_size, Tensor[] max_indices, SymInt[] num_weights, bool scale_grad_by_freq, int mode,"
-    ' SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, int padding_idx=-1, str choice="")'
-    " -> Tensor[]"
+    " SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, bool sparse=False, int padding_idx=-1,"
+    ' str choice="") -> Tensor[]'
 )
 _lib.define(
     "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
@@ -556,7 +556,7 @@ def _embedding_bag_all_to_all_ref(
 @torch.library.impl(_lib, "all_to_all_embedding_bag_backward", "CompositeExplicitAutograd")
 def _all_to_all_embedding_bag_backward_ref(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name, padding_idx=-1, choice="",
+    output_split_sizes, input_split_sizes, group_name, sparse=False, padding_idx=-1, choice="",
 ):  # fmt: skip
     tables = len(indices)
     if grad.dim() != 2 or not tables or grad.shape[1] % tables:
@@ -566,7 +566,7 @@ def _all_to_all_embedding_bag_backward_ref(
     backward = torch.ops.aten._embedding_bag_backward
     return [
         backward(per_table[:, t], indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t],
-                 scale_grad_by_freq, mode, False, None, padding_idx)
+                 scale_grad_by_freq, mode, sparse, None, padding_idx)
         for t in range(tables)
     ]
 
@@ -700,10 +700,20 @@ def _embedding_bag_all_to_all_fake(
 @torch.library.register_fake("fluxcompile::all_to_all_embedding_bag_backward")
 def _all_to_all_embedding_bag_backward_fake(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name, padding_idx=-1, choice="",
+    output_split_sizes, input_split_sizes, group_name, sparse=False, padding_idx=-1, choice="",
 ):  # fmt: skip
     width = grad.shape[1] // max(len(indices), 1)
-    return [grad.new_empty((n, width)) for n in num_weights]
+    if not sparse:
+        return [grad.new_empty((n, width)) for n in num_weights]
+    # aten's sparse gradients: every position's row at its index, uncoalesced (its CPU meta path reads an empty
+    # offset2bag of the sum fast path as no positions)
+    return [
+        torch.sparse_coo_tensor(
+            i.new_empty((1, i.numel()), dtype=torch.int64), grad.new_empty((i.numel(), width)), (n, width),
+            check_invariants=False, is_coalesced=False,
+        )
+        for i, n in zip(indices, num_weights)
+    ]  # fmt: skip
 
 
 @torch.library.register_fake("fluxcompile::all_reduce_rmsnorm")

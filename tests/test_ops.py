@@ -187,6 +187,19 @@ def references(dtype_name: str) -> list[str]:
         for t, (got, w) in enumerate(zip(grads, tables)):
             assert_close(got, w.grad.float(), tol, f"all_to_all_embedding_bag_backward mode {mode} table {t}")
         _check_fake("all_to_all_embedding_bag_backward", args, grads)
+        # Sparse gradients (the op called directly: the rewrite keeps sparse backwards): aten's, uncoalesced.
+        sparse = ops.op("all_to_all_embedding_bag_backward")(*args, sparse=True)
+        for t, (got, w) in enumerate(zip(sparse, tables)):
+            assert got.is_sparse and got._nnz() == indices[t].numel(), f"sparse gradient of table {t}"
+            assert_close(got.to_dense(), w.grad.float(), tol, f"sparse all_to_all_embedding_bag_backward table {t}")
+        mode_ = FakeTensorMode()
+        with mode_:
+            fakes = ops.op("all_to_all_embedding_bag_backward")(
+                *torch.utils._pytree.tree_map_only(torch.Tensor, mode_.from_tensor, args), sparse=True
+            )
+        assert [(f.layout, tuple(f.shape), f._nnz()) for f in fakes] == [
+            (s.layout, tuple(s.shape), s._nnz()) for s in sparse
+        ], "the sparse gradients' fakes"
     checked.append("all_to_all_embedding_bag_backward")
     return checked
 

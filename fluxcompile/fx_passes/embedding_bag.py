@@ -153,7 +153,9 @@ def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
         if not is_call(b, BAG_BACKWARD) or b.args[0] is not sel:
             return "a table's gradient is not read by an embedding_bag backward"
         if _arg(b, 9, "sparse", False):
-            return "sparse embedding gradients"
+            # The fused op makes them (sparse=True, called directly), but a rewritten node's sparse output breaks
+            # Inductor's fake-tensor update after the post-grad passes (it reads every new output's storage).
+            return "sparse embedding gradients (Inductor cannot re-derive a rewritten node's sparse output)"
         if _arg(b, 10, "per_sample_weights", None) is not None:
             return "an embedding_bag backward with per_sample_weights"
     flags = {(bool(_arg(b, 7, "scale_grad_by_freq", False)), _arg(b, 8, "mode", 0), _padding(b, 11)) for b in backwards}

@@ -18,7 +18,9 @@ from its source's send buffer (a peer's through its P2P address) and adds it, sc
 (fp32 atomics): into the table's gradient itself when it is fp32, else into an fp32 accumulator whose touched
 rows :func:`rows_kernel` zeroes before and casts into the table's gradient after (only the rows some index
 reaches; the rest of the gradient is zeros). Bag blocks are visited from rank ``rank + 1``'s chunk on (rotated),
-so the ranks do not all read the same peer at once.
+so the ranks do not all read the same peer at once. For sparse gradients (``SPARSE``) the kernel writes each
+position's row of the values (``[indices, D]``: the bag's gradient row, scaled) instead: aten's sparse gradient is
+these values at the indices, uncoalesced.
 
 Why no flag says a reader is done: a source overwrites half ``e % 2`` at call ``e + 2``, after its
 :func:`wait_kernel` of call ``e + 1`` saw every peer's ready flag reach ``e + 1``; a peer raises it after its
@@ -112,7 +114,7 @@ def fetch_kernel(
 def scatter_kernel(
     tables, dst, like, peer_send, src_off, recv_start, state, B, T, D, TD, parity_elems, world, rot, pad,
     MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIZE64: tl.constexpr, ABS: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Every (block of bags, table): the bags' gradient rows from their sources, added at the bags' indices into
     ``dst[t]`` (fp32). ``tables`` int64 ``[5, T]``: indices, offsets and bag-size addresses, index and offset
@@ -139,7 +141,10 @@ def scatter_kernel(
         o_ptr = tl.load(tables + T + t).to(tl.pointer_type(tl.int32))
     n_idx = tl.load(tables + 3 * T + t)
     n_off = tl.load(tables + 4 * T + t)
-    out = tl.load(dst + t).to(tl.pointer_type(tl.float32))
+    if SPARSE:  # each position's row of the sparse gradient's values, in the gradients' dtype
+        out = tl.load(dst + t).to(tl.pointer_type(like.dtype.element_ty))
+    else:
+        out = tl.load(dst + t).to(tl.pointer_type(tl.float32))
 
     start = tl.load(o_ptr + bags, mask=bmask, other=0).to(tl.int64)
     nxt = bags + 1
@@ -173,11 +178,18 @@ def scatter_kernel(
         g = tl.load(row[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         if MODE == 1:
             g = g * scale[:, None]
-        for j in range(0, max_len):
-            pm = j < lens
-            idx = tl.load(i_ptr + start + j, mask=pm, other=0).to(tl.int64)
-            pm = pm & (idx != pad)  # the padding index gets no gradient
-            tl.atomic_add(out + idx[:, None] * D + cols[None, :], g, mask=pm[:, None] & cmask[None, :], sem="relaxed")
+        if SPARSE:
+            v = g.to(like.dtype.element_ty)
+            for j in range(0, max_len):
+                pm = j < lens
+                tl.store(out + (start + j)[:, None] * D + cols[None, :], v, mask=pm[:, None] & cmask[None, :])
+        else:
+            for j in range(0, max_len):
+                pm = j < lens
+                idx = tl.load(i_ptr + start + j, mask=pm, other=0).to(tl.int64)
+                pm = pm & (idx != pad)  # the padding index gets no gradient
+                m = pm[:, None] & cmask[None, :]
+                tl.atomic_add(out + idx[:, None] * D + cols[None, :], g, mask=m, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -253,11 +265,13 @@ def scatter(
     mode: int, index_dtype: torch.dtype, offset_dtype: torch.dtype, size_dtype: torch.dtype = torch.int64,
     peer_send: torch.Tensor, src_off: torch.Tensor,
     recv_start: torch.Tensor, state: torch.Tensor, parity_elems: int, row_elems: int, world: int,
-    rot_bag: int = 0, absolute: bool = False, padding_idx: int = -1,
+    rot_bag: int = 0, absolute: bool = False, padding_idx: int = -1, sparse: bool = False,
 ) -> None:  # fmt: skip
     """Launch :func:`scatter_kernel` over ``num_bags`` bags of ``num_tables`` tables; ``row_elems``: elements of a
     gradient row (``T * D``); ``rot_bag``: the bag whose block goes first; ``absolute``: ``src_off`` includes the
-    half (published by :func:`publish`); ``padding_idx`` (-1: none): that index gets no gradient."""
+    half (published by :func:`publish`); ``padding_idx`` (-1: none): that index gets no gradient; ``sparse``:
+    ``dst`` holds every table's values (``[indices, D]``, the gradients' dtype), each position's row written (its
+    bag's gradient, scaled) instead of added at its index."""
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag backward: mode {mode} (0 sum and 1 mean only)")
     if num_bags == 0 or num_tables == 0:
@@ -267,7 +281,7 @@ def scatter(
         tables, dst, like, peer_send, src_off, recv_start, state, num_bags, num_tables, dim, row_elems,
         parity_elems, world, (rot_bag // BLOCK_B) % nb, padding_idx,
         MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64,
-        SIZE64=size_dtype == torch.int64, ABS=bool(absolute),
+        SIZE64=size_dtype == torch.int64, ABS=bool(absolute), SPARSE=bool(sparse),
         BLOCK_B=BLOCK_B,
         BLOCK_D=column_block(dim), num_warps=NUM_WARPS,
     )  # fmt: skip

@@ -64,13 +64,14 @@ class Tables:
             self.bag_size.append(size.to(idx_dtype))  # as aten's CUDA forward: the indices' dtype
             self.max_indices.append(maxi)
 
-    def reference(self, G: torch.Tensor) -> list[torch.Tensor]:
-        """aten's backward of each table on the exchanged gradients ``G`` ([bags, T * D]), in fp32."""
+    def reference(self, G: torch.Tensor, sparse: bool = False) -> list[torch.Tensor]:
+        """aten's backward of each table on the exchanged gradients ``G`` ([bags, T * D]), in fp32 (``sparse``: its
+        sparse COO gradients)."""
         per = G.float().view(G.shape[0], len(self.rows), -1)
         return [
             torch.ops.aten._embedding_bag_backward(
                 per[:, t], self.indices[t].long(), self.offsets[t].long(), self.offset2bag[t], self.bag_size[t].long(),
-                self.max_indices[t], n, False, self.mode, False, None, self.pad,
+                self.max_indices[t], n, False, self.mode, sparse, None, self.pad,
             )
             for t, n in enumerate(self.rows)
         ]  # fmt: skip
@@ -98,6 +99,13 @@ def check_one_rank(g, results: dict) -> None:
                 for a, b in zip(got, want):
                     ok = a.dtype == dtype
                     results[key] = max(results.get(key, 0.0), rel(a, b) / TOL[dtype] * 1e-5 if ok else float("inf"))
+                if pad < 0:  # sparse gradients: aten's values at aten's indices, uncoalesced
+                    got = lo.all_to_all_embedding_bag_backward_on(None, grad, *tb.args(), mode, [], [], sparse=True)
+                    key = f"sparse one rank {name}"
+                    for a, b in zip(got, tb.reference(grad, sparse=True)):
+                        ok = a.is_sparse and a._nnz() == b._nnz() and torch.equal(a._indices(), b._indices())
+                        err = rel(a._values(), b._values()) / TOL[dtype] * 1e-5 if ok else float("inf")
+                        results[key] = max(results.get(key, 0.0), err)
 
 
 class Ranks:
@@ -122,9 +130,7 @@ class Ranks:
         take part (the others never start)."""
         ranks = range(self.world) if only is None else only
         gens = {
-            r: lo.protocol(
-                self.comms[r], *calls[r][:8], max_spin=max_spin, padding_idx=calls[r][8] if len(calls[r]) > 8 else -1
-            )
+            r: lo.protocol(self.comms[r], *calls[r][:8], max_spin=max_spin, padding_idx=calls[r][8], sparse=calls[r][9])
             for r in ranks
         }
         outs: dict[int, list[torch.Tensor]] = {}
@@ -147,8 +153,10 @@ def check_protocol(g, results: dict) -> None:
         ("w3-uniform-lists", 3, torch.bfloat16, "uniform", -1),
         ("w3-unequal-padding", 3, torch.float32, "unequal", 2),
         ("w2-unequal-fp16", 2, torch.float16, "unequal", -1),
+        ("w2-equal-sparse", 2, torch.bfloat16, "empty", "sparse"),
     ]
     for name, world, dtype, splits, pad in scenarios:
+        sparse, pad = pad == "sparse", -1 if pad == "sparse" else pad
         bags = bags_per_rank * world  # every owner pools the global batch (of about ``bags``)
         if splits == "unequal":
             # rank s sends rank r sizes[s][r] rows; rank r receives column r, which must add up to its bags
@@ -171,17 +179,19 @@ def check_protocol(g, results: dict) -> None:
             calls = []
             for r in range(world):
                 o, i = (recv[r], sizes[r]) if splits != "empty" else ([], [])
-                calls.append((grads[r], *owners[r].args(), mode, o, i, pad))
+                calls.append((grads[r], *owners[r].args(), mode, o, i, pad, sparse))
             if ranks is None:
-                nbytes = max(lo.data_bytes(grads[r], T, calls[r][-3], calls[r][-2], world)
+                nbytes = max(lo.data_bytes(grads[r], T, calls[r][-4], calls[r][-3], world)
                              for r in range(world))  # fmt: skip
                 ranks = Ranks(world, nbytes)
             got = ranks.run(calls)
             key = f"protocol {name}"
             for r in range(world):
                 chunks = [torch.split(grads[s], sizes[s], dim=0)[r] for s in range(world)]
-                want = owners[r].reference(torch.cat(chunks, dim=0))
+                want = owners[r].reference(torch.cat(chunks, dim=0), sparse)
                 for a, b in zip(got[r], want):
+                    if sparse:
+                        a, b = a.to_dense(), b.to_dense()
                     results[key] = max(results.get(key, 0.0), rel(a, b) / TOL[dtype] * 1e-5)
             if any(c.errors.err[0] for c in ranks.comms):
                 results[f"{key} errors"] = float("inf")
@@ -199,7 +209,7 @@ def check_timeouts(g) -> list[str]:
     for splits in ([], [1, 3]):
         tb = Tables(g, bags, [5, 6], D, 0, False, torch.int64, torch.int64)
         grad = torch.randn(bags, T * D, generator=g)
-        call = (grad, *tb.args(), 0, splits, splits[::-1])
+        call = (grad, *tb.args(), 0, splits, splits[::-1], -1, False)
         ranks = Ranks(2, lo.data_bytes(grad, T, splits, splits[::-1], 2))
         try:  # on CPU the call's report raises at once
             ranks.run([call, call], only=[0], max_spin=50)

@@ -32,15 +32,17 @@ def all_to_all_embedding_bag_backward_cuda(
     grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], offset2bag: Sequence[Tensor],
     bag_size: Sequence[Tensor], max_indices: Sequence[Tensor], num_weights: Sequence[int], scale_grad_by_freq: bool,
     mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], group_name: str,
-    padding_idx: int = -1, choice: str = "",
+    sparse: bool = False, padding_idx: int = -1, choice: str = "",
 ) -> list[Tensor]:  # fmt: skip
-    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (a padding
-    index tuned apart, passed to the choices as a keyword)."""
+    """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (sparse
+    gradients and a padding index tuned apart, passed to the choices as keywords)."""
     args = (
         grad, list(indices), list(offsets), list(offset2bag), list(bag_size), list(max_indices), list(num_weights),
         scale_grad_by_freq, mode, list(output_split_sizes), list(input_split_sizes), group_name,
     )  # fmt: skip
     flags = {"padding_idx": padding_idx} if padding_idx >= 0 else {}
+    if sparse:
+        flags["sparse"] = True
     return pick(OP, args, group_name, compiled=choice, kwargs=flags).fn(*args, **flags)
 
 

@@ -13,6 +13,8 @@ Per call, on rank r of w, all on the current stream:
   scatter kernel: every (block of bags, table): the bags' gradient rows from their sources' send buffers, added at
       the bags' indices (fp32 atomics: into the gradient itself when fp32, else the accumulator)
   [bf16/fp16] rows kernel: the accumulator's touched rows cast into the tables' gradients
+Sparse gradients (``sparse``): the scatter writes each position's row of the values instead (no accumulator, no
+zeroed gradients), and each table's gradient is the sparse COO tensor of those values at its indices, as aten's.
 With equal splits (both lists empty, or all entries equal), our chunk starts at ``r * chunk`` rows in every
 source's gradients: known on the host, no offsets kernels. With one rank, the scatter reads ``grad`` itself (no
 workspace, no signals).
@@ -240,10 +242,10 @@ def make() -> tuple[Callable[..., list[Tensor]], Callable[..., str | None]]:
     """(fn, supports) of the choice ``triton``."""
 
     def run(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-            output_split_sizes, input_split_sizes, group_name, padding_idx=-1):  # fmt: skip
+            output_split_sizes, input_split_sizes, group_name, sparse=False, padding_idx=-1):  # fmt: skip
         return all_to_all_embedding_bag_backward(
             grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes, group_name,
-            padding_idx=padding_idx,
+            padding_idx=padding_idx, sparse=sparse,
         )  # fmt: skip
 
     return run, supports
@@ -266,7 +268,7 @@ def group_comm(group_name: str, world: int, data_bytes: int) -> Comm:
 def all_to_all_embedding_bag_backward(
     grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
-    group_name: str, padding_idx: int = -1,
+    group_name: str, padding_idx: int = -1, sparse: bool = False,
 ) -> list[Tensor]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -276,7 +278,7 @@ def all_to_all_embedding_bag_backward(
         comm = group_comm(group_name, world, data_bytes(grad, len(indices), output_split_sizes, input_split_sizes, world))
     return all_to_all_embedding_bag_backward_on(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
-        padding_idx=padding_idx,
+        padding_idx=padding_idx, sparse=sparse,
     )  # fmt: skip
 
 
@@ -303,13 +305,14 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
 def all_to_all_embedding_bag_backward_on(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
-    max_spin: int | None = None, padding_idx: int = -1,
+    max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
 ) -> list[Tensor]:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
-    call. The protocol of the module's docstring, on the current stream. ``padding_idx``: aten's (-1: none)."""
+    call. The protocol of the module's docstring, on the current stream. ``padding_idx``: aten's (-1: none);
+    ``sparse``: sparse COO gradients (each position's row at its index, uncoalesced), as aten's."""
     steps = protocol(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
-        max_spin=max_spin, padding_idx=padding_idx,
+        max_spin=max_spin, padding_idx=padding_idx, sparse=sparse,
     )  # fmt: skip
     while True:
         try:
@@ -333,11 +336,13 @@ def _tables(indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequ
 def protocol(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
-    max_spin: int | None = None, padding_idx: int = -1,
+    max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
 ) -> Generator[str, None, list[Tensor]]:  # fmt: skip
     """:func:`all_to_all_embedding_bag_backward_on` as a generator that yields the name of each launch after it (its
     value is the tables' gradients): the CPU tests run every simulated rank's launches in lockstep in Triton's
     interpreter, which cannot run two ranks at once."""
+    if sparse and padding_idx >= 0:
+        raise ValueError(f"fluxcompile: {OP} ({NAME}): sparse gradients with a padding_idx (aten drops its positions)")
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     device, dtype = grad.device, grad.dtype
     T = len(indices)
@@ -346,8 +351,11 @@ def protocol(
         raise ValueError(f"fluxcompile: {OP}: {why}")
     dim = lay.dim
     num_weights = [int(n) for n in num_weights]
-    fp32 = dtype == torch.float32
-    grads = [torch.zeros(n, dim, dtype=dtype, device=device) for n in num_weights]
+    fp32 = dtype == torch.float32 or sparse  # sparse: the values are written, never accumulated
+    if sparse:  # each position's row of the values (aten's uncoalesced sparse gradient)
+        grads = [torch.empty(i.numel(), dim, dtype=dtype, device=device) for i in indices]
+    else:
+        grads = [torch.zeros(n, dim, dtype=dtype, device=device) for n in num_weights]
     if fp32:
         dst = device_table(tuple(g.data_ptr() for g in grads), device)
     else:
@@ -363,7 +371,7 @@ def protocol(
         yield "zero"
     scatter = dict(
         mode=mode, offset_dtype=offsets[0].dtype, size_dtype=bag_size[0].dtype, recv_start=device_table(lay.recv_start, device),
-        row_elems=lay.row_elems, world=world, padding_idx=padding_idx, **kinds,
+        row_elems=lay.row_elems, world=world, padding_idx=padding_idx, sparse=sparse, **kinds,
     )  # fmt: skip
     if world == 1:
         ebb.scatter(
@@ -416,4 +424,12 @@ def protocol(
     if not fp32:
         ebb.rows(tables, dst, out_table, grad, max_idx, T, dim, cast=True, **kinds)
         yield "cast"
+    if sparse:
+        # the indices copied (an output never aliases an input), as int64 as aten's
+        return [
+            torch.sparse_coo_tensor(
+                i.view(1, -1).to(torch.int64, copy=True), v, (n, dim), check_invariants=False, is_coalesced=False
+            )
+            for i, v, n in zip(indices, grads, num_weights)
+        ]
     return grads
