@@ -91,14 +91,15 @@ input_split_sizes, group_name, bookkeeping) -> (out, offset2bag, bag_size, max_i
     dim 0. ``mode`` is aten's: 0 sum, 1 mean, 2 max. The model-parallel embedding tables of DLRM. With
     ``bookkeeping`` (a training forward, set by the rewrite) also every table's ``offset2bag``, ``bag_size`` and
     ``max_indices`` as aten's ``_embedding_bag`` makes them on the tables' device, for the backward; without it
-    three empty lists. ``padding_idx`` as aten's (-1: none).
+    three empty lists. ``padding_idx`` and ``per_sample_weights`` (one per table, sum pooling) as aten's.
 ``all_to_all_embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights,
 scale_grad_by_freq, mode, output_split_sizes, input_split_sizes, group_name) -> weight_grads``
     Its backward: ``G = all_to_all_single(grad)`` along dim 0 (``grad`` ``[rows, T * D]``, the pooled rows'
     gradients on the samples' owners); ``weight_grads[t] = _embedding_bag_backward(G.view(-1, T, D)[:, t],
     indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t], scale_grad_by_freq, mode)``
-    (no per-sample weights; ``sparse`` and ``padding_idx`` as aten's, -1 none): the tables' gradients on their
-    owner, sparse COO tensors with ``sparse``.
+    (``per_sample_weights``, ``sparse`` and ``padding_idx`` as aten's): the tables' gradients on their owner,
+    sparse COO tensors with ``sparse``; given the tables (``weights``), the per-sample weights' gradients after
+    them (``_embedding_bag_per_sample_weights_backward`` per table).
 ``all_reduce_rmsnorm(x, As, Bs, bias, out_shape, residual, weight, eps, upcast, weight_after_cast, reduce_op,
 group_name) -> (h, normed)``
     The decoder layer's tail after a row-parallel projection: ``r = all_reduce(x if x is given else
@@ -163,14 +164,14 @@ _lib.define(
 _lib.define(
     "embedding_bag_all_to_all(Tensor[] weights, Tensor[] indices, Tensor[] offsets, int mode,"
     " bool include_last_offset, SymInt[] out_shape, SymInt[] output_split_sizes, SymInt[] input_split_sizes,"
-    ' str group_name, bool bookkeeping=False, int padding_idx=-1, str choice="")'
-    " -> (Tensor, Tensor[], Tensor[], Tensor[])"
+    " str group_name, Tensor[]? per_sample_weights=None, bool bookkeeping=False, int padding_idx=-1,"
+    ' str choice="") -> (Tensor, Tensor[], Tensor[], Tensor[])'
 )
 _lib.define(
     "all_to_all_embedding_bag_backward(Tensor grad, Tensor[] indices, Tensor[] offsets, Tensor[] offset2bag,"
     " Tensor[] bag_size, Tensor[] max_indices, SymInt[] num_weights, bool scale_grad_by_freq, int mode,"
-    " SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, bool sparse=False, int padding_idx=-1,"
-    ' str choice="") -> Tensor[]'
+    " SymInt[] output_split_sizes, SymInt[] input_split_sizes, str group_name, Tensor[]? per_sample_weights=None,"
+    ' Tensor[]? weights=None, bool sparse=False, int padding_idx=-1, str choice="") -> Tensor[]'
 )
 _lib.define(
     "all_reduce_rmsnorm(Tensor? x, Tensor[] As, Tensor[] Bs, Tensor? bias, SymInt[] out_shape, Tensor residual,"
@@ -523,7 +524,7 @@ def pooled_rows(
 
 def _bags(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
-    include_last_offset: bool, padding_idx: int = -1,
+    include_last_offset: bool, padding_idx: int = -1, per_sample_weights: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
     """The pooled rows side by side, and each table's bookkeeping (offset2bag, bag_size, max_indices) as aten's
     ``_embedding_bag`` makes them."""
@@ -534,9 +535,10 @@ def _bags(
         )
     if mode not in (0, 1, 2):
         raise ValueError(f"fluxcompile: embedding_bag mode {mode} is not 0 (sum), 1 (mean) or 2 (max)")
+    psw = per_sample_weights if per_sample_weights is not None else [None] * len(weights)
     bags = [
-        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset, padding_idx)
-        for w, i, o in zip(weights, indices, offsets)
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, p, include_last_offset, padding_idx)
+        for w, i, o, p in zip(weights, indices, offsets, psw)
     ]
     return torch.cat([b[0] for b in bags], dim=-1), *([b[k] for b in bags] for k in (1, 2, 3))
 
@@ -544,9 +546,11 @@ def _bags(
 @torch.library.impl(_lib, "embedding_bag_all_to_all", "CompositeExplicitAutograd")
 def _embedding_bag_all_to_all_ref(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name, bookkeeping=False, padding_idx=-1, choice="",
+    group_name, per_sample_weights=None, bookkeeping=False, padding_idx=-1, choice="",
 ):  # fmt: skip
-    P, offset2bag, bag_size, max_indices = _bags(weights, indices, offsets, mode, include_last_offset, padding_idx)
+    P, offset2bag, bag_size, max_indices = _bags(
+        weights, indices, offsets, mode, include_last_offset, padding_idx, per_sample_weights
+    )
     out = _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
     if not bookkeeping:
         return out, [], [], []
@@ -556,19 +560,29 @@ def _embedding_bag_all_to_all_ref(
 @torch.library.impl(_lib, "all_to_all_embedding_bag_backward", "CompositeExplicitAutograd")
 def _all_to_all_embedding_bag_backward_ref(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name, sparse=False, padding_idx=-1, choice="",
+    output_split_sizes, input_split_sizes, group_name, per_sample_weights=None, weights=None, sparse=False,
+    padding_idx=-1, choice="",
 ):  # fmt: skip
     tables = len(indices)
     if grad.dim() != 2 or not tables or grad.shape[1] % tables:
         raise ValueError(f"fluxcompile: pooled gradients {list(grad.shape)} for {tables} tables side by side")
     G = _exchange(grad, output_split_sizes, input_split_sizes, group_name)
     per_table = G.view(G.shape[0], tables, -1)
+    psw = per_sample_weights if per_sample_weights is not None else [None] * tables
     backward = torch.ops.aten._embedding_bag_backward
-    return [
+    grads = [
         backward(per_table[:, t], indices[t], offsets[t], offset2bag[t], bag_size[t], max_indices[t], num_weights[t],
-                 scale_grad_by_freq, mode, sparse, None, padding_idx)
+                 scale_grad_by_freq, mode, sparse, psw[t], padding_idx)
         for t in range(tables)
-    ]
+    ]  # fmt: skip
+    if weights is not None:  # the per-sample weights' gradients too
+        grads += [
+            torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                per_table[:, t], weights[t], indices[t], offsets[t], offset2bag[t], mode, padding_idx
+            )
+            for t in range(tables)
+        ]
+    return grads
 
 
 def rms_norm(h: Tensor, weight: Tensor, eps: float, upcast: bool, weight_after_cast: bool) -> Tensor:
@@ -681,7 +695,7 @@ def _matmul_all_to_all_fake(
 @torch.library.register_fake("fluxcompile::embedding_bag_all_to_all")
 def _embedding_bag_all_to_all_fake(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name, bookkeeping=False, padding_idx=-1, choice="",
+    group_name, per_sample_weights=None, bookkeeping=False, padding_idx=-1, choice="",
 ):  # fmt: skip
     shape = list(out_shape)
     if output_split_sizes:
@@ -690,9 +704,10 @@ def _embedding_bag_all_to_all_fake(
     if not bookkeeping:
         return out, [], [], []
     # aten's own shapes and dtypes of the bookkeeping (its meta function)
+    psw = per_sample_weights if per_sample_weights is not None else [None] * len(weights)
     books = [
-        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, None, include_last_offset, padding_idx)
-        for w, i, o in zip(weights, indices, offsets)
+        torch.ops.aten._embedding_bag(w, i, o, False, mode, False, p, include_last_offset, padding_idx)
+        for w, i, o, p in zip(weights, indices, offsets, psw)
     ]
     return out, *([b[k] for b in books] for k in (1, 2, 3))
 
@@ -700,20 +715,25 @@ def _embedding_bag_all_to_all_fake(
 @torch.library.register_fake("fluxcompile::all_to_all_embedding_bag_backward")
 def _all_to_all_embedding_bag_backward_fake(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name, sparse=False, padding_idx=-1, choice="",
+    output_split_sizes, input_split_sizes, group_name, per_sample_weights=None, weights=None, sparse=False,
+    padding_idx=-1, choice="",
 ):  # fmt: skip
     width = grad.shape[1] // max(len(indices), 1)
     if not sparse:
-        return [grad.new_empty((n, width)) for n in num_weights]
-    # aten's sparse gradients: every position's row at its index, uncoalesced (its CPU meta path reads an empty
-    # offset2bag of the sum fast path as no positions)
-    return [
-        torch.sparse_coo_tensor(
-            i.new_empty((1, i.numel()), dtype=torch.int64), grad.new_empty((i.numel(), width)), (n, width),
-            check_invariants=False, is_coalesced=False,
-        )
-        for i, n in zip(indices, num_weights)
-    ]  # fmt: skip
+        grads = [grad.new_empty((n, width)) for n in num_weights]
+    else:
+        # aten's sparse gradients: every position's row at its index, uncoalesced (its CPU meta path reads an empty
+        # offset2bag of the sum fast path as no positions)
+        grads = [
+            torch.sparse_coo_tensor(
+                i.new_empty((1, i.numel()), dtype=torch.int64), grad.new_empty((i.numel(), width)), (n, width),
+                check_invariants=False, is_coalesced=False,
+            )
+            for i, n in zip(indices, num_weights)
+        ]  # fmt: skip
+    if weights is not None:
+        grads += [grad.new_empty((i.numel(),)) for i in indices]
+    return grads
 
 
 @torch.library.register_fake("fluxcompile::all_reduce_rmsnorm")

@@ -133,16 +133,20 @@ def test_moe_dispatch_and_combine_fuse(ranks, world, form):
         assert "permutation by layout" in report
 
 
-def dlrm_case(train: bool, mode: str = "mean") -> tuple[int, float, str]:
+def dlrm_case(train: bool, mode: str = "mean", weighted: bool = False) -> tuple[int, float, str]:
     torch.manual_seed(_seed())
     world, T, D, B = dist.get_world_size(), 3, 8, 4
     tables = [torch.randn(20 + t, D, requires_grad=train) for t in range(T)]
     lengths = [torch.randint(0, 5, (B * world,)) for _ in range(T)]
     offsets = [torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)[:-1]]) for n in lengths]
     indices = [torch.randint(0, 20, (int(n.sum()),)) for n in lengths]
+    # per-sample weights (sum pooling), learned: their gradients too
+    psw = [torch.rand(i.numel(), requires_grad=train) if weighted else None for i in indices]
 
     def pooled_exchange(indices, offsets):
-        pooled = [F.embedding_bag(i, w, o, mode=mode) for w, i, o in zip(tables, indices, offsets)]
+        pooled = [
+            F.embedding_bag(i, w, o, mode=mode, per_sample_weights=p) for w, i, o, p in zip(tables, indices, offsets, psw)
+        ]
         p = torch.stack(pooled, dim=1).reshape(B * world, T * D)
         r = fc.all_to_all_single_autograd(p, None, None, dist.group.WORLD)
         return r.view(world, B, T * D).transpose(0, 1).reshape(B, world * T * D)
@@ -152,14 +156,15 @@ def dlrm_case(train: bool, mode: str = "mean") -> tuple[int, float, str]:
         out = torch.compile(pooled_exchange, backend="fluxcompile")(indices, offsets)
         if train:
             out.backward(grad)
-    compiled_grads = [t.grad for t in tables] if train else []
-    for t in tables:
+    learned = tables + [p for p in psw if p is not None]
+    compiled_grads = [t.grad for t in learned] if train else []
+    for t in learned:
         t.grad = None
     with torch.set_grad_enabled(train):
         ref = pooled_exchange(indices, offsets)
         if train:
             ref.backward(grad)
-    errs = [rel_err(out, ref), *(rel_err(a, t.grad) for a, t in zip(compiled_grads, tables))]
+    errs = [rel_err(out, ref), *(rel_err(a, t.grad) for a, t in zip(compiled_grads, learned))]
     return rep.count(POOLED) + rep.count(POOLED_BACKWARD, "backward"), max(errs), rep.format()
 
 
@@ -178,6 +183,16 @@ def test_dlrm_training_fuses_forward_and_backward(ranks, world, mode):
     for count, err, report in ranks(world).run(dlrm_case, True, mode):
         assert count == 2 and "with the bookkeeping of 3 for the backward" in report, report
         assert "3 embedding bag backward(s)" in report, report
+        assert err <= 1e-6, report
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dlrm_training_with_per_sample_weights(ranks, world):
+    """Learned per-sample weights (sum pooling): the forward fuses with them, the backward makes the tables' and
+    the weights' gradients; all equal eager's."""
+    for count, err, report in ranks(world).run(dlrm_case, True, "sum", True):
+        assert count == 2 and "(sum, per-sample weights)" in report, report
+        assert "per-sample weights and their gradients" in report, report
         assert err <= 1e-6, report
 
 

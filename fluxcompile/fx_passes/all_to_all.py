@@ -229,6 +229,8 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
         return why
     args = ([b.args[0] for b in bags], [b.args[1] for b in bags], [b.args[2] for b in bags], found.mode,
             found.include_last_offset, list(shape(source)), out_splits, in_splits, group_name)  # fmt: skip
+    if found.per_sample_weights is not None:  # positional, as the op's implementation passes them to its choices
+        args = (*args, found.per_sample_weights)
     flags = {"bookkeeping": True} if found.bookkept else {}
     if found.padding_idx >= 0:
         flags["padding_idx"] = found.padding_idx
@@ -244,6 +246,7 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
     note = f"; {decision.note}" if decision.note else ""
     mode = embedding_bag.mode_name(found.mode) + (f", padding_idx {found.padding_idx}" if found.padding_idx >= 0 else "")
+    mode += ", per-sample weights" if found.per_sample_weights else ""
     kept = f", with the bookkeeping of {len(found.bookkept)} for the backward" if found.bookkept else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
                  f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
@@ -260,6 +263,9 @@ def _pooled_backward(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
     args = (source, [b.args[1] for b in bw], [b.args[2] for b in bw], [b.args[3] for b in bw],
             [b.args[4] for b in bw], [b.args[5] for b in bw], [b.args[6] for b in bw], found.scale_grad_by_freq,
             found.mode, out_splits, in_splits, group_name)  # fmt: skip
+    wb = found.weights_backwards or []
+    if found.per_sample_weights is not None:  # positional, as the op's implementation passes them to its choices
+        args = (*args, found.per_sample_weights, [w.args[1] for w in wb] if wb else None)
     flags = {"padding_idx": found.padding_idx} if found.padding_idx >= 0 else {}
     decision = decide(POOLED_BACKWARD, args, group_name, cfg, flags or None)
     if decision.keep:
@@ -268,9 +274,12 @@ def _pooled_backward(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
         fused = call(graph, ops.op(POOLED_BACKWARD), args, {**flags, **decision.kwargs()})
         for t, b in enumerate(bw):
             b.replace_all_uses_with(call(graph, operator.getitem, (fused, t)))
-    experts.erase_unused(graph, [*bw, *found.selects, found.view, wait, node])
+        for t, w in enumerate(wb):  # the per-sample weights' gradients follow the tables'
+            w.replace_all_uses_with(call(graph, operator.getitem, (fused, len(bw) + t)))
+    experts.erase_unused(graph, [*bw, *wb, *found.selects, found.view, wait, node])
     note = f"; {decision.note}" if decision.note else ""
     mode = embedding_bag.mode_name(found.mode) + (f", padding_idx {found.padding_idx}" if found.padding_idx >= 0 else "")
+    mode += ", per-sample weights" + (" and their gradients" if wb else "") if found.per_sample_weights else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED_BACKWARD,
                  f"{len(bw)} embedding bag backward(s) ({mode}) [{', '.join(b.name for b in bw)}]{note}")  # fmt: skip
 

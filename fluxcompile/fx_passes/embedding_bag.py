@@ -20,6 +20,7 @@ from .graph_utils import aten, call, is_call, is_reshape, shape, val
 
 BAGS = (aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
 BAG_BACKWARD = aten._embedding_bag_backward.default
+WEIGHTS_BACKWARD = aten._embedding_bag_per_sample_weights_backward.default
 
 
 @dataclasses.dataclass
@@ -32,6 +33,7 @@ class EmbeddingBagMatch:
     include_last_offset: bool
     bookkept: list[Node]  # the bags whose bookkeeping (getitem 1..3) a backward reads: the fused op makes it
     padding_idx: int = -1
+    per_sample_weights: list[Node] | None = None  # one per bag, or none
 
 
 def mode_name(mode: int) -> str:
@@ -63,9 +65,9 @@ def find_pooled(source: Node) -> EmbeddingBagMatch | str:
     last = {bool(_arg(b, 7, "include_last_offset", False)) for b in bags}
     if len(modes) > 1 or len(last) > 1:
         return "the embedding bags differ in mode or include_last_offset"
-    for b in bags:
-        if _arg(b, 6, "per_sample_weights", None) is not None:
-            return "an embedding_bag with per_sample_weights"
+    psw = [_arg(b, 6, "per_sample_weights", None) for b in bags]
+    if any(p is None for p in psw) != all(p is None for p in psw):
+        return "per_sample_weights on some embedding bags only"
     pads = {_padding(b, 8) for b in bags}
     if len(pads) > 1:
         return "the embedding bags differ in padding_idx"
@@ -77,7 +79,9 @@ def find_pooled(source: Node) -> EmbeddingBagMatch | str:
     bookkept = [b for b in bags if any(u.args[1] != 0 and u.users for u in b.users)]
     if bookkept and mode == 2:
         return "max pooling whose max_indices a backward reads (training): they are per column"
-    return EmbeddingBagMatch(bags, parts, node, chain, mode, last.pop(), bookkept, pads.pop())
+    return EmbeddingBagMatch(
+        bags, parts, node, chain, mode, last.pop(), bookkept, pads.pop(), None if psw[0] is None else psw
+    )
 
 
 def _padding(node: Node, i: int) -> int:
@@ -127,6 +131,8 @@ class BagBackwardMatch:
     scale_grad_by_freq: bool
     mode: int
     padding_idx: int = -1
+    per_sample_weights: list[Node] | None = None  # the backwards' per-sample weights, one per table, or none
+    weights_backwards: list[Node] | None = None  # their gradients' nodes (reading the same column), or none
 
 
 def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
@@ -142,13 +148,22 @@ def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
         return "the exchanged tensor is not viewed as [rows, tables, dim]"
     by_table: dict[int, Node] = {}
     for u in view.users:
-        if not is_call(u, aten.select.int) or u.args[1] != 1 or len(u.users) != 1:
+        if not is_call(u, aten.select.int) or u.args[1] != 1 or not 1 <= len(u.users) <= 2:
             return "the tables' gradients are not one select(1, t) each"
         by_table[u.args[2] % tables] = u
     if sorted(by_table) != list(range(tables)):
         return "not every table's gradient is read"
     selects = [by_table[t] for t in range(tables)]
-    backwards = [next(iter(sel.users)) for sel in selects]
+    backwards, weights_backwards = [], []
+    for sel in selects:
+        readers = {("w" if is_call(r, WEIGHTS_BACKWARD) else "b"): r for r in sel.users}
+        if len(readers) != len(sel.users) or "b" not in readers:
+            return "a table's gradient is not read by an embedding_bag backward (and its per-sample weights')"
+        backwards.append(readers["b"])
+        if "w" in readers:
+            weights_backwards.append(readers["w"])
+    if weights_backwards and len(weights_backwards) != tables:
+        return "per-sample weights' gradients of some tables only"
     for sel, b in zip(selects, backwards):
         if not is_call(b, BAG_BACKWARD) or b.args[0] is not sel:
             return "a table's gradient is not read by an embedding_bag backward"
@@ -156,10 +171,16 @@ def find_bag_backwards(wait: Node) -> BagBackwardMatch | str:
             # The fused op makes them (sparse=True, called directly), but a rewritten node's sparse output breaks
             # Inductor's fake-tensor update after the post-grad passes (it reads every new output's storage).
             return "sparse embedding gradients (Inductor cannot re-derive a rewritten node's sparse output)"
-        if _arg(b, 10, "per_sample_weights", None) is not None:
-            return "an embedding_bag backward with per_sample_weights"
+    psw = [_arg(b, 10, "per_sample_weights", None) for b in backwards]
+    if any(p is None for p in psw) != all(p is None for p in psw):
+        return "per_sample_weights on some embedding bag backwards only"
     flags = {(bool(_arg(b, 7, "scale_grad_by_freq", False)), _arg(b, 8, "mode", 0), _padding(b, 11)) for b in backwards}
     if len(flags) > 1:
         return "the tables' backwards differ in mode, scale_grad_by_freq or padding_idx"
     scale, mode, pad = flags.pop()
-    return BagBackwardMatch(view, selects, backwards, scale, mode, pad)
+    for t, w in enumerate(weights_backwards):  # (grad, weight, indices, offsets, offset2bag, mode, padding_idx)
+        b = backwards[t]
+        if psw[0] is None or w.args[2] is not b.args[1] or w.args[4] is not b.args[3] or _padding(w, 6) != pad:
+            return "a per-sample weights' gradient that does not match its table's embedding_bag backward"
+    return BagBackwardMatch(view, selects, backwards, scale, mode, pad, None if psw[0] is None else psw,
+                            weights_backwards or None)  # fmt: skip

@@ -32,7 +32,8 @@ receiver's signals of this call, sent after the receiver's previous copy-out).
 With ``BOOK`` (a training forward) the pooling kernel also writes what aten's CUDA ``_embedding_bag`` gives its
 backward: each bag's size and, for each index position, its bag (``offset2bag``), in the indices' dtype; no
 extra launch, and no index is read for it. With ``PAD`` (a padding index) positions of that index pool nothing and
-count in no bag's size (a mean divides by the others), as aten's.
+count in no bag's size (a mean divides by the others), as aten's. With ``PSW`` each position's row is scaled by its
+per-sample weight before the sum.
 
 :func:`publish_kernel` and :func:`fetch_offsets_kernel` (unequal splits): every rank publishes the exclusive prefix
 of what it receives per source (``my_prefix``) in its flag workspace (half ``epoch % 2``) with the epoch in a flag;
@@ -105,11 +106,11 @@ def name_of(v: Variant) -> str:
 
 @triton.jit(do_not_specialize=["B", "T", "rank", "world", "rot", "pad"])
 def pool_kernel(
-    tables, out, peer_data, peer_counters, dst_off, src_start, state, book,
+    tables, out, peer_data, peer_counters, dst_off, src_start, state, book, psw,
     B, T, D, parity_elems, rank, world, rot, pad,
     MODE: tl.constexpr, LAST: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIGNAL: tl.constexpr,
-    ALIGNED: tl.constexpr, BOOK: tl.constexpr, PAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    UNROLL: tl.constexpr,
+    ALIGNED: tl.constexpr, BOOK: tl.constexpr, PAD: tl.constexpr, PSW: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     dtype = out.dtype.element_ty
     pid = tl.program_id(0)
@@ -131,6 +132,8 @@ def pool_kernel(
     else:
         o_ptr = tl.load(tables + 2 * T + t).to(tl.pointer_type(tl.int32))
     n_idx = tl.load(tables + 3 * T + t)
+    if PSW:  # per-sample weights, in the tables' dtype
+        p_ptr = tl.load(psw + t).to(tl.pointer_type(dtype))
 
     start = tl.load(o_ptr + bags, mask=bmask, other=0).to(tl.int64)
     nxt = bags + 1
@@ -197,7 +200,11 @@ def pool_kernel(
                 w_ptr + row[:, :, None] + cols[None, None, :],
                 mask=pmask[:, :, None] & cmask[None, None, :], other=0.0,
             )  # fmt: skip
-            acc += tl.sum(rows.to(tl.float32), axis=1)
+            if PSW:
+                wts = tl.load(p_ptr + start[:, None] + pos[None, :], mask=pmask, other=0.0).to(tl.float32)
+                acc += tl.sum(rows.to(tl.float32) * wts[:, :, None], axis=1)
+            else:
+                acc += tl.sum(rows.to(tl.float32), axis=1)
         if MODE == 1:
             acc = acc / tl.maximum(count, 1).to(tl.float32)[:, None]
         res = acc.to(dtype)
@@ -322,6 +329,7 @@ def pool(
     aligned: bool = False,
     book: torch.Tensor | None = None,
     padding_idx: int = -1,
+    psw: torch.Tensor | None = None,
 ) -> None:
     """Launch :func:`pool_kernel`. ``tables``: int64 ``[4, T]`` (weight, indices, offsets addresses; index counts);
     ``out``: this rank's output (contiguous, the tables' dtype); ``dst_off`` int64 ``[world]``, ``src_start`` int64
@@ -333,7 +341,8 @@ def pool(
     ``book``: int64 ``[2, T]``, every table's offset2bag and bag_size addresses (the indices' dtype, which the
     offsets share): the kernel writes each position's bag and each bag's size there, as aten's CUDA
     ``_embedding_bag`` does for its backward. ``padding_idx`` (-1: none): positions of that index pool nothing and
-    count in no bag's size."""
+    count in no bag's size. ``psw``: int64 ``[T]``, every table's per-sample weights (the tables' dtype; sum
+    pooling): each position's row is scaled by its weight."""
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag pooling: mode {mode} (0 sum and 1 mean only)")
     signal = world > 1
@@ -351,10 +360,11 @@ def pool(
         tables, out,
         peer_data if signal else dummy, peer_counters if signal else dummy,
         dst_off, src_start, state if signal else dummy, book if book is not None else dummy,
+        psw if psw is not None else dummy,
         num_bags, num_tables, dim, parity_elems, rank, world, rot, padding_idx,
         MODE=mode, LAST=bool(include_last_offset), IDX64=index_dtype == torch.int64,
         OFF64=offset_dtype == torch.int64, SIGNAL=signal, ALIGNED=bool(aligned), BOOK=book is not None,
-        PAD=padding_idx >= 0,
+        PAD=padding_idx >= 0, PSW=psw is not None,
         BLOCK_B=variant.block_b, BLOCK_D=block_d, UNROLL=variant.unroll, num_warps=variant.num_warps,
     )  # fmt: skip
 

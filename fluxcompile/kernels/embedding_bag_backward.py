@@ -112,9 +112,9 @@ def fetch_kernel(
 
 @triton.jit(do_not_specialize=["B", "T", "TD", "parity_elems", "world", "rot", "pad"])
 def scatter_kernel(
-    tables, dst, like, peer_send, src_off, recv_start, state, B, T, D, TD, parity_elems, world, rot, pad,
+    tables, dst, like, peer_send, src_off, recv_start, state, psw, B, T, D, TD, parity_elems, world, rot, pad,
     MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIZE64: tl.constexpr, ABS: tl.constexpr,
-    SPARSE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr, PSW: tl.constexpr, PGRAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Every (block of bags, table): the bags' gradient rows from their sources, added at the bags' indices into
     ``dst[t]`` (fp32). ``tables`` int64 ``[5, T]``: indices, offsets and bag-size addresses, index and offset
@@ -122,7 +122,9 @@ def scatter_kernel(
     tensor of the gradients' dtype (only its type is read); ``peer_send`` int64 ``[world]``: every source's send
     buffer; ``src_off`` int64 ``[world]``: our chunk's element offset in its half (``ABS``: in the buffer, the half
     included, as :func:`publish_kernel` publishes it); ``recv_start`` int64 ``[world]``: the
-    first bag of each source's chunk."""
+    first bag of each source's chunk. ``psw`` int64 ``[3, T]``: every table's per-sample weights (``PSW``: each
+    position's contribution scaled by its weight), its table and its per-sample weights' gradient (``PGRAD``: each
+    position's gradient row dotted with its table row, one column block holding the whole dim)."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     nb = tl.num_programs(0)
@@ -145,6 +147,11 @@ def scatter_kernel(
         out = tl.load(dst + t).to(tl.pointer_type(like.dtype.element_ty))
     else:
         out = tl.load(dst + t).to(tl.pointer_type(tl.float32))
+    if PSW:
+        p_ptr = tl.load(psw + t).to(tl.pointer_type(dtype))
+    if PGRAD:
+        w_ptr = tl.load(psw + T + t).to(tl.pointer_type(dtype))
+        pg_ptr = tl.load(psw + 2 * T + t).to(tl.pointer_type(dtype))
 
     start = tl.load(o_ptr + bags, mask=bmask, other=0).to(tl.int64)
     nxt = bags + 1
@@ -178,18 +185,23 @@ def scatter_kernel(
         g = tl.load(row[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         if MODE == 1:
             g = g * scale[:, None]
-        if SPARSE:
-            v = g.to(like.dtype.element_ty)
-            for j in range(0, max_len):
-                pm = j < lens
-                tl.store(out + (start + j)[:, None] * D + cols[None, :], v, mask=pm[:, None] & cmask[None, :])
-        else:
-            for j in range(0, max_len):
-                pm = j < lens
-                idx = tl.load(i_ptr + start + j, mask=pm, other=0).to(tl.int64)
-                pm = pm & (idx != pad)  # the padding index gets no gradient
+        for j in range(0, max_len):
+            pm = j < lens
+            gj = g
+            if PSW:
+                gj = g * tl.load(p_ptr + start + j, mask=pm, other=0.0).to(tl.float32)[:, None]
+            if SPARSE:
                 m = pm[:, None] & cmask[None, :]
-                tl.atomic_add(out + idx[:, None] * D + cols[None, :], g, mask=m, sem="relaxed")
+                tl.store(out + (start + j)[:, None] * D + cols[None, :], gj.to(dtype), mask=m)
+            if (not SPARSE) or PGRAD:
+                idx = tl.load(i_ptr + start + j, mask=pm, other=0).to(tl.int64)
+                live = pm & (idx != pad)  # the padding index gets no gradient
+                m = live[:, None] & cmask[None, :]
+                if not SPARSE:
+                    tl.atomic_add(out + idx[:, None] * D + cols[None, :], gj, mask=m, sem="relaxed")
+                if PGRAD:  # d loss / d weight[p] = <gradient row of p's bag, table row at p's index>
+                    wrow = tl.load(w_ptr + idx[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                    tl.store(pg_ptr + start + j, tl.sum(g * wrow, axis=1).to(dtype), mask=pm)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -266,22 +278,27 @@ def scatter(
     peer_send: torch.Tensor, src_off: torch.Tensor,
     recv_start: torch.Tensor, state: torch.Tensor, parity_elems: int, row_elems: int, world: int,
     rot_bag: int = 0, absolute: bool = False, padding_idx: int = -1, sparse: bool = False,
+    psw: torch.Tensor | None = None, pgrad: bool = False,
 ) -> None:  # fmt: skip
     """Launch :func:`scatter_kernel` over ``num_bags`` bags of ``num_tables`` tables; ``row_elems``: elements of a
     gradient row (``T * D``); ``rot_bag``: the bag whose block goes first; ``absolute``: ``src_off`` includes the
     half (published by :func:`publish`); ``padding_idx`` (-1: none): that index gets no gradient; ``sparse``:
     ``dst`` holds every table's values (``[indices, D]``, the gradients' dtype), each position's row written (its
-    bag's gradient, scaled) instead of added at its index."""
+    bag's gradient, scaled) instead of added at its index; ``psw``: int64 ``[3, T]`` (per-sample weights, tables,
+    the per-sample weights' gradients), ``pgrad``: write those gradients (``dim`` at most ``MAX_BLOCK_D``)."""
+    if pgrad and dim > MAX_BLOCK_D:
+        raise ValueError(f"embedding_bag backward: per-sample weights' gradients of dim {dim} > {MAX_BLOCK_D}")
     if mode not in (0, 1):
         raise ValueError(f"embedding_bag backward: mode {mode} (0 sum and 1 mean only)")
     if num_bags == 0 or num_tables == 0:
         return
     nb = triton.cdiv(num_bags, BLOCK_B)
     scatter_kernel[(nb, num_tables)](
-        tables, dst, like, peer_send, src_off, recv_start, state, num_bags, num_tables, dim, row_elems,
+        tables, dst, like, peer_send, src_off, recv_start, state, psw if psw is not None else state, num_bags, num_tables, dim, row_elems,
         parity_elems, world, (rot_bag // BLOCK_B) % nb, padding_idx,
         MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64,
-        SIZE64=size_dtype == torch.int64, ABS=bool(absolute), SPARSE=bool(sparse),
+        SIZE64=size_dtype == torch.int64, ABS=bool(absolute), SPARSE=bool(sparse), PSW=psw is not None,
+        PGRAD=bool(pgrad),
         BLOCK_B=BLOCK_B,
         BLOCK_D=column_block(dim), num_warps=NUM_WARPS,
     )  # fmt: skip

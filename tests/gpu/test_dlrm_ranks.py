@@ -516,3 +516,37 @@ def test_backward_registered_choice_between_processes():
         torch.cuda.synchronize()
         errors = cached_comm(group.group_name, lo_bw.TAG).errors.err.tolist() if world > 1 else [0] * ebb.ERR_WORDS
         assert not errors[0], ebb.error_message(errors, "registered choice")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_sample_weights_one_rank(dtype, monkeypatch):
+    """Per-sample weights (sum pooling) through the Triton choices on a group of one: the pooled rows, the tables'
+    gradients and the weights' gradients against aten's CUDA kernels, a padding index among them."""
+    g = torch.Generator().manual_seed(23)
+    x = Owner(g, 3, 150, 150, 64, dtype, torch.int64, False, 0, 80, pad=2)
+    tables = [torch.randn(n, 64, generator=g).to("cuda", dtype) for n in x.num_weights]
+    monkeypatch.setitem(lo._group_sizes, "one", 1)
+    monkeypatch.setitem(lo_bw._group_sizes, "one", 1)
+    forward, _ = lo.make(eb.DEFAULT)
+    backward, _ = lo_bw.make()
+    for call in range(2):
+        x.refresh()
+        psw = [torch.rand(i.numel(), generator=g).to("cuda", dtype) for i in x.indices]
+        poison_allocator(1 << 26)
+        out, *_ = forward(tables, x.indices, x.offsets, 0, False, [150, 3 * 64], [], [], "one", psw, padding_idx=2)
+        want = [torch.ops.aten._embedding_bag(w, i, o, False, 0, False, p, False, 2)
+                for w, i, o, p in zip(tables, x.indices, x.offsets, psw)]  # fmt: skip
+        assert_close(out, torch.cat([w[0].float() for w in want], 1), TOL[dtype], f"pooled call {call}")
+        got = backward(x.grad, x.indices, x.offsets, x.offset2bag, x.bag_size, x.max_indices, x.num_weights, False,
+                       0, [], [], "one", psw, tables, padding_idx=2)  # fmt: skip
+        per = x.grad.view(150, 3, 64)
+        for t in range(3):
+            ref_w = torch.ops.aten._embedding_bag_backward(
+                per[:, t].float().contiguous(), x.indices[t], x.offsets[t], x.offset2bag[t], x.bag_size[t],
+                x.max_indices[t], x.num_weights[t], False, 0, False, psw[t].float(), 2,
+            )  # fmt: skip
+            ref_p = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                per[:, t].float().contiguous(), tables[t].float(), x.indices[t], x.offsets[t], x.offset2bag[t], 0, 2
+            )
+            assert_close(got[t], ref_w, TOL[dtype], f"table {t}'s gradient, call {call}")
+            assert_close(got[3 + t], ref_p, TOL[dtype], f"table {t}'s per-sample weights' gradient, call {call}")

@@ -145,6 +145,71 @@ class Ranks:
         return [outs.get(r) for r in range(self.world)]
 
 
+def positions_bags(offsets: torch.Tensor, n: int, bags: int) -> torch.Tensor:
+    """Each position's bag (every position lies in one: offsets start at 0)."""
+    ends = torch.cat([offsets.long()[1 : bags + 1], torch.tensor([n])])[:bags] if offsets.numel() > bags else (
+        torch.cat([offsets.long()[1:], torch.tensor([n])])
+    )  # fmt: skip
+    starts = offsets.long()[:bags]
+    return torch.repeat_interleave(torch.arange(bags), (ends - starts).clamp_min(0))
+
+
+def check_per_sample_weights(g, results: dict) -> None:
+    """Sum pooling with per-sample weights: the tables' gradients (each position's bag row times its weight) and
+    the weights' gradients (the bag row dotted with the table row), one rank and a 2-rank protocol, by hand."""
+    for name, dtype, world, pad in (("fp32", torch.float32, 1, -1), ("bf16-padding", torch.bfloat16, 1, 3),
+                                    ("fp32-w2", torch.float32, 2, -1)):  # fmt: skip
+        bags, dim, rows = 4 * world, 16, [9, 14]
+        owners = [Tables(g, bags, rows, dim, 0, False, torch.int64, torch.int64, pad=pad) for _ in range(world)]
+        tabs = [[torch.randn(n, dim, generator=g).to(dtype) for n in rows] for _ in range(world)]
+        psws = [[torch.rand(i.numel(), generator=g).to(dtype) for i in o.indices] for o in owners]
+        grads = [torch.randn(bags, len(rows) * dim, generator=g).to(dtype) for _ in range(world)]
+        if world == 1:
+            outs = [lo.all_to_all_embedding_bag_backward_on(
+                None, grads[0], *owners[0].args(), 0, [], [], padding_idx=pad, per_sample_weights=psws[0],
+                weights=tabs[0])]  # fmt: skip
+            Gs = [grads[0]]
+        else:
+            ranks = Ranks(world, lo.data_bytes(grads[0], len(rows), [], [], world))
+            gens = {
+                r: lo.protocol(
+                    ranks.comms[r],
+                    grads[r],
+                    *owners[r].args(),
+                    0,
+                    [],
+                    [],
+                    max_spin=200_000,
+                    padding_idx=pad,
+                    per_sample_weights=psws[r],
+                    weights=tabs[r],
+                )
+                for r in range(world)
+            }
+            done: dict = {}
+            while len(done) < world:
+                for r, gen in gens.items():
+                    if r not in done:
+                        try:
+                            next(gen)
+                        except StopIteration as stop:
+                            done[r] = stop.value
+            outs = [done[r] for r in range(world)]
+            chunk = bags // world
+            Gs = [torch.cat([grads[s][r * chunk : (r + 1) * chunk] for s in range(world)]) for r in range(world)]
+        err = 0.0
+        for r in range(world):
+            per = Gs[r].float().view(bags, len(rows), dim)
+            for t, n in enumerate(rows):
+                idx, w, p = owners[r].indices[t], tabs[r][t].float(), psws[r][t].float()
+                b = positions_bags(owners[r].offsets[t], idx.numel(), bags)
+                live = (idx != pad).float()
+                want_w = torch.zeros(n, dim).index_add_(0, idx, per[b, t] * (p * live)[:, None])
+                want_p = (per[b, t] * w[idx]).sum(1) * live
+                err = max(err, rel(outs[r][t], want_w), rel(outs[r][len(rows) + t], want_p))
+        results[f"per-sample weights {name}"] = err / TOL[dtype] * 1e-5
+
+
 def check_protocol(g, results: dict) -> None:
     T, D, bags_per_rank = 2, 16, 3
     scenarios = [
@@ -224,6 +289,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(seed)
     results: dict = {}
     check_one_rank(g, results)
+    check_per_sample_weights(g, results)
     check_protocol(g, results)
     results["timeouts"] = check_timeouts(g)
     print(json.dumps(results))

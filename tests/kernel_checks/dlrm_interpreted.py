@@ -140,6 +140,16 @@ def check_pool(g, results: dict) -> None:
                 ):
                     err = float("inf")
                 results[key] = max(results.get(key, 0.0), err)
+                if mode == 0:  # per-sample weights (sum pooling only, as aten)
+                    psw = [torch.rand(i.numel(), generator=g).to(dtype) for i in c.indices]
+                    got = lo.embedding_bag_all_to_all_on(
+                        None, c.weights, c.indices, c.offsets, mode, last, [bags, len(rows) * dim], [], [],
+                        padding_idx=pad, per_sample_weights=psw,
+                    )  # fmt: skip
+                    want = ops._bags([w.float() for w in c.weights], [i.long() for i in c.indices],
+                                     [o.long() for o in c.offsets], mode, last, pad, [p.float() for p in psw])  # fmt: skip
+                    key = f"per-sample weights {name}"
+                    results[key] = max(results.get(key, 0.0), rel(got, want[0]) / TOL[dtype] * 1e-5)
 
 
 class Ranks:

@@ -32,7 +32,8 @@ def all_to_all_embedding_bag_backward_cuda(
     grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], offset2bag: Sequence[Tensor],
     bag_size: Sequence[Tensor], max_indices: Sequence[Tensor], num_weights: Sequence[int], scale_grad_by_freq: bool,
     mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], group_name: str,
-    sparse: bool = False, padding_idx: int = -1, choice: str = "",
+    per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None, sparse: bool = False,
+    padding_idx: int = -1, choice: str = "",
 ) -> list[Tensor]:  # fmt: skip
     """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (sparse
     gradients and a padding index tuned apart, passed to the choices as keywords)."""
@@ -40,6 +41,8 @@ def all_to_all_embedding_bag_backward_cuda(
         grad, list(indices), list(offsets), list(offset2bag), list(bag_size), list(max_indices), list(num_weights),
         scale_grad_by_freq, mode, list(output_split_sizes), list(input_split_sizes), group_name,
     )  # fmt: skip
+    if per_sample_weights is not None:  # positional: the tuning key sees their shapes
+        args = (*args, list(per_sample_weights), None if weights is None else list(weights))
     flags = {"padding_idx": padding_idx} if padding_idx >= 0 else {}
     if sparse:
         flags["sparse"] = True

@@ -206,11 +206,13 @@ def check_operands(
 
 def supports(
     grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-    output_split_sizes, input_split_sizes, group_name,
+    output_split_sizes, input_split_sizes, group_name, per_sample_weights=None, weights=None,
 ) -> str | None:  # fmt: skip
     """None when the Triton choice handles the call, else why not (shapes, dtypes, group and config only: the same
     on every rank)."""
     why = check_operands(grad, indices, offsets, bag_size, num_weights, scale_grad_by_freq, mode)
+    if why is None and per_sample_weights is not None:
+        why = weights_problem(grad, indices, per_sample_weights, weights, mode)
     if why is not None:
         return why
     try:
@@ -225,6 +227,28 @@ def supports(
     return bag_problem(received(grad.shape[0], list(output_split_sizes)), offsets, bag_size, mode) or (
         "not on a CUDA device" if grad.device.type != "cuda" else None
     )
+
+
+def weights_problem(
+    grad: Tensor, indices: Sequence[Tensor], per_sample_weights: Sequence[Tensor], weights: Sequence[Tensor] | None,
+    mode: int,
+) -> str | None:  # fmt: skip
+    """Why the scatter does not take these per-sample weights (and tables, for their gradients): None if it does."""
+    if mode != 0:
+        return "per-sample weights outside sum pooling"
+    if len(per_sample_weights) != len(indices) or (weights is not None and len(weights) != len(indices)):
+        return "per-sample weights or tables for some tables only"
+    dim = grad.shape[1] // len(indices)
+    for p, i in zip(per_sample_weights, indices):
+        if p.dim() != 1 or p.numel() != i.numel() or not p.is_contiguous() or p.dtype != grad.dtype:
+            return "per-sample weights that are not one contiguous weight per index in the gradients' dtype"
+    if weights is not None:
+        if dim > ebb.MAX_BLOCK_D:
+            return f"per-sample weights' gradients of dim {dim} (at most {ebb.MAX_BLOCK_D})"
+        for w in weights:
+            if w.dim() != 2 or w.shape[1] != dim or w.dtype != grad.dtype or (w.shape[0] > 1 and w.stride() != (dim, 1)):
+                return "tables that are not contiguous rows of the gradients' dim and dtype"
+    return None
 
 
 def bag_problem(bags: int, offsets: Sequence[Tensor], bag_size: Sequence[Tensor], mode: int) -> str | None:
@@ -242,10 +266,11 @@ def make() -> tuple[Callable[..., list[Tensor]], Callable[..., str | None]]:
     """(fn, supports) of the choice ``triton``."""
 
     def run(grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
-            output_split_sizes, input_split_sizes, group_name, sparse=False, padding_idx=-1):  # fmt: skip
+            output_split_sizes, input_split_sizes, group_name, per_sample_weights=None, weights=None, sparse=False,
+            padding_idx=-1):  # fmt: skip
         return all_to_all_embedding_bag_backward(
             grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes, group_name,
-            padding_idx=padding_idx, sparse=sparse,
+            padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights, weights=weights,
         )  # fmt: skip
 
     return run, supports
@@ -268,7 +293,8 @@ def group_comm(group_name: str, world: int, data_bytes: int) -> Comm:
 def all_to_all_embedding_bag_backward(
     grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
-    group_name: str, padding_idx: int = -1, sparse: bool = False,
+    group_name: str, padding_idx: int = -1, sparse: bool = False, per_sample_weights: Sequence[Tensor] | None = None,
+    weights: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -278,7 +304,7 @@ def all_to_all_embedding_bag_backward(
         comm = group_comm(group_name, world, data_bytes(grad, len(indices), output_split_sizes, input_split_sizes, world))
     return all_to_all_embedding_bag_backward_on(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
-        padding_idx=padding_idx, sparse=sparse,
+        padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights, weights=weights,
     )  # fmt: skip
 
 
@@ -306,13 +332,17 @@ def all_to_all_embedding_bag_backward_on(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
     max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
+    per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
     call. The protocol of the module's docstring, on the current stream. ``padding_idx``: aten's (-1: none);
-    ``sparse``: sparse COO gradients (each position's row at its index, uncoalesced), as aten's."""
+    ``sparse``: sparse COO gradients (each position's row at its index, uncoalesced), as aten's;
+    ``per_sample_weights``: aten's (sum pooling), and with the tables (``weights``) the per-sample weights'
+    gradients follow the tables' in the result."""
     steps = protocol(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
-        max_spin=max_spin, padding_idx=padding_idx, sparse=sparse,
+        max_spin=max_spin, padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights,
+        weights=weights,
     )  # fmt: skip
     while True:
         try:
@@ -337,6 +367,7 @@ def protocol(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
     max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
+    per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None,
 ) -> Generator[str, None, list[Tensor]]:  # fmt: skip
     """:func:`all_to_all_embedding_bag_backward_on` as a generator that yields the name of each launch after it (its
     value is the tables' gradients): the CPU tests run every simulated rank's launches in lockstep in Triton's
@@ -364,6 +395,13 @@ def protocol(
         dst = device_table(tuple(acc.data_ptr() + 4 * dim * s for s in starts[:T]), device)
         out_table = device_table(tuple(g.data_ptr() for g in grads), device)
     tables = _tables(indices, offsets, bag_size, device)
+    pgrads = []
+    psw = None
+    if per_sample_weights is not None:
+        if weights is not None:  # the per-sample weights' gradients, zero where no bag reaches
+            pgrads = [torch.zeros(i.numel(), dtype=dtype, device=device) for i in indices]
+        ptrs = (*per_sample_weights, *(weights or per_sample_weights), *(pgrads or per_sample_weights))
+        psw = device_table(tuple(x.data_ptr() for x in ptrs), device)
     max_idx = max(i.numel() for i in indices)
     kinds = dict(index_dtype=indices[0].dtype)
     if not fp32:
@@ -371,7 +409,8 @@ def protocol(
         yield "zero"
     scatter = dict(
         mode=mode, offset_dtype=offsets[0].dtype, size_dtype=bag_size[0].dtype, recv_start=device_table(lay.recv_start, device),
-        row_elems=lay.row_elems, world=world, padding_idx=padding_idx, sparse=sparse, **kinds,
+        row_elems=lay.row_elems, world=world, padding_idx=padding_idx, sparse=sparse, psw=psw, pgrad=bool(pgrads),
+        **kinds,
     )  # fmt: skip
     if world == 1:
         ebb.scatter(
@@ -426,10 +465,10 @@ def protocol(
         yield "cast"
     if sparse:
         # the indices copied (an output never aliases an input), as int64 as aten's
-        return [
+        grads = [
             torch.sparse_coo_tensor(
                 i.view(1, -1).to(torch.int64, copy=True), v, (n, dim), check_invariants=False, is_coalesced=False
             )
             for i, v, n in zip(indices, grads, num_weights)
         ]
-    return grads
+    return grads + pgrads

@@ -33,8 +33,8 @@ if triton.eb is not None:
 def embedding_bag_all_to_all_cuda(
     weights: Sequence[Tensor], indices: Sequence[Tensor], offsets: Sequence[Tensor], mode: int,
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
-    input_split_sizes: Sequence[int], group_name: str, bookkeeping: bool = False, padding_idx: int = -1,
-    choice: str = "",
+    input_split_sizes: Sequence[int], group_name: str, per_sample_weights: Sequence[Tensor] | None = None,
+    bookkeeping: bool = False, padding_idx: int = -1, choice: str = "",
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
     """The op's CUDA implementation: the compiled choice, else the autotuner's for this call signature (with the
     bookkeeping and a padding index tuned apart, passed to the choices as keywords)."""
@@ -42,6 +42,8 @@ def embedding_bag_all_to_all_cuda(
         list(weights), list(indices), list(offsets), mode, include_last_offset, list(out_shape),
         list(output_split_sizes), list(input_split_sizes), group_name,
     )  # fmt: skip
+    if per_sample_weights is not None:  # positional: the tuning key sees their shapes
+        args = (*args, list(per_sample_weights))
     flags = _BOOKKEEPING if bookkeeping else _NONE
     if padding_idx >= 0:
         flags = {**flags, "padding_idx": padding_idx}

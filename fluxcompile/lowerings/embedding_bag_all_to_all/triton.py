@@ -253,11 +253,13 @@ def check_operands(
 
 def supports(
     weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-    group_name,
+    group_name, per_sample_weights=None,
 ) -> str | None:  # fmt: skip
     """None when the Triton choices handle the call, else why not (shapes, dtypes, group and config only: the same
     on every rank)."""
     why = check_operands(weights, indices, offsets, mode, include_last_offset, cuda=False)
+    if why is None and per_sample_weights is not None:
+        why = weights_problem(per_sample_weights, weights, indices, mode)
     if why is not None:
         return why
     try:
@@ -276,17 +278,33 @@ def supports(
     return why
 
 
+def weights_problem(
+    per_sample_weights: Sequence[Tensor], weights: Sequence[Tensor], indices: Sequence[Tensor], mode: int
+) -> str | None:  # fmt: skip
+    """Why the pooling kernel does not take these per-sample weights (None if it does)."""
+    if mode != 0:
+        return "per-sample weights outside sum pooling"
+    if len(per_sample_weights) != len(indices):
+        return "per-sample weights for some tables only"
+    for p, w, i in zip(per_sample_weights, weights, indices):
+        if p.dim() != 1 or p.numel() != i.numel() or not p.is_contiguous():
+            return "per-sample weights that are not one contiguous weight per index"
+        if p.dtype != w.dtype or p.device != w.device:
+            return "per-sample weights of another dtype or device than the tables"
+    return None
+
+
 def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
     """(fn, supports) of the choice ``triton:<variant>``."""
     if variant not in eb.VARIANTS:
         raise ValueError(f"fluxcompile: no embedding-bag variant {variant!r}")
 
     def run(weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-            group_name, bookkeeping=False, padding_idx=-1):  # fmt: skip
+            group_name, per_sample_weights=None, bookkeeping=False, padding_idx=-1):  # fmt: skip
         book = bookkeeping_tensors(indices, offsets) if bookkeeping else None
         out = embedding_bag_all_to_all(
             weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-            group_name, variant=variant, book=book, padding_idx=padding_idx,
+            group_name, variant=variant, book=book, padding_idx=padding_idx, per_sample_weights=per_sample_weights,
         )  # fmt: skip
         return (out, [], [], []) if book is None else (out, *book)
 
@@ -327,6 +345,7 @@ def embedding_bag_all_to_all(
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], group_name: str, *, variant: str | eb.Variant = "",
     book: tuple[Sequence[Tensor], ...] | None = None, padding_idx: int = -1,
+    per_sample_weights: Sequence[Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -336,7 +355,7 @@ def embedding_bag_all_to_all(
         comm = group_comm(group_name, world, lay.data_bytes(weights[0].element_size()))
     return embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-        variant=variant, book=book, padding_idx=padding_idx,
+        variant=variant, book=book, padding_idx=padding_idx, per_sample_weights=per_sample_weights,
     )  # fmt: skip
 
 
@@ -395,14 +414,15 @@ def embedding_bag_all_to_all_on(
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
     book: tuple[Sequence[Tensor], ...] | None = None, padding_idx: int = -1,
+    per_sample_weights: Sequence[Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
     call. The protocol of the module's docstring, on the current stream. ``variant``: a name of ``VARIANTS``
     (default: ``DEFAULT``) or a ``Variant``. ``book``: the bookkeeping's tensors (:func:`bookkeeping_tensors`),
-    which the pooling kernel fills. ``padding_idx``: aten's (-1: none)."""
+    which the pooling kernel fills. ``padding_idx``, ``per_sample_weights``: aten's."""
     steps = protocol(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
-        variant=variant, max_spin=max_spin, book=book, padding_idx=padding_idx,
+        variant=variant, max_spin=max_spin, book=book, padding_idx=padding_idx, per_sample_weights=per_sample_weights,
     )  # fmt: skip
     while True:
         try:
@@ -416,6 +436,7 @@ def protocol(
     include_last_offset: bool, out_shape: Sequence[int], output_split_sizes: Sequence[int],
     input_split_sizes: Sequence[int], *, variant: str | eb.Variant = "", max_spin: int | None = None,
     book: tuple[Sequence[Tensor], ...] | None = None, padding_idx: int = -1,
+    per_sample_weights: Sequence[Tensor] | None = None,
 ) -> Generator[str, None, Tensor]:  # fmt: skip
     """:func:`embedding_bag_all_to_all_on` as a generator that yields the name of each launch after it (its value
     is the output): the CPU tests run every simulated rank's launches in lockstep in Triton's interpreter, which
@@ -441,6 +462,7 @@ def protocol(
         src_start=device_table(lay.src_start, device),
         book=None if book is None else device_table(tuple(t.data_ptr() for t in (*book[0], *book[1])), device),
         padding_idx=padding_idx,
+        psw=None if per_sample_weights is None else device_table(tuple(p.data_ptr() for p in per_sample_weights), device),
     )  # fmt: skip
     if world == 1:
         eb.pool(tables, out, lay.bags, lay.tables, dim, dst_off=device_table((0,), device), **common)
