@@ -51,20 +51,23 @@ def test_kernels_in_interpreter():
 # --- compiled for Hopper (no GPU needed: Triton's front end and ptxas) -----------------------------------------
 
 
-@pytest.mark.parametrize(("dtype", "mode"), [("fp32", 0), ("bf16", 1), ("fp16", 0)])
-def test_scatter_compiles_for_sm90(dtype, mode, tmp_path, monkeypatch):
-    """The scatter's adds are fp32 reductions at GPU scope, relaxed (no fence per add)."""
+@pytest.mark.parametrize(
+    ("dtype", "mode", "sparse", "psw"), [("fp32", 0, False, False), ("bf16", 1, False, False), ("fp16", 0, False, True),
+                                         ("bf16", 0, True, True)],
+)  # fmt: skip
+def test_scatter_compiles_for_sm90(dtype, mode, sparse, psw, tmp_path, monkeypatch):
+    """The scatter's adds are fp32 reductions at GPU scope, relaxed (no fence per add); sparse values are stored."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    const = dict(MODE=mode, IDX64=True, OFF64=False, SIZE64=dtype != "bf16", ABS=mode == 1, BLOCK_B=ebb.BLOCK_B,
-                 BLOCK_D=128)  # fmt: skip
+    const = dict(MODE=mode, IDX64=True, OFF64=False, SIZE64=dtype != "bf16", ABS=mode == 1, SPARSE=sparse, PSW=psw,
+                 PGRAD=psw, BLOCK_B=ebb.BLOCK_B, BLOCK_D=128)  # fmt: skip
     types = {
         "tables": "*i64", "dst": "*i64", "like": f"*{dtype}", "peer_send": "*i64", "src_off": "*i64",
-        "recv_start": "*i64", "state": "*i64", "parity_elems": "i64",
+        "recv_start": "*i64", "state": "*i64", "psw": "*i64", "parity_elems": "i64",
     }  # fmt: skip
     k = _compile_sm90(ebb.scatter_kernel, const, types, ebb.NUM_WARPS)
     ptx = k.asm["ptx"]
     adds = re.findall(r"\b(?:atom|red)\.global(?:\.gpu)?(?:\.relaxed)?(?:\.gpu)?\.add\.f32", ptx)
-    assert adds, "no fp32 atomic adds"
+    assert bool(adds) != sparse, "fp32 atomic adds for dense gradients only"
     assert ".sys." not in " ".join(adds) and "acq_rel" not in ptx
 
 

@@ -72,7 +72,7 @@ def _compile_sm90(kernel, constexprs: dict, types: dict[str, str], num_warps: in
 
 _POOL_TYPES = {
     "tables": "*i64", "peer_data": "*i64", "peer_counters": "*i64", "dst_off": "*i64", "src_start": "*i64",
-    "state": "*i64", "book": "*i64",
+    "state": "*i64", "book": "*i64", "psw": "*i64",
 }  # fmt: skip
 
 
@@ -86,7 +86,8 @@ def test_pool_kernel_compiles_for_sm90(variant, dtype, signal, tmp_path, monkeyp
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     v = eb.VARIANTS[variant]
     const = dict(
-        MODE=1, LAST=False, IDX64=True, OFF64=False, SIGNAL=signal, ALIGNED=True, BOOK=signal,
+        MODE=1, LAST=False, IDX64=True, OFF64=False, SIGNAL=signal, ALIGNED=True, BOOK=signal, PAD=signal,
+        PSW=not signal,
         BLOCK_B=v.block_b, BLOCK_D=v.column_block(128), UNROLL=v.unroll,
     )  # fmt: skip
     k = _compile_sm90(
