@@ -361,8 +361,16 @@ class Training:
         ]  # fmt: skip
 
     def nccl(self) -> list[torch.Tensor]:
+        return self.nccl_backward(self.nccl_forward())
+
+    def nccl_forward(self) -> list[tuple]:
         book = self._bookkeeping(self.p.weights)
         self._exchange(torch.cat([b[0] for b in book], dim=1))
+        return book
+
+    def nccl_backward(self, book: list[tuple] | None = None) -> list[torch.Tensor]:
+        if book is None:  # timed alone: the forward's bookkeeping of the first call
+            book = self._nccl_book = getattr(self, "_nccl_book", None) or self._bookkeeping(self.p.weights)
         return self._backward(self._exchange(self.grad_out), book)
 
     def unfused(self) -> list[torch.Tensor]:
@@ -374,14 +382,23 @@ class Training:
         return lo_bw.all_to_all_embedding_bag_backward_on(None, G, p.indices, p.offsets, sizes, self.rows, 0, [], [])
 
     def fused(self, book: bool = True) -> list[torch.Tensor]:
+        return self.fused_backward(self.fused_forward(book))
+
+    def fused_forward(self, book: bool = True) -> tuple:
         p = self.p
         fwd = torch.ops.fluxcompile.embedding_bag_all_to_all.default
-        bwd = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
         _, o2b, sizes, maxi = fwd(p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name,
                                   bookkeeping=book, choice=f"triton:{eb.DEFAULT}")  # fmt: skip
         if not book:
             o2b = sizes = maxi = [torch.empty(0, dtype=torch.int64, device=self.grad_out.device)] * len(self.rows)
-        return bwd(self.grad_out, p.indices, p.offsets, o2b, sizes, maxi, self.rows, False, 0, [], [], self.name,
+        return o2b, sizes, maxi
+
+    def fused_backward(self, book: tuple | None = None) -> list[torch.Tensor]:
+        if book is None:  # timed alone: the forward's bookkeeping of the first call
+            book = self._fused_book = getattr(self, "_fused_book", None) or self.fused_forward()
+        p = self.p
+        bwd = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
+        return bwd(self.grad_out, p.indices, p.offsets, *book, self.rows, False, 0, [], [], self.name,
                    choice="triton")  # fmt: skip
 
 
@@ -411,7 +428,9 @@ def training_main(args) -> None:
                 store[t].normal_()
             p = Problem(list(store.unbind(0)), args.batch * world, g)
             tr = Training(p, group, g)
-            fns = {"nccl": tr.nccl, "unfused": tr.unfused, "fused": tr.fused, "fused-nobook": lambda tr=tr: tr.fused(False)}
+            fns = {"nccl": tr.nccl, "unfused": tr.unfused, "fused": tr.fused, "fused-nobook": lambda tr=tr: tr.fused(False),
+                   "nccl-fwd": tr.nccl_forward, "nccl-bwd": tr.nccl_backward, "fused-fwd": tr.fused_forward,
+                   "fused-bwd": tr.fused_backward}  # fmt: skip
             want = tr.nccl()
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             for k in ("unfused", "fused", "fused-nobook"):
@@ -445,6 +464,8 @@ def training_main(args) -> None:
         say(f"{r['dtype']:5s} T/rank={r['tables_per_rank']:3d} bags={r['bags']:6d} nccl {us['nccl']:9.1f} us  "
             f"unfused {us['unfused']:9.1f}  fused {us['fused']:9.1f} (x{vs_nccl:.3f} nccl, x{vs_unfused:.3f} unfused)"
             f"  fused-nobook {us['fused-nobook']:9.1f}")  # fmt: skip
+        say(f"      parts: forward nccl {us['nccl-fwd']:9.1f} fused {us['fused-fwd']:9.1f}; backward nccl "
+            f"{us['nccl-bwd']:9.1f} fused {us['fused-bwd']:9.1f} us")  # fmt: skip
     say(f"bar (fused <= 0.7 x nccl and < unfused): {'met' if met else 'NOT met'} at {world} GPU(s)")
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
