@@ -409,15 +409,16 @@ def copy_out(out: torch.Tensor, recv: torch.Tensor, state: torch.Tensor, hole: t
     )
 
 
-def error_message(words: list[int], what: str) -> str | None:
-    """The error words in a sentence (None when no wait timed out)."""
+def error_message(words: list[int], what: str, rows: str = "pooled rows (its counter") -> str | None:
+    """The error words in a sentence (None when no wait timed out); ``rows`` names what a peer's flag of a kind
+    other than ``KIND_OFFSETS`` stands for (kernels/embedding_bag_backward.py names its own)."""
     if not words[0]:
         return None
     rank, peer, epoch, value, kind = words[1:6]
     if kind == KIND_OFFSETS:
         awaited = f"rank {peer}'s published split offsets (its flag never reached epoch {value})"
     else:
-        awaited = f"rank {peer}'s pooled rows (its counter never reached {value})"
+        awaited = f"rank {peer}'s {rows} never reached {value})"
     return (
         f"fluxcompile: {what}: rank {rank} timed out in call {epoch} waiting for {awaited}: is every rank running "
         "the same op in the same order?"

@@ -40,9 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .embedding_bag import ERR_WORDS, KIND_OFFSETS, MAX_BLOCK_D
+from . import embedding_bag
+from .embedding_bag import ERR_WORDS, MAX_BLOCK_D
 from .waits import timed_wait
 
+KIND_OFFSETS = embedding_bag.KIND_OFFSETS  # a receiver's published offsets (the forward's kind)
 KIND_READY = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -318,17 +320,7 @@ def rows(tables: torch.Tensor, acc: torch.Tensor, grads: torch.Tensor, like: tor
 
 def error_message(words: list[int], what: str) -> str | None:
     """The error words in a sentence (None when no wait timed out)."""
-    if not words[0]:
-        return None
-    rank, peer, epoch, value, kind = words[1:6]
-    if kind == KIND_OFFSETS:
-        awaited = f"rank {peer}'s published split offsets (its flag never reached epoch {value})"
-    else:
-        awaited = f"rank {peer}'s staged gradients (its ready flag never reached {value})"
-    return (
-        f"fluxcompile: {what}: rank {rank} timed out in call {epoch} waiting for {awaited}: is every rank running "
-        "the same op in the same order?"
-    )
+    return embedding_bag.error_message(words, what, rows="staged gradients (its ready flag")
 
 
 def check_error(err: torch.Tensor, what: str) -> None:
