@@ -36,12 +36,23 @@ def fluxcompile_backend(
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    _apply_symm_mem_backend()
     patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     patches["post_grad_custom_pre_pass"] = _pass_over(
         patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
     )
     # compile_fx keeps the patches for the backward graph, compiled lazily at the first backward.
     return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _apply_symm_mem_backend() -> None:
+    """The configured symmetric-memory backend (symm_mem/backend.py), set before anything compiled here allocates:
+    a no-op with the default backend or without CUDA."""
+    from .config import config
+    from .symm_mem import backend as symm_backend
+
+    if config.symm_mem_backend != "cuda" and torch.cuda.is_available():
+        symm_backend.apply()
 
 
 _saved: list[Any] = []

@@ -162,6 +162,16 @@ class Config:
     watchdog_timeout_s: float = 600.0
     # Check the Triton kernels' wait errors after every call (synchronizes) instead of at the next call.
     check_signals: bool = False
+    # The backend of every symmetric workspace: "cuda" (torch's default: CUDA IPC between the GPUs of one host) or
+    # "nvshmem" (torch's NVSHMEM backend: one heap per process, peers on other hosts reachable by put/get). torch
+    # sets it once per process, before its first symmetric allocation (symm_mem/backend.py applies it then, and
+    # names what allocated first where that is too late); "nvshmem" sizes NVSHMEM's heap
+    # (NVSHMEM_SYMMETRIC_SIZE, where not set) to ``nvshmem_heap_mb``.
+    symm_mem_backend: str = _field("cuda", tuning=True, choices=("cuda", "nvshmem"))
+    nvshmem_heap_mb: int = 2048
+    # Every rank of a group counted on a node of its own that many ranks wide (0: by host): the topology's test of
+    # the paths to peers on other nodes (put-with-signal) between the GPUs of one host (symm_mem/topology.py).
+    simulated_node_ranks: int = 0
     # Bytes of a chunk slice one program of the schedule executor moves (schedules/gpu_executor.py).
     sched_slice_bytes: int = _field(16 << 10, tuning=True)
 
@@ -221,6 +231,12 @@ class Config:
             _log.warning(
                 "fluxcompile: ignoring %s: no such option (options: %s)", ", ".join(unknown), ", ".join(sorted(names))
             )
+
+    @staticmethod
+    def nvshmem_heap_env() -> str | None:
+        """NVSHMEM's own heap size variable (``NVSHMEM_SYMMETRIC_SIZE``) where the environment sets it: read here, at
+        call time, as every variable the package reads (symm_mem/backend.py sets it where unset)."""
+        return os.environ.get("NVSHMEM_SYMMETRIC_SIZE") or None
 
     def patch(self, **changes: Any) -> contextlib.AbstractContextManager[Config]:
         """Temporarily change fields: ``with config.patch(min_k=1024): ...``."""

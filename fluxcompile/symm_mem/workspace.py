@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from . import backend
 from .groups import process_group
 from .persistent import persistent
 
@@ -97,6 +98,9 @@ def workspace(group_name: str, nbytes: int, tag: str = "default", world: int | N
     def make() -> tuple[torch.Tensor, object]:
         buf = symm.empty(size, dtype=torch.uint8, device=torch.device("cuda", device))
         return buf, symm.rendezvous(buf, group_name)
+
+    live = sum(w.nbytes for (_, d, _), w in _workspaces.items() if d == device)
+    backend.apply(device, live + size)
 
     # The rendezvous keeps device tables from the caching allocator: made outside the caller's graph pool.
     buf, handle = persistent(make, f"symmetric workspace '{tag}' of group {group_name}")
