@@ -169,9 +169,6 @@ class Config:
     # (NVSHMEM_SYMMETRIC_SIZE, where not set) to ``nvshmem_heap_mb``.
     symm_mem_backend: str = _field("cuda", tuning=True, choices=("cuda", "nvshmem"))
     nvshmem_heap_mb: int = 2048
-    # Every rank of a group counted on a node of its own that many ranks wide (0: by host): the topology's test of
-    # the paths to peers on other nodes (put-with-signal) between the GPUs of one host (symm_mem/topology.py).
-    simulated_node_ranks: int = 0
     # Bytes of a chunk slice one program of the schedule executor moves (schedules/gpu_executor.py).
     sched_slice_bytes: int = _field(16 << 10, tuning=True)
 

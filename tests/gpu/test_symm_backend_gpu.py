@@ -1,0 +1,52 @@
+"""The NVSHMEM symmetric-memory backend (``FLUXCOMPILE_SYMM_MEM_BACKEND=nvshmem``, symm_mem/backend.py) on one GPU,
+in a process of its own (torch takes the backend once per process): a group of one allocates its workspace from
+NVSHMEM's heap through the package's workspace(), writes and reads it, and torch reports the backend; a workspace
+beyond the heap is refused in one line. Between GPUs: issue 58."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SCRIPT = r"""
+import os, torch, torch.distributed as dist
+from torch.distributed import _symmetric_memory as symm
+if not symm.is_nvshmem_available():
+    print("RESULT no-nvshmem"); raise SystemExit(0)
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+from fluxcompile.symm_mem import workspace
+from fluxcompile.symm_mem import backend
+ws = workspace(dist.group.WORLD.group_name, 64 << 20, "nvshmem-check", world=1)
+view = ws.view(0, (1024,), torch.float32)
+view.copy_(torch.arange(1024, dtype=torch.float32, device="cuda"))
+torch.cuda.synchronize()
+ok = bool((view.cpu() == torch.arange(1024, dtype=torch.float32)).all())
+print("RESULT", symm.get_backend(torch.device("cuda", 0)), os.environ.get("NVSHMEM_SYMMETRIC_SIZE"), ok)
+backend.reset()
+try:
+    backend.apply(0, 1 << 40)  # a terabyte: more than the heap
+except RuntimeError as e:
+    print("HEAP", str(e).splitlines()[0][:120])
+dist.destroy_process_group()
+"""
+
+
+def test_nvshmem_backend_allocates_a_workspace():
+    env = {**os.environ, "FLUXCOMPILE_SYMM_MEM_BACKEND": "nvshmem", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29671", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # fmt: skip
+    env.pop("NVSHMEM_SYMMETRIC_SIZE", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("RESULT", "HEAP"))]
+    assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    if lines[0] == "RESULT no-nvshmem":
+        pytest.skip("this torch has no NVSHMEM backend")
+    _, name, heap, ok = lines[0].split()
+    assert name.upper() == "NVSHMEM" and heap == "2048M" and ok == "True", lines
+    assert len(lines) == 2 and "more than NVSHMEM's heap" in lines[1], lines
