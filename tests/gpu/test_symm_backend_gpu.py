@@ -15,6 +15,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SCRIPT = r"""
+import faulthandler, sys
+faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where it waits, then ends
 import os, torch, torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm
 if not symm.is_nvshmem_available():
@@ -23,11 +25,13 @@ torch.cuda.set_device(0)
 dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
 from fluxcompile.symm_mem import workspace
 from fluxcompile.symm_mem import backend
+print("STEP group", flush=True)
 ws = workspace(dist.group.WORLD.group_name, 64 << 20, "nvshmem-check", world=1)
 view = ws.view(0, (1024,), torch.float32)
 view.copy_(torch.arange(1024, dtype=torch.float32, device="cuda"))
 torch.cuda.synchronize()
 ok = bool((view.cpu() == torch.arange(1024, dtype=torch.float32)).all())
+print("STEP allocated", flush=True)
 print("RESULT", symm.get_backend(torch.device("cuda", 0)), os.environ.get("NVSHMEM_SYMMETRIC_SIZE"), ok)
 backend.reset()
 try:
@@ -41,8 +45,9 @@ dist.destroy_process_group()
 def test_nvshmem_backend_allocates_a_workspace():
     env = {**os.environ, "FLUXCOMPILE_SYMM_MEM_BACKEND": "nvshmem", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29671", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # fmt: skip
-    env.pop("NVSHMEM_SYMMETRIC_SIZE", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    for name in ("NVSHMEM_SYMMETRIC_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(name, None)  # a process of its own, not one of the launcher's ranks
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=150)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("RESULT", "HEAP"))]
     assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     if lines[0] == "RESULT no-nvshmem":
