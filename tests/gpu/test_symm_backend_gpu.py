@@ -22,7 +22,8 @@ from torch.distributed import _symmetric_memory as symm
 if not symm.is_nvshmem_available():
     print("RESULT no-nvshmem"); raise SystemExit(0)
 torch.cuda.set_device(0)
-dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+# an in-process store: no launcher's agent store, no port
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
 from fluxcompile.symm_mem import workspace
 from fluxcompile.symm_mem import backend
 print("STEP group", flush=True)
@@ -43,10 +44,12 @@ dist.destroy_process_group()
 
 
 def test_nvshmem_backend_allocates_a_workspace():
-    env = {**os.environ, "FLUXCOMPILE_SYMM_MEM_BACKEND": "nvshmem", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29671", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # fmt: skip
-    for name in ("NVSHMEM_SYMMETRIC_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(name, None)  # a process of its own, not one of the launcher's ranks
+    env = {**os.environ, "FLUXCOMPILE_SYMM_MEM_BACKEND": "nvshmem", "NVSHMEM_DISABLE_NVLS": "1",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # fmt: skip
+    for name in list(env):  # a process of its own, not one of the launcher's ranks
+        if name.startswith("TORCHELASTIC_") or name in ("NVSHMEM_SYMMETRIC_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                          "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT"):  # fmt: skip
+            env.pop(name)
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=150)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("RESULT", "HEAP"))]
     assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
