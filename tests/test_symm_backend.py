@@ -18,13 +18,15 @@ from fluxcompile.symm_mem import backend
 class FakeSymm:
     """torch.distributed._symmetric_memory's backend calls, recorded."""
 
-    def __init__(self, current=None, available=True):
-        self.current, self.available, self.calls = current, available, []
+    def __init__(self, current="CUDA", available=True):
+        self.current, self.available, self.calls, self.allocated = current, available, [], False
 
     def get_backend(self, device):
-        return self.current
+        return self.current  # torch 2.11 names its default before any allocation
 
     def set_backend(self, name):
+        if self.allocated and name != self.current:
+            raise RuntimeError("Cannot set backend after symmetric memory has been allocated")
         self.calls.append(name)
         self.current = name
 
@@ -62,10 +64,11 @@ def test_nvshmem_is_set_once_with_its_heap(fake, monkeypatch):
 
 
 def test_too_late_names_both_backends(fake):
-    fake.current = "CUDA"
+    fake.allocated = True  # something allocated with torch's default first
     with config.patch(symm_mem_backend="nvshmem"), pytest.raises(RuntimeError) as e:
         backend.apply(0)
-    assert "already uses CUDA" in str(e.value) and "FLUXCOMPILE_SYMM_MEM_BACKEND" in str(e.value)
+    assert "runs CUDA and cannot change (Cannot set backend after" in str(e.value), e.value
+    assert "FLUXCOMPILE_SYMM_MEM_BACKEND" in str(e.value)
 
 
 def test_nvshmem_unavailable(fake):

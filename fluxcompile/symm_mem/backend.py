@@ -6,7 +6,8 @@ torch takes the backend once per process (``torch.distributed._symmetric_memory.
 symmetric allocation; afterwards it cannot change. :func:`apply` runs before every symmetric allocation of this
 package (workspace.py) and when the backend compiles its first graph (backend.py), so fluxcompile's choice is in
 place before PyTorch's own ``torch_symm_mem`` choices allocate; where something else allocated first with another
-backend, it raises one line naming both. With NVSHMEM it also sizes the heap (``NVSHMEM_SYMMETRIC_SIZE``, read
+backend, torch refuses the change and :func:`apply` says so in one line. (torch reports its default backend before
+any allocation too, so only its refusal tells that it is too late.) With NVSHMEM it also sizes the heap (``NVSHMEM_SYMMETRIC_SIZE``, read
 when NVSHMEM starts, at the first allocation) from ``config.nvshmem_heap_mb`` where the environment does not set it:
 every workspace of the process lives in that heap (the all-gather's at 8192 x 12288 bf16, TP=2, is 192 MiB alone).
 """
@@ -45,19 +46,21 @@ def apply(device: torch.device | int | None = None, need_bytes: int = 0) -> str:
     _check_heap(need_bytes)
     if _applied.get(index) == want:
         return want
-    have = _current(symm, index)
-    if have is not None and have.upper() != want:
-        raise RuntimeError(
-            f"fluxcompile: symm_mem_backend is {config.symm_mem_backend!r}, but torch's symmetric memory on cuda:"
-            f"{index} already uses {have} (something allocated symmetric memory first): set "
-            "FLUXCOMPILE_SYMM_MEM_BACKEND before the first compile or allocation"
-        )
     if not symm.is_nvshmem_available():
         raise RuntimeError("fluxcompile: symm_mem_backend is 'nvshmem', but this torch has no NVSHMEM backend")
+    have = _current(symm, index)
+    if have is None or have.upper() != want:
+        # torch reports its default (CUDA) before any allocation too: set it, and let torch say if it is too late
+        try:
+            symm.set_backend(want)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"fluxcompile: symm_mem_backend is {config.symm_mem_backend!r}, but torch's symmetric memory on "
+                f"cuda:{index} runs {have} and cannot change ({str(e).splitlines()[0] if str(e) else 'refused'}): "
+                "set FLUXCOMPILE_SYMM_MEM_BACKEND before anything allocates symmetric memory"
+            ) from None
     if not config.nvshmem_heap_env():  # NVSHMEM reads it when it starts, at the first allocation
         os.environ[HEAP_VARIABLE] = f"{config.nvshmem_heap_mb}M"
-    if have is None:
-        symm.set_backend(want)
     _applied[index] = want
     return want
 
