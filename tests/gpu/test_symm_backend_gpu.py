@@ -1,7 +1,8 @@
 """The NVSHMEM symmetric-memory backend (``FLUXCOMPILE_SYMM_MEM_BACKEND=nvshmem``, symm_mem/backend.py) on one GPU,
 in a process of its own (torch takes the backend once per process): a group of one allocates its workspace from
 NVSHMEM's heap through the package's workspace(), writes and reads it, and torch reports the backend; a workspace
-beyond the heap is refused in one line. Between GPUs: issue 58."""
+beyond the heap is refused in one line. torch 2.11's NVSHMEM rendezvous refuses a group of one (the backend is
+set, then ``rendezvous`` asks for 2+ ranks): there the test skips, saying so. Between GPUs: issue 58."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def test_nvshmem_backend_allocates_a_workspace():
             env.pop(name)
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=150)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("RESULT", "HEAP"))]
+    if "global_ranks.size() > 1" in out.stderr:  # torch 2.11's NVSHMEM rendezvous refuses a group of one
+        pytest.skip("torch's NVSHMEM rendezvous needs a group of 2+ ranks: the backend's workspaces run between GPUs")
     assert out.returncode == 0 and lines, f"rc {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     if lines[0] == "RESULT no-nvshmem":
         pytest.skip("this torch has no NVSHMEM backend")
