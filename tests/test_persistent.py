@@ -239,9 +239,10 @@ def _moe(mp, mode) -> list[torch.Tensor]:
 
 def _dlrm(mp, mode) -> list[torch.Tensor]:
     from fluxcompile.lowerings import device_tables as tables
+    from fluxcompile.lowerings import protocol_steps
     from fluxcompile.lowerings.embedding_bag_all_to_all import triton as m
 
-    mp.setattr(m, "persistent", mode.persistent)
+    mp.setattr(protocol_steps, "persistent", mode.persistent)
     mp.setattr(m, "_states", {})
     mp.setattr(tables, "persistent", mode.persistent)
     mp.setattr(tables, "_tables", collections.OrderedDict())

@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import Comm, ErrorSpec, FlagArray, capturing, comm_for, group_size, persistent
+from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, group_size
+from .. import protocol_steps
 from ..device_tables import device_table
 
 try:
@@ -312,20 +313,7 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
     """This rank's protocol state (int64 ``[1]``: the epoch of its last call, matching its ready flag: both start at
     zero and only grow) and its offsets scratch (int64 ``[MAX_WORLD]``), one pair per flag workspace. The workspace's
     buffer is kept with them, so its address is never reused for another one while they live."""
-    buf = comm.flags.buffer
-    entry = _states.get(buf.data_ptr())
-    if entry is None or entry[0] is not buf:
-        if capturing(buf.device):
-            raise RuntimeError(f"fluxcompile: run {OP} ({NAME}) once eagerly before CUDA graph capture")
-        entry = _states[buf.data_ptr()] = persistent(
-            lambda: (
-                buf,
-                torch.zeros(1, dtype=torch.int64, device=buf.device),
-                torch.zeros(MAX_WORLD, dtype=torch.int64, device=buf.device),
-            ),
-            f"the state of {OP} ({NAME})",
-        )
-    return entry[1], entry[2]
+    return protocol_steps.protocol_state(comm, _states, (1, MAX_WORLD), f"{OP} ({NAME})")
 
 
 def all_to_all_embedding_bag_backward_on(
@@ -344,11 +332,7 @@ def all_to_all_embedding_bag_backward_on(
         max_spin=max_spin, padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights,
         weights=weights,
     )  # fmt: skip
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return protocol_steps.run(steps)
 
 
 def _tables(indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor], device) -> Tensor:

@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 
 from ...config import config
-from ...symm_mem import Comm, ErrorSpec, FlagArray, capturing, comm_for, group_size, persistent
+from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, group_size
+from .. import protocol_steps
 from ..device_tables import device_table
 
 try:
@@ -381,20 +382,7 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
     offsets scratch (int64 ``[MAX_WORLD]``), one pair per flag workspace, whose counters the state must match (both
     start at zero and only grow). The workspace's buffer is kept with them, so its address is never reused for
     another one while they live."""
-    buf = comm.flags.buffer
-    entry = _states.get(buf.data_ptr())
-    if entry is None or entry[0] is not buf:
-        if capturing(buf.device):
-            raise RuntimeError(f"fluxcompile: run {OP} ({NAME}) once eagerly before CUDA graph capture")
-        entry = _states[buf.data_ptr()] = persistent(
-            lambda: (
-                buf,
-                torch.zeros(1 + MAX_WORLD, dtype=torch.int64, device=buf.device),
-                torch.zeros(MAX_WORLD, dtype=torch.int64, device=buf.device),
-            ),
-            f"the state of {OP} ({NAME})",
-        )
-    return entry[1], entry[2]
+    return protocol_steps.protocol_state(comm, _states, (1 + MAX_WORLD, MAX_WORLD), f"{OP} ({NAME})")
 
 
 def _peer_tables(comm: Comm, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -424,11 +412,7 @@ def embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
         variant=variant, max_spin=max_spin, book=book, padding_idx=padding_idx, per_sample_weights=per_sample_weights,
     )  # fmt: skip
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return protocol_steps.run(steps)
 
 
 def protocol(
