@@ -115,6 +115,7 @@ def test_layout_is_read_once_per_group_and_alike_on_every_rank(ranks):
     assert one.no_peer_access is None and len(set(one.hosts)) == 1 and one.devices == (device, device), one
     assert two.hosts == ("node0/boot0", "node1/boot1"), two
     assert two.no_peer_access.startswith(SPANS) and "node0: ranks [0]; node1: ranks [1]" in two.no_peer_access
+    assert two.remote_peers(0) == (1,) and one.remote_peers(0) == () and one.local_peers(1) == (0,)
     assert results[0]["cached"]
 
 
@@ -141,3 +142,16 @@ def test_two_hosts_decline_symmetric_memory_at_run_time(ranks):
     for r in two:
         assert [op for op, _ in r["report"]] == list(OPS), r["report"]
         assert not r["calls"], r["calls"]
+
+
+def test_nodes_and_peers_per_pair():
+    """Which peers a rank reaches by P2P and which over the network (issue 58's per-peer forms), from the hosts of a
+    layout: 2 nodes of 4 ranks, ranks interleaved as a launcher may place them."""
+    hosts = ("a/1", "b/2", "a/1", "b/2", "a/1", "b/2", "a/1", "b/2")
+    lay = topology.Layout(hosts, (0, 0, 1, 1, 2, 2, 3, 3), None)
+    assert lay.nodes == (0, 1, 0, 1, 0, 1, 0, 1) and lay.node_count == 2
+    assert lay.local_peers(0) == (2, 4, 6) and lay.remote_peers(0) == (1, 3, 5, 7)
+    assert lay.remote(3, 4) and not lay.remote(3, 5)
+    assert topology.node_indices(["x", "x", "y"]) == (0, 0, 1)
+    one = topology.Layout(("a/1",) * 4, (0, 1, 2, 3), None)
+    assert one.node_count == 1 and one.remote_peers(2) == () and one.local_peers(2) == (0, 1, 3)

@@ -30,11 +30,40 @@ BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each rank of a group runs (by group rank), and why symmetric memory cannot span it (None: it can)."""
+    """Where each rank of a group runs (by group rank), and why symmetric memory cannot span it (None: it can).
+    A node is a host: ranks of one node reach each other by P2P (CUDA IPC, NVLink), ranks of two only over the
+    network (NVSHMEM's put/get, NCCL): :meth:`remote` and the peer lists say which, per pair."""
 
     hosts: tuple[str, ...]
     devices: tuple[int, ...]  # each rank's CUDA device index on its host, -1 without CUDA
     no_peer_access: str | None
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """Each rank's node, numbered by the first rank on it."""
+        return node_indices(self.hosts)
+
+    @property
+    def node_count(self) -> int:
+        return len(set(self.hosts))
+
+    def remote(self, rank: int, peer: int) -> bool:
+        """Whether ``peer`` is on another node than ``rank`` (reached over the network, not by P2P)."""
+        return self.hosts[rank] != self.hosts[peer]
+
+    def local_peers(self, rank: int) -> tuple[int, ...]:
+        """The other ranks of ``rank``'s node, in group order."""
+        return tuple(p for p in range(len(self.hosts)) if p != rank and not self.remote(rank, p))
+
+    def remote_peers(self, rank: int) -> tuple[int, ...]:
+        """The ranks on other nodes, in group order."""
+        return tuple(p for p in range(len(self.hosts)) if self.remote(rank, p))
+
+
+def node_indices(hosts: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+    """Each rank's node index: hosts numbered in order of their first rank (identical on every rank)."""
+    order = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+    return tuple(order[h] for h in hosts)
 
 
 _layouts: dict[str, Layout] = {}
