@@ -114,9 +114,10 @@ def fetch_kernel(
 
 @triton.jit(do_not_specialize=["B", "T", "TD", "parity_elems", "world", "rot", "pad"])
 def scatter_kernel(
-    tables, dst, like, peer_send, src_off, recv_start, state, psw, B, T, D, TD, parity_elems, world, rot, pad,
+    tables, dst, like, peer_send, src_off, recv_start, state, psw, freq, B, T, D, TD, parity_elems, world, rot, pad,
     MODE: tl.constexpr, IDX64: tl.constexpr, OFF64: tl.constexpr, SIZE64: tl.constexpr, ABS: tl.constexpr,
-    SPARSE: tl.constexpr, PSW: tl.constexpr, PGRAD: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPARSE: tl.constexpr, PSW: tl.constexpr, PGRAD: tl.constexpr, FREQ: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Every (block of bags, table): the bags' gradient rows from their sources, added at the bags' indices into
     ``dst[t]`` (fp32). ``tables`` int64 ``[5, T]``: indices, offsets and bag-size addresses, index and offset
@@ -126,7 +127,9 @@ def scatter_kernel(
     included, as :func:`publish_kernel` publishes it); ``recv_start`` int64 ``[world]``: the
     first bag of each source's chunk. ``psw`` int64 ``[3, T]``: every table's per-sample weights (``PSW``: each
     position's contribution scaled by its weight), its table and its per-sample weights' gradient (``PGRAD``: each
-    position's gradient row dotted with its table row, one column block holding the whole dim)."""
+    position's gradient row dotted with its table row, one column block holding the whole dim). ``freq`` int64
+    ``[T]`` (``FREQ``, scale_grad_by_freq): every table's fp32 count of each index in its indices; each add is
+    divided by its index's count."""
     pid = tl.program_id(0)
     t = tl.program_id(1)
     nb = tl.num_programs(0)
@@ -151,6 +154,8 @@ def scatter_kernel(
         out = tl.load(dst + t).to(tl.pointer_type(tl.float32))
     if PSW:
         p_ptr = tl.load(psw + t).to(tl.pointer_type(dtype))
+    if FREQ:
+        f_ptr = tl.load(freq + t).to(tl.pointer_type(tl.float32))
     if PGRAD:
         w_ptr = tl.load(psw + T + t).to(tl.pointer_type(dtype))
         pg_ptr = tl.load(psw + 2 * T + t).to(tl.pointer_type(dtype))
@@ -200,6 +205,8 @@ def scatter_kernel(
                 live = pm & (idx != pad)  # the padding index gets no gradient
                 m = live[:, None] & cmask[None, :]
                 if not SPARSE:
+                    if FREQ:  # scale_grad_by_freq: by how often the index occurs in the table's indices
+                        gj = gj / tl.load(f_ptr + idx, mask=live, other=1.0)[:, None]
                     tl.atomic_add(out + idx[:, None] * D + cols[None, :], gj, mask=m, sem="relaxed")
                 if PGRAD:  # d loss / d weight[p] = <gradient row of p's bag, table row at p's index>
                     wrow = tl.load(w_ptr + idx[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -280,14 +287,17 @@ def scatter(
     peer_send: torch.Tensor, src_off: torch.Tensor,
     recv_start: torch.Tensor, state: torch.Tensor, parity_elems: int, row_elems: int, world: int,
     rot_bag: int = 0, absolute: bool = False, padding_idx: int = -1, sparse: bool = False,
-    psw: torch.Tensor | None = None, pgrad: bool = False,
+    psw: torch.Tensor | None = None, pgrad: bool = False, freq: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Launch :func:`scatter_kernel` over ``num_bags`` bags of ``num_tables`` tables; ``row_elems``: elements of a
     gradient row (``T * D``); ``rot_bag``: the bag whose block goes first; ``absolute``: ``src_off`` includes the
     half (published by :func:`publish`); ``padding_idx`` (-1: none): that index gets no gradient; ``sparse``:
     ``dst`` holds every table's values (``[indices, D]``, the gradients' dtype), each position's row written (its
     bag's gradient, scaled) instead of added at its index; ``psw``: int64 ``[3, T]`` (per-sample weights, tables,
-    the per-sample weights' gradients), ``pgrad``: write those gradients (``dim`` at most ``MAX_BLOCK_D``)."""
+    the per-sample weights' gradients), ``pgrad``: write those gradients (``dim`` at most ``MAX_BLOCK_D``);
+    ``freq``: int64 ``[T]``, every table's fp32 index counts (scale_grad_by_freq, dense gradients only)."""
+    if freq is not None and sparse:
+        raise ValueError("embedding_bag backward: scale_grad_by_freq with sparse gradients (aten has neither)")
     if pgrad and dim > MAX_BLOCK_D:
         raise ValueError(f"embedding_bag backward: per-sample weights' gradients of dim {dim} > {MAX_BLOCK_D}")
     if mode not in (0, 1):
@@ -296,11 +306,12 @@ def scatter(
         return
     nb = triton.cdiv(num_bags, BLOCK_B)
     scatter_kernel[(nb, num_tables)](
-        tables, dst, like, peer_send, src_off, recv_start, state, psw if psw is not None else state, num_bags, num_tables, dim, row_elems,
+        tables, dst, like, peer_send, src_off, recv_start, state, psw if psw is not None else state,
+        freq if freq is not None else state, num_bags, num_tables, dim, row_elems,
         parity_elems, world, (rot_bag // BLOCK_B) % nb, padding_idx,
         MODE=mode, IDX64=index_dtype == torch.int64, OFF64=offset_dtype == torch.int64,
         SIZE64=size_dtype == torch.int64, ABS=bool(absolute), SPARSE=bool(sparse), PSW=psw is not None,
-        PGRAD=bool(pgrad),
+        PGRAD=bool(pgrad), FREQ=freq is not None,
         BLOCK_B=BLOCK_B,
         BLOCK_D=column_block(dim), num_warps=NUM_WARPS,
     )  # fmt: skip

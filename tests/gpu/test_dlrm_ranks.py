@@ -353,12 +353,12 @@ class Owner:
     def args(self):
         return self.indices, self.offsets, self.bag_size, self.num_weights
 
-    def reference(self, G: torch.Tensor, sparse: bool = False) -> list[torch.Tensor]:
+    def reference(self, G: torch.Tensor, sparse: bool = False, freq: bool = False) -> list[torch.Tensor]:
         per = G.float().view(G.shape[0], len(self.num_weights), -1)
         return [
             torch.ops.aten._embedding_bag_backward(
                 per[:, t].contiguous(), self.indices[t], self.offsets[t], self.offset2bag[t], self.bag_size[t],
-                self.max_indices[t], n, False, self.mode, sparse, None, self.pad,
+                self.max_indices[t], n, freq, self.mode, sparse, None, self.pad,
             )
             for t, n in enumerate(self.num_weights)
         ]  # fmt: skip
@@ -449,6 +449,12 @@ def test_backward_one_rank(dtype):
             got = lo_bw.all_to_all_embedding_bag_backward_on(None, x.grad, *x.args(), mode, [], [])
             for t, (a, b) in enumerate(zip(got, x.reference(x.grad))):
                 assert_close(a, b, TOL[dtype], f"one rank mode {mode} call {call} table {t}")
+            # scale_grad_by_freq, against aten's CUDA backward (its CPU one divides by another index's count)
+            got = lo_bw.all_to_all_embedding_bag_backward_on(
+                None, x.grad, *x.args(), mode, [], [], scale_grad_by_freq=True
+            )
+            for t, (a, b) in enumerate(zip(got, x.reference(x.grad, freq=True))):
+                assert_close(a, b, TOL[dtype], f"scale_grad_by_freq mode {mode} call {call} table {t}")
             # sparse gradients: aten's values at aten's indices, uncoalesced
             got = lo_bw.all_to_all_embedding_bag_backward_on(None, x.grad, *x.args(), mode, [], [], sparse=True)
             for t, (a, b) in enumerate(zip(got, x.reference(x.grad, sparse=True))):

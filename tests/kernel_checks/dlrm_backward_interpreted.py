@@ -64,14 +64,14 @@ class Tables:
             self.bag_size.append(size.to(idx_dtype))  # as aten's CUDA forward: the indices' dtype
             self.max_indices.append(maxi)
 
-    def reference(self, G: torch.Tensor, sparse: bool = False) -> list[torch.Tensor]:
+    def reference(self, G: torch.Tensor, sparse: bool = False, freq: bool = False) -> list[torch.Tensor]:
         """aten's backward of each table on the exchanged gradients ``G`` ([bags, T * D]), in fp32 (``sparse``: its
         sparse COO gradients)."""
         per = G.float().view(G.shape[0], len(self.rows), -1)
         return [
             torch.ops.aten._embedding_bag_backward(
                 per[:, t], self.indices[t].long(), self.offsets[t].long(), self.offset2bag[t], self.bag_size[t].long(),
-                self.max_indices[t], n, False, self.mode, sparse, None, self.pad,
+                self.max_indices[t], n, freq, self.mode, sparse, None, self.pad,
             )
             for t, n in enumerate(self.rows)
         ]  # fmt: skip
@@ -99,6 +99,22 @@ def check_one_rank(g, results: dict) -> None:
                 for a, b in zip(got, want):
                     ok = a.dtype == dtype
                     results[key] = max(results.get(key, 0.0), rel(a, b) / TOL[dtype] * 1e-5 if ok else float("inf"))
+                # scale_grad_by_freq: each add divided by how often its index occurs in the table's indices, by
+                # hand (aten's CPU backward divides by the count of another index's run; its CUDA one as here)
+                got = lo.all_to_all_embedding_bag_backward_on(
+                    None, grad, *tb.args(), mode, [], [], padding_idx=pad, scale_grad_by_freq=True
+                )
+                key = f"freq one rank {name}"
+                per = grad.float().view(bags, len(rows), dim)
+                for t, (a, n) in enumerate(zip(got, rows)):
+                    idx = tb.indices[t].long()
+                    b = positions_bags(tb.offsets[t], idx.numel(), bags)
+                    count = torch.zeros(n).index_add_(0, idx, torch.ones(idx.numel()))
+                    scale = (idx != pad).float() / count[idx]
+                    if mode == 1:
+                        scale = scale / tb.bag_size[t].long()[b].clamp_min(1).float()
+                    want = torch.zeros(n, dim).index_add_(0, idx, per[b, t] * scale[:, None])
+                    results[key] = max(results.get(key, 0.0), rel(a, want) / TOL[dtype] * 1e-5)
                 if pad < 0:  # sparse gradients: aten's values at aten's indices, uncoalesced
                     got = lo.all_to_all_embedding_bag_backward_on(None, grad, *tb.args(), mode, [], [], sparse=True)
                     key = f"sparse one rank {name}"

@@ -176,8 +176,6 @@ def check_operands(
         return "max pooling (mode 2)"
     if mode not in (0, 1):
         return f"mode {mode}"
-    if scale_grad_by_freq:
-        return "scale_grad_by_freq"
     tables = len(indices)
     if not tables or not tables == len(offsets) == len(bag_size) == len(num_weights):
         return "need one index, offset and bag-size tensor and one row count per table"
@@ -272,6 +270,7 @@ def make() -> tuple[Callable[..., list[Tensor]], Callable[..., str | None]]:
         return all_to_all_embedding_bag_backward(
             grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes, group_name,
             padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights, weights=weights,
+            scale_grad_by_freq=scale_grad_by_freq,
         )  # fmt: skip
 
     return run, supports
@@ -295,7 +294,7 @@ def all_to_all_embedding_bag_backward(
     grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
     group_name: str, padding_idx: int = -1, sparse: bool = False, per_sample_weights: Sequence[Tensor] | None = None,
-    weights: Sequence[Tensor] | None = None,
+    weights: Sequence[Tensor] | None = None, scale_grad_by_freq: bool = False,
 ) -> list[Tensor]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
     world = _group_size(group_name)
@@ -306,6 +305,7 @@ def all_to_all_embedding_bag_backward(
     return all_to_all_embedding_bag_backward_on(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
         padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights, weights=weights,
+        scale_grad_by_freq=scale_grad_by_freq,
     )  # fmt: skip
 
 
@@ -321,6 +321,7 @@ def all_to_all_embedding_bag_backward_on(
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
     max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
     per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None,
+    scale_grad_by_freq: bool = False,
 ) -> list[Tensor]:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
     call. The protocol of the module's docstring, on the current stream. ``padding_idx``: aten's (-1: none);
@@ -330,7 +331,7 @@ def all_to_all_embedding_bag_backward_on(
     steps = protocol(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
         max_spin=max_spin, padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights,
-        weights=weights,
+        weights=weights, scale_grad_by_freq=scale_grad_by_freq,
     )  # fmt: skip
     return protocol_steps.run(steps)
 
@@ -352,10 +353,13 @@ def protocol(
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
     max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
     per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None,
+    scale_grad_by_freq: bool = False,
 ) -> Generator[str, None, list[Tensor]]:  # fmt: skip
     """:func:`all_to_all_embedding_bag_backward_on` as a generator that yields the name of each launch after it (its
     value is the tables' gradients): the CPU tests run every simulated rank's launches in lockstep in Triton's
     interpreter, which cannot run two ranks at once."""
+    if sparse and scale_grad_by_freq:
+        raise ValueError(f"fluxcompile: {OP} ({NAME}): scale_grad_by_freq with sparse gradients (aten refuses it too)")
     if sparse and padding_idx >= 0:
         raise ValueError(f"fluxcompile: {OP} ({NAME}): sparse gradients with a padding_idx (aten drops its positions)")
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
@@ -386,6 +390,15 @@ def protocol(
             pgrads = [torch.zeros(i.numel(), dtype=dtype, device=device) for i in indices]
         ptrs = (*per_sample_weights, *(weights or per_sample_weights), *(pgrads or per_sample_weights))
         psw = device_table(tuple(x.data_ptr() for x in ptrs), device)
+    freq = None
+    if scale_grad_by_freq:  # how often each index occurs in its table's indices (no host synchronization)
+        counts = [
+            torch.zeros(n, dtype=torch.float32, device=device).index_add_(
+                0, i.long(), torch.ones(i.numel(), dtype=torch.float32, device=device)
+            )
+            for i, n in zip(indices, num_weights)
+        ]
+        freq = device_table(tuple(c.data_ptr() for c in counts), device)
     max_idx = max(i.numel() for i in indices)
     kinds = dict(index_dtype=indices[0].dtype)
     if not fp32:
@@ -394,7 +407,7 @@ def protocol(
     scatter = dict(
         mode=mode, offset_dtype=offsets[0].dtype, size_dtype=bag_size[0].dtype, recv_start=device_table(lay.recv_start, device),
         row_elems=lay.row_elems, world=world, padding_idx=padding_idx, sparse=sparse, psw=psw, pgrad=bool(pgrads),
-        **kinds,
+        freq=freq, **kinds,
     )  # fmt: skip
     if world == 1:
         ebb.scatter(
