@@ -232,8 +232,14 @@ class Config:
     @staticmethod
     def nvshmem_heap_env() -> str | None:
         """NVSHMEM's own heap size variable (``NVSHMEM_SYMMETRIC_SIZE``) where the environment sets it: read here, at
-        call time, as every variable the package reads (symm_mem/backend.py sets it where unset)."""
+        call time, as every variable the package touches (symm_mem/backend.py sets it through
+        :meth:`export_nvshmem_heap` where unset)."""
         return os.environ.get("NVSHMEM_SYMMETRIC_SIZE") or None
+
+    def export_nvshmem_heap(self) -> str:
+        """``NVSHMEM_SYMMETRIC_SIZE`` set to ``nvshmem_heap_mb`` (NVSHMEM reads it when it starts); returns it."""
+        value = os.environ["NVSHMEM_SYMMETRIC_SIZE"] = f"{self.nvshmem_heap_mb}M"
+        return value
 
     def patch(self, **changes: Any) -> contextlib.AbstractContextManager[Config]:
         """Temporarily change fields: ``with config.patch(min_k=1024): ...``."""

@@ -14,8 +14,6 @@ every workspace of the process lives in that heap (the all-gather's at 8192 x 12
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..config import config
@@ -60,7 +58,7 @@ def apply(device: torch.device | int | None = None, need_bytes: int = 0) -> str:
                 "set FLUXCOMPILE_SYMM_MEM_BACKEND before anything allocates symmetric memory"
             ) from None
     if not config.nvshmem_heap_env():  # NVSHMEM reads it when it starts, at the first allocation
-        os.environ[HEAP_VARIABLE] = f"{config.nvshmem_heap_mb}M"
+        config.export_nvshmem_heap()
     _applied[index] = want
     return want
 
