@@ -240,13 +240,12 @@ def _pooled(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry | str:
     with graph.inserting_before(node):
         fused = call(graph, ops.op(POOLED), args, {**flags, **decision.kwargs()})
         out = call(graph, operator.getitem, (fused, 0))
-        if flags and (why := embedding_bag.take_bookkeeping(graph, fused, bags)):
+        if found.bookkept and (why := embedding_bag.take_bookkeeping(graph, fused, bags)):
             return why  # the nodes made so far are dead and go with Inductor's dead-code elimination
     wait.replace_all_uses_with(out)
     experts.erase_unused(graph, [wait, node, source, *found.chain, found.stacked, *found.pooled, *bags])
     note = f"; {decision.note}" if decision.note else ""
-    mode = embedding_bag.mode_name(found.mode) + (f", padding_idx {found.padding_idx}" if found.padding_idx >= 0 else "")
-    mode += ", per-sample weights" if found.per_sample_weights else ""
+    mode = embedding_bag.describe(found.mode, found.padding_idx, found.per_sample_weights is not None)
     kept = f", with the bookkeeping of {len(found.bookkept)} for the backward" if found.bookkept else ""
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED,
                  f"{len(bags)} embedding bag(s) ({mode}) [{', '.join(b.name for b in bags)}]{kept}{note}")  # fmt: skip
@@ -278,8 +277,7 @@ def _pooled_backward(graph: Graph, node: Node, wait: Node, cfg: Config) -> Entry
             w.replace_all_uses_with(call(graph, operator.getitem, (fused, len(bw) + t)))
     experts.erase_unused(graph, [*bw, *wb, *found.selects, found.view, wait, node])
     note = f"; {decision.note}" if decision.note else ""
-    mode = embedding_bag.mode_name(found.mode) + (f", padding_idx {found.padding_idx}" if found.padding_idx >= 0 else "")
-    mode += ", per-sample weights" + (" and their gradients" if wb else "") if found.per_sample_weights else ""
+    mode = embedding_bag.describe(found.mode, found.padding_idx, found.per_sample_weights is not None, bool(wb))
     return Entry(node.name, "all_to_all_single", str(group_name), POOLED_BACKWARD,
                  f"{len(bw)} embedding bag backward(s) ({mode}) [{', '.join(b.name for b in bw)}]{note}")  # fmt: skip
 

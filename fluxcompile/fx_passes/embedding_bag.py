@@ -41,6 +41,16 @@ def mode_name(mode: int) -> str:
     return {0: "sum", 1: "mean", 2: "max"}.get(mode, str(mode))
 
 
+def describe(mode: int, padding_idx: int, weighted: bool, weights_grads: bool = False) -> str:
+    """The bags' pooling and options in the report's words: ``sum, padding_idx 3, per-sample weights``."""
+    words = [mode_name(mode)]
+    if padding_idx >= 0:
+        words.append(f"padding_idx {padding_idx}")
+    if weighted:
+        words.append("per-sample weights and their gradients" if weights_grads else "per-sample weights")
+    return ", ".join(words)
+
+
 def _arg(node: Node, i: int, name: str, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
