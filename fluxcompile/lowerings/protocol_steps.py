@@ -1,7 +1,8 @@
 """What the DLRM protocols share around their launches (lowerings/embedding_bag_all_to_all/triton.py and
 lowerings/all_to_all_embedding_bag_backward/triton.py): each is a generator that yields after every launch, so the
 CPU tests step every simulated rank's launches in lockstep under Triton's interpreter; :func:`run` drives one to
-its value. :func:`protocol_state` keeps a protocol's device state per flag workspace."""
+its value. :func:`protocol_state` keeps a protocol's device state per flag workspace; :func:`max_spin` is the bound
+of their kernels' waits."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from ..config import config
 from ..symm_mem import Comm, capturing, persistent
 
 T = TypeVar("T")
+
+
+def max_spin() -> int:
+    """The bound on the kernels' waits, ``config.wait_timeout_s``, in microseconds of the GPU timer (polls under
+    Triton's interpreter)."""
+    return max(1, int(float(config.wait_timeout_s) * 1e6))
 
 
 def run(steps: Generator[str, None, T]) -> T:

@@ -41,7 +41,6 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, group_size
 from .. import protocol_steps
 from ..device_tables import device_table
@@ -62,10 +61,6 @@ _PUB_FLAG = 8
 _PUB = 16
 FLAG_BYTES = _PUB + 16 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a send buffer's half is a multiple of this many elements
-
-
-def _max_spin() -> int:
-    return max(1, int(float(config.wait_timeout_s) * 1e6))  # microseconds of the GPU timer
 
 
 # --- the call's layout ----------------------------------------------------------------------------------------
@@ -394,7 +389,7 @@ def protocol(
     if scale_grad_by_freq:  # how often each index occurs in its table's indices (no host synchronization)
         counts = [
             torch.zeros(n, dtype=torch.float32, device=device).index_add_(
-                0, i.long(), torch.ones(i.numel(), dtype=torch.float32, device=device)
+                0, i.long(), torch.ones((), dtype=torch.float32, device=device).expand(i.numel())
             )
             for i, n in zip(indices, num_weights)
         ]
@@ -424,7 +419,7 @@ def protocol(
         comm.init_flags(FlagArray(comm.flags, _READY, _PUB // 4), 0)  # the ready flag and the offsets' flag
         comm.errors.check_previous(what, ebb.check_error)
         state, scratch = _state(comm)
-        spin = max_spin if max_spin is not None else _max_spin()
+        spin = max_spin if max_spin is not None else protocol_steps.max_spin()
         err = comm.errors.err
         flags = [int(p) for p in comm.flags.handle.buffer_ptrs][:world]
         if lay.uniform:

@@ -46,7 +46,6 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, group_size
 from .. import protocol_steps
 from ..device_tables import device_table
@@ -68,15 +67,6 @@ _PUB_FLAG = 8 * MAX_WORLD
 _PUB = 16 * MAX_WORLD
 FLAG_BYTES = _PUB + 16 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a receive buffer's half is a multiple of this many elements
-
-
-def timeout_s() -> float:
-    """The bound on the kernels' waits: ``config.wait_timeout_s``."""
-    return float(config.wait_timeout_s)
-
-
-def _max_spin() -> int:
-    return max(1, int(timeout_s() * 1e6))  # microseconds of the GPU timer (polls under the interpreter)
 
 
 # --- the call's layout ----------------------------------------------------------------------------------------
@@ -461,7 +451,7 @@ def protocol(
     comm.init_flags(FlagArray(comm.flags, _COUNTERS, (_PUB_FLAG + 8) // 4), 0)  # counters and the offsets' flag
     comm.errors.check_previous(what, eb.check_error)
     state, scratch = _state(comm)
-    spin = max_spin if max_spin is not None else _max_spin()
+    spin = max_spin if max_spin is not None else protocol_steps.max_spin()
     err = comm.errors.err
     peer_data, peer_counters, peer_pub, peer_flags = _peer_tables(comm, device)
     if lay.uniform:
