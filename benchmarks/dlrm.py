@@ -256,30 +256,43 @@ def pool_main(args) -> None:
 # --- (b) several GPUs ---------------------------------------------------------------------------------------------
 
 
-def peers_main(args) -> None:
+def _start_peers() -> tuple:
+    """This process's NCCL rank of torchrun's group: (dist, group, world, rank, lines, say), ``say`` printing on
+    rank 0 and keeping its lines for the .txt."""
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    group = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
-    lines, rows = [], []
+    lines: list[str] = []
 
     def say(s: str) -> None:
         if rank == 0:
             print(s, flush=True)
             lines.append(s)
 
+    return dist, dist.group.WORLD, world, rank, lines, say
+
+
+def _local_tables(tables: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``tables`` random tables of ``rows`` x ``DIM`` on the GPU, one allocation."""
+    store = torch.empty(tables, rows, DIM, dtype=dtype, device="cuda")
+    for t in range(tables):
+        store[t].normal_()
+    return store
+
+
+def peers_main(args) -> None:
+    dist, group, world, rank, lines, say = _start_peers()
+    rows = []
     say(f"== {world} x {torch.cuda.get_device_name()} torch {torch.__version__}")
     g = torch.Generator().manual_seed(rank)
     with config.patch(implementations=IMPLEMENTATIONS):  # every family, dlrm among them
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             t_local = max(1, TABLES // world)
-            store = torch.empty(t_local, args.rows, DIM, dtype=dtype, device="cuda")
-            for t in range(t_local):
-                store[t].normal_()
+            store = _local_tables(t_local, args.rows, dtype)
             bags = args.batch * world
             p = Problem(list(store.unbind(0)), bags, g)
             out_shape = p.out_shape
@@ -403,29 +416,15 @@ class Training:
 
 
 def training_main(args) -> None:
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    group = dist.group.WORLD
-    world, rank = dist.get_world_size(), dist.get_rank()
-    lines, rows = [], []
-
-    def say(s: str) -> None:
-        if rank == 0:
-            print(s, flush=True)
-            lines.append(s)
-
+    dist, group, world, rank, lines, say = _start_peers()
+    rows = []
     say(f"== {world} x {torch.cuda.get_device_name()} torch {torch.__version__} (training: forward + backward)")
     g = torch.Generator().manual_seed(rank)
     with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             t_local = max(1, TABLES // world)
-            store = torch.empty(t_local, args.rows, DIM, dtype=dtype, device="cuda")
-            for t in range(t_local):
-                store[t].normal_()
+            store = _local_tables(t_local, args.rows, dtype)
             p = Problem(list(store.unbind(0)), args.batch * world, g)
             tr = Training(p, group, g)
             fns = {"nccl": tr.nccl, "unfused": tr.unfused, "fused": tr.fused, "fused-nobook": lambda tr=tr: tr.fused(False),

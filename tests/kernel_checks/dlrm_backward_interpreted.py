@@ -22,22 +22,12 @@ import sys
 
 import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
+from dlrm_interpreted import TOL, rel  # the forward's checks: the same tolerances and relative error
 
 from fluxcompile.kernels import embedding_bag_backward as ebb
 from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo
 from fluxcompile.symm_mem import Comm, ErrorWords
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative error; NaN (a poisoned value read) counts as infinitely wrong."""
-    if a.shape != ref.shape:
-        return float("inf")
-    den = ref.double().norm().item() or 1.0
-    err = (a.double() - ref.double()).norm().item() / den
-    return err if err == err else float("inf")
 
 
 class Tables:
