@@ -169,6 +169,11 @@ class Config:
     # (NVSHMEM_SYMMETRIC_SIZE, where not set) to ``nvshmem_heap_mb``.
     symm_mem_backend: str = _field("cuda", tuning=True, choices=("cuda", "nvshmem"))
     nvshmem_heap_mb: int = 2048
+    # How the all-to-all exchanges reach their peers (DLRM's embedding exchange): "p2p" stores into peers' memory
+    # from the kernels that make the rows (one host), with NVSHMEM's put-with-signal only where a peer is on another
+    # host; "put" uses put-with-signal for every peer (needs symm_mem_backend "nvshmem"): the form a group across
+    # hosts runs, forced on one host so that it runs and is tested there.
+    exchange_transport: str = _field("p2p", tuning=True, choices=("p2p", "put"))
     # Bytes of a chunk slice one program of the schedule executor moves (schedules/gpu_executor.py).
     sched_slice_bytes: int = _field(16 << 10, tuning=True)
 

@@ -260,15 +260,15 @@ def test_simulated_ranks_set_flags_once_when_their_first_calls_race(monkeypatch)
     monkeypatch.setattr(handle, "get_buffer", slow_get_buffer)
 
     def first_call(r):
-        flags = FlagArray(sim.flags.ranks[r], lo._COUNTERS, (lo._PUB_FLAG + 8) // 4)
+        flags = FlagArray(sim.flags.ranks[r], lo.COUNTERS, (lo.PUB_FLAG + 8) // 4)
         sim.init_flags(flags, 0)
         # This rank's pooling signals its peers at once.
         for p in range(world):
             if p != r:
-                get_buffer(p, (lo.MAX_WORLD,), torch.int64, lo._COUNTERS // 8)[r] += 1
+                get_buffer(p, (lo.MAX_WORLD,), torch.int64, lo.COUNTERS // 8)[r] += 1
 
     _on_threads(first_call, world, timeout_s=30.0)
     assert sorted(fills) == list(range(world)), f"flags filled {len(fills)} times: {fills}"
     for p in range(world):
-        counters = get_buffer(p, (world,), torch.int64, lo._COUNTERS // 8).tolist()
+        counters = get_buffer(p, (world,), torch.int64, lo.COUNTERS // 8).tolist()
         assert counters == [int(s != p) for s in range(world)], (p, counters)

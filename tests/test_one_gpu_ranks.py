@@ -196,6 +196,6 @@ def test_simulated_ranks_keep_protocol_states_of_their_own():
     from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
 
     sim = OneGpuRanks(4, 1024, lo.FLAG_BYTES, tag="dlrm-states", device="cpu")
-    states = [lo._state(SimpleNamespace(flags=sim.flags.ranks[r]))[0] for r in range(4)]
+    states = [lo.protocol_state(SimpleNamespace(flags=sim.flags.ranks[r]))[0] for r in range(4)]
     assert len({s.data_ptr() for s in states}) == 4
-    assert all(lo._state(SimpleNamespace(flags=sim.flags.ranks[r]))[0] is states[r] for r in range(4))
+    assert all(lo.protocol_state(SimpleNamespace(flags=sim.flags.ranks[r]))[0] is states[r] for r in range(4))

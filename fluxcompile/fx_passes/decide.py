@@ -99,7 +99,9 @@ def decide(
 
     if all(c.name == REFERENCE for c in choices_for(op_name)):
         return Decision(f"no fused implementation of {op_name} is allowed here: the collective and matmuls stay as they are")
-    if why := no_peer_access(group_name, cfg.choose_timeout_s):
+    if (why := no_peer_access(group_name, cfg.choose_timeout_s)) and all(
+        c.peers_decline(why) for c in choices_for(op_name) if c.name != REFERENCE
+    ):
         return Decision(f"no symmetric-memory choice of {op_name}: {why}; the collective and matmuls stay as they are")
     symbols = _free_symbols(args)
     if not symbols:

@@ -244,7 +244,7 @@ def _select(
     cached = _read_cache(path, key) if config.autotune else None
     # Symmetric-memory choices decline alike on every rank where the group's ranks are not all reachable by P2P.
     no_peers = no_peer_access(group) if any(c.symmetric_memory for c in candidates) else None
-    reasons = [no_peers if no_peers and c.symmetric_memory else c.declines(*args) for c in candidates]
+    reasons = [c.peers_decline(no_peers) or c.declines(*args) for c in candidates]
     # One message per rank: its registry (must match), its cached winner, its reasons to decline.
     infos: list[Any] = [None] * group.size()
     dist.all_gather_object(infos, (names, cached, reasons), group=group)

@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import ops
 from ..config import config, register_family
+from ..symm_mem import backend
 
 REFERENCE = "reference"
 
@@ -39,7 +40,9 @@ class Choice:
     ``fn`` handles these arguments, else the reason it does not. ``symmetric_memory``: ``fn`` reaches the
     peers' memory (every fused choice), so it declines on a group whose ranks are not all reachable by P2P
     (symm_mem/topology.py); the reference (the collective, then the matmuls) does not. ``family``: its
-    implementation family ("" = the name's kind, the part before ":").
+    implementation family ("" = the name's kind, the part before ":"). ``remote_peers``: ``fn`` reaches its peers
+    only through NVSHMEM (put-with-signal), never by their P2P addresses, so with the NVSHMEM backend it runs on a
+    group that spans hosts too (its ``supports`` says where it does not).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Choice:
     supports: Callable[..., str | None] = _supports_all
     symmetric_memory: bool = True
     family: str = ""
+    remote_peers: bool = False
 
     def __post_init__(self) -> None:
         kind, _, variant = self.name.partition(":")
@@ -54,6 +58,16 @@ class Choice:
             raise ValueError(f"fluxcompile: bad choice name {self.name!r} (want '<kind>' or '<kind>:<variant>')")
         if not self.family:
             object.__setattr__(self, "family", kind)
+
+    def peers_decline(self, no_peers: str | None) -> str | None:
+        """``no_peers`` (why the group's ranks cannot all reach each other by P2P, symm_mem/topology.py) where it
+        keeps this choice from running: for every choice that reaches symmetric memory, but one that reaches its
+        peers through NVSHMEM alone while the backend is NVSHMEM."""
+        if not no_peers or not self.symmetric_memory:
+            return None
+        if self.remote_peers and backend.wanted() == "NVSHMEM":
+            return None
+        return no_peers
 
     def declines(self, *args: Any) -> str | None:
         """Why this choice does not run these arguments: its family is not enabled (the config's reason), else

@@ -186,7 +186,7 @@ class Ranks:
         return [outs.get(r) for r in range(self.world)]
 
     def counters(self, r: int) -> list[int]:
-        return self.comms[r].flags.view(r, (self.world,), torch.int64, lo._COUNTERS).tolist()
+        return self.comms[r].flags.view(r, (self.world,), torch.int64, lo.COUNTERS).tolist()
 
 
 def expected(world, cases, mode, last, out_shape, outs_of, ins_of):
@@ -256,7 +256,7 @@ def check_protocol(g, results: dict) -> None:
         for r in range(world):
             lay = [lo.layout(bags, T, D, tuple(out_shape), tuple(outs_of(r)), tuple(ins_of(r)), r, world)][0]
             want_counts = [3 * lay.expect[s] for s in range(world)]
-            state, _ = lo._state(ranks.comms[r])
+            state, _ = lo.protocol_state(ranks.comms[r])
             ok = ranks.counters(r) == want_counts and int(state[0]) == 3 and state[1 : 1 + world].tolist() == want_counts
             if not ok:
                 results[f"counters {name} rank {r}"] = float("inf")

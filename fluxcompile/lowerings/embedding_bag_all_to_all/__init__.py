@@ -6,6 +6,9 @@ Choices, in registration order:
   kernels/embedding_bag.py, which stores every pooled row straight into its owner's output (one launch for all
   tables; with ``bookkeeping`` it also writes the backward's offset2bag and bag sizes), counters per (source,
   destination) pair, a bounded wait and a copy out of the receive buffer;
+* ``put:<variant>`` (put.py; family ``dlrm``): the pooling into a symmetric send buffer, then NVSHMEM's
+  put-with-signal to every peer: the form for groups across hosts, and on one host where
+  ``config.exchange_transport`` is ``"put"``;
 * ``reference`` (``embedding_bag`` per table + ``cat`` + NCCL ``all_to_all_single``, registered by
   lowerings/choices.py).
 """
@@ -16,17 +19,25 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from ...symm_mem import topology
 from ..autotune import pick
 from ..bag_samples import even_bags
 from ..choices import Choice, register_choice, register_sample
 from ..direct_calls import cuda_impl
-from . import triton
+from . import put, triton
 
 OP = "embedding_bag_all_to_all"
 
 if triton.eb is not None:
     for _name in triton.eb.VARIANTS:
         register_choice(OP, Choice(f"{triton.NAME}:{_name}", *triton.make(_name), family="dlrm"))
+    register_choice(
+        OP,
+        Choice(
+            f"{put.NAME}:{triton.eb.DEFAULT}", *put.make(triton.eb.DEFAULT, lambda g: topology.layout(g).node_count > 1),
+            family="dlrm", remote_peers=True,
+        ),
+    )
 
 
 @cuda_impl(OP, probe=lambda args: args[0][0])

@@ -46,6 +46,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
+from ...config import config
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, group_size
 from .. import protocol_steps
 from ..device_tables import device_table
@@ -62,8 +63,8 @@ MAX_WORLD = 64
 # The flag workspace of a rank, all int64 (a counter grows by a call's segments: int32 would wrap within a training
 # run): counters ([MAX_WORLD], counter[s]: segments received from rank s, plus one per call), the epoch of its last
 # published offsets, the published offsets ([2, MAX_WORLD]).
-_COUNTERS = 0
-_PUB_FLAG = 8 * MAX_WORLD
+COUNTERS = 0
+PUB_FLAG = 8 * MAX_WORLD
 _PUB = 16 * MAX_WORLD
 FLAG_BYTES = _PUB + 16 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a receive buffer's half is a multiple of this many elements
@@ -188,7 +189,7 @@ def pointer_table(weights: Sequence[Tensor], indices: Sequence[Tensor], offsets:
 # --- supports -------------------------------------------------------------------------------------------------
 
 
-def _group_size(group_name: str) -> int:
+def group_size_of(group_name: str) -> int:
     size = _group_sizes.get(group_name)
     if size is None:
         size = _group_sizes[group_name] = group_size(group_name)
@@ -248,13 +249,27 @@ def supports(
 ) -> str | None:  # fmt: skip
     """None when the Triton choices handle the call, else why not (shapes, dtypes, group and config only: the same
     on every rank)."""
+    if config.exchange_transport == "put":
+        return "exchange_transport is 'put' (the put-with-signal form runs instead of the stores into peers)"
+    return call_problem(
+        weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
+        group_name, per_sample_weights,
+    )  # fmt: skip
+
+
+def call_problem(
+    weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
+    group_name, per_sample_weights=None,
+) -> str | None:  # fmt: skip
+    """Why the pooling kernel and this op's layout do not take the call (None if they do), whatever the form of
+    its exchange."""
     why = check_operands(weights, indices, offsets, mode, include_last_offset, cuda=False)
     if why is None and per_sample_weights is not None:
         why = weights_problem(per_sample_weights, weights, indices, mode)
     if why is not None:
         return why
     try:
-        world = _group_size(group_name)
+        world = group_size_of(group_name)
     except Exception as e:
         return f"no process group {group_name!r} ({type(e).__name__})"
     if world > MAX_WORLD:
@@ -339,10 +354,10 @@ def embedding_bag_all_to_all(
     per_sample_weights: Sequence[Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
-    world = _group_size(group_name)
+    world = group_size_of(group_name)
     comm = None
     if world > 1:
-        lay = _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world)
+        lay = layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world)
         comm = group_comm(group_name, world, lay.data_bytes(weights[0].element_size()))
     return embedding_bag_all_to_all_on(
         comm, weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
@@ -350,7 +365,7 @@ def embedding_bag_all_to_all(
     )  # fmt: skip
 
 
-def _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, rank, world):
+def layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, rank, world):
     bags = offsets[0].numel() - int(include_last_offset)
     return layout(
         bags, len(weights), weights[0].shape[1], tuple(int(s) for s in out_shape),
@@ -363,11 +378,11 @@ def data_bytes(
     output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], world: int,
 ) -> int:  # fmt: skip
     """Bytes of the data workspace a call needs on every rank (the one-GPU harness sizes its workspaces with it)."""
-    lay = _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world)
+    lay = layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, 0, world)
     return lay.data_bytes(weights[0].element_size())
 
 
-def _state(comm: Comm) -> tuple[Tensor, Tensor]:
+def protocol_state(comm: Comm) -> tuple[Tensor, Tensor]:
     """This rank's protocol state (int64 ``[1 + MAX_WORLD]``: the epoch, then each source's counter target) and its
     offsets scratch (int64 ``[MAX_WORLD]``), one pair per flag workspace, whose counters the state must match (both
     start at zero and only grow). The workspace's buffer is kept with them, so its address is never reused for
@@ -375,15 +390,15 @@ def _state(comm: Comm) -> tuple[Tensor, Tensor]:
     return protocol_steps.protocol_state(comm, _states, (1 + MAX_WORLD, MAX_WORLD), f"{OP} ({NAME})")
 
 
-def _peer_tables(comm: Comm, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def peer_tables(comm: Comm, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """int64 ``[world]`` each: every rank's receive buffer, counters, published offsets and their flag."""
     data = [int(p) for p in comm.data.handle.buffer_ptrs][: comm.world]
     flags = [int(p) for p in comm.flags.handle.buffer_ptrs][: comm.world]
     return (
         device_table(tuple(data), device),
-        device_table(tuple(p + _COUNTERS for p in flags), device),
+        device_table(tuple(p + COUNTERS for p in flags), device),
         device_table(tuple(p + _PUB for p in flags), device),
-        device_table(tuple(p + _PUB_FLAG for p in flags), device),
+        device_table(tuple(p + PUB_FLAG for p in flags), device),
     )
 
 
@@ -423,7 +438,7 @@ def protocol(
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     w0 = weights[0]
     device, dtype = w0.device, w0.dtype
-    lay = _layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, rank, world)
+    lay = layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes, rank, world)
     out = torch.empty(lay.out_shape, dtype=dtype, device=device)
     if lay.bags == 0:
         return out
@@ -448,19 +463,19 @@ def protocol(
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     if world > MAX_WORLD:
         raise ValueError(f"fluxcompile: {what}: more than {MAX_WORLD} ranks")
-    comm.init_flags(FlagArray(comm.flags, _COUNTERS, (_PUB_FLAG + 8) // 4), 0)  # counters and the offsets' flag
+    comm.init_flags(FlagArray(comm.flags, COUNTERS, (PUB_FLAG + 8) // 4), 0)  # counters and the offsets' flag
     comm.errors.check_previous(what, eb.check_error)
-    state, scratch = _state(comm)
+    state, scratch = protocol_state(comm)
     spin = max_spin if max_spin is not None else protocol_steps.max_spin()
     err = comm.errors.err
-    peer_data, peer_counters, peer_pub, peer_flags = _peer_tables(comm, device)
+    peer_data, peer_counters, peer_pub, peer_flags = peer_tables(comm, device)
     if lay.uniform:
         dst_off = device_table(lay.equal_dst_off(), device)
     else:
         dst_off = scratch
         prefix = device_table(lay.recv_prefix, device)
         my_pub = comm.flags.view(rank, (2 * MAX_WORLD,), torch.int64, _PUB)
-        eb.publish(my_pub, comm.flags.view(rank, (1,), torch.int64, _PUB_FLAG), prefix, state, world, MAX_WORLD)
+        eb.publish(my_pub, comm.flags.view(rank, (1,), torch.int64, PUB_FLAG), prefix, state, world, MAX_WORLD)
         yield "publish"
         eb.fetch_offsets(prefix, peer_pub, peer_flags, dst_off, state, err, spin, rank, world, MAX_WORLD)
         yield "fetch_offsets"
@@ -470,7 +485,7 @@ def protocol(
         rot_segment=lay.src_start[(rank + 1) % world], **common,
     )  # fmt: skip
     yield "pool"
-    counters = comm.flags.view(rank, (MAX_WORLD,), torch.int64, _COUNTERS)
+    counters = comm.flags.view(rank, (MAX_WORLD,), torch.int64, COUNTERS)
     eb.wait(counters, device_table(lay.expect, device), state, err, spin, rank, world)
     yield "wait"
     recv = comm.data.view(rank, (2 * lay.parity_elems,), dtype)

@@ -1,0 +1,172 @@
+"""The put-with-signal exchange (kernels/put_signal.py, kernels/nvshmem_device.py) and the DLRM op's put form
+(lowerings/embedding_bag_all_to_all/put.py) on CPU: the protocol between simulated ranks under Triton's
+interpreter (kernel_checks/put_interpreted.py), both kernels compiled for sm_90 (the NVSHMEM one against NVSHMEM's
+device bitcode, where installed), and where the put form runs and where it declines. Between processes with the
+NVSHMEM backend: tests/gpu/test_nvshmem_pes.py."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is needed for the kernel checks (in the test extra)")
+
+from fluxcompile import config
+from fluxcompile.config import IMPLEMENTATIONS
+from fluxcompile.kernels import embedding_bag as eb
+from fluxcompile.kernels import nvshmem_device as nv
+from fluxcompile.kernels import put_signal as ps
+from fluxcompile.lowerings.choices import _REGISTRY, Choice
+from fluxcompile.lowerings.embedding_bag_all_to_all import put
+from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OP = "embedding_bag_all_to_all"
+
+
+def test_put_form_in_interpreter():
+    seed = random.SystemRandom().randrange(2**31)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "kernel_checks", "put_interpreted.py"), str(seed)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=os.path.join(HERE, "kernel_checks"),
+    )  # fmt: skip
+    assert out.returncode == 0, f"seed {seed}:\n{out.stderr[-4000:]}"
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    timeout = results.pop("timeout")
+    assert len(results) >= 4, sorted(results)
+    for name, err in results.items():
+        assert err <= 1e-5, f"{name}: relative error {err:.2e} of its dtype's tolerance (seed {seed})"
+    assert "rank 0 timed out in call 1 waiting for rank 1's pooled rows" in timeout, timeout
+
+
+# --- compiled for Hopper ----------------------------------------------------------------------------------------
+
+_TYPES = {
+    "send": "*bf16", "out": "*bf16", "recv": "*bf16", "counters": "*i64", "peer_data": "*i64",
+    "peer_counters": "*i64", "src_start": "*i64", "dst_off": "*i64", "state": "*i64", "D": "i32",
+    "parity_elems": "i64", "rank": "i32", "world": "i32",
+}  # fmt: skip
+
+
+def _compile(kernel, extern_libs=None):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    const = {"SLICES": 4, "BLOCK": ps.COPY_BLOCK}
+    sig = {n: "constexpr" if n in const else _TYPES[n] for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    options = {"num_warps": 4, "num_stages": 1}
+    if extern_libs:
+        options["extern_libs"] = tuple(extern_libs.items())
+    try:
+        return __import__("triton").compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except RuntimeError as e:
+        if "ptxas" in str(e) and "not found" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+
+
+def test_p2p_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ptx = _compile(ps.put_chunks_p2p_kernel).asm["ptx"]
+    assert re.search(r"\b(atom|red)\.global\.sys\.release\.add\.u64", ptx), "the arrival counters' release adds"
+    assert "nvshmem" not in ptx
+
+
+def test_nvshmem_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    """Linked against NVSHMEM's device bitcode: the put-with-signal and signal-only calls resolve (the wheel
+    nvidia-nvshmem-cu13 comes with a CUDA torch; without it, skipped)."""
+    path = nv.bitcode(90)
+    if path is None:
+        pytest.skip("NVSHMEM's device bitcode is not installed (nvidia-nvshmem-cu13)")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    k = _compile(ps.put_chunks_nvshmem_kernel, {"libnvshmem_device": path})
+    ptx = k.asm["ptx"]
+    assert "nvshmem" in ptx, "no NVSHMEM call in the kernel"
+    assert "ld.global" in ptx and "st.global" in ptx  # our own chunk's copy
+
+
+def test_slices_are_powers_of_two():
+    assert ps.slices(0) == 1 and ps.slices(1) == 1
+    assert ps.slices(ps.SLICE_BYTES + 1) == 2
+    assert ps.slices(3 * ps.SLICE_BYTES) == 4
+    assert ps.slices(1 << 40) == ps.MAX_SLICES
+    with pytest.raises(ValueError, match="slices"):
+        ps.put_chunks(*[torch.empty(1)] * 4, src_start=torch.empty(1), dst_off=torch.empty(1), state=torch.empty(1),
+                      dim=1, parity_elems=1, rank=0, world=2, n_slices=3, nvshmem=True)  # fmt: skip
+
+
+# --- where the put form runs ----------------------------------------------------------------------------------
+
+
+def test_registered():
+    choice = _REGISTRY[OP][f"put:{eb.DEFAULT}"]
+    assert choice.family == "dlrm" and choice.remote_peers and choice.symmetric_memory
+    assert not _REGISTRY[OP][f"triton:{eb.DEFAULT}"].remote_peers
+
+
+@pytest.mark.parametrize(
+    ("transport", "backend", "world", "remote", "why"),
+    [
+        ("p2p", "cuda", 2, False, "exchange_transport is 'p2p' and every peer is on this host"),
+        ("p2p", "nvshmem", 4, False, "exchange_transport is 'p2p' and every peer is on this host"),
+        ("put", "cuda", 2, False, "put-with-signal needs symm_mem_backend 'nvshmem'"),
+        ("p2p", "cuda", 2, True, "put-with-signal needs symm_mem_backend 'nvshmem'"),
+        ("put", "nvshmem", 1, False, "one rank"),
+        ("put", "nvshmem", 2, False, None),
+        ("p2p", "nvshmem", 8, True, None),
+    ],
+)
+def test_transport(transport, backend, world, remote, why):
+    with config.patch(exchange_transport=transport, symm_mem_backend=backend):
+        got = put.transport_problem(world, remote)
+    assert (got is None) if why is None else (why in (got or "")), got
+
+
+def _args(splits=()):
+    weights = [torch.randn(10, 16) for _ in range(2)]
+    indices = [torch.randint(0, 10, (8,)) for _ in weights]
+    offsets = [torch.arange(0, 8, 2) for _ in weights]
+    return (weights, indices, offsets, 0, False, [4, 32], list(splits), list(splits), "g2")
+
+
+def test_declines(monkeypatch):
+    monkeypatch.setitem(lo._group_sizes, "g2", 2)
+    _, supports = put.make(eb.DEFAULT, lambda g: False)
+    with config.patch(implementations=IMPLEMENTATIONS, exchange_transport="put", symm_mem_backend="nvshmem"):
+        assert "unequal splits" in supports(*_args((1, 3)))
+        assert supports(*_args((2, 2))) == "not on a CUDA device"  # the operands here are on the CPU
+        # forced, the P2P form steps aside
+        why = _REGISTRY[OP][f"triton:{eb.DEFAULT}"].declines(*_args())
+        assert why == "exchange_transport is 'put' (the put-with-signal form runs instead of the stores into peers)"
+
+
+def test_peers_decline_lets_nvshmem_choices_span_hosts():
+    spans = "the group spans 2 hosts (a: ranks [0]; b: ranks [1]), and symmetric memory reaches only ..."
+    p2p_choice = Choice("a:x", lambda: None)
+    put_choice = Choice("b:x", lambda: None, remote_peers=True)
+    ref = Choice("reference", lambda: None, symmetric_memory=False)
+    for backend in ("cuda", "nvshmem"):
+        with config.patch(symm_mem_backend=backend):
+            assert p2p_choice.peers_decline(spans) == spans
+            assert ref.peers_decline(spans) is None
+            assert put_choice.peers_decline(spans) == (spans if backend == "cuda" else None)
+            assert put_choice.peers_decline(None) is None
+
+
+def test_data_workspace_holds_both_forms():
+    lay = lo.layout(12, 3, 16, (12, 48), (), (), 1, 4)
+    for itemsize in (2, 4):
+        assert put.send_offset(lay, itemsize) >= lay.data_bytes(itemsize)
+        assert put.send_offset(lay, itemsize) % 256 == 0
+        assert put.data_bytes(lay, itemsize) == put.send_offset(lay, itemsize) + 12 * 3 * 16 * itemsize
