@@ -33,6 +33,14 @@ def nccl_group():
         yield None
         return
     local_rank = int(os.environ["LOCAL_RANK"])
+    if os.environ.get("FLUXCOMPILE_TEST_SHARED_GPU") == "1":
+        # Several processes on one GPU (scripts/gpu-check's nvshmem-pes step, under MPS): NCCL refuses a GPU twice
+        # in a communicator, so the group is gloo's (the tests that run so need no NCCL collective).
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        yield dist.group.WORLD
+        dist.destroy_process_group()
+        return
     torch.cuda.set_device(local_rank)
     # A failed assertion on one rank must not leave the other waiting forever in a collective.
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timedelta(seconds=120))

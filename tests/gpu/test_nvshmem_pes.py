@@ -1,0 +1,187 @@
+"""The DLRM exchange on torch's NVSHMEM backend between this run's processes (issue 58): the put-with-signal form
+(choice ``put``, lowerings/embedding_bag_all_to_all/put.py: NVSHMEM's put-with-signal from a Triton kernel) forced
+with ``exchange_transport="put"``, the P2P form (choice ``triton``) on NVSHMEM-allocated workspaces, the two
+alternating on one workspace, a sub-group's own workspaces, and a peer that never comes (the bounded wait's error).
+
+scripts/gpu-check's step ``nvshmem-pes`` runs it with FLUXCOMPILE_SYMM_MEM_BACKEND=nvshmem: between GPUs where the
+machine has several, else as 2 and 4 processes sharing one GPU under an MPS server (NVSHMEM refuses several PEs on
+one GPU without MPS; the processes' group is then gloo, as NCCL refuses a GPU twice). Expected outputs come by hand:
+every rank draws every rank's operands from one fresh seed and pools them in fp32 (no collective reference). Each
+case: eager calls with outputs from a NaN-poisoned allocator and one rank's launch delayed, then a CUDA graph
+replayed with new indices (NaN-filled output before each replay)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from gpu_helpers import assert_on_every_rank, poison_allocator
+from test_dlrm_ranks import Rank, expected
+
+from fluxcompile import config
+from fluxcompile.config import IMPLEMENTATIONS
+from fluxcompile.kernels import embedding_bag as eb
+from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
+from fluxcompile.lowerings.choices import _REGISTRY
+from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
+from fluxcompile.symm_mem.comm import cached_comm
+from fluxcompile.testing.numerics import assert_close
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(config.symm_mem_backend != "nvshmem", reason="runs with FLUXCOMPILE_SYMM_MEM_BACKEND=nvshmem"),
+    pytest.mark.peers,
+]
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+PUT = f"put:{eb.DEFAULT}"
+P2P = f"triton:{eb.DEFAULT}"
+OP_NAME = "embedding_bag_all_to_all"
+OP = torch.ops.fluxcompile.embedding_bag_all_to_all.default
+
+
+def _seed() -> int:
+    s = [int(torch.randint(0, 2**30, ()))]
+    dist.broadcast_object_list(s, 0)
+    return s[0]
+
+
+class Case:
+    """Every rank's operands (the same on every process), this rank's op arguments and its expected outputs."""
+
+    def __init__(self, dtype: torch.dtype, group: dist.ProcessGroup, splits: str = "equal", last: bool = False):
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        seed = _seed()
+        self.bags_local, tables, dim = 24, 3, 64
+        bags = self.bags_local * self.world
+        self.ranks = [
+            Rank(torch.Generator().manual_seed(seed + s), tables, bags, dim, dtype, torch.int64, last, 6, 300 + 11 * s)
+            for s in range(self.world)
+        ]
+        self.out_shape = [bags, tables * dim]
+        if splits == "equal":
+            self.sizes = [[self.bags_local] * self.world for _ in range(self.world)]
+            ins = outs = []
+        else:  # rank s sends 2 rows more to rank s + 1 and 2 fewer to rank s + 2: every rank sends and receives
+            # its batch's worth
+            w = self.world
+            self.sizes = [
+                [self.bags_local + 2 * (int(r == (s + 1) % w) - int(r == (s + 2) % w)) for r in range(w)]
+                for s in range(w)
+            ]
+            ins, outs = self.sizes[self.rank], [row[self.rank] for row in self.sizes]
+        x = self.ranks[self.rank]
+        self.args = (x.weights, x.indices, x.offsets, 0, last, self.out_shape, outs, ins, group.group_name)
+        self.dtype = dtype
+
+    def refresh(self) -> None:
+        for x in self.ranks:
+            x.refresh()
+
+    def want(self) -> torch.Tensor:
+        return expected(self.ranks, 0, self.out_shape, lambda s: self.sizes[s])[self.rank]
+
+
+def _check(case: Case, got: torch.Tensor, what: str) -> str | None:
+    try:
+        assert_close(got, case.want(), TOL[case.dtype], f"rank {case.rank} {what}")
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _errors(group: dist.ProcessGroup) -> str | None:
+    torch.cuda.synchronize()
+    words = cached_comm(group.group_name, lo.TAG).errors.err.tolist()
+    return eb.error_message(words, "the exchange") if words[0] else None
+
+
+def _eager_then_graph(case: Case, choices: list[str], group: dist.ProcessGroup) -> None:
+    """Eager calls (choice ``choices[call % len]``, the last rank's launch delayed in call 1), then a CUDA graph of
+    the first choice replayed with new operands."""
+    for choice in choices:  # a declined choice would run the reference instead
+        assert _REGISTRY[OP_NAME][choice].declines(*case.args) is None, (
+            choice,
+            _REGISTRY[OP_NAME][choice].declines(*case.args),
+        )
+    for call in range(4):
+        case.refresh()
+        poison_allocator(1 << 26)
+        if call == 1 and case.rank == case.world - 1:
+            torch.cuda._sleep(100_000_000)  # the others wait for this rank's rows
+        choice = choices[call % len(choices)]
+        got = OP(*case.args, choice=choice)[0]
+        assert_on_every_rank(_check(case, got, f"{choice} eager call {call}"), group)
+    assert_on_every_rank(_errors(group), group)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        OP(*case.args, choice=choices[0])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OP(*case.args, choice=choices[0])[0]
+    for replay in range(3):
+        case.refresh()
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_on_every_rank(_check(case, out, f"{choices[0]} replay {replay}"), group)
+    assert_on_every_rank(_errors(group), group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_put_form(dtype):
+    """Forced put-with-signal: every peer reached by NVSHMEM's put, no peer address dereferenced."""
+    with config.patch(implementations=IMPLEMENTATIONS, exchange_transport="put", check_signals=False):
+        _eager_then_graph(Case(dtype, dist.group.WORLD), [PUT], dist.group.WORLD)
+    from torch.distributed import _symmetric_memory as symm
+
+    assert symm.get_backend(torch.device("cuda")) == "NVSHMEM"
+
+
+@pytest.mark.parametrize("splits", ["equal", "unequal"])
+def test_p2p_form_on_nvshmem_workspaces(splits):
+    """The P2P form (stores through the peers' addresses, which NVSHMEM maps on one host) on the NVSHMEM heap."""
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
+        _eager_then_graph(Case(torch.bfloat16, dist.group.WORLD, splits, last=True), [P2P], dist.group.WORLD)
+
+
+def test_forms_alternate():
+    """put, P2P, put, P2P on one workspace: they share its state, counters and halves."""
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
+        case = Case(torch.float32, dist.group.WORLD)
+        for call in range(4):
+            case.refresh()
+            poison_allocator(1 << 26)
+            choice = (PUT, P2P)[call % 2]
+            with config.patch(exchange_transport="put" if choice == PUT else "p2p"):
+                got = OP(*case.args, choice=choice)[0]
+            assert_on_every_rank(_check(case, got, f"{choice} call {call}"), dist.group.WORLD)
+        assert_on_every_rank(_errors(dist.group.WORLD), dist.group.WORLD)
+
+
+def test_subgroup_and_a_peer_that_never_comes():
+    """A sub-group's own workspaces (NVSHMEM rendezvous of a sub-group), then rank 0 calls alone: its bounded wait
+    ends in an error naming the rank, the peer and the signal."""
+    world = dist.get_world_size()
+    sub = dist.new_group(list(range(world)))
+    with config.patch(implementations=IMPLEMENTATIONS, exchange_transport="put", check_signals=False):
+        case = Case(torch.float32, sub)
+        got = OP(*case.args, choice=PUT)[0]
+        assert_on_every_rank(_check(case, got, "sub-group"), sub)
+        torch.cuda.synchronize()
+        dist.barrier()
+        error = None
+        if case.rank == 0:
+            with config.patch(wait_timeout_s=3.0, check_signals=True):
+                try:
+                    OP(*case.args, choice=PUT)
+                    error = "no timeout"
+                except RuntimeError as e:
+                    if "rank 0 timed out in call 2 waiting for rank 1" not in str(e):
+                        error = f"another error: {e}"
+        assert_on_every_rank(error)
