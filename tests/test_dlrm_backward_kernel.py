@@ -139,7 +139,7 @@ def test_bag_problems():
 
 
 def test_registered_choices():
-    assert sorted(_REGISTRY[OP]) == ["reference", "triton"]
+    assert sorted(_REGISTRY[OP]) == ["put", "reference", "triton"]
     assert _REGISTRY[OP]["triton"].family == "dlrm"
     assert lowering.OP == OP
     assert "CUDA" in str(torch._C._dispatch_dump(f"fluxcompile::{OP}"))

@@ -24,12 +24,16 @@ from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
 from fluxcompile.kernels import nvshmem_device as nv
 from fluxcompile.kernels import put_signal as ps
+from fluxcompile.lowerings import transport as tr
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import put as put_bw
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo_bw
 from fluxcompile.lowerings.choices import _REGISTRY, Choice
 from fluxcompile.lowerings.embedding_bag_all_to_all import put
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OP = "embedding_bag_all_to_all"
+BW = "all_to_all_embedding_bag_backward"
 
 
 def test_put_form_in_interpreter():
@@ -42,10 +46,13 @@ def test_put_form_in_interpreter():
     assert out.returncode == 0, f"seed {seed}:\n{out.stderr[-4000:]}"
     results = json.loads(out.stdout.strip().splitlines()[-1])
     timeout = results.pop("timeout")
-    assert len(results) >= 4, sorted(results)
+    bw = results.pop("backward timeout")
+    assert len(results) >= 8, sorted(results)
     for name, err in results.items():
         assert err <= 1e-5, f"{name}: relative error {err:.2e} of its dtype's tolerance (seed {seed})"
     assert "rank 0 timed out in call 1 waiting for rank 1's pooled rows" in timeout, timeout
+    want = "(put): rank 0 timed out in call 1 waiting for rank 1's put gradient rows (its arrival counter never"
+    assert want in bw, bw
 
 
 # --- compiled for Hopper ----------------------------------------------------------------------------------------
@@ -57,12 +64,12 @@ _TYPES = {
 }  # fmt: skip
 
 
-def _compile(kernel, extern_libs=None):
+def _compile(kernel, extern_libs=None, own_in_recv=False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)
-    const = {"SLICES": 4, "BLOCK": ps.COPY_BLOCK}
+    const = {"OWN_IN_RECV": own_in_recv, "SLICES": 4, "BLOCK": ps.COPY_BLOCK}
     sig = {n: "constexpr" if n in const else _TYPES[n] for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
     options = {"num_warps": 4, "num_stages": 1}
@@ -78,7 +85,7 @@ def _compile(kernel, extern_libs=None):
 
 def test_p2p_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    ptx = _compile(ps.put_chunks_p2p_kernel).asm["ptx"]
+    ptx = _compile(ps.put_chunks_p2p_kernel, own_in_recv=True).asm["ptx"]
     assert re.search(r"\b(atom|red)\.global\.sys\.release\.add\.u64", ptx), "the arrival counters' release adds"
     assert "nvshmem" not in ptx
 
@@ -113,6 +120,8 @@ def test_registered():
     choice = _REGISTRY[OP][f"put:{eb.DEFAULT}"]
     assert choice.family == "dlrm" and choice.remote_peers and choice.symmetric_memory
     assert not _REGISTRY[OP][f"triton:{eb.DEFAULT}"].remote_peers
+    bw = _REGISTRY[BW]["put"]
+    assert bw.family == "dlrm" and bw.remote_peers and not _REGISTRY[BW]["triton"].remote_peers
 
 
 @pytest.mark.parametrize(
@@ -129,7 +138,7 @@ def test_registered():
 )
 def test_transport(transport, backend, world, remote, why):
     with config.patch(exchange_transport=transport, symm_mem_backend=backend):
-        got = put.transport_problem(world, remote)
+        got = tr.transport_problem(world, remote)
     assert (got is None) if why is None else (why in (got or "")), got
 
 
@@ -151,6 +160,26 @@ def test_declines(monkeypatch):
         assert why == "exchange_transport is 'put' (the put-with-signal form runs instead of the stores into peers)"
 
 
+def _bw_args(splits=()):
+    grad = torch.randn(4, 32)
+    indices = [torch.randint(0, 10, (8,)) for _ in range(2)]
+    offsets = [torch.arange(0, 8, 2) for _ in range(2)]
+    o2b = [torch.zeros(8, dtype=torch.long) for _ in range(2)]
+    sizes = [torch.full((4,), 2) for _ in range(2)]
+    empty = [torch.empty(0, dtype=torch.long) for _ in range(2)]
+    return (grad, indices, offsets, o2b, sizes, empty, [10, 10], False, 0, list(splits), list(splits), "g2")
+
+
+def test_backward_declines(monkeypatch):
+    monkeypatch.setitem(lo_bw._group_sizes, "g2", 2)
+    _, supports = put_bw.make(lambda g: False)
+    with config.patch(implementations=IMPLEMENTATIONS, exchange_transport="put", symm_mem_backend="nvshmem"):
+        assert "unequal splits" in supports(*_bw_args((1, 3)))
+        assert supports(*_bw_args((2, 2))) == "not on a CUDA device"  # the operands here are on the CPU
+        why = _REGISTRY[BW]["triton"].declines(*_bw_args())
+        assert why == "exchange_transport is 'put' (the put-with-signal form runs instead of the reads from peers)"
+
+
 def test_peers_decline_lets_nvshmem_choices_span_hosts():
     spans = "the group spans 2 hosts (a: ranks [0]; b: ranks [1]), and symmetric memory reaches only ..."
     p2p_choice = Choice("a:x", lambda: None)
@@ -162,6 +191,16 @@ def test_peers_decline_lets_nvshmem_choices_span_hosts():
             assert ref.peers_decline(spans) is None
             assert put_choice.peers_decline(spans) == (spans if backend == "cuda" else None)
             assert put_choice.peers_decline(None) is None
+
+
+def test_backward_workspace_holds_both_forms():
+    lay = lo_bw.layout(12, 3, 16, (), (), 1, 4)
+    for itemsize in (2, 4):
+        recv, send, end = put_bw._regions(lay, itemsize)
+        assert recv >= lay.data_bytes(itemsize) and recv % 256 == 0
+        assert send >= recv + 2 * lay.parity_elems * itemsize and send % 256 == 0
+        assert end == send + 12 * 48 * itemsize == put_bw.data_bytes(lay, itemsize)
+    assert lo_bw.COUNTERS + 8 * lo_bw.MAX_WORLD == lo_bw.FLAG_BYTES
 
 
 def test_data_workspace_holds_both_forms():

@@ -330,7 +330,10 @@ def rows(tables: torch.Tensor, acc: torch.Tensor, grads: torch.Tensor, like: tor
 
 
 def error_message(words: list[int], what: str) -> str | None:
-    """The error words in a sentence (None when no wait timed out)."""
+    """The error words in a sentence (None when no wait timed out): a wait on a peer's ready flag (the P2P form)
+    or on its arrival counter (the put form, kernels/embedding_bag.py's wait, ``KIND_ROWS``)."""
+    if words[5] == embedding_bag.KIND_ROWS:
+        return embedding_bag.error_message(words, what, rows="put gradient rows (its arrival counter")
     return embedding_bag.error_message(words, what, rows="staged gradients (its ready flag")
 
 

@@ -6,7 +6,8 @@ only grow).
 The send buffer holds segments of ``D`` elements; chunk ``p`` is segments ``src_start[p] .. src_start[p + 1]``
 (``src_start`` int64 ``[world + 1]``). It lands at element ``dst_off[p]`` of half ``epoch % 2`` (the epoch the
 receiver's wait will publish, ``state[0] + 1``) of ``p``'s receive buffer, halves of ``parity_elems`` elements;
-our own chunk goes into ``out`` at ``dst_off[rank]`` instead (a local copy). One launch of ``(world, SLICES)``
+our own chunk goes into ``out`` at ``dst_off[rank]`` instead (a local copy; with ``own_in_recv``, into our own
+receive buffer's half at that offset, where a reader of every source's rows finds it). One launch of ``(world, SLICES)``
 programs: program ``(k, c)`` moves slice ``c`` of the chunk for peer ``(rank + 1 + k) % world`` (rotated, so the
 ranks do not all write into one peer at once) and then signals it: every source adds ``SLICES`` to each of our
 counters per call, an empty chunk included (its programs signal without data).
@@ -37,7 +38,7 @@ COPY_BLOCK = 2048
 @triton.jit
 def _put_chunks(
     send, out, recv, counters, peer_data, peer_counters, src_start, dst_off, state, D, parity_elems, rank, world,
-    NVSHMEM: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    NVSHMEM: tl.constexpr, OWN_IN_RECV: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     k = tl.program_id(0)
     c = tl.program_id(1)
@@ -49,14 +50,18 @@ def _put_chunks(
     b = tl.minimum(a + per, n)
     dtype = send.dtype.element_ty
     off = tl.load(dst_off + p)
-    if p == rank:  # our own chunk: into out
+    e = tl.load(state, volatile=True) + 1
+    dst = (e & 1).to(tl.int64) * parity_elems + off + a
+    if p == rank:  # our own chunk: into out (or our receive buffer's half)
+        if OWN_IN_RECV:
+            own = recv + dst - a
+        else:
+            own = out + off
         for i in range(a, b, BLOCK):
             idx = i + tl.arange(0, BLOCK)
             m = idx < b
-            tl.store(out + off + idx, tl.load(send + lo + idx, mask=m), mask=m)
+            tl.store(own + idx, tl.load(send + lo + idx, mask=m), mask=m)
     else:
-        e = tl.load(state, volatile=True) + 1
-        dst = (e & 1).to(tl.int64) * parity_elems + off + a
         if NVSHMEM:
             nbytes = (b - a) * send.dtype.element_ty.primitive_bitwidth // 8
             nv.put_with_signal(recv + dst, send + lo + a, nbytes, counters + rank, p)
@@ -74,21 +79,21 @@ def _put_chunks(
 @triton.jit(do_not_specialize=["D", "parity_elems", "rank", "world"])
 def put_chunks_nvshmem_kernel(
     send, out, recv, counters, peer_data, peer_counters, src_start, dst_off, state, D, parity_elems, rank, world,
-    SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    OWN_IN_RECV: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The exchange by NVSHMEM put-with-signal (launched through ``nvshmem_device.launcher``)."""
     _put_chunks(send, out, recv, counters, peer_data, peer_counters, src_start, dst_off, state, D, parity_elems,
-                rank, world, True, SLICES, BLOCK)  # fmt: skip
+                rank, world, True, OWN_IN_RECV, SLICES, BLOCK)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["D", "parity_elems", "rank", "world"])
 def put_chunks_p2p_kernel(
     send, out, recv, counters, peer_data, peer_counters, src_start, dst_off, state, D, parity_elems, rank, world,
-    SLICES: tl.constexpr, BLOCK: tl.constexpr,
+    OWN_IN_RECV: tl.constexpr, SLICES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The exchange by P2P stores and a release add."""
     _put_chunks(send, out, recv, counters, peer_data, peer_counters, src_start, dst_off, state, D, parity_elems,
-                rank, world, False, SLICES, BLOCK)  # fmt: skip
+                rank, world, False, OWN_IN_RECV, SLICES, BLOCK)  # fmt: skip
 
 
 def slices(chunk_bytes: int) -> int:
@@ -102,12 +107,14 @@ def put_chunks(
     send: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, counters: torch.Tensor, *, src_start: torch.Tensor,
     dst_off: torch.Tensor, state: torch.Tensor, dim: int, parity_elems: int, rank: int, world: int, n_slices: int,
     nvshmem: bool, peer_data: torch.Tensor | None = None, peer_counters: torch.Tensor | None = None,
+    own_in_recv: bool = False,
 ) -> None:  # fmt: skip
     """Launch the exchange (see the module): ``send`` this rank's segments (flat, the dtype of ``out``); ``out``
     its output (flat); ``recv``: its receive buffer (both halves) and ``counters`` its int64 arrival counters, by
     source (symmetric: with ``nvshmem`` they name the peers'); ``peer_data``/``peer_counters`` int64 ``[world]``
     (every rank's receive buffer and counters, for the P2P transport); ``state``: the receiver's protocol state
-    (``state[0]`` the epoch of its last wait). ``n_slices``: programs per peer (:func:`slices`)."""
+    (``state[0]`` the epoch of its last wait). ``n_slices``: programs per peer (:func:`slices`). ``own_in_recv``:
+    our own chunk into ``recv``'s half like the peers' (``out`` unused) rather than into ``out``."""
     if n_slices not in {1 << i for i in range(MAX_SLICES.bit_length())}:
         raise ValueError(f"put_chunks: {n_slices} slices (a power of two up to {MAX_SLICES})")
     if not nvshmem and (peer_data is None or peer_counters is None):
@@ -118,4 +125,4 @@ def put_chunks(
         rank, world,
     )  # fmt: skip
     kernel = nv.launcher(put_chunks_nvshmem_kernel) if nvshmem else put_chunks_p2p_kernel
-    kernel[(world, n_slices)](*args, SLICES=n_slices, BLOCK=COPY_BLOCK, num_warps=4)
+    kernel[(world, n_slices)](*args, OWN_IN_RECV=bool(own_in_recv), SLICES=n_slices, BLOCK=COPY_BLOCK, num_warps=4)

@@ -1,7 +1,8 @@
 """The DLRM exchange on torch's NVSHMEM backend between this run's processes (issue 58): the put-with-signal form
 (choice ``put``, lowerings/embedding_bag_all_to_all/put.py: NVSHMEM's put-with-signal from a Triton kernel) forced
 with ``exchange_transport="put"``, the P2P form (choice ``triton``) on NVSHMEM-allocated workspaces, the two
-alternating on one workspace, a sub-group's own workspaces, and a peer that never comes (the bounded wait's error).
+alternating on one workspace, a sub-group's own workspaces, and a peer that never comes (the bounded wait's error);
+the backward's put form (lowerings/all_to_all_embedding_bag_backward/put.py) and its P2P form there too.
 
 scripts/gpu-check's step ``nvshmem-pes`` runs it with FLUXCOMPILE_SYMM_MEM_BACKEND=nvshmem: between GPUs where the
 machine has several, else as 2 and 4 processes sharing one GPU under an MPS server (NVSHMEM refuses several PEs on
@@ -16,12 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from gpu_helpers import assert_on_every_rank, poison_allocator
-from test_dlrm_ranks import Rank, expected
+from test_dlrm_ranks import Owner, Rank, expected, expected_grads
 
 from fluxcompile import config
 from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import embedding_bag as eb
+from fluxcompile.kernels import embedding_bag_backward as ebb
+from fluxcompile.lowerings import all_to_all_embedding_bag_backward as _registered_bw  # noqa: F401
 from fluxcompile.lowerings import embedding_bag_all_to_all as _registered  # noqa: F401  (the CUDA implementation)
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo_bw
 from fluxcompile.lowerings.choices import _REGISTRY
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 from fluxcompile.symm_mem.comm import cached_comm
@@ -185,3 +189,51 @@ def test_subgroup_and_a_peer_that_never_comes():
                     if "rank 0 timed out in call 2 waiting for rank 1" not in str(e):
                         error = f"another error: {e}"
         assert_on_every_rank(error)
+
+
+@pytest.mark.parametrize("choice", ["put", "triton"])
+def test_backward(choice):
+    """The backward's put form (forced) and P2P form on NVSHMEM workspaces, sum and mean, fp32 and bf16, against
+    aten's backward of the exchanged rows (every rank's gradients drawn from one seed); several calls, the last
+    rank's launch delayed once."""
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    op = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
+    seed = _seed()
+    bags_local, tables, dim = 24, 3, 64
+    bags = bags_local * world
+    sizes = [[bags_local] * world for _ in range(world)]
+    transport = "put" if choice == "put" else "p2p"
+    with config.patch(implementations=IMPLEMENTATIONS, exchange_transport=transport, check_signals=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            for mode in (0, 1):
+                owners = [
+                    Owner(torch.Generator().manual_seed(seed + s), tables, bags, bags, dim, dtype, torch.int64, False,
+                          mode, 200 + 7 * s)
+                    for s in range(world)
+                ]  # fmt: skip
+                x = owners[rank]
+                args = (x.grad, x.indices, x.offsets, x.offset2bag, x.bag_size, x.max_indices, x.num_weights, False,
+                        mode, [], [], group.group_name)  # fmt: skip
+                why = _REGISTRY["all_to_all_embedding_bag_backward"][choice].declines(*args)
+                assert why is None, why
+                for call in range(3):
+                    for o in owners:
+                        o.refresh()
+                    poison_allocator(1 << 26)
+                    if call == 1 and rank == world - 1:
+                        torch.cuda._sleep(100_000_000)
+                    got = op(*args, choice=choice)
+                    want = expected_grads(owners, sizes)[rank]
+                    error = None
+                    for t, (a, b) in enumerate(zip(got, want)):
+                        try:
+                            assert_close(
+                                a, b, TOL[dtype], f"rank {rank} {choice} {dtype} mode {mode} call {call} table {t}"
+                            )
+                        except AssertionError as e:
+                            error = error or str(e)
+                    assert_on_every_rank(error, group)
+        torch.cuda.synchronize()
+        words = cached_comm(group.group_name, lo_bw.TAG).errors.err.tolist()
+        assert_on_every_rank(ebb.error_message(words, "backward") if words[0] else None, group)

@@ -8,21 +8,30 @@ transport (stores and a release add: NVSHMEM's put needs GPUs; tests/gpu/test_nv
   the counters and epochs after the calls;
 * the two forms alternating on one workspace (the P2P form, then the put form, then the P2P form): they share
   state, counters and halves;
-* the bounded wait: a peer that never puts -> the error words, in words.
+* the bounded wait: a peer that never puts -> the error words, in words;
+* the backward's put form (lowerings/all_to_all_embedding_bag_backward/put.py) between 2 and 3 simulated ranks
+  (tests/kernel_checks/dlrm_backward_interpreted.py's ``Ranks`` and ``Tables``): equal and uniform-list splits,
+  sum and mean, a padding index, sparse gradients, bf16 through the fp32 accumulator, the P2P and put forms
+  alternating, three calls each, against aten's backward of the exchanged rows; its epochs and counters after;
+  its bounded wait.
 
 Prints one JSON line: {check name: worst relative error} plus "timeout": the message.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
+import dlrm_backward_interpreted as bw
 import dlrm_interpreted as d
 import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
 
 from fluxcompile.kernels import put_signal as ps
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import put as put_bw
+from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo_bw
 from fluxcompile.lowerings.embedding_bag_all_to_all import put
 from fluxcompile.lowerings.embedding_bag_all_to_all import triton as lo
 
@@ -118,12 +127,106 @@ def check_timeout(g) -> str:
         return str(e)
 
 
+class BackwardRanks(bw.Ranks):
+    """``bw.Ranks`` whose calls take the put form where ``form`` says so."""
+
+    def run_forms(self, calls, form, only=None, max_spin=200_000):
+        ranks = range(self.world) if only is None else only
+        exchange = functools.partial(put_bw.exchange, nvshmem=False) if form == "put" else None
+        gens = {
+            r: lo_bw.protocol(
+                self.comms[r], *calls[r][:8], max_spin=max_spin, padding_idx=calls[r][8], sparse=calls[r][9],
+                exchange=exchange, form=put_bw.NAME if form == "put" else lo_bw.NAME,
+            )
+            for r in ranks
+        }  # fmt: skip
+        outs: dict[int, list[torch.Tensor]] = {}
+        while len(outs) < len(gens):
+            for r, gen in gens.items():
+                if r in outs:
+                    continue
+                try:
+                    next(gen)
+                except StopIteration as done:
+                    outs[r] = done.value
+        return [outs.get(r) for r in range(self.world)]
+
+
+def check_backward(g, results: dict) -> None:
+    T, D, bags_per_rank = 2, 16, 3
+    scenarios = [
+        # name, world, dtype, splits listed, padding index ("sparse": sparse gradients), forms, bytes per slice
+        ("w2-equal", 2, torch.float32, False, -1, ("put", "put", "put"), None),
+        ("w3-lists-bf16-padding-slices", 3, torch.bfloat16, True, 2, ("put", "put", "put"), 64),
+        ("w2-alternating-fp16", 2, torch.float16, True, -1, ("p2p", "put", "p2p"), None),
+        ("w3-sparse", 3, torch.float32, False, "sparse", ("put", "put", "put"), None),
+    ]
+    for name, world, dtype, listed, pad, forms, slice_bytes in scenarios:
+        sparse, pad = pad == "sparse", -1 if pad == "sparse" else pad
+        saved = ps.SLICE_BYTES
+        if slice_bytes:
+            ps.SLICE_BYTES = slice_bytes
+        try:
+            bags = bags_per_rank * world
+            chunk = bags // world
+            sizes = [[chunk] * world for _ in range(world)]
+            ranks = None
+            for call, form in enumerate(forms):
+                last, mode = bool(call % 2), call % 2
+                owners = [
+                    bw.Tables(g, bags, [7 + 3 * r + t for t in range(T)], D, mode, last, *(torch.int64,) * 2, 4, pad)
+                    for r in range(world)
+                ]
+                grads = [torch.randn(bags, T * D, generator=g).to(dtype) for _ in range(world)]
+                splits = [chunk] * world if listed else []
+                calls = [(grads[r], *owners[r].args(), mode, splits, splits, pad, sparse) for r in range(world)]
+                if ranks is None:
+                    lay = lo_bw.layout_of(grads[0], T, splits, splits, 0, world)
+                    ranks = BackwardRanks(world, put_bw.data_bytes(lay, grads[0].element_size()))
+                got = ranks.run_forms(calls, form)
+                key = f"backward put {name}"
+                for r in range(world):
+                    pieces = [torch.split(grads[s], sizes[s], dim=0)[r] for s in range(world)]
+                    want = owners[r].reference(torch.cat(pieces, dim=0), sparse)
+                    for a, b in zip(got[r], want):
+                        if sparse:
+                            a, b = a.to_dense(), b.to_dense()
+                        results[key] = max(results.get(key, 0.0), d.rel(a, b) / d.TOL[dtype] * 1e-5)
+                if any(c.errors.err[0] for c in ranks.comms):
+                    results[f"{key} errors"] = float("inf")
+            puts = sum(f == "put" for f in forms)
+            for r in range(world):
+                (state,) = put_bw.protocol_steps.protocol_state(ranks.comms[r], put_bw._states, (1 + lo_bw.MAX_WORLD,), "")
+                counters = ranks.comms[r].flags.view(r, (world,), torch.int64, lo_bw.COUNTERS).tolist()
+                ok = int(state[0]) == puts and counters == state[1 : 1 + world].tolist()
+                ok = ok and all(counters[s] > 0 for s in range(world) if s != r)
+                if not ok:
+                    results[f"backward counters {name} rank {r}"] = float("inf")
+        finally:
+            ps.SLICE_BYTES = saved
+
+
+def check_backward_timeout(g) -> str:
+    T, D, bags = 2, 16, 4
+    tb = bw.Tables(g, bags, [5, 6], D, 0, False, torch.int64, torch.int64)
+    grad = torch.randn(bags, T * D, generator=g)
+    call = (grad, *tb.args(), 0, [], [], -1, False)
+    ranks = BackwardRanks(2, put_bw.data_bytes(lo_bw.layout_of(grad, T, [], [], 0, 2), 4))
+    try:
+        ranks.run_forms([call, call], "put", only=[0], max_spin=50)
+        return f"no timeout: {ranks.comms[0].errors.err.tolist()}"
+    except RuntimeError as e:
+        return str(e)
+
+
 def main() -> None:
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     g = torch.Generator().manual_seed(seed)
     results: dict = {}
     check_put(g, results)
+    check_backward(g, results)
     results["timeout"] = check_timeout(g)
+    results["backward timeout"] = check_backward_timeout(g)
     print(json.dumps(results))
 
 

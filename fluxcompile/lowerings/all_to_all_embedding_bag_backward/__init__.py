@@ -5,6 +5,9 @@ Choices, in registration order:
 * ``triton`` (triton.py; family ``dlrm``): the tables' owner reads every bag's gradient row from the rank that
   holds it (symmetric memory, one ready flag per rank and call) and adds it at the bag's indices
   (kernels/embedding_bag_backward.py): no exchanged tensor, no separate all-to-all;
+* ``put`` (put.py; family ``dlrm``): every rank puts each owner's chunk of the gradients into the owner's receive
+  buffer with NVSHMEM's put-with-signal, then the same scatter reads them locally: the form for groups across
+  hosts, and on one host where ``config.exchange_transport`` is ``"put"``;
 * ``reference`` (NCCL ``all_to_all_single`` + ``_embedding_bag_backward`` per table, registered by
   lowerings/choices.py).
 """
@@ -19,12 +22,13 @@ from ..autotune import pick
 from ..bag_samples import bag_of_positions, bag_sizes, even_bags
 from ..choices import Choice, register_choice, register_sample
 from ..direct_calls import cuda_impl
-from . import triton
+from . import put, triton
 
 OP = "all_to_all_embedding_bag_backward"
 
 if triton.ebb is not None:
     register_choice(OP, Choice(triton.NAME, *triton.make(), family="dlrm"))
+    register_choice(OP, Choice(put.NAME, *put.make(), family="dlrm", remote_peers=True))
 
 
 @cuda_impl(OP, probe=lambda args: args[0])

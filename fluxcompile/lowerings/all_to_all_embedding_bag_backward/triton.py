@@ -41,6 +41,7 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
+from ...config import config
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for, group_size
 from .. import protocol_steps
 from ..device_tables import device_table
@@ -59,7 +60,9 @@ MAX_WORLD = 64
 _READY = 0
 _PUB_FLAG = 8
 _PUB = 16
-FLAG_BYTES = _PUB + 16 * MAX_WORLD
+# After them, the put form's arrival counters ([MAX_WORLD] int64: put.py).
+COUNTERS = _PUB + 16 * MAX_WORLD
+FLAG_BYTES = COUNTERS + 8 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a send buffer's half is a multiple of this many elements
 
 
@@ -136,7 +139,7 @@ def layout(
     return Layout(rows, bags, tables, dim, rank, world, uniform, recv_start, in_prefix, parity)
 
 
-def _layout_of(grad: Tensor, tables: int, output_split_sizes, input_split_sizes, rank, world):
+def layout_of(grad: Tensor, tables: int, output_split_sizes, input_split_sizes, rank, world):
     return layout(
         grad.shape[0], tables, grad.shape[1] // tables, tuple(int(s) for s in output_split_sizes),
         tuple(int(s) for s in input_split_sizes), rank, world,
@@ -145,7 +148,7 @@ def _layout_of(grad: Tensor, tables: int, output_split_sizes, input_split_sizes,
 
 def data_bytes(grad: Tensor, tables: int, output_split_sizes, input_split_sizes, world: int) -> int:
     """Bytes of the data workspace a call needs on every rank (the one-GPU harness sizes its workspaces with it)."""
-    lay = _layout_of(grad, tables, output_split_sizes, input_split_sizes, 0, world)
+    lay = layout_of(grad, tables, output_split_sizes, input_split_sizes, 0, world)
     return lay.data_bytes(grad.element_size())
 
 
@@ -155,7 +158,7 @@ def data_bytes(grad: Tensor, tables: int, output_split_sizes, input_split_sizes,
 _group_sizes: dict[str, int] = {}
 
 
-def _group_size(group_name: str) -> int:
+def group_size_of(group_name: str) -> int:
     size = _group_sizes.get(group_name)
     if size is None:
         size = _group_sizes[group_name] = group_size(group_name)
@@ -204,13 +207,27 @@ def supports(
 ) -> str | None:  # fmt: skip
     """None when the Triton choice handles the call, else why not (shapes, dtypes, group and config only: the same
     on every rank)."""
+    if config.exchange_transport == "put":
+        return "exchange_transport is 'put' (the put-with-signal form runs instead of the reads from peers)"
+    return call_problem(
+        grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
+        output_split_sizes, input_split_sizes, group_name, per_sample_weights, weights,
+    )  # fmt: skip
+
+
+def call_problem(
+    grad, indices, offsets, offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode,
+    output_split_sizes, input_split_sizes, group_name, per_sample_weights=None, weights=None,
+) -> str | None:  # fmt: skip
+    """Why the scatter and this op's layout do not take the call (None if they do), whatever the form of its
+    exchange."""
     why = check_operands(grad, indices, offsets, bag_size, num_weights, scale_grad_by_freq, mode)
     if why is None and per_sample_weights is not None:
         why = weights_problem(grad, indices, per_sample_weights, weights, mode)
     if why is not None:
         return why
     try:
-        world = _group_size(group_name)
+        world = group_size_of(group_name)
     except Exception as e:
         return f"no process group {group_name!r} ({type(e).__name__})"
     if world > MAX_WORLD:
@@ -292,7 +309,7 @@ def all_to_all_embedding_bag_backward(
     weights: Sequence[Tensor] | None = None, scale_grad_by_freq: bool = False,
 ) -> list[Tensor]:  # fmt: skip
     """The registered choice: this rank's ``Comm`` in the group (none with one rank), then the protocol."""
-    world = _group_size(group_name)
+    world = group_size_of(group_name)
     comm = None
     grad = grad.contiguous()
     if world > 1:
@@ -316,17 +333,18 @@ def all_to_all_embedding_bag_backward_on(
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
     max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
     per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None,
-    scale_grad_by_freq: bool = False,
+    scale_grad_by_freq: bool = False, exchange: Exchange | None = None, form: str = NAME,
 ) -> list[Tensor]:  # fmt: skip
     """The op's result on the rank of ``comm`` (None: a group of one rank); every rank of the group makes the same
-    call. The protocol of the module's docstring, on the current stream. ``padding_idx``: aten's (-1: none);
+    call. The protocol of the module's docstring, on the current stream (``exchange``: :func:`protocol`'s).
+    ``padding_idx``: aten's (-1: none);
     ``sparse``: sparse COO gradients (each position's row at its index, uncoalesced), as aten's;
     ``per_sample_weights``: aten's (sum pooling), and with the tables (``weights``) the per-sample weights'
     gradients follow the tables' in the result."""
     steps = protocol(
         comm, grad, indices, offsets, bag_size, num_weights, mode, output_split_sizes, input_split_sizes,
         max_spin=max_spin, padding_idx=padding_idx, sparse=sparse, per_sample_weights=per_sample_weights,
-        weights=weights, scale_grad_by_freq=scale_grad_by_freq,
+        weights=weights, scale_grad_by_freq=scale_grad_by_freq, exchange=exchange, form=form,
     )  # fmt: skip
     return protocol_steps.run(steps)
 
@@ -343,16 +361,70 @@ def _tables(indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequ
     return device_table(values, device)
 
 
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """Where the scatter finds every source's rows after an exchange (kernels/embedding_bag_backward.py's
+    ``scatter``): each source's buffer, our chunk's offset there (``absolute``: the half included), and the state
+    whose epoch picks the half."""
+
+    peer_send: Tensor
+    src_off: Tensor
+    state: Tensor
+    absolute: bool
+
+
+Exchange = Callable[[Comm, Tensor, Layout, int], Generator[str, None, Reach]]
+
+
+def p2p_exchange(comm: Comm, grad: Tensor, lay: Layout, spin: int) -> Generator[str, None, Reach]:
+    """The P2P form's exchange: stage ``grad`` in our send buffer's half and raise our ready flag ([unequal splits]
+    after publishing our offsets and reading our chunk's in every peer's), then wait for every peer's flag: the
+    scatter reads each source's rows from its send buffer."""
+    rank, world, device, dtype = comm.rank, comm.world, grad.device, grad.dtype
+    what = f"{OP} ({NAME})"
+    if comm.data.nbytes < lay.data_bytes(grad.element_size()):
+        raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
+    comm.init_flags(FlagArray(comm.flags, _READY, _PUB // 4), 0)  # the ready flag and the offsets' flag
+    state, scratch = _state(comm)
+    err = comm.errors.err
+    flags = [int(p) for p in comm.flags.handle.buffer_ptrs][:world]
+    if lay.uniform:
+        src_off = device_table(lay.equal_src_off(), device)
+    else:
+        src_off = scratch
+        prefix = device_table(lay.in_prefix, device)
+        my_pub = comm.flags.view(rank, (2 * MAX_WORLD,), torch.int64, _PUB)
+        my_flag = comm.flags.view(rank, (1,), torch.int64, _PUB_FLAG)
+        ebb.publish(my_pub, my_flag, prefix, state, world, lay.parity_elems, MAX_WORLD)
+        yield "publish"
+        ebb.fetch(
+            device_table(tuple(p + _PUB for p in flags), device),
+            device_table(tuple(p + _PUB_FLAG for p in flags), device), src_off, state, err, spin, rank, world,
+            MAX_WORLD,
+        )  # fmt: skip
+        yield "fetch"
+    send = comm.data.view(rank, (2 * lay.parity_elems,), dtype)
+    ebb.stage(grad, send, state, lay.parity_elems)
+    yield "stage"
+    ebb.signal(comm.flags.view(rank, (1,), torch.int64, _READY), state)
+    yield "signal"
+    ebb.wait(device_table(tuple(p + _READY for p in flags), device), state, err, spin, rank, world)
+    yield "wait"
+    peer_send = device_table(tuple(int(p) for p in comm.data.handle.buffer_ptrs[:world]), device)
+    return Reach(peer_send, src_off, state, not lay.uniform)
+
+
 def protocol(
     comm: Comm | None, grad: Tensor, indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequence[Tensor],
     num_weights: Sequence[int], mode: int, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], *,
     max_spin: int | None = None, padding_idx: int = -1, sparse: bool = False,
     per_sample_weights: Sequence[Tensor] | None = None, weights: Sequence[Tensor] | None = None,
-    scale_grad_by_freq: bool = False,
+    scale_grad_by_freq: bool = False, exchange: Exchange | None = None, form: str = NAME,
 ) -> Generator[str, None, list[Tensor]]:  # fmt: skip
     """:func:`all_to_all_embedding_bag_backward_on` as a generator that yields the name of each launch after it (its
     value is the tables' gradients): the CPU tests run every simulated rank's launches in lockstep in Triton's
-    interpreter, which cannot run two ranks at once."""
+    interpreter, which cannot run two ranks at once. ``exchange``: how the scatter reaches every source's rows
+    (default :func:`p2p_exchange`; put.py's puts them here first); ``form``: the choice's name in errors."""
     if sparse and scale_grad_by_freq:
         raise ValueError(f"fluxcompile: {OP} ({NAME}): scale_grad_by_freq with sparse gradients (aten refuses it too)")
     if sparse and padding_idx >= 0:
@@ -360,7 +432,7 @@ def protocol(
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     device, dtype = grad.device, grad.dtype
     T = len(indices)
-    lay = _layout_of(grad, T, output_split_sizes, input_split_sizes, rank, world)
+    lay = layout_of(grad, T, output_split_sizes, input_split_sizes, rank, world)
     if why := bag_problem(lay.bags, offsets, bag_size, mode):
         raise ValueError(f"fluxcompile: {OP}: {why}")
     dim = lay.dim
@@ -411,43 +483,15 @@ def protocol(
         )  # fmt: skip
         yield "scatter"
     else:
-        what = f"{OP} ({NAME})"
-        if comm.data.nbytes < lay.data_bytes(grad.element_size()):
-            raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
+        what = f"{OP} ({form})"
         if world > MAX_WORLD:
             raise ValueError(f"fluxcompile: {what}: more than {MAX_WORLD} ranks")
-        comm.init_flags(FlagArray(comm.flags, _READY, _PUB // 4), 0)  # the ready flag and the offsets' flag
         comm.errors.check_previous(what, ebb.check_error)
-        state, scratch = _state(comm)
         spin = max_spin if max_spin is not None else protocol_steps.max_spin()
-        err = comm.errors.err
-        flags = [int(p) for p in comm.flags.handle.buffer_ptrs][:world]
-        if lay.uniform:
-            src_off = device_table(lay.equal_src_off(), device)
-        else:
-            src_off = scratch
-            prefix = device_table(lay.in_prefix, device)
-            my_pub = comm.flags.view(rank, (2 * MAX_WORLD,), torch.int64, _PUB)
-            my_flag = comm.flags.view(rank, (1,), torch.int64, _PUB_FLAG)
-            ebb.publish(my_pub, my_flag, prefix, state, world, lay.parity_elems, MAX_WORLD)
-            yield "publish"
-            ebb.fetch(
-                device_table(tuple(p + _PUB for p in flags), device),
-                device_table(tuple(p + _PUB_FLAG for p in flags), device), src_off, state, err, spin, rank, world,
-                MAX_WORLD,
-            )  # fmt: skip
-            yield "fetch"
-        send = comm.data.view(rank, (2 * lay.parity_elems,), dtype)
-        ebb.stage(grad, send, state, lay.parity_elems)
-        yield "stage"
-        ebb.signal(comm.flags.view(rank, (1,), torch.int64, _READY), state)
-        yield "signal"
-        ebb.wait(device_table(tuple(p + _READY for p in flags), device), state, err, spin, rank, world)
-        yield "wait"
-        peer_send = device_table(tuple(int(p) for p in comm.data.handle.buffer_ptrs[:world]), device)
+        reach = yield from (exchange or p2p_exchange)(comm, grad, lay, spin)
         ebb.scatter(
-            tables, dst, grad, lay.bags, T, dim, peer_send=peer_send, src_off=src_off, state=state,
-            parity_elems=lay.parity_elems, rot_bag=lay.recv_start[(rank + 1) % world], absolute=not lay.uniform,
+            tables, dst, grad, lay.bags, T, dim, peer_send=reach.peer_send, src_off=reach.src_off, state=reach.state,
+            parity_elems=lay.parity_elems, rot_bag=lay.recv_start[(rank + 1) % world], absolute=reach.absolute,
             **scatter,
         )  # fmt: skip
         yield "scatter"

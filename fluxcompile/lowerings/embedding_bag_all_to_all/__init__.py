@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ...symm_mem import topology
 from ..autotune import pick
 from ..bag_samples import even_bags
 from ..choices import Choice, register_choice, register_sample
@@ -34,8 +33,7 @@ if triton.eb is not None:
     register_choice(
         OP,
         Choice(
-            f"{put.NAME}:{triton.eb.DEFAULT}", *put.make(triton.eb.DEFAULT, lambda g: topology.layout(g).node_count > 1),
-            family="dlrm", remote_peers=True,
+            f"{put.NAME}:{triton.eb.DEFAULT}", *put.make(triton.eb.DEFAULT), family="dlrm", remote_peers=True,
         ),
     )
 

@@ -30,10 +30,10 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch import Tensor
 
-from ...config import config
-from ...symm_mem import Comm, FlagArray, backend
+from ...symm_mem import Comm, FlagArray
 from .. import protocol_steps
 from ..device_tables import device_table
+from ..transport import spans_hosts, transport_problem
 from . import triton as p2p
 
 try:
@@ -56,19 +56,9 @@ def data_bytes(lay: p2p.Layout, itemsize: int) -> int:
     return send_offset(lay, itemsize) + lay.bags * lay.tables * lay.dim * itemsize
 
 
-def transport_problem(world: int, remote: bool) -> str | None:
-    """Why the put form does not run for this group (None: it does): it runs where the config forces it or where a
-    peer is on another host (``remote``), and needs the NVSHMEM backend."""
-    if world == 1:
-        return "one rank (nothing to put)"
-    if config.exchange_transport != "put" and not remote:
-        return "exchange_transport is 'p2p' and every peer is on this host (the P2P form stores there directly)"
-    if backend.wanted() != "NVSHMEM":
-        return "put-with-signal needs symm_mem_backend 'nvshmem'"
-    return None
-
-
-def make(variant: str, remote: Callable[[str], bool]) -> tuple[Callable[..., tuple], Callable[..., str | None]]:
+def make(
+    variant: str, remote: Callable[[str], bool] = spans_hosts
+) -> tuple[Callable[..., tuple], Callable[..., str | None]]:  # fmt: skip
     """(fn, supports) of the choice ``put:<variant>`` (``variant``: the pooling kernel's launch); ``remote(group)``:
     whether a peer of the group is on another host."""
 
