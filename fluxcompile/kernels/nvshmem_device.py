@@ -62,14 +62,15 @@ def signal_op(sig, value, op, pe, _semantic=None):
 
 
 @triton.jit
-def put_with_signal(dst, src, nbytes, sig, pe):
-    """Put ``nbytes`` (may be 0: then the signal alone) and add 1 to ``sig`` on ``pe`` after them."""
-    one = tl.full((), 1, tl.uint64)
+def put_with_signal(dst, src, nbytes, sig, value, pe):
+    """Put ``nbytes`` (may be 0: then the signal alone, where ``value`` is not 0) and add ``value`` to ``sig`` on
+    ``pe`` after them."""
+    v = value.to(tl.uint64)
     if nbytes > 0:
-        putmem_signal_block(dst.to(tl.int64), src.to(tl.int64), nbytes.to(tl.int64), sig.to(tl.int64), one,
+        putmem_signal_block(dst.to(tl.int64), src.to(tl.int64), nbytes.to(tl.int64), sig.to(tl.int64), v,
                             SIGNAL_ADD, pe.to(tl.int32))  # fmt: skip
-    else:
-        signal_op(sig.to(tl.int64), one, SIGNAL_ADD, pe.to(tl.int32))
+    elif value != 0:
+        signal_op(sig.to(tl.int64), v, SIGNAL_ADD, pe.to(tl.int32))
 
 
 def bitcode(capability: int = 90) -> str | None:

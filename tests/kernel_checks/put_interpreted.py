@@ -68,6 +68,8 @@ def check_put(g, results: dict) -> None:
         ("w3-lists-3d-slices", 3, torch.bfloat16, True, "3d", ("put", "put", "put"), 64),
         ("w2-alternating", 2, torch.float16, True, "2d", ("p2p", "put", "p2p"), 128),
         ("w3-put-then-p2p", 3, torch.float32, False, "2d", ("put", "p2p", "put"), None),
+        ("w3-unequal", 3, torch.float32, "unequal", "2d", ("put", "put", "put"), 64),
+        ("w2-unequal-alternating", 2, torch.bfloat16, "unequal", "3d", ("put", "p2p", "put"), None),
     ]
     for name, world, dtype, listed, shape_kind, forms, slice_bytes in scenarios:
         saved = ps.SLICE_BYTES
@@ -77,7 +79,11 @@ def check_put(g, results: dict) -> None:
             bags = bags_per_rank * world
             out_shape = [bags, T * D] if shape_kind == "2d" else [world, bags_per_rank, T * D]
             units = out_shape[0]
-            sizes = [units // world] * world
+            if listed == "unequal":  # rank s sends rank r rows[s][r] (a zero among them); every rank sends ``units``
+                rows = [[units - 2, 2], [1, units - 1]] if world == 2 else [
+                    [units - 3, 0, 3], [1, units - 2, 1], [2, 2, units - 4]]  # fmt: skip
+            else:
+                rows = [[units // world] * world for _ in range(world)]
 
             ranks = None
             for call, form in enumerate(forms):
@@ -89,14 +95,17 @@ def check_put(g, results: dict) -> None:
                 calls = []
                 for r in range(world):
                     c = cases[r]
-                    splits = sizes if listed else []
-                    calls.append((c.weights, c.indices, c.offsets, mode, last, out_shape, splits, splits, "b8u4w4"))
+                    ins, outs = (rows[r], [row[r] for row in rows]) if listed else ([], [])
+                    calls.append((c.weights, c.indices, c.offsets, mode, last, out_shape, outs, ins, "b8u4w4"))
                 if ranks is None:
-                    c = calls[0]
-                    lay = lo.layout_of(c[0], c[2], last, out_shape, c[6], c[7], 0, world)
-                    ranks = PutRanks(world, put.data_bytes(lay, c[0][0].element_size()))
+                    nbytes = max(
+                        put.data_bytes(lo.layout_of(c[0], c[2], last, out_shape, c[6], c[7], r, world),
+                                       c[0][0].element_size())
+                        for r, c in enumerate(calls)
+                    )  # fmt: skip
+                    ranks = PutRanks(world, nbytes)
                 got = ranks.run_forms(calls, form)
-                want = d.expected(world, cases, mode, last, out_shape, None, lambda s, sizes=sizes: sizes)
+                want = d.expected(world, cases, mode, last, out_shape, None, lambda s, rows=rows: rows[s])
                 key = f"put {name}"
                 for r in range(world):
                     results[key] = max(results.get(key, 0.0), d.rel(got[r], want[r]) / d.TOL[dtype] * 1e-5)

@@ -8,8 +8,8 @@ Per call, on rank r of w (uniform splits: our chunk starts at ``r * chunk`` rows
   [bf16/fp16] rows kernel: zero the fp32 accumulator's touched rows (triton.py's protocol, unchanged)
   copy: the gradients into our symmetric send buffer (a put's source is symmetric memory, which a remote
       transport reaches)
-  put kernel: chunk p into half ``epoch % 2`` of p's receive buffer, then +1 on p's counter[r] per slice; our own
-      chunk into our receive buffer's half
+  put kernel: chunk p into half ``epoch % 2`` of p's receive buffer, then its elements (+1) on p's counter[r];
+      our own chunk into our receive buffer's half
   wait kernel (one program, bounded; kernels/embedding_bag.py's): every source's counter reached its target, then
       the epoch advances
   scatter kernel: every bag's row from our receive buffer, added at the bag's indices (triton.py's protocol)
@@ -90,7 +90,8 @@ def exchange(
         peer_counters=device_table(tuple(p + p2p.COUNTERS for p in flags), device), own_in_recv=True,
     )  # fmt: skip
     yield "put"
-    expect = tuple(0 if s == rank else n_slices for s in range(world))
+    # each source adds its chunk's elements + 1
+    expect = tuple(0 if s == rank else chunk * lay.row_elems + 1 for s in range(world))
     eb.wait(counters, device_table(expect, device), state, comm.errors.err, spin, rank, world)
     yield "wait"
     # every source's rows sit in our receive buffer's half, source s's from bag recv_start[s] on

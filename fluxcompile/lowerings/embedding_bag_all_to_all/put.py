@@ -6,11 +6,13 @@ dereferences a peer's address. ``config.exchange_transport = "put"`` forces it o
 runs and is tested there; a group that spans hosts takes it with the NVSHMEM backend (lowerings/choices.py's
 ``remote_peers``).
 
-Per call, on rank r of w (uniform splits: every rank sends every rank the same number of rows, so our chunk starts
-at ``r * chunk`` of every receiver's output, known on the host):
+Per call, on rank r of w:
+  [unequal splits only] offsets kernels: put every source where its chunk starts in our output (8 bytes with a
+      signal into its inbox), then wait (bounded) for every receiver's entry: where our chunk goes there (with
+      uniform splits it starts at ``r * chunk`` everywhere, known on the host)
   pooling kernel (one rank's form): every row into the send buffer, in the op's flat order (chunk p = rows for p)
-  put kernel: chunk p into half ``epoch % 2`` of p's receive buffer, then +1 on p's counter[r] per slice; our own
-      chunk into the output
+  put kernel: chunk p into half ``epoch % 2`` of p's receive buffer, then its elements (+1) on p's counter[r];
+      our own chunk into the output
   wait kernel (one program, bounded): every source's counter reached its target, then the epoch advances
   copy kernel: the peers' chunks from the receive buffer into the output
 The same state, counters and halves as the P2P form (triton.py), whose workspace this choice shares (its data
@@ -18,9 +20,8 @@ workspace is the receive buffer's two halves, then the send buffer): the ranks m
 from one call to the next, as every rank takes the same choice per call. Halves alternate by the epoch as there: a
 sender is at most one call ahead of a receiver. The send buffer is free again when the put kernel returns
 (``putmem_signal_block`` returns once its source may be reused).
-
-Unequal splits decline: a sender learns where its chunk goes in a receiver's output from the receiver (the P2P
-form reads the receiver's published offsets from its memory), an exchange this form does not make yet.
+The offsets have their own epoch and counter targets (``_offset_states``) and inbox halves, since only this form's
+calls with unequal splits advance them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ except ImportError:  # no Triton: the choice is not registered (__init__.py)
 
 NAME = "put"
 _ALIGN_BYTES = 256
+_offset_states: dict[int, tuple[Tensor, ...]] = {}
 
 
 def send_offset(lay: p2p.Layout, itemsize: int) -> int:
@@ -64,8 +66,6 @@ def make(
 
     def supports(weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes,
                  input_split_sizes, group_name, per_sample_weights=None) -> str | None:  # fmt: skip
-        if len(set(output_split_sizes) | set(input_split_sizes)) > 1:
-            return "unequal splits (the put form has no exchange of the receivers' offsets yet)"
         why = p2p.call_problem(
             weights, indices, offsets, mode, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
             group_name, per_sample_weights,
@@ -110,8 +110,6 @@ def protocol(
     lay = p2p.layout_of(weights, offsets, include_last_offset, out_shape, output_split_sizes, input_split_sizes,
                         rank, world)  # fmt: skip
     what = f"{p2p.OP} ({NAME}:{variant})"
-    if not lay.uniform:
-        raise ValueError(f"fluxcompile: {what}: unequal splits")
     out = torch.empty(lay.out_shape, dtype=dtype, device=device)
     if lay.bags == 0:
         return out
@@ -120,8 +118,30 @@ def protocol(
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     comm.init_flags(FlagArray(comm.flags, p2p.COUNTERS, (p2p.PUB_FLAG + 8) // 4), 0)
     comm.errors.check_previous(what, eb.check_error)
-    state, _ = p2p.protocol_state(comm)
+    state, scratch = p2p.protocol_state(comm)
     spin = max_spin if max_spin is not None else protocol_steps.max_spin()
+    flags = [int(p) for p in comm.flags.handle.buffer_ptrs][:world]
+    if lay.uniform:
+        dst_off = device_table(lay.equal_dst_off(), device)
+    else:  # where our chunk starts in each receiver's output: from the receivers
+        comm.init_flags(FlagArray(comm.flags, p2p.OUTBOX, (p2p.FLAG_BYTES - p2p.OUTBOX) // 4), 0)
+        (ostate,) = protocol_steps.protocol_state(comm, _offset_states, (1 + p2p.MAX_WORLD,), f"{what} offsets")
+        prefix = device_table(lay.recv_prefix, device)
+        inbox = comm.flags.view(rank, (2 * p2p.MAX_WORLD,), torch.int64, p2p.INBOX)
+        ocounters = comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.OFFSET_COUNTERS)
+        ps.publish_offsets(
+            prefix, comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.OUTBOX), inbox, ocounters, ostate,
+            rank=rank, world=world, block_w=p2p.MAX_WORLD, nvshmem=nvshmem,
+            peer_inbox=device_table(tuple(p + p2p.INBOX for p in flags), device),
+            peer_counters=device_table(tuple(p + p2p.OFFSET_COUNTERS for p in flags), device),
+        )  # fmt: skip
+        yield "publish"
+        dst_off = scratch
+        ps.fetch_offsets(
+            prefix, inbox, ocounters, ostate, dst_off, comm.errors.err, spin, rank=rank, world=world,
+            block_w=p2p.MAX_WORLD,
+        )  # fmt: skip
+        yield "fetch_offsets"
     numel = lay.bags * lay.tables * lay.dim
     send = comm.data.view(rank, (numel,), dtype, send_offset(lay, itemsize))
     tables = p2p.pointer_table(weights, indices, offsets)
@@ -137,15 +157,16 @@ def protocol(
     yield "pool"
     recv = comm.data.view(rank, (2 * lay.parity_elems,), dtype)
     counters = comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.COUNTERS)
-    n_slices = ps.slices(numel // world * itemsize)
+    n_slices = ps.slices(max(b - a for a, b in zip(lay.src_start, lay.src_start[1:])) * lay.dim * itemsize)
     peer_data, peer_counters, _, _ = p2p.peer_tables(comm, device)
     ps.put_chunks(
         send, out.view(-1), recv, counters, src_start=device_table(lay.src_start, device),
-        dst_off=device_table(lay.equal_dst_off(), device), state=state, dim=lay.dim, parity_elems=lay.parity_elems,
+        dst_off=dst_off, state=state, dim=lay.dim, parity_elems=lay.parity_elems,
         rank=rank, world=world, n_slices=n_slices, nvshmem=nvshmem, peer_data=peer_data, peer_counters=peer_counters,
     )  # fmt: skip
     yield "put"
-    expect = tuple(0 if s == rank else n_slices for s in range(world))
+    # each source adds its chunk's elements + 1
+    expect = tuple(0 if s == rank else lay.out_splits[s] * lay.unit + 1 for s in range(world))
     eb.wait(counters, device_table(expect, device), state, comm.errors.err, spin, rank, world)
     yield "wait"
     eb.copy_out(out.view(-1), recv, state, lay.hole, lay.parity_elems)

@@ -66,7 +66,11 @@ MAX_WORLD = 64
 COUNTERS = 0
 PUB_FLAG = 8 * MAX_WORLD
 _PUB = 16 * MAX_WORLD
-FLAG_BYTES = _PUB + 16 * MAX_WORLD
+# The put form's offsets (put.py): its outbox ([MAX_WORLD]), inbox ([2, MAX_WORLD]) and offsets counters.
+OUTBOX = _PUB + 16 * MAX_WORLD
+INBOX = OUTBOX + 8 * MAX_WORLD
+OFFSET_COUNTERS = INBOX + 16 * MAX_WORLD
+FLAG_BYTES = OFFSET_COUNTERS + 8 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a receive buffer's half is a multiple of this many elements
 
 
