@@ -137,11 +137,14 @@ def _eager_then_graph(case: Case, choices: list[str], group: dist.ProcessGroup) 
     assert_on_every_rank(_errors(group), group)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_put_form(dtype):
-    """Forced put-with-signal: every peer reached by NVSHMEM's put, no peer address dereferenced."""
+@pytest.mark.parametrize(
+    ("dtype", "splits"), [(torch.float32, "equal"), (torch.bfloat16, "equal"), (torch.float32, "unequal")]
+)
+def test_put_form(dtype, splits):
+    """Forced put-with-signal: every peer reached by NVSHMEM's put, no peer address dereferenced (unequal splits:
+    the receivers put each source its offset first)."""
     with config.patch(implementations=IMPLEMENTATIONS, exchange_transport="put", check_signals=False):
-        _eager_then_graph(Case(dtype, dist.group.WORLD), [PUT], dist.group.WORLD)
+        _eager_then_graph(Case(dtype, dist.group.WORLD, splits), [PUT], dist.group.WORLD)
     from torch.distributed import _symmetric_memory as symm
 
     assert symm.get_backend(torch.device("cuda")) == "NVSHMEM"
