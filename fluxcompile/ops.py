@@ -481,17 +481,27 @@ def _all_to_all_matmul_ref(
 ):  # fmt: skip
     _check_experts(Bs, offs, row_index)
     A_exchanged = _exchange(A, output_split_sizes, input_split_sizes, group_name)
-    returned = A_exchanged if return_A else None
+    if all(b.dim() == 2 for b in Bs) and row_index is None and _row_scale(A, A_scale):
+        A_scale = _exchange(A_scale, output_split_sizes, input_split_sizes, group_name)
+    products = dispatch_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum, offs, row_index)
+    return A_exchanged if return_A else None, products
+
+
+def dispatch_matmuls(
+    A_exchanged: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], A_scale: Tensor | None = None,
+    B_scales: Sequence[Tensor] | None = None, out_dtype: torch.dtype | None = None, use_fast_accum: bool = False,
+    offs: Tensor | None = None, row_index: Tensor | None = None,
+) -> list[Tensor]:  # fmt: skip
+    """all_to_all_matmul's matmuls on the exchanged rows (``A_scale``: already exchanged where per row): what every
+    choice that exchanges the rows apart (the reference, ``vdev``) runs after its exchange."""
     if all(b.dim() == 2 for b in Bs) and row_index is None:
-        if _row_scale(A, A_scale):
-            A_scale = _exchange(A_scale, output_split_sizes, input_split_sizes, group_name)
-        return returned, _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
+        return _consumer_matmuls(A_exchanged, Bs, biases, A_scale, B_scales, out_dtype, use_fast_accum)
     if A_scale is not None or B_scales is not None:
         raise ValueError("fluxcompile: scaled matmuls with expert weights or row_index are not supported")
     if len(Bs) != len(biases):
         raise ValueError(f"fluxcompile: {len(Bs)} weights but {len(biases)} biases")
     x = gather_rows(A_exchanged.reshape(-1, A_exchanged.shape[-1]), row_index)
-    return returned, [expert_matmul(x, b, bias, offs) for b, bias in zip(Bs, biases)]
+    return [expert_matmul(x, b, bias, offs) for b, bias in zip(Bs, biases)]
 
 
 @torch.library.impl(_lib, "matmul_all_to_all", "CompositeExplicitAutograd")
@@ -500,6 +510,18 @@ def _matmul_all_to_all_ref(
     A_scales=None, B_scales=None, out_dtype=None, use_fast_accum=False, offs=None, row_index=None,
     accumulate=False, choice="",
 ):  # fmt: skip
+    P = combine_matmuls(As, Bs, bias, out_shape, A_scales, B_scales, out_dtype, use_fast_accum, offs, row_index, accumulate)
+    return _exchange(P, output_split_sizes, input_split_sizes, group_name)
+
+
+def combine_matmuls(
+    As: Sequence[Tensor], Bs: Sequence[Tensor], bias: Tensor | None, out_shape: Sequence[int],
+    A_scales: Sequence[Tensor] | None = None, B_scales: Sequence[Tensor] | None = None,
+    out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, offs: Tensor | None = None,
+    row_index: Tensor | None = None, accumulate: bool = False,
+) -> Tensor:  # fmt: skip
+    """matmul_all_to_all's rows before their exchange (``out_shape``): what every choice that exchanges them apart
+    (the reference, ``vdev``) runs first."""
     _check_experts(Bs, offs, row_index)
     if all(b.dim() == 2 for b in Bs) and row_index is None:
         P = matmul_sum(As, Bs, bias, A_scales, B_scales, out_dtype, use_fast_accum)
@@ -512,7 +534,7 @@ def _matmul_all_to_all_ref(
             term = expert_matmul(a, b, bias if i == 0 else None, offs)
             P = term if P is None else P + term
         P = scatter_rows(P.reshape(-1, P.shape[-1]), row_index, math.prod(out_shape[:-1]), accumulate)
-    return _exchange(P.reshape(out_shape), output_split_sizes, input_split_sizes, group_name)
+    return P.reshape(out_shape)
 
 
 def pooled_rows(

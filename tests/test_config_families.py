@@ -29,8 +29,12 @@ FAMILY_OF = {
     ("all_to_all_matmul", "triton:"): "moe",
     ("all_to_all_matmul", "cutlass:"): "moe",
     ("matmul_all_to_all", "triton:"): "moe",
+    ("all_to_all_matmul", "vdev"): "moe",
+    ("matmul_all_to_all", "vdev"): "moe",
     ("embedding_bag_all_to_all", "triton:"): "dlrm",
+    ("embedding_bag_all_to_all", "put:"): "dlrm",
     ("all_to_all_embedding_bag_backward", "triton"): "dlrm",
+    ("all_to_all_embedding_bag_backward", "put"): "dlrm",
     ("matmul_reduce_scatter", "cutlass:"): "rs_ring",
 }
 

@@ -249,7 +249,7 @@ def _dlrm(mp, mode) -> list[torch.Tensor]:
     mp.setattr(tables, "_captured", set())
     mp.setattr(tables, "eb", SimpleNamespace(fill=lambda t, values: None))  # a Triton kernel on the GPU
     mp.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=7))
-    state, scratch = m._state(SimpleNamespace(flags=_workspace()))
+    state, scratch = m.protocol_state(SimpleNamespace(flags=_workspace()))
     return [state, scratch, tables.device_table((3, 1, 4), torch.device("cuda", 0))]
 
 

@@ -240,3 +240,80 @@ def test_backward(choice):
         torch.cuda.synchronize()
         words = cached_comm(group.group_name, lo_bw.TAG).errors.err.tolist()
         assert_on_every_rank(ebb.error_message(words, "backward") if words[0] else None, group)
+
+
+# --- the MoE ops' vdev choice (torch's NVSHMEM all-to-all as the exchange) -----------------------------------------
+
+
+def _moe_case(seed: int, world: int, tokens: int = 32, hidden: int = 64):
+    """Every rank's rows and split sizes (rank s sends rank r ``splits[s][r]`` rows, a zero among them)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(tokens, hidden, generator=g).to(device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    splits = []
+    for s in range(world):
+        cuts = sorted(torch.randint(0, tokens + 1, (world - 1,), generator=g).tolist())
+        parts = [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]
+        parts[(s + 1) % world] += parts[s]  # one empty chunk per source
+        parts[s] = 0
+        splits.append(parts)
+    return rows, splits
+
+
+def _exchanged(rows, splits, r):
+    """What rank r receives: every source's chunk for r, in source order."""
+    out = []
+    for s, x in enumerate(rows):
+        start = sum(splits[s][:r])
+        out.append(x[start : start + splits[s][r]])
+    return torch.cat(out)
+
+
+def test_moe_vdev_dispatch_and_combine():
+    """all_to_all_matmul and matmul_all_to_all with choice vdev (expert weights grouped by offs) against the rows
+    exchanged by hand and the reference's matmuls; three calls with fresh routing, the last rank delayed once."""
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dispatch = torch.ops.fluxcompile.all_to_all_matmul.default
+    combine = torch.ops.fluxcompile.matmul_all_to_all.default
+    with config.patch(implementations=IMPLEMENTATIONS, experimental_moe=True, check_signals=False):
+        g = torch.Generator().manual_seed(_seed())
+        w1 = torch.randn(2, 64, 32, generator=g).to(device="cuda", dtype=torch.bfloat16) / 8
+        w2 = torch.randn(2, 32, 64, generator=g).to(device="cuda", dtype=torch.bfloat16) / 8
+        for call in range(3):
+            rows, splits = _moe_case(_seed(), world)
+            ins, outs = splits[rank], [splits[s][rank] for s in range(world)]
+            received = sum(outs)
+            offs = torch.tensor([received // 2, received], dtype=torch.int32, device="cuda")
+            args = (rows[rank], [w1], [None], outs, ins, group.group_name)
+            why = _REGISTRY["all_to_all_matmul"]["vdev"].declines(*args, None, None, None, False, offs, None)
+            assert why is None, why
+            poison_allocator(1 << 26)
+            if call == 1 and rank == world - 1:
+                torch.cuda._sleep(100_000_000)
+            got_A, (got_h,) = dispatch(*args, offs=offs, choice="vdev")
+            want_A = _exchanged(rows, splits, rank)
+            error = None
+            try:
+                torch.testing.assert_close(got_A, want_A, rtol=0, atol=0)  # moved, not computed: exact
+                want_h = torch._grouped_mm(want_A, w1, offs=offs)
+                assert_close(got_h, want_h, 1e-2, f"rank {rank} dispatch call {call}")
+            except AssertionError as e:
+                error = f"dispatch call {call}: {e}"
+            assert_on_every_rank(error, group)
+            # the combine sends every expert row back to its source
+            back = torch._grouped_mm(got_h, w2, offs=offs)
+            got = combine([got_h], [w2], None, [rows[rank].shape[0], 64], ins, outs, group.group_name, offs=offs,
+                          choice="vdev")  # fmt: skip
+            # every rank's products (back, by source) gathered on CPU and exchanged by hand: rank d sends rank r
+            # its products of r's rows
+            backs: list = [None] * world
+            dist.all_gather_object(backs, (back.float().cpu(), outs), group=group)
+            want = torch.cat([
+                backs[d][0][sum(backs[d][1][:rank]) : sum(backs[d][1][: rank + 1])] for d in range(world)
+            ])  # fmt: skip
+            error = None
+            try:
+                assert_close(got.float().cpu(), want, 1e-2, f"rank {rank} combine call {call}")
+            except AssertionError as e:
+                error = f"combine call {call}: {e}"
+            assert_on_every_rank(error, group)

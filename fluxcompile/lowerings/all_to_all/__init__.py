@@ -12,6 +12,9 @@ Choices, in registration order:
 * ``cutlass:<variant>-pull<N>`` (cutlass.py, family ``moe``, experimental), the dispatch only: N programs on the
   side stream pull the experts' rows in their order (Flux's permuting copy), a flag per block of rows, while the
   experts' CUTLASS grouped GEMM (kernels/cutlass_grouped.py) waits per tile for its blocks; bf16, ``offs`` only;
+* ``vdev`` (vdev.py, family ``moe``, experimental), both ops: torch's NVSHMEM all-to-all
+  (``symm_mem.all_to_all_vdev``) as the exchange and the reference's matmuls, with the NVSHMEM backend only: the
+  exchange that reaches peers on other hosts;
 * ``reference`` (NCCL ``all_to_all_single`` + matmuls, registered by lowerings/choices.py).
 
 Their CUDA implementations ask the rank-synchronized autotuner for one choice per call signature and run it. The
@@ -29,9 +32,12 @@ from torch import Tensor
 from ..autotune import pick
 from ..choices import Choice, register_choice
 from ..direct_calls import cuda_impl
-from . import triton
+from . import triton, vdev
 
 OPS = ("all_to_all_matmul", "matmul_all_to_all")
+
+register_choice(OPS[0], Choice(vdev.NAME, *vdev.make_dispatch(), family="moe", remote_peers=True))
+register_choice(OPS[1], Choice(vdev.NAME, *vdev.make_combine(), family="moe", remote_peers=True))
 
 if triton.gg is not None:
     from . import cutlass
