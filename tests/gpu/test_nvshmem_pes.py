@@ -302,8 +302,8 @@ def test_moe_vdev_dispatch_and_combine():
             assert_on_every_rank(error, group)
             # the combine sends every expert row back to its source
             back = torch._grouped_mm(got_h, w2, offs=offs)
-            got = combine([got_h], [w2], None, [rows[rank].shape[0], 64], ins, outs, group.group_name, offs=offs,
-                          choice="vdev")  # fmt: skip
+            # out_shape: the rows before their exchange (those this rank received)
+            got = combine([got_h], [w2], None, [received, 64], ins, outs, group.group_name, offs=offs, choice="vdev")
             # every rank's products (back, by source) gathered on CPU and exchanged by hand: rank d sends rank r
             # its products of r's rows
             backs: list = [None] * world
