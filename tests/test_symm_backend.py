@@ -115,3 +115,25 @@ def test_workspace_allocation_applies_the_backend(fake, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ws.workspace("g", 4096, "t")
     assert asked and asked[0][0] == 0 and asked[0][1] >= 4096
+
+
+def test_torch_fused_ops_decline_on_nvshmem():
+    """PyTorch's fused all-gather/reduce-scatter ops allocate by group name, which its NVSHMEM allocator refuses
+    (torch 2.11, tests/gpu/test_nvshmem_pes.py): their choices decline there with the reason, before any call."""
+    from fluxcompile.lowerings.all_gather_matmul import torch_symm_mem as ag
+    from fluxcompile.lowerings.matmul_reduce_scatter import torch_symm_mem as rs
+
+    with config.patch(symm_mem_backend="nvshmem"):
+        why = backend.torch_fused_ops_problem()
+        assert why == "PyTorch's fused symm_mem ops allocate by group name, which its NVSHMEM backend refuses"
+        if hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+            assert ag._unavailable("fused_all_gather_matmul") == why
+            assert rs._on_cuda_with(_Cuda(), _Cuda(), "fused_matmul_reduce_scatter") == why
+    with config.patch(symm_mem_backend="cuda"):
+        assert backend.torch_fused_ops_problem() is None
+
+
+class _Cuda:
+    """An operand as the reduce-scatter's check sees it on a GPU."""
+
+    is_cuda = True

@@ -63,6 +63,16 @@ def apply(device: torch.device | int | None = None, need_bytes: int = 0) -> str:
     return want
 
 
+def torch_fused_ops_problem() -> str | None:
+    """Why PyTorch's own fused symm_mem ops (``fused_all_gather_matmul``, ``fused_matmul_reduce_scatter`` and their
+    scaled forms) cannot run with the configured backend (None: they can): they allocate their buffers by group
+    name, which torch's NVSHMEM allocator refuses (seen on torch 2.11: "NVSHMEMSymmetricMemoryAllocator::alloc must
+    not be called with a group_name")."""
+    if wanted() == "NVSHMEM":
+        return "PyTorch's fused symm_mem ops allocate by group name, which its NVSHMEM backend refuses"
+    return None
+
+
 def _current(symm, index: int) -> str | None:
     """The backend torch uses on cuda:``index``, None where it has not chosen one yet."""
     try:

@@ -317,3 +317,96 @@ def test_moe_vdev_dispatch_and_combine():
             except AssertionError as e:
                 error = f"combine call {call}: {e}"
             assert_on_every_rank(error, group)
+
+
+# --- the tensor-parallel fused choices on NVSHMEM workspaces --------------------------------------------------------
+
+# Families whose kernels come from csrc (built by scripts/gpu-check's build step, minutes of device time): not run
+# here; the others are every registered choice.
+_BUILT = ("cublas_pipelined", "ag_stages", "rs_stages", "cutlass", "rs_ring")
+_BUILT_NAMES = ("cuda:",)  # the decode family's csrc/gemv_ar.cu choices
+_EXPERIMENTAL = dict(experimental_triton_ag=True, experimental_triton_rs=True)
+
+
+def _tp_cases(op: str, world: int, seed: int, group_name: str):
+    """(label, args, expected) per shape: every rank's operands drawn from one seed, expected in fp32 by hand."""
+
+    def draw(s: int, *shape):
+        g = torch.Generator(device="cuda").manual_seed(seed + 101 * s + len(shape))
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    rank = dist.get_rank()
+    k, n = 256, 256
+    if op == "all_gather_matmul":
+        for rows in (128, 77):
+            shards = [draw(s, rows, k) for s in range(world)]
+            B = draw(999, k, n) / 16
+            yield (
+                f"rows {rows}",
+                (shards[rank], [B], [None], 0, world, group_name),
+                torch.cat(shards).float() @ B.float(),
+            )
+    elif op == "matmul_reduce_scatter":
+        for rows in (128, 40):
+            m = world * rows
+            As = [draw(s, m, k) for s in range(world)]
+            Bs = [draw(500 + s, k, n) / 16 for s in range(world)]
+            total = sum(a.float() @ b.float() for a, b in zip(As, Bs))
+            yield (
+                f"rows {rows}",
+                ([As[rank]], [Bs[rank]], None, [m, n], 0, "sum", world, group_name),
+                (total[rank * rows : (rank + 1) * rows]),
+            )
+    else:  # matmul_all_reduce
+        for m in (8, 128):
+            As = [draw(s, m, k) for s in range(world)]
+            Bs = [draw(500 + s, k, n) / 16 for s in range(world)]
+            total = sum(a.float() @ b.float() for a, b in zip(As, Bs))
+            yield f"m {m}", ([As[rank]], [Bs[rank]], None, [m, n], "sum", group_name), total
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_tp_choices_on_nvshmem_workspaces(op):
+    """Every registered choice of the op (but those built from csrc) on NVSHMEM-allocated workspaces: it runs and
+    matches, or it declines with its reason (printed: the table of outcomes is the result); none raises or
+    differs. Two calls per shape (workspaces and flags reused), outputs from a poisoned allocator."""
+    from fluxcompile.lowerings import choices_for
+
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seed = _seed()
+    outcomes: dict[str, str] = {}
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=True, wait_timeout_s=20.0, **_EXPERIMENTAL):
+        for choice in choices_for(op):
+            if choice.name == "reference" or choice.family in _BUILT or choice.name.startswith(_BUILT_NAMES):
+                continue
+            print(f"rank {rank}: {op} {choice.name} ...", flush=True)
+            results = []
+            for label, args, want in _tp_cases(op, world, seed, group.group_name):
+                why = choice.declines(*args)
+                if why is not None:
+                    results.append(f"{label}: declines ({why})")
+                    continue
+                error = None
+                for call in range(2):
+                    poison_allocator(1 << 26)
+                    try:
+                        got = choice.fn(*args)
+                        if op == "all_gather_matmul":
+                            got = got[1][0]
+                        torch.cuda.synchronize()
+                        assert_close(got.float(), want, 1e-2, f"rank {rank} {choice.name} {label} call {call}")
+                    except Exception as e:  # every outcome is reported, on every rank
+                        error = error or f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                errors: list = [None] * world
+                dist.all_gather_object(errors, error, group=group)
+                bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+                results.append(f"{label}: {'FAILED ' + '; '.join(bad) if bad else 'ok'}")
+            outcomes[choice.name] = " | ".join(results)
+            print(f"rank {rank}: {op} {choice.name}: {outcomes[choice.name]}", flush=True)
+    if rank == 0:
+        print(
+            f"== nvshmem choices {op} ({world} PEs)", *(f"{k}: {v}" for k, v in outcomes.items()), sep="\n", flush=True
+        )
+    failed = {k: v for k, v in outcomes.items() if "FAILED" in v}
+    assert not failed, failed

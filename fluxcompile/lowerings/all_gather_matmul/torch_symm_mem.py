@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...symm_mem import backend
 from ...symm_mem.workspace import enable_group
 
 NAME = "torch_symm_mem"
@@ -15,7 +16,7 @@ NAME = "torch_symm_mem"
 def _unavailable(op: str) -> str | None:
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, op):
         return f"torch.ops.symm_mem.{op} is not available"
-    return None
+    return backend.torch_fused_ops_problem()
 
 
 def supports(

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from ...symm_mem import backend
 from ...symm_mem.workspace import enable_group
 
 NAME = "torch_symm_mem"
@@ -37,7 +38,7 @@ def _on_cuda_with(A: Tensor, B: Tensor, op: str) -> str | None:
         return "needs CUDA tensors"
     if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, op):
         return f"torch.ops.symm_mem.{op} is not available"
-    return None
+    return backend.torch_fused_ops_problem()
 
 
 def supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
