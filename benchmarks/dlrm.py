@@ -2,7 +2,7 @@
 
     python benchmarks/dlrm.py [--dtypes fp32,bf16] [--rounds 10] [--out DIR]               # (a) one GPU, pooling
     torchrun --nproc-per-node N benchmarks/dlrm.py --peers [--out DIR]                     # (b) N GPUs, the op
-    torchrun --nproc-per-node N benchmarks/dlrm.py --peers --training [--out DIR]          # (c) N GPUs, training
+    torchrun --nproc-per-node N benchmarks/dlrm.py --peers --training [--put] [--out DIR]  # (c) N GPUs, training
 
 (a) One GPU, pooling only, as one rank pools it: the DLRM of 4096 samples per rank, tables of 1M x 128 rows, 32
 lookups per bag (uniform random indices, int64), sum; shapes: world 1 (32 tables, 4096 bags) and the TP=8 rank (4
@@ -406,6 +406,27 @@ class Training:
             o2b = sizes = maxi = [torch.empty(0, dtype=torch.int64, device=self.grad_out.device)] * len(self.rows)
         return o2b, sizes, maxi
 
+    def fused_put(self) -> list[torch.Tensor]:
+        """Forward and backward in their put-with-signal form (choices ``put``; the NVSHMEM backend)."""
+        p = self.p
+        with config.patch(exchange_transport="put"):
+            fwd = torch.ops.fluxcompile.embedding_bag_all_to_all.default
+            _, o2b, sizes, maxi = fwd(p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name,
+                                      bookkeeping=True, choice=f"put:{eb.DEFAULT}")  # fmt: skip
+            bwd = torch.ops.fluxcompile.all_to_all_embedding_bag_backward.default
+            return bwd(self.grad_out, p.indices, p.offsets, o2b, sizes, maxi, self.rows, False, 0, [], [], self.name,
+                       choice="put")  # fmt: skip
+
+    def put_declines(self) -> str | None:
+        """Why the put choices would not run here (the op would run its reference instead)."""
+        from fluxcompile.lowerings.choices import _REGISTRY
+
+        p = self.p
+        with config.patch(exchange_transport="put"):
+            return _REGISTRY["embedding_bag_all_to_all"][f"put:{eb.DEFAULT}"].declines(
+                p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name
+            )
+
     def fused_backward(self, book: tuple | None = None) -> list[torch.Tensor]:
         if book is None:  # timed alone: the forward's bookkeeping of the first call
             book = self._fused_book = getattr(self, "_fused_book", None) or self.fused_forward()
@@ -430,9 +451,14 @@ def training_main(args) -> None:
             fns = {"nccl": tr.nccl, "unfused": tr.unfused, "fused": tr.fused, "fused-nobook": lambda tr=tr: tr.fused(False),
                    "nccl-fwd": tr.nccl_forward, "nccl-bwd": tr.nccl_backward, "fused-fwd": tr.fused_forward,
                    "fused-bwd": tr.fused_backward}  # fmt: skip
+            if args.put:  # the put-with-signal form (issue 58)
+                why = tr.put_declines()
+                if why is not None:
+                    raise SystemExit(f"rank {rank}: --put: the put choice declines: {why}")
+                fns["fused-put"] = tr.fused_put
             want = tr.nccl()
             tol = 1e-5 if dtype == torch.float32 else 1e-2
-            for k in ("unfused", "fused", "fused-nobook"):
+            for k in ("unfused", "fused", "fused-nobook", *(("fused-put",) if args.put else ())):
                 err = max(rel(a, b.to(a.dtype)) for a, b in zip(fns[k](), want))
                 if err > tol:
                     raise SystemExit(f"rank {rank}: {k} differs from nccl: rel {err:.2e}")
@@ -465,6 +491,9 @@ def training_main(args) -> None:
             f"  fused-nobook {us['fused-nobook']:9.1f}")  # fmt: skip
         say(f"      parts: forward nccl {us['nccl-fwd']:9.1f} fused {us['fused-fwd']:9.1f}; backward nccl "
             f"{us['nccl-bwd']:9.1f} fused {us['fused-bwd']:9.1f} us")  # fmt: skip
+        if "fused-put" in us:
+            say(f"      put-with-signal form: {us['fused-put']:9.1f} us (x{us['fused-put'] / us['nccl']:.3f} nccl, "
+                f"x{us['fused-put'] / us['fused']:.3f} the P2P form)")  # fmt: skip
     say(f"bar (fused <= 0.7 x nccl and < unfused): {'met' if met else 'NOT met'} at {world} GPU(s)")
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -479,6 +508,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--peers", action="store_true", help="(b): the op between the GPUs of torchrun's processes")
     ap.add_argument("--training", action="store_true", help="(c): with --peers, forward + backward")
+    ap.add_argument("--put", action="store_true",
+                    help="(c): also the put-with-signal form (needs FLUXCOMPILE_SYMM_MEM_BACKEND=nvshmem)")  # fmt: skip
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--rows", type=int, default=0, help=f"rows per table (default {ROWS}; (c): 131072)")
