@@ -64,15 +64,15 @@ _TYPES = {
 }  # fmt: skip
 
 
-def _compile(kernel, extern_libs=None, own_in_recv=False):
+def _compile(kernel, const: dict, types: dict[str, str], extern_libs=None, num_warps: int = 4):
+    """``triton.compile`` of ``kernel`` for sm_90 (``const``: its constexprs; ``extern_libs``: NVSHMEM's bitcode)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)
-    const = {"OWN_IN_RECV": own_in_recv, "SLICES": 4, "BLOCK": ps.COPY_BLOCK}
-    sig = {n: "constexpr" if n in const else _TYPES[n] for n in names}
+    sig = {n: "constexpr" if n in const else types[n] for n in names}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    options = {"num_warps": 4, "num_stages": 1}
+    options = {"num_warps": num_warps, "num_stages": 1}
     if extern_libs:
         options["extern_libs"] = tuple(extern_libs.items())
     try:
@@ -83,9 +83,13 @@ def _compile(kernel, extern_libs=None, own_in_recv=False):
         raise
 
 
+def _put(own_in_recv: bool = False) -> dict:
+    return {"OWN_IN_RECV": own_in_recv, "SLICES": 4, "BLOCK": ps.COPY_BLOCK}
+
+
 def test_p2p_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    ptx = _compile(ps.put_chunks_p2p_kernel, own_in_recv=True).asm["ptx"]
+    ptx = _compile(ps.put_chunks_p2p_kernel, _put(True), _TYPES).asm["ptx"]
     assert re.search(r"\b(atom|red)\.global\.sys\.release\.add\.u64", ptx), "the arrival counters' release adds"
     assert "nvshmem" not in ptx
 
@@ -97,7 +101,7 @@ def test_nvshmem_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     if path is None:
         pytest.skip("NVSHMEM's device bitcode is not installed (nvidia-nvshmem-cu13)")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    k = _compile(ps.put_chunks_nvshmem_kernel, {"libnvshmem_device": path})
+    k = _compile(ps.put_chunks_nvshmem_kernel, _put(), _TYPES, {"libnvshmem_device": path})
     ptx = k.asm["ptx"]
     assert "nvshmem" in ptx, "no NVSHMEM call in the kernel"
     assert "ld.global" in ptx and "st.global" in ptx  # our own chunk's copy
@@ -110,32 +114,15 @@ _OFFSET_TYPES = {
 }  # fmt: skip
 
 
-def _compile_one(kernel, const, extern_libs=None):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: "constexpr" if n in const else _OFFSET_TYPES[n] for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    options = {"num_warps": 1, "num_stages": 1}
-    if extern_libs:
-        options["extern_libs"] = tuple(extern_libs.items())
-    try:
-        return __import__("triton").compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except RuntimeError as e:
-        if "ptxas" in str(e) and "not found" in str(e):
-            pytest.skip(f"no ptxas: {e}")
-        raise
-
-
 def test_offsets_kernels_compile_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    ptx = _compile_one(ps.publish_offsets_p2p_kernel, {"BLOCK_W": 64}).asm["ptx"]
+    ptx = _compile(ps.publish_offsets_p2p_kernel, {"BLOCK_W": 64}, _OFFSET_TYPES, num_warps=1).asm["ptx"]
     assert re.search(r"\b(atom|red)\.global\.sys\.release\.add\.u64", ptx)
-    _compile_one(ps.fetch_offsets_kernel, {"BLOCK_W": 64, "TIMED": True})
+    _compile(ps.fetch_offsets_kernel, {"BLOCK_W": 64, "TIMED": True}, _OFFSET_TYPES, num_warps=1)
     path = nv.bitcode(90)
     if path is not None:
-        ptx = _compile_one(ps.publish_offsets_nvshmem_kernel, {"BLOCK_W": 64}, {"libnvshmem_device": path}).asm["ptx"]
+        kernel = ps.publish_offsets_nvshmem_kernel
+        ptx = _compile(kernel, {"BLOCK_W": 64}, _OFFSET_TYPES, {"libnvshmem_device": path}, num_warps=1).asm["ptx"]
         assert "nvshmem" in ptx
 
 
@@ -233,7 +220,7 @@ def test_peers_decline_lets_nvshmem_choices_span_hosts():
 def test_backward_workspace_holds_both_forms():
     lay = lo_bw.layout(12, 3, 16, (), (), 1, 4)
     for itemsize in (2, 4):
-        recv, send, end = put_bw._regions(lay, itemsize)
+        recv, send, end = put_bw.regions(lay, itemsize)
         assert recv >= lay.data_bytes(itemsize) and recv % 256 == 0
         assert send >= recv + 2 * lay.parity_elems * itemsize and send % 256 == 0
         assert end == send + 12 * 48 * itemsize == put_bw.data_bytes(lay, itemsize)

@@ -23,6 +23,7 @@ import sys
 import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
 from dlrm_interpreted import TOL, rel  # the forward's checks: the same tolerances and relative error
+from lockstep import lockstep
 
 from fluxcompile.kernels import embedding_bag_backward as ebb
 from fluxcompile.lowerings.all_to_all_embedding_bag_backward import triton as lo
@@ -139,16 +140,7 @@ class Ranks:
             r: lo.protocol(self.comms[r], *calls[r][:8], max_spin=max_spin, padding_idx=calls[r][8], sparse=calls[r][9])
             for r in ranks
         }
-        outs: dict[int, list[torch.Tensor]] = {}
-        while len(outs) < len(gens):
-            for r, gen in gens.items():
-                if r in outs:
-                    continue
-                try:
-                    next(gen)
-                except StopIteration as done:
-                    outs[r] = done.value
-        return [outs.get(r) for r in range(self.world)]
+        return lockstep(gens, self.world)
 
 
 def positions_bags(offsets: torch.Tensor, n: int, bags: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ import sys
 
 import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
+from lockstep import lockstep
 
 from fluxcompile import ops
 from fluxcompile.kernels import embedding_bag as eb
@@ -174,16 +175,7 @@ class Ranks:
         gens = {
             r: lo.protocol(self.comms[r], *calls[r][:8], variant=calls[r][8], max_spin=max_spin) for r in ranks
         }
-        outs: dict[int, torch.Tensor] = {}
-        while len(outs) < len(gens):
-            for r, gen in gens.items():
-                if r in outs:
-                    continue
-                try:
-                    next(gen)
-                except StopIteration as done:
-                    outs[r] = done.value
-        return [outs.get(r) for r in range(self.world)]
+        return lockstep(gens, self.world)
 
     def counters(self, r: int) -> list[int]:
         return self.comms[r].flags.view(r, (self.world,), torch.int64, lo.COUNTERS).tolist()

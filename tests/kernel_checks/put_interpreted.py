@@ -28,6 +28,7 @@ import dlrm_backward_interpreted as bw
 import dlrm_interpreted as d
 import interpreter_compat  # noqa: F401  (numpy >= 2.4 under Triton 3.6's interpreter)
 import torch
+from lockstep import lockstep
 
 from fluxcompile.kernels import put_signal as ps
 from fluxcompile.lowerings.all_to_all_embedding_bag_backward import put as put_bw
@@ -48,16 +49,7 @@ class PutRanks(d.Ranks):
                 gens[r] = put.protocol(self.comms[r], *c[:8], variant=c[8], max_spin=max_spin, nvshmem=False)
             else:
                 gens[r] = lo.protocol(self.comms[r], *c[:8], variant=c[8], max_spin=max_spin)
-        outs: dict[int, torch.Tensor] = {}
-        while len(outs) < len(gens):
-            for r, gen in gens.items():
-                if r in outs:
-                    continue
-                try:
-                    next(gen)
-                except StopIteration as done:
-                    outs[r] = done.value
-        return [outs.get(r) for r in range(self.world)]
+        return lockstep(gens, self.world)
 
 
 def check_put(g, results: dict) -> None:
@@ -149,16 +141,7 @@ class BackwardRanks(bw.Ranks):
             )
             for r in ranks
         }  # fmt: skip
-        outs: dict[int, list[torch.Tensor]] = {}
-        while len(outs) < len(gens):
-            for r, gen in gens.items():
-                if r in outs:
-                    continue
-                try:
-                    next(gen)
-                except StopIteration as done:
-                    outs[r] = done.value
-        return [outs.get(r) for r in range(self.world)]
+        return lockstep(gens, self.world)
 
 
 def check_backward(g, results: dict) -> None:
@@ -205,7 +188,7 @@ def check_backward(g, results: dict) -> None:
                     results[f"{key} errors"] = float("inf")
             puts = sum(f == "put" for f in forms)
             for r in range(world):
-                (state,) = put_bw.protocol_steps.protocol_state(ranks.comms[r], put_bw._states, (1 + lo_bw.MAX_WORLD,), "")
+                state = put_bw.protocol_state(ranks.comms[r])
                 counters = ranks.comms[r].flags.view(r, (world,), torch.int64, lo_bw.COUNTERS).tolist()
                 ok = int(state[0]) == puts and counters == state[1 : 1 + world].tolist()
                 ok = ok and all(counters[s] > 0 for s in range(world) if s != r)

@@ -46,16 +46,23 @@ _ALIGN_BYTES = 256
 _states: dict[int, tuple[Tensor, ...]] = {}
 
 
-def _regions(lay: p2p.Layout, itemsize: int) -> tuple[int, int, int]:
+def regions(lay: p2p.Layout, itemsize: int) -> tuple[int, int, int]:
     """Bytes from the data workspace's start to this form's receive halves and to its send buffer, and its size."""
     recv = -(-lay.data_bytes(itemsize) // _ALIGN_BYTES) * _ALIGN_BYTES
     send = recv + -(-2 * lay.parity_elems * itemsize // _ALIGN_BYTES) * _ALIGN_BYTES
     return recv, send, send + lay.rows * lay.row_elems * itemsize
 
 
+def protocol_state(comm: Comm) -> Tensor:
+    """This form's state on the rank of ``comm`` (int64 ``[1 + MAX_WORLD]``: the epoch, then each source's counter
+    target), one per flag workspace (both start at zero and only grow)."""
+    (state,) = protocol_steps.protocol_state(comm, _states, (1 + p2p.MAX_WORLD,), f"{p2p.OP} ({NAME})")
+    return state
+
+
 def data_bytes(lay: p2p.Layout, itemsize: int) -> int:
     """Bytes of the data workspace this form needs (the P2P form's halves, then its own buffers)."""
-    return _regions(lay, itemsize)[2]
+    return regions(lay, itemsize)[2]
 
 
 def exchange(
@@ -68,11 +75,11 @@ def exchange(
     if not lay.uniform:
         raise ValueError(f"fluxcompile: {what}: unequal splits")
     itemsize = grad.element_size()
-    recv_at, send_at, need = _regions(lay, itemsize)
+    recv_at, send_at, need = regions(lay, itemsize)
     if comm.data.nbytes < need:
         raise ValueError(f"fluxcompile: {what}: the data workspace has {comm.data.nbytes} bytes, too few")
     comm.init_flags(FlagArray(comm.flags, p2p.COUNTERS, 2 * p2p.MAX_WORLD), 0)
-    (state,) = protocol_steps.protocol_state(comm, _states, (1 + p2p.MAX_WORLD,), what)
+    state = protocol_state(comm)
     recv = comm.data.view(rank, (2 * lay.parity_elems,), dtype, recv_at)
     send = comm.data.view(rank, (lay.rows * lay.row_elems,), dtype, send_at)
     send.copy_(grad.reshape(-1))
