@@ -198,8 +198,9 @@ def test_backward_declines(monkeypatch):
     monkeypatch.setitem(lo_bw._group_sizes, "g2", 2)
     _, supports = put_bw.make(lambda g: False)
     with config.patch(implementations=IMPLEMENTATIONS, exchange_transport="put", symm_mem_backend="nvshmem"):
-        assert "unequal splits" in supports(*_bw_args((1, 3)))
-        assert supports(*_bw_args((2, 2))) == "not on a CUDA device"  # the operands here are on the CPU
+        # the operands here are on the CPU (on CUDA these calls are taken, unequal splits too)
+        assert supports(*_bw_args((1, 3))) == "not on a CUDA device"
+        assert supports(*_bw_args((2, 2))) == "not on a CUDA device"
         why = _REGISTRY[BW]["triton"].declines(*_bw_args())
         assert why == "exchange_transport is 'put' (the put-with-signal form runs instead of the reads from peers)"
 
@@ -224,7 +225,10 @@ def test_backward_workspace_holds_both_forms():
         assert recv >= lay.data_bytes(itemsize) and recv % 256 == 0
         assert send >= recv + 2 * lay.parity_elems * itemsize and send % 256 == 0
         assert end == send + 12 * 48 * itemsize == put_bw.data_bytes(lay, itemsize)
-    assert lo_bw.COUNTERS + 8 * lo_bw.MAX_WORLD == lo_bw.FLAG_BYTES
+    assert lo_bw.OFFSET_COUNTERS + 8 * lo_bw.MAX_WORLD == lo_bw.FLAG_BYTES
+    # unequal splits: a receive half holds world x our rows (a bound alike on every rank holding as many)
+    uneven = lo_bw.layout(12, 3, 16, (2, 1, 4, 5), (3, 3, 3, 3), 1, 4)
+    assert put_bw.recv_parity(uneven) == 4 * 12 * 48 and put_bw.recv_parity(lay) == lay.parity_elems
 
 
 def test_data_workspace_holds_both_forms():

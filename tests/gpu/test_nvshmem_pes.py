@@ -194,8 +194,9 @@ def test_subgroup_and_a_peer_that_never_comes():
         assert_on_every_rank(error)
 
 
+@pytest.mark.parametrize("splits", ["equal", "unequal"])
 @pytest.mark.parametrize("choice", ["put", "triton"])
-def test_backward(choice):
+def test_backward(choice, splits):
     """The backward's put form (forced) and P2P form on NVSHMEM workspaces, sum and mean, fp32 and bf16, against
     aten's backward of the exchanged rows (every rank's gradients drawn from one seed); several calls, the last
     rank's launch delayed once."""
@@ -205,7 +206,15 @@ def test_backward(choice):
     seed = _seed()
     bags_local, tables, dim = 24, 3, 64
     bags = bags_local * world
-    sizes = [[bags_local] * world for _ in range(world)]
+    w = world
+    sizes = [  # unequal: rank s sends 2 rows more to rank s + 1 and 2 fewer to rank s + 2
+        [
+            bags_local + (2 * (int(r == (s + 1) % w) - int(r == (s + 2) % w)) if splits == "unequal" else 0)
+            for r in range(w)
+        ]
+        for s in range(w)
+    ]
+    ins, outs = (sizes[rank], [row[rank] for row in sizes]) if splits == "unequal" else ([], [])
     transport = "put" if choice == "put" else "p2p"
     with config.patch(implementations=IMPLEMENTATIONS, exchange_transport=transport, check_signals=False):
         for dtype in (torch.float32, torch.bfloat16):
@@ -217,7 +226,7 @@ def test_backward(choice):
                 ]  # fmt: skip
                 x = owners[rank]
                 args = (x.grad, x.indices, x.offsets, x.offset2bag, x.bag_size, x.max_indices, x.num_weights, False,
-                        mode, [], [], group.group_name)  # fmt: skip
+                        mode, outs, ins, group.group_name)  # fmt: skip
                 why = _REGISTRY["all_to_all_embedding_bag_backward"][choice].declines(*args)
                 assert why is None, why
                 for call in range(3):

@@ -152,6 +152,8 @@ def check_backward(g, results: dict) -> None:
         ("w3-lists-bf16-padding-slices", 3, torch.bfloat16, True, 2, ("put", "put", "put"), 64),
         ("w2-alternating-fp16", 2, torch.float16, True, -1, ("p2p", "put", "p2p"), None),
         ("w3-sparse", 3, torch.float32, False, "sparse", ("put", "put", "put"), None),
+        ("w3-unequal-slices", 3, torch.float32, "unequal", 2, ("put", "put", "put"), 64),
+        ("w2-unequal-alternating-bf16", 2, torch.bfloat16, "unequal", -1, ("put", "p2p", "put"), None),
     ]
     for name, world, dtype, listed, pad, forms, slice_bytes in scenarios:
         sparse, pad = pad == "sparse", -1 if pad == "sparse" else pad
@@ -161,7 +163,11 @@ def check_backward(g, results: dict) -> None:
         try:
             bags = bags_per_rank * world
             chunk = bags // world
-            sizes = [[chunk] * world for _ in range(world)]
+            if listed == "unequal":  # every rank holds ``bags`` rows and every owner receives ``bags`` (a zero split)
+                sizes = [[bags - 2, 2], [2, bags - 2]] if world == 2 else [
+                    [bags - 2, 0, 2], [2, bags - 2, 0], [0, 2, bags - 2]]  # fmt: skip
+            else:
+                sizes = [[chunk] * world for _ in range(world)]
             ranks = None
             for call, form in enumerate(forms):
                 last, mode = bool(call % 2), call % 2
@@ -170,11 +176,16 @@ def check_backward(g, results: dict) -> None:
                     for r in range(world)
                 ]
                 grads = [torch.randn(bags, T * D, generator=g).to(dtype) for _ in range(world)]
-                splits = [chunk] * world if listed else []
-                calls = [(grads[r], *owners[r].args(), mode, splits, splits, pad, sparse) for r in range(world)]
+                calls = []
+                for r in range(world):
+                    ins, outs = (sizes[r], [row[r] for row in sizes]) if listed else ([], [])
+                    calls.append((grads[r], *owners[r].args(), mode, outs, ins, pad, sparse))
                 if ranks is None:
-                    lay = lo_bw.layout_of(grads[0], T, splits, splits, 0, world)
-                    ranks = BackwardRanks(world, put_bw.data_bytes(lay, grads[0].element_size()))
+                    nbytes = max(
+                        put_bw.data_bytes(lo_bw.layout_of(grads[r], T, c[-4], c[-3], r, world), grads[r].element_size())
+                        for r, c in enumerate(calls)
+                    )  # fmt: skip
+                    ranks = BackwardRanks(world, nbytes)
                 got = ranks.run_forms(calls, form)
                 key = f"backward put {name}"
                 for r in range(world):

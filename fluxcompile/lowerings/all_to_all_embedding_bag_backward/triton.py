@@ -60,9 +60,13 @@ MAX_WORLD = 64
 _READY = 0
 _PUB_FLAG = 8
 _PUB = 16
-# After them, the put form's arrival counters ([MAX_WORLD] int64: put.py).
+# After them, the put form's (put.py): its arrival counters ([MAX_WORLD]), and for its offsets an outbox
+# ([MAX_WORLD]), an inbox ([2, MAX_WORLD]) and their counters ([MAX_WORLD]), all int64.
 COUNTERS = _PUB + 16 * MAX_WORLD
-FLAG_BYTES = COUNTERS + 8 * MAX_WORLD
+OUTBOX = COUNTERS + 8 * MAX_WORLD
+INBOX = OUTBOX + 8 * MAX_WORLD
+OFFSET_COUNTERS = INBOX + 16 * MAX_WORLD
+FLAG_BYTES = OFFSET_COUNTERS + 8 * MAX_WORLD
 _ALIGN_ELEMS = 64  # a send buffer's half is a multiple of this many elements
 
 
@@ -364,13 +368,14 @@ def _tables(indices: Sequence[Tensor], offsets: Sequence[Tensor], bag_size: Sequ
 @dataclasses.dataclass(frozen=True)
 class Reach:
     """Where the scatter finds every source's rows after an exchange (kernels/embedding_bag_backward.py's
-    ``scatter``): each source's buffer, our chunk's offset there (``absolute``: the half included), and the state
-    whose epoch picks the half."""
+    ``scatter``): each source's buffer, our chunk's offset there (``absolute``: the half included), the state
+    whose epoch picks the half, and the half's elements."""
 
     peer_send: Tensor
     src_off: Tensor
     state: Tensor
     absolute: bool
+    parity_elems: int
 
 
 Exchange = Callable[[Comm, Tensor, Layout, int], Generator[str, None, Reach]]
@@ -411,7 +416,7 @@ def p2p_exchange(comm: Comm, grad: Tensor, lay: Layout, spin: int) -> Generator[
     ebb.wait(device_table(tuple(p + _READY for p in flags), device), state, err, spin, rank, world)
     yield "wait"
     peer_send = device_table(tuple(int(p) for p in comm.data.handle.buffer_ptrs[:world]), device)
-    return Reach(peer_send, src_off, state, not lay.uniform)
+    return Reach(peer_send, src_off, state, not lay.uniform, lay.parity_elems)
 
 
 def protocol(
@@ -491,7 +496,7 @@ def protocol(
         reach = yield from (exchange or p2p_exchange)(comm, grad, lay, spin)
         ebb.scatter(
             tables, dst, grad, lay.bags, T, dim, peer_send=reach.peer_send, src_off=reach.src_off, state=reach.state,
-            parity_elems=lay.parity_elems, rot_bag=lay.recv_start[(rank + 1) % world], absolute=reach.absolute,
+            parity_elems=reach.parity_elems, rot_bag=lay.recv_start[(rank + 1) % world], absolute=reach.absolute,
             **scatter,
         )  # fmt: skip
         yield "scatter"
