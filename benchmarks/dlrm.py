@@ -419,13 +419,12 @@ class Training:
 
     def put_declines(self) -> str | None:
         """Why the put choices would not run here (the op would run its reference instead)."""
-        from fluxcompile.lowerings.choices import _REGISTRY
+        from fluxcompile.lowerings import choices_for
 
         p = self.p
+        choice = {c.name: c for c in choices_for("embedding_bag_all_to_all")}[f"put:{eb.DEFAULT}"]
         with config.patch(exchange_transport="put"):
-            return _REGISTRY["embedding_bag_all_to_all"][f"put:{eb.DEFAULT}"].declines(
-                p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name
-            )
+            return choice.declines(p.weights, p.indices, p.offsets, 0, False, p.out_shape, [], [], self.name)
 
     def fused_backward(self, book: tuple | None = None) -> list[torch.Tensor]:
         if book is None:  # timed alone: the forward's bookkeeping of the first call
