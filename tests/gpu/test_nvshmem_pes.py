@@ -419,3 +419,51 @@ def test_tp_choices_on_nvshmem_workspaces(op):
         )
     failed = {k: v for k, v in outcomes.items() if "FAILED" in v}
     assert not failed, failed
+
+
+def test_moe_vdev_dispatch_in_cuda_graph():
+    """The vdev dispatch captured in a CUDA graph (after an eager call made its buffers) and replayed with new rows in
+    the captured input (same routing), NaN-filled outputs before each replay."""
+    group = dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dispatch = torch.ops.fluxcompile.all_to_all_matmul.default
+    with config.patch(implementations=IMPLEMENTATIONS, experimental_moe=True, check_signals=False):
+        g = torch.Generator().manual_seed(_seed())
+        w1 = torch.randn(2, 64, 32, generator=g).to(device="cuda", dtype=torch.bfloat16) / 8
+        rows, splits = _moe_case(_seed(), world)
+        ins, outs = splits[rank], [splits[s][rank] for s in range(world)]
+        received = sum(outs)
+        offs = torch.tensor([received // 2, received], dtype=torch.int32, device="cuda")
+        A = rows[rank].clone()
+        args = (A, [w1], [None], outs, ins, group.group_name)
+        dispatch(*args, offs=offs, choice="vdev")  # eager: the buffers
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dispatch(*args, offs=offs, choice="vdev")
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got_A, (got_h,) = dispatch(*args, offs=offs, choice="vdev")
+        for replay in range(3):
+            for s in range(world):  # every rank draws every rank's rows alike
+                torch.manual_seed(1000 * replay + s)
+                rows[s] = torch.randn(rows[s].shape, device="cuda").to(torch.bfloat16)
+            A.copy_(rows[rank])
+            got_A.fill_(float("nan"))
+            got_h.fill_(float("nan"))
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            graph.replay()
+            torch.cuda.synchronize()
+            want_A = _exchanged(rows, splits, rank)
+            error = None
+            try:
+                torch.testing.assert_close(got_A, want_A, rtol=0, atol=0)
+                assert_close(got_h, torch._grouped_mm(want_A, w1, offs=offs), 1e-2, f"rank {rank} replay {replay}")
+            except AssertionError as e:
+                error = f"replay {replay}: {e}"
+            assert_on_every_rank(error, group)
