@@ -37,7 +37,7 @@ from torch import Tensor
 from ...symm_mem import Comm, FlagArray
 from .. import protocol_steps
 from ..device_tables import device_table
-from ..transport import spans_hosts, transport_problem
+from ..transport import exchange_offsets, spans_hosts, transport_problem
 from . import triton as p2p
 
 try:
@@ -112,22 +112,11 @@ def exchange(
     if lay.uniform:
         dst_off = device_table((ours[rank],) * world, device)
     else:  # where our chunk goes in each owner's receive half: from the owners
-        values = device_table(ours, device)
-        inbox = comm.flags.view(rank, (2 * p2p.MAX_WORLD,), torch.int64, p2p.INBOX)
-        ocounters = comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.OFFSET_COUNTERS)
-        ps.publish_offsets(
-            values, comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.OUTBOX), inbox, ocounters, ostate,
-            rank=rank, world=world, block_w=p2p.MAX_WORLD, nvshmem=nvshmem,
-            peer_inbox=device_table(tuple(p + p2p.INBOX for p in flags), device),
-            peer_counters=device_table(tuple(p + p2p.OFFSET_COUNTERS for p in flags), device),
-        )  # fmt: skip
-        yield "publish"
         dst_off = scratch
-        ps.fetch_offsets(
-            values, inbox, ocounters, ostate, dst_off, comm.errors.err, spin, rank=rank, world=world,
-            block_w=p2p.MAX_WORLD,
+        yield from exchange_offsets(
+            comm, device_table(ours, device), ostate, dst_off, spin, outbox=p2p.OUTBOX, inbox=p2p.INBOX,
+            counters=p2p.OFFSET_COUNTERS, block_w=p2p.MAX_WORLD, nvshmem=nvshmem,
         )  # fmt: skip
-        yield "fetch_offsets"
     recv = comm.data.view(rank, (2 * parity,), dtype, recv_at)
     send = comm.data.view(rank, (lay.rows * lay.row_elems,), dtype, send_at)
     send.copy_(grad.reshape(-1))

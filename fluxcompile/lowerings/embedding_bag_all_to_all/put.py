@@ -34,7 +34,7 @@ from torch import Tensor
 from ...symm_mem import Comm, FlagArray
 from .. import protocol_steps
 from ..device_tables import device_table
-from ..transport import spans_hosts, transport_problem
+from ..transport import exchange_offsets, spans_hosts, transport_problem
 from . import triton as p2p
 
 try:
@@ -120,28 +120,16 @@ def protocol(
     comm.errors.check_previous(what, eb.check_error)
     state, scratch = p2p.protocol_state(comm)
     spin = max_spin if max_spin is not None else protocol_steps.max_spin()
-    flags = [int(p) for p in comm.flags.handle.buffer_ptrs][:world]
     if lay.uniform:
         dst_off = device_table(lay.equal_dst_off(), device)
     else:  # where our chunk starts in each receiver's output: from the receivers
         comm.init_flags(FlagArray(comm.flags, p2p.OUTBOX, (p2p.FLAG_BYTES - p2p.OUTBOX) // 4), 0)
         (ostate,) = protocol_steps.protocol_state(comm, _offset_states, (1 + p2p.MAX_WORLD,), f"{what} offsets")
-        prefix = device_table(lay.recv_prefix, device)
-        inbox = comm.flags.view(rank, (2 * p2p.MAX_WORLD,), torch.int64, p2p.INBOX)
-        ocounters = comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.OFFSET_COUNTERS)
-        ps.publish_offsets(
-            prefix, comm.flags.view(rank, (p2p.MAX_WORLD,), torch.int64, p2p.OUTBOX), inbox, ocounters, ostate,
-            rank=rank, world=world, block_w=p2p.MAX_WORLD, nvshmem=nvshmem,
-            peer_inbox=device_table(tuple(p + p2p.INBOX for p in flags), device),
-            peer_counters=device_table(tuple(p + p2p.OFFSET_COUNTERS for p in flags), device),
-        )  # fmt: skip
-        yield "publish"
         dst_off = scratch
-        ps.fetch_offsets(
-            prefix, inbox, ocounters, ostate, dst_off, comm.errors.err, spin, rank=rank, world=world,
-            block_w=p2p.MAX_WORLD,
+        yield from exchange_offsets(
+            comm, device_table(lay.recv_prefix, device), ostate, dst_off, spin, outbox=p2p.OUTBOX, inbox=p2p.INBOX,
+            counters=p2p.OFFSET_COUNTERS, block_w=p2p.MAX_WORLD, nvshmem=nvshmem,
         )  # fmt: skip
-        yield "fetch_offsets"
     numel = lay.bags * lay.tables * lay.dim
     send = comm.data.view(rank, (numel,), dtype, send_offset(lay, itemsize))
     tables = p2p.pointer_table(weights, indices, offsets)
