@@ -197,6 +197,25 @@ class Turnstile:
                 setattr(owner, name, fn)
 
 
+_delay_loaded: set[int] = set()
+
+
+def load_delay_kernel(device: torch.device) -> None:
+    """Load the module of ``torch.cuda._sleep``'s kernel (the delay of :meth:`OneGpuRanks.run`) once per device,
+    from an eager call. CUDA loads a kernel's module at its first launch (lazy loading, the default) and the load
+    waits for the device to drain: a delayed rank's first sleep, launched on its thread while a peer's GEMM already
+    waits for this rank's pushes, stalls until that wait times out (a wait error of the peer, seen on an H100 as
+    the first all-gather case of every run). Between GPUs each rank's process has its own context and nothing
+    stalls. Under capture nothing is loaded (an eager call comes first)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _delay_loaded or torch.cuda.is_current_stream_capturing():
+        return
+    with torch.cuda.device(index):
+        torch.cuda._sleep(1)
+        torch.cuda.synchronize(index)
+    _delay_loaded.add(index)
+
+
 class SimulatedWorkspace:
     """One symmetric workspace of ``world`` ranks: one allocation (``alloc``), one ``Workspace`` per rank."""
 
@@ -313,6 +332,10 @@ class OneGpuRanks:
         # Every rank's context first: making one pins host memory, which waits for the device, and a rank that
         # waited for the GPU after an earlier rank's launch would leave that rank waiting for its data.
         comms = [self.comm(r) for r in range(self.world)]
+        if delay_rank is not None:
+            # The delay is launched on the rank's thread outside the turnstile: its kernel's module is loaded
+            # here, before any rank launches (see load_delay_kernel).
+            load_delay_kernel(self.device)
         for r in range(self.world):
             self.streams(r)[0].wait_stream(cur)
 
