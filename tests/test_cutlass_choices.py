@@ -192,15 +192,22 @@ def test_reduce_scatter_declines(hopper, args, reason):
 
 
 def test_reduce_scatter_choices_are_the_ring_variants(hopper):
-    """Only the variants built with the ring's source are reduce-scatter choices; they take chunks of whole tiles
-    along the scatter axis and decline the rest with the reason."""
+    """Only the variants built with the ring's source are reduce-scatter choices; they take chunks of whole
+    clusters of tiles along the scatter axis and decline the rest with the reason (a chunk of one 256-row tile, half
+    a 2x1 cluster: the hang between four GPUs, csrc/ring_deadlock_freedom.md)."""
     choices = _cutlass("matmul_reduce_scatter")
     assert sorted(n.partition(":")[2] for n in choices) == sorted(cutlass_gemm.ring_variants())
     assert cutlass_gemm.ring_variants() and all(not cutlass_gemm.VARIANTS[v].stream_k for v in cutlass_gemm.ring_variants())
-    rows = _rs_args(out_shape=(4 * 256, 768), As=[cuda(1024, 512)])  # 256 rows a rank
+    rows = _rs_args(out_shape=(4 * 512, 768), As=[cuda(2048, 512)])  # 512 rows a rank
     cols = _rs_args(out_shape=(800, 4 * 256), Bs=[cuda(512, 1024)], scatter_dim=1)  # 256 columns a rank
     for name, c in choices.items():
         assert c.declines(*rows) is None and c.declines(*cols) is None, name
+        v = cutlass_gemm.VARIANTS[name.partition(":")[2]]
+        half = _rs_args(out_shape=(4 * 256, 768), As=[cuda(1024, 512)])  # 256 rows a rank
+        if v.tile[0] * v.cluster[0] > 256:
+            assert c.declines(*half).startswith(f"a rank's 256 rows are not whole clusters of {v.name} (512 rows)")
+        else:
+            assert c.declines(*half) is None, name
         tm = cutlass_gemm.VARIANTS[name.partition(":")[2]].tile[0]
         why = c.declines(*_rs_args())  # 200 rows a rank
         assert why == f"a rank's 200 rows are not whole {tm}-row tiles of {name.partition(':')[2]}", why

@@ -322,6 +322,13 @@ def ag_sequence(
     )  # fmt: skip
 
 
+def ring_raster(axis: int) -> str:
+    """The ring's raster order (unswizzled): along the other axis than the scatter axis ``axis``, so every CTA
+    takes its tiles in the ring's step order (its tiles of our own chunk, the rotation's last, after all its
+    others: csrc/flux_gemm.cuh's RingEpilogue) and the sub-chunks complete in the order they are pushed."""
+    return "n" if axis == 0 else "m"
+
+
 def ring_variants() -> list[str]:
     """The variants built with the reduce-scatter ring's source and epilogue (VARIANTS' ``ring``)."""
     return [name for name, v in VARIANTS.items() if v.ring]
@@ -388,10 +395,7 @@ def rs_sequence(
     CUDA graph (``config.sequence_graphs``)."""
     if not VARIANTS[variant].ring:
         raise ValueError(f"fluxcompile: variant {variant} is not built with the ring's source")
-    # The raster along the other axis: each CTA's tiles of our own chunk (the rotation's last) come after all its
-    # others (csrc/flux_gemm.cuh's RingEpilogue), and the sub-chunks complete in the order they are pushed.
-    raster = RASTERS["n"] if axis == 0 else RASTERS["m"]
-    launch = [run_address(), _index(variant), sm_count, raster, 1, int(config.wait_timeout_s * 1e9), 0, 0]
+    launch = [run_address(), _index(variant), sm_count, RASTERS[ring_raster(axis)], 1, int(config.wait_timeout_s * 1e9), 0, 0]
     return sequencer().rs_ring(
         a, b, bias, bias_scratch, partial, incoming, peer_incoming, zero, counters, arrived, tiles, arrived_theirs,
         done_mine, done_theirs, err, err_host, list(events), out_shape, rank, world, axis, chunk, sub, scale, launch,

@@ -25,6 +25,7 @@ from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
 from fluxcompile.testing import launches
 from fluxcompile.testing.numerics import TOLERANCE, assert_close
 from fluxcompile.testing.one_gpu_ranks import OneGpuRanks
+from fluxcompile.testing.ring_schedule import RingCall, simulate
 
 pytestmark = pytest.mark.skipif(
     cutlass_gemm.unavailable() is not None, reason=f"CUTLASS kernels: {cutlass_gemm.unavailable()}"
@@ -39,7 +40,9 @@ DATA_PARALLEL = [name for name in cutlass_gemm.variants() if not cutlass_gemm.VA
 STREAM_K = [name for name in cutlass_gemm.variants() if cutlass_gemm.VARIANTS[name].stream_k]
 AG_VARIANTS = [DATA_PARALLEL[0], *STREAM_K[:1]]  # one persistent, one stream-K
 RS_VARIANTS = [cutlass_gemm.ring_variants()[0], cutlass_gemm.ring_variants()[-1]]  # built with the ring's source
-RS_ROWS = 256  # rows per rank: whole tiles of every ring variant (the ring's chunks are whole tiles)
+# rows per rank: whole clusters of tiles of every ring variant (the ring's chunks are: rs.chunk_declines); at 8 ranks
+# each rank's GEMM takes several tiles per CTA on its share of the SMs, as between GPUs
+RS_ROWS = 512
 EAGER_CALLS, REPLAYS = 3, 3
 
 
@@ -95,59 +98,9 @@ def _replay(ranks: OneGpuRanks, graph: torch.cuda.CUDAGraph) -> None:
         os._exit(1)
 
 
-def _no_errors(ranks: OneGpuRanks) -> None:
+def _no_errors(ranks: OneGpuRanks, what: str = "") -> None:
     errors = ranks.errors()
-    assert all(not w[0] for w in errors), f"wait errors: {errors}"
-
-
-def _load_kernels(variant: str, weights) -> None:
-    """Load the GEMM's kernel for each weight's layout and dtype before the simulated ranks run. The all-gather's
-    C++ sequence is one launch of the turnstile that holds both of a call's GEMMs; a first launch of a kernel loads
-    its module, which waits for the device to drain, while the first GEMM of the same sequence already waits for
-    the pushes of the peers' sequences, which come later: so no kernel may load inside it (testing/launches.py)."""
-    for b in weights:
-        a = torch.zeros(128, b.shape[0], dtype=b.dtype, device=b.device)
-        cutlass_gemm.gemm(a, b, torch.empty(128, b.shape[1], dtype=b.dtype, device=b.device), variant=variant)
-    torch.zeros(4, dtype=torch.int32, device="cuda").zero_()  # the sequence's reset of its arrival flags
-    # The sequence's other operations (its copies, the error words' copy to pinned memory, the event records) made
-    # once at one rank: the first in a process may wait for the device (a first all-gather case failed so).
-    a = torch.randn(128, weights[0].shape[0], dtype=weights[0].dtype, device="cuda")
-    event = torch.cuda.Event()
-    event.record()
-    err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
-    cutlass_gemm.ag_sequence(
-        a, list(weights), [None] * len(weights), [128, a.shape[1]], [], torch.empty_like(a), [0, 128], [], [], [],
-        torch.ones(1, dtype=torch.int32, device="cuda"), err, rank=0, world=1, chunk_rows=128, variant=variant,
-        sm_count=0, side=torch.cuda.Stream(), err_host=torch.zeros_like(err, device="cpu").pin_memory(),
-        events=[event.cuda_event],
-    )  # fmt: skip
-    torch.cuda.synchronize()
-
-
-def _load_rs(variant: str, weights) -> None:
-    """The reduce-scatter's sequence at one rank (its GEMM per weight layout, the flags, the copies and the error
-    words' copy) before the simulated ranks run: a first launch of a kernel loads its module, which waits for the
-    device, where the peers' streams wait for this rank's pushes (testing/launches.py). Rank 0 of two whose peer
-    is a local stand-in: its running sums preset as arrived, its flags local words."""
-    tm = cutlass_gemm.VARIANTS[variant].tile[0]
-    for b in weights:
-        m, n = 2 * tm, b.shape[1]
-        a = torch.randn(m, b.shape[0], dtype=b.dtype, device="cuda")
-        like = dict(dtype=b.dtype, device="cuda")
-        flags = torch.zeros(8, dtype=torch.int32, device="cuda")  # [0:2] counters, [2:4] arrived, [4] done, ...
-        flags[2:5] = 1
-        err = torch.zeros(cutlass_gemm.ERR_WORDS, dtype=torch.int32, device="cuda")
-        event = torch.cuda.Event()
-        event.record()
-        addr = flags.data_ptr()
-        cutlass_gemm.rs_sequence(
-            a, b, None, None, torch.empty(m, n, **like), torch.zeros(m, n, **like), torch.empty(m, n, **like),
-            torch.zeros(tm, n, **like), flags[0:2], flags[2:4], cutlass_gemm.tiles_per_chunk(variant, m, n, tm, 0),
-            addr + 20, addr + 16, addr + 28, err, [tm, n], rank=0, world=2, axis=0, chunk=tm, sub=tm, scale=1.0,
-            variant=variant, sm_count=0, side=torch.cuda.Stream(),
-            err_host=torch.zeros_like(err, device="cpu").pin_memory(), events=[event.cuda_event],
-        )  # fmt: skip
-    torch.cuda.synchronize()
+    assert all(not w[0] for w in errors), f"{what}: wait errors (per rank: failed, rank, peer, chunk, _, kind): {errors}"
 
 
 # --- all_gather_matmul --------------------------------------------------------------------------------------
@@ -188,7 +141,7 @@ def test_all_gather_matmul_between_simulated_ranks(world, variant, rows):
     slot keeps the harness's 0xFF poison); the second eager call without the gathered operand."""
     _queues(world)
     case = AgCase(world, rows)
-    _load_kernels(variant, case.Bs[0])
+    launches.load_cutlass_all_gather(variant, case.Bs[0])
     ranks = OneGpuRanks(
         world,
         ag.data_bytes(rows, K, world, BF16),
@@ -209,7 +162,7 @@ def test_all_gather_matmul_between_simulated_ranks(world, variant, rows):
         delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 1 else {}
         return_A = call != 1
         results = _run(ranks, fn, **delay)
-        _no_errors(ranks)
+        _no_errors(ranks, f"{variant} world {world} rows {rows} eager call {call}")
         case.check(results, f"{variant} world {world} rows {rows} eager call {call}", return_A)
     return_A = True
 
@@ -233,7 +186,7 @@ def test_all_gather_timeout_raised_by_the_next_call():
     host and records the event itself, and the next call raises naming rank, peer and chunk."""
     variant, rows = AG_VARIANTS[0], IN_PLACE_ROWS
     case = AgCase(2, rows)
-    _load_kernels(variant, case.Bs[0])
+    launches.load_cutlass_all_gather(variant, case.Bs[0])
     ranks = OneGpuRanks(2, ag.data_bytes(rows, K, 2, BF16), ag.FLAG_BYTES, tag="ag-timeout")
     comm = ranks.comm(0)
     ag.flag_arrays(comm)
@@ -252,7 +205,7 @@ def test_all_gather_matmul_sequence_parallel_shard():
     world, variant = 2, DATA_PARALLEL[0]
     A = [torch.randn(1, 77, K, device="cuda", dtype=torch.float16) for _ in range(world)]
     B = torch.randn(K, N, device="cuda", dtype=torch.float16) / K**0.5
-    _load_kernels(variant, [B])
+    launches.load_cutlass_all_gather(variant, [B])
     ranks = OneGpuRanks(
         world,
         ag.data_bytes(77, K, world, torch.float16),
@@ -322,6 +275,7 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
     shape_of, scatter_dim, reduce_op, bias = RS_CASES[layout]
     case = RsCase(world, shape_of(world), scatter_dim, reduce_op, bias)
     axis = rs.scatter_axis(case.out_shape, scatter_dim)
+    assert rs.chunk_declines(variant, case.m, case.n, world, axis) is None
     ranks = OneGpuRanks(
         world,
         rs.data_bytes(case.m, case.n, world, axis, BF16),
@@ -330,7 +284,7 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         launches=launches.CUTLASS_REDUCE_SCATTER,
     )
     tag = f"{variant} {layout} world {world}"
-    _load_rs(variant, [case.B[0], case.B[-1]])
+    launches.load_cutlass_reduce_scatter(variant, [case.B[0], case.B[-1]])
 
     def fn(r, comm):
         return rs.matmul_reduce_scatter_on(
@@ -342,7 +296,7 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         poison_allocator(1 << 28)
         delay = {"delay_rank": (call + 1) % world, "delay_ms": 20.0} if call == 1 else {}
         results = _run(ranks, fn, rs.describe, **delay)
-        _no_errors(ranks)
+        _no_errors(ranks, f"{tag} eager call {call}")
         case.check(results, f"{tag} eager call {call}")
     again = _run(ranks, fn, rs.describe)  # the same inputs: the same bits (a fixed order, one rounding per step)
     for r, (x, y) in enumerate(zip(results, again)):
@@ -365,6 +319,34 @@ def test_matmul_reduce_scatter_between_simulated_ranks(world, variant, layout):
         assert comm.flags.view(r, (1,), torch.int32, done.offset).eq(1).all(), f"rank {r}'s done flag"
 
 
+@pytest.mark.parametrize("world", (4, 8))
+def test_reduce_scatter_variants_alternate_on_shared_workspaces(world):
+    """The autotuner's pattern between four GPUs that hung: both ring variants alternating call to call on one set
+    of workspaces (other tiles, sub-chunks and counters each call), every CTA taking several tiles, a rank delayed
+    in one call; the schedule model finds no deadlock in the same calls (fluxcompile/testing/ring_schedule.py)."""
+    _queues(world)
+    m, n = world * RS_ROWS, 4096
+    variants = [RS_VARIANTS[i % 2] for i in range(4)]
+    case = RsCase(world, [m, n], 0, "sum", False)
+    ranks = OneGpuRanks(world, rs.data_bytes(m, n, world, 0, BF16), rs.FLAG_BYTES, tag=f"rs-alt{world}",
+                        launches=launches.CUTLASS_REDUCE_SCATTER)  # fmt: skip
+    assert simulate(world, [RingCall(v, m, n, 0) for v in variants], ranks.sm_count).ok
+    for v in RS_VARIANTS:
+        assert rs.chunk_declines(v, m, n, world, 0) is None
+        launches.load_cutlass_reduce_scatter(v, [case.B[0], case.B[-1]])
+    for call, variant in enumerate(variants):
+        case.refresh()
+        poison_allocator(1 << 28)
+        delay = {"delay_rank": call % world, "delay_ms": 20.0} if call == 2 else {}
+
+        def fn(r, comm, variant=variant):
+            return rs.matmul_reduce_scatter_on(comm, [case.A[r]], [case.B[r]], None, [m, n], 0, "sum", variant=variant)
+
+        results = _run(ranks, fn, rs.describe, **delay)
+        _no_errors(ranks, f"{variant} world {world} call {call}")
+        case.check(results, f"{variant} world {world} call {call}")
+
+
 def test_reduce_scatter_timeout_names_the_sub_chunk():
     """A rank that never pushes: its predecessor's epilogue gives up after the bound and the next call raises,
     naming the rank, the peer and the sub-chunk."""
@@ -374,7 +356,7 @@ def test_reduce_scatter_timeout_names_the_sub_chunk():
     B = [_weight("kn", BF16) for _ in range(world)]
     ranks = OneGpuRanks(world, rs.data_bytes(m, n, world, 0, BF16), rs.FLAG_BYTES, tag="rs-timeout",
                         launches=launches.CUTLASS_REDUCE_SCATTER)  # fmt: skip
-    _load_rs(variant, [B[0]])
+    launches.load_cutlass_reduce_scatter(variant, [B[0]])
     comm = ranks.comm(0)
     rs.flag_arrays(comm)
     with config.patch(wait_timeout_s=0.5):

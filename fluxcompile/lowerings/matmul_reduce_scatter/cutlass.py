@@ -32,7 +32,9 @@ The C++ sequencer (csrc/sequences_flux.cpp's ``rs_ring``, through ``cutlass_gemm
 a call seen before as one CUDA graph (``config.sequence_graphs``); the views and flag addresses are computed once
 per call signature (:func:`plan`). Without the sequencer the choices decline. The communication context
 (``symm_mem.Comm``) comes from ``symm_mem.comm_for``. Only variants built with the ring's source
-(``cutlass_gemm.ring_variants()``) are choices; chunks must be whole tiles along the scatter axis.
+(``cutlass_gemm.ring_variants()``) are choices; chunks must be whole clusters of tiles along the scatter axis
+(:func:`chunk_declines`). Why the ring cannot deadlock then: csrc/ring_deadlock_freedom.md; a CPU model of its schedule,
+run in CI: fluxcompile/testing/ring_schedule.py.
 
 Family ``cutlass``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
 """
@@ -132,22 +134,13 @@ def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> st
 
 def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
     """(fn, supports) of the choice ``cutlass:<variant>`` (a variant of ``cutlass_gemm.ring_variants()``)."""
-    v = cutlass_gemm.VARIANTS[variant]
 
     def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
         why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
         if why is not None:
             return why
-        if not v.ring:
-            return f"variant {variant} is not built with the ring's source"
-        axis = scatter_axis(out_shape, scatter_dim)
         m, n = math.prod(out_shape[:-1]), out_shape[-1]
-        tile = v.tile[0] if axis == 0 else v.tile[1]
-        chunk = layout(m, n, group_size, axis)[0]
-        if chunk % tile:
-            what = "rows" if axis == 0 else "columns"
-            return f"a rank's {chunk} {what} are not whole {tile}-{what[:-1]} tiles of {variant}"
-        return None
+        return chunk_declines(variant, m, n, group_size, scatter_axis(out_shape, scatter_dim))
 
     def run(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name):
         return matmul_reduce_scatter(
@@ -155,6 +148,36 @@ def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]
         )
 
     return run, supports_variant
+
+
+def ring_unit(variant: str, axis: int) -> int:
+    """Elements along the scatter axis ``axis`` of one cluster of ``variant``'s tiles: a rank's chunk is a whole
+    number of them, so no cluster holds tiles of two steps of the ring."""
+    v = cutlass_gemm.VARIANTS[variant]
+    return v.tile[axis] * v.cluster[axis]
+
+
+def chunk_declines(variant: str, m: int, n: int, world: int, axis: int) -> str | None:
+    """None where ``variant``'s ring takes an ``[m, n]`` partial scattered along ``axis`` over ``world`` ranks,
+    else why not. A rank's chunk must be whole clusters of tiles along the axis: the CTAs of a cluster share
+    their mainloop's pipeline (TMA multicast), so a cluster holding a tile of step s and one of step s + 1 of
+    the ring ties the first's next tiles to the second's wait for the next rank's step s, which, once a rank has
+    more tiles than CTAs, waits for tiles queued behind that same tie on the next rank: every rank waits on the
+    next (the hang between four GPUs; csrc/ring_deadlock_freedom.md, checked by fluxcompile/testing/ring_schedule.py)."""
+    v = cutlass_gemm.VARIANTS[variant]
+    if not v.ring:
+        return f"variant {variant} is not built with the ring's source"
+    chunk = layout(m, n, world, axis)[0]
+    what = "rows" if axis == 0 else "columns"
+    tile, unit = v.tile[axis], ring_unit(variant, axis)
+    if chunk % tile:
+        return f"a rank's {chunk} {what} are not whole {tile}-{what[:-1]} tiles of {variant}"
+    if chunk % unit:
+        return (
+            f"a rank's {chunk} {what} are not whole clusters of {variant} ({unit} {what}): a cluster would hold "
+            "tiles of two steps of the ring, which can deadlock"
+        )
+    return None
 
 
 # --- the protocol ---------------------------------------------------------------------------------------
