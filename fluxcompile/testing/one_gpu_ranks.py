@@ -203,10 +203,11 @@ _delay_loaded: set[int] = set()
 def load_delay_kernel(device: torch.device) -> None:
     """Load the module of ``torch.cuda._sleep``'s kernel (the delay of :meth:`OneGpuRanks.run`) once per device,
     from an eager call. CUDA loads a kernel's module at its first launch (lazy loading, the default) and the load
-    waits for the device to drain: a delayed rank's first sleep, launched on its thread while a peer's GEMM already
-    waits for this rank's pushes, stalls until that wait times out (a wait error of the peer, seen on an H100 as
-    the first all-gather case of every run). Between GPUs each rank's process has its own context and nothing
-    stalls. Under capture nothing is loaded (an eager call comes first)."""
+    waits for the device to drain: a delayed rank's first sleep, launched on its thread outside the turnstile while a
+    peer's GEMM may already wait for this rank's pushes, would stall until that wait times out (a wait error of the
+    peer). The first all-gather case of every run on an H100 failed with such an error at rank 0 while rank 1 is the
+    delayed one (issue 69; the fix awaits its H100 run). Between GPUs each rank's process has its own context and
+    nothing stalls. Under capture nothing is loaded (an eager call comes first)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _delay_loaded or torch.cuda.is_current_stream_capturing():
         return
