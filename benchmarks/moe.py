@@ -561,7 +561,7 @@ def main() -> None:
         else:
             dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29533")
         name = "moe-peers"
-        with config.patch(experimental_moe=True):
+        with config.patch(implementations=("+moe",)):
             rows = peers(args)
         if dist.get_rank() == 0:
             lines.append(f"== moe table (ranks {dist.get_world_size()}, slowest rank's median, ratio vs NCCL)")

@@ -13,8 +13,10 @@ compiled under another value. Fields marked ``tuning`` change which choices run 
 the autotuner's key (``tuning_fingerprint``) covers them: a winner is never reused under other settings.
 Everything else in the package reads these fields at call time, never at import, so ``patch`` reaches it.
 
-Names of the previous release (``OLD_OPTIONS``, ``OLD_FAMILIES``) still work, in the environment and in code,
-until the next release; each use logs one line naming what replaces it.
+Which implementation families run is ``implementations`` alone: a family runs while it is in the list. The
+families off by default (``OFF_BY_DEFAULT``) are left out of its default; ``+family`` / ``-family`` entries change
+the default list (``FLUXCOMPILE_IMPLEMENTATIONS=+moe``). Options that are gone (``REMOVED``, ``REMOVED_FAMILIES``),
+set in the environment or in code, end with one line naming what replaces them.
 """
 
 from __future__ import annotations
@@ -54,17 +56,18 @@ IMPLEMENTATIONS = (
     "rs_ring",  # off by default: the reduce-scatter's ring in one CUTLASS GEMM ("cutlass:<variant>" of that op)
     "reference",  # the collective, then the matmuls (NCCL/gloo + cuBLAS): runs everywhere
 )
-# The families that are off by default: each runs only while its ``experimental_<family>`` field is on as well.
-EXPERIMENTAL = ("triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe", "rs_ring")
-# Family names of the previous release, accepted in ``implementations`` until the next one: what each stands for.
-OLD_FAMILIES = {"triton": ("triton_ag", "triton_rs", "decode", "moe", "dlrm"), "cuda": ("decode", "gemv_peers")}
+# The families off by default: left out of ``implementations``' default, each runs once it is added.
+OFF_BY_DEFAULT = ("triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe", "rs_ring")
+DEFAULT_IMPLEMENTATIONS = tuple(f for f in IMPLEMENTATIONS if f not in OFF_BY_DEFAULT)
+# Family names that are gone, and the families each stood for.
+REMOVED_FAMILIES = {"triton": ("triton_ag", "triton_rs", "decode", "moe", "dlrm"), "cuda": ("decode", "gemv_peers")}
 _families = list(IMPLEMENTATIONS)
 
 
 def register_family(family: str) -> None:
     """Accept ``family`` in ``implementations`` (lowerings/choices.py calls this for every registered choice)."""
-    if family in OLD_FAMILIES:
-        raise ValueError(f"fluxcompile: {family!r} names old families ({', '.join(OLD_FAMILIES[family])}), not one")
+    if family in REMOVED_FAMILIES or family.startswith(("+", "-")):
+        raise ValueError(f"fluxcompile: {family!r} cannot name a family")
     if family not in _families:
         _families.append(family)
 
@@ -105,9 +108,10 @@ class Config:
     min_k: int = 1
 
     # Implementation families the lowering may choose from (IMPLEMENTATIONS above), in order of preference when
-    # autotuning is off; a family left out is not offered. "reference" (NCCL/gloo collective + matmul, runs
-    # everywhere) is always kept as the safe choice.
-    implementations: tuple[str, ...] = _field(IMPLEMENTATIONS, tuning=True, choices=_families)
+    # autotuning is off: a family runs while it is here, and only then; the default leaves out OFF_BY_DEFAULT.
+    # "+family" / "-family" entries change the default list instead of naming it whole. "reference"
+    # (NCCL/gloo collective + matmul, runs everywhere) is always kept as the safe choice.
+    implementations: tuple[str, ...] = _field(DEFAULT_IMPLEMENTATIONS, tuning=True, choices=_families)
 
     # Rank-synchronized autotuning of the fused ops' implementations; off = fixed default choice.
     autotune: bool = _field(True, tuning=True)
@@ -123,22 +127,6 @@ class Config:
     choose_timeout_s: float = 600.0
     # Where autotuning results are cached ("" = ~/.cache/fluxcompile).
     cache_dir: str = ""
-
-    # The families that are off by default (EXPERIMENTAL): one of them runs only while it is in implementations (as
-    # it is by default) and its switch here is on; while off, its choices are offered and decline every call with
-    # the reason. The persistent Triton all-gather+GEMM (kernels/ag_gemm.py) and GEMM+reduce-scatter
-    # (kernels/gemm_rs.py).
-    experimental_triton_ag: bool = _field(False, tuning=True)
-    experimental_triton_rs: bool = _field(False, tuning=True)
-    # The cuBLAS-pipelined ":stages<g>" choices (one GEMM per group of peers).
-    experimental_ag_stages: bool = _field(False, tuning=True)
-    experimental_rs_stages: bool = _field(False, tuning=True)
-    # The Triton kernels of the all-to-all ops (MoE dispatch and combine: kernels/grouped_gemm.py; README,
-    # "Mixture-of-experts and DLRM").
-    experimental_moe: bool = _field(False, tuning=True)
-    # The reduce-scatter's CUTLASS ring (lowerings/matmul_reduce_scatter/cutlass.py): between four GPUs its waits
-    # timed out (BENCHMARKS.md, "GPU test runs"), so it runs only where switched on.
-    experimental_rs_ring: bool = _field(False, tuning=True)
 
     # Inductor's generated code calls the fused ops' CUDA implementations directly, not through torch.ops
     # (the dispatcher's host time per call: lowerings/direct_calls.py).
@@ -193,12 +181,14 @@ class Config:
         return PREFIX + field.upper()
 
     def load_env(self, environ: Mapping[str, str] | None = None) -> None:
-        """Apply ``FLUXCOMPILE_*`` overrides; a malformed value raises :class:`ConfigError` naming the variable.
-        Variables that name no option are reported on the log (a typo must not pass silently). The variables of
-        ``OLD_OPTIONS`` apply after the others, each with one deprecation line: a switch leaves its family out of
-        ``implementations`` or puts it back; an old bound sets its new field unless the new variable is set too
-        (of several old bounds of one field, the longest)."""
+        """Apply ``FLUXCOMPILE_*`` overrides; a malformed value raises :class:`ConfigError` naming the variable, and
+        so does an option that is gone (``REMOVED``), naming what replaces it. Variables that name no option are
+        reported on the log (a typo must not pass silently)."""
         environ = os.environ if environ is None else environ
+        for old, instead in REMOVED.items():
+            var = self.env_name(old)
+            if var in environ:
+                raise ConfigError(f"{var} is no longer an option: {_replacement(old, instead, env=True)}")
         names = {self.env_name(f.name) for f in dataclasses.fields(self)}
         for f in dataclasses.fields(self):
             var = self.env_name(f.name)
@@ -208,27 +198,7 @@ class Config:
                     self._set(f.name, _parse(raw, getattr(self, f.name)))
                 except ConfigError as e:
                     raise ConfigError(f"{var}={raw!r}: {e}") from None
-        bounds: dict[str, float] = {}
-        for old, field in OLD_OPTIONS.items():
-            var = self.env_name(old)
-            raw = environ.get(var)
-            if raw is None:
-                continue
-            try:
-                value = _parse(raw, True) if old in OLD_SWITCHES else _check(_FIELDS[field], _parse(raw, 0.0), 0.0)
-            except ConfigError as e:
-                raise ConfigError(f"{var}={raw!r}: {e}") from None
-            _deprecated(var, _replacement(old, env=True))
-            if old in OLD_SWITCHES:
-                self._set(field, _with_family(self.implementations, OLD_SWITCHES[old], value))
-            elif self.env_name(field) not in environ:
-                bounds[field] = max(bounds.get(field, value), value)
-        for field, value in bounds.items():
-            self._set(field, value)
-        known = names | {self.env_name(old) for old in OLD_OPTIONS}
-        unknown = sorted(
-            k for k in environ if k.startswith(PREFIX) and k not in known and not k.startswith(_NOT_OPTIONS)
-        )
+        unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in names and not k.startswith(_NOT_OPTIONS))
         if unknown:
             _log.warning(
                 "fluxcompile: ignoring %s: no such option (options: %s)", ", ".join(unknown), ", ".join(sorted(names))
@@ -266,9 +236,10 @@ class Config:
         if family == "reference":
             return None
         if family not in self.implementations:
-            return f"switched off: config.implementations ({self.env_name('implementations')}) leaves out {family!r}"
-        if family in EXPERIMENTAL and not getattr(self, f"experimental_{family}"):
-            return f"experimental: {self.env_name('experimental_' + family)}=1 enables it"
+            var = self.env_name("implementations")
+            if family in OFF_BY_DEFAULT:
+                return f"off by default: adding {family!r} to config.implementations ({var}=+{family}) enables it"
+            return f"switched off: config.implementations ({var}) leaves out {family!r}"
         return None
 
     @property
@@ -277,39 +248,27 @@ class Config:
         return self.__dict__.get("_version", 0)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        field = OLD_OPTIONS.get(name, name)
-        if field not in _FIELDS:
+        if name in REMOVED:
+            raise ConfigError(f"fluxcompile.config.{name} is no longer an option: {_replacement(name, REMOVED[name])}")
+        if name not in _FIELDS:
             raise AttributeError(f"fluxcompile.config has no option {name!r} (options: {', '.join(sorted(_FIELDS))})")
-        if field not in self.__dict__:  # __init__: the defaults are trusted
-            super().__setattr__(field, value)
+        if name not in self.__dict__:  # __init__: the defaults are trusted
+            super().__setattr__(name, value)
             return
         try:
-            if name in OLD_SWITCHES:
-                _deprecated(f"fluxcompile.config.{name}", _replacement(name))
-                if not isinstance(value, bool):
-                    raise ConfigError("expected True or False")
-                self._set(field, _with_family(self.implementations, OLD_SWITCHES[name], value))
-            else:
-                if name in OLD_BOUNDS:
-                    _deprecated(f"fluxcompile.config.{name}", _replacement(name))
-                self._set(field, value)
+            self._set(name, value)
         except ConfigError as e:
             raise ConfigError(f"fluxcompile.config.{name}={value!r}: {e}") from None
 
     def __getattr__(self, name: str) -> Any:
-        """The old options (``OLD_OPTIONS``), read through what replaced them; only names no attribute has reach
-        this."""
-        if name in OLD_SWITCHES:
-            _deprecated(f"fluxcompile.config.{name}", _replacement(name))
-            return OLD_SWITCHES[name] in self.implementations
-        if name in OLD_BOUNDS:
-            _deprecated(f"fluxcompile.config.{name}", _replacement(name))
-            return getattr(self, OLD_BOUNDS[name])
+        """Only names no attribute has reach this: an option that is gone says what replaces it."""
+        if name in REMOVED:
+            raise AttributeError(f"fluxcompile.config.{name} is no longer an option: {_replacement(name, REMOVED[name])}")
         raise AttributeError(f"fluxcompile.config has no option {name!r}")
 
     def _set(self, name: str, value: Any) -> None:
         if name == "implementations":
-            value = _new_families(value)
+            value = _resolve_families(value)
         object.__setattr__(self, name, _check(_FIELDS[name], value, getattr(self, name)))
         self.__dict__["_version"] = self.version + 1
 
@@ -318,44 +277,29 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _TUNING = [f for f in dataclasses.fields(Config) if f.metadata.get("tuning")]
 _log = logging.getLogger("fluxcompile.config")
 
-# Options of the previous release, accepted until the next one (environment and code). The switches of the families
-# that are on by default became those families' names in ``implementations``: off leaves the family out, on puts it
-# back in its place. The per-kernel bounds on in-kernel waits became the one ``wait_timeout_s``, and the
-# watchdog's bound ``watchdog_timeout_s``.
-OLD_SWITCHES = {
-    "experimental_decode": "decode",
-    "experimental_gemv_peers": "gemv_peers",
-    "experimental_schedules": "schedules",
-    "experimental_cutlass": "cutlass",
-    "experimental_dlrm": "dlrm",
-}
-OLD_BOUNDS = {
+# Options that are gone -> what replaces each: a field, or "family:<name>", that family's name in
+# ``implementations`` (the switches of the families). The per-kernel bounds on in-kernel waits became the one
+# ``wait_timeout_s``, the watchdog's bound ``watchdog_timeout_s``.
+REMOVED: dict[str, str] = {
+    **{f"experimental_{f}": f"family:{f}" for f in (*OFF_BY_DEFAULT, "decode", "gemv_peers", "schedules", "cutlass", "dlrm")},
     "signal_timeout_s": "watchdog_timeout_s",
-    "decode_timeout_s": "wait_timeout_s",
-    "cutlass_timeout_s": "wait_timeout_s",
-    "sched_timeout_s": "wait_timeout_s",
-    "dlrm_timeout_s": "wait_timeout_s",
-    "moe_timeout_s": "wait_timeout_s",
+    **{f"{k}_timeout_s": "wait_timeout_s" for k in ("decode", "cutlass", "sched", "dlrm", "moe")},
 }
-# Old option -> the field it sets now.
-OLD_OPTIONS = {**{old: "implementations" for old in OLD_SWITCHES}, **OLD_BOUNDS}
-_warned: set[str] = set()
 
 
-def _deprecated(what: str, instead: str) -> None:
-    """One log line, once per old name and process."""
-    if what not in _warned:
-        _warned.add(what)
-        _log.warning("fluxcompile: %s is deprecated (accepted until the next release): %s", what, instead)
-
-
-def _replacement(old: str, env: bool = False) -> str:
-    """What replaces the old option ``old``, in the words of the environment or of code."""
-    if old in OLD_SWITCHES:
-        where = f"{PREFIX}IMPLEMENTATIONS" if env else "config.implementations"
-        return f"{OLD_SWITCHES[old]!r} in {where} says whether it runs (it is there by default; off leaves it out)"
-    field = OLD_BOUNDS[old]
-    return f"{PREFIX + field.upper() if env else 'config.' + field} is the bound now"
+def _replacement(old: str, instead: str, env: bool = False) -> str:
+    """What replaces the removed option ``old``, in the words of the environment or of code."""
+    if not instead.startswith("family:"):
+        return f"{PREFIX + instead.upper() if env else 'config.' + instead} replaces it"
+    family = instead.partition(":")[2]
+    sign = "+" if family in OFF_BY_DEFAULT else "-"
+    what = (
+        f"add {family!r} to implementations (off by default)"
+        if sign == "+"
+        else f"{family!r} in implementations says whether it runs (there by default)"
+    )
+    how = f"{PREFIX}IMPLEMENTATIONS={sign}{family}" if env else f"config.implementations = ({sign + family!r},)"
+    return f"{what}: {how}"
 
 
 def _with_family(families: tuple[str, ...], family: str, on: bool) -> tuple[str, ...]:
@@ -365,25 +309,33 @@ def _with_family(families: tuple[str, ...], family: str, on: bool) -> tuple[str,
         return tuple(f for f in families if f != family)
     if family in families:
         return families
-    rank = {f: i for i, f in enumerate(IMPLEMENTATIONS)}
-    before = [i for i, f in enumerate(families) if rank.get(f, len(rank)) < rank[family]]
+    rank = {f: i for i, f in enumerate(_families)}
+    before = [i for i, f in enumerate(families) if rank.get(f, len(rank)) < rank.get(family, len(rank))]
     at = before[-1] + 1 if before else 0
     return (*families[:at], family, *families[at:])
 
 
-def _new_families(value: Any) -> Any:
-    """``implementations`` with the old family names (``OLD_FAMILIES``) replaced by what they stand for."""
+def _resolve_families(value: Any) -> Any:
+    """``implementations`` as a list of families: ``+family`` / ``-family`` entries (all of them so) change the
+    default list; a removed family name raises, naming what it stood for."""
     names = (value,) if isinstance(value, str) else value
-    if not isinstance(names, (tuple, list)) or not any(n in OLD_FAMILIES for n in names if isinstance(n, str)):
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
         return value
-    out: list[Any] = []
     for n in names:
-        if isinstance(n, str) and n in OLD_FAMILIES:
-            _deprecated(f"the implementation family {n!r}", f"it stands for {', '.join(OLD_FAMILIES[n])}; name them")
-        for f in OLD_FAMILIES.get(n, (n,)) if isinstance(n, str) else (n,):
-            if f not in out:
-                out.append(f)
-    return tuple(out)
+        if n.lstrip("+-") in REMOVED_FAMILIES:
+            stood = ", ".join(REMOVED_FAMILIES[n.lstrip("+-")])
+            raise ConfigError(f"the family {n.lstrip('+-')!r} is no longer a name: name the families it stood for ({stood})")
+    changes = [n.startswith(("+", "-")) for n in names]
+    if not any(changes):
+        return tuple(names)
+    if not all(changes):
+        raise ConfigError("expected families, or +family / -family changes to the default, not both")
+    out = DEFAULT_IMPLEMENTATIONS
+    for n in names:
+        if n[1:] not in _families:
+            raise ConfigError(f"unknown {n[1:]!r}; valid: {', '.join(_families)}")
+        out = _with_family(out, n[1:], n[0] == "+")
+    return out
 
 
 def _parse(raw: str, current: Any) -> Any:
@@ -449,9 +401,7 @@ def _check(field: dataclasses.Field, value: Any, current: Any) -> Any:
 
 @contextlib.contextmanager
 def _patch(cfg: Config, changes: dict[str, Any]) -> Iterator[Config]:
-    # What is restored is the fields themselves (an old option's field: OLD_OPTIONS).
-    fields = dict.fromkeys(OLD_OPTIONS.get(k, k) for k in changes)
-    old = {f: getattr(cfg, f) for f in fields}
+    old = {f: getattr(cfg, f) for f in changes}
     try:
         for k, v in changes.items():
             setattr(cfg, k, v)

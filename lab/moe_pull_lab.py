@@ -128,7 +128,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD.group_name
     lines = []
-    with config.patch(experimental_moe=True):
+    with config.patch(implementations=("+moe",)):
         for L in bench.ep_layers(args.layers.split(","), rank, world, ("balanced",)):
             lines += run_layer(L, args, rank, world, group)
     if rank == 0:

@@ -183,15 +183,27 @@ def test_uuid_covers_the_registered_cuda_implementations(monkeypatch):
     assert p.uuid() != before
 
 
+def test_uuid_covers_the_registered_choices(monkeypatch):
+    """A graph compiled against a choice that is gone (retired, renamed) is never replayed from Inductor's cache:
+    the compiled site would name a choice no longer offered."""
+    from fluxcompile.lowerings import choices
+
+    p = FluxcompilePass()
+    before = p.uuid()
+    assert "all_gather_matmul:" in choices.registered_names() and "reference" in choices.registered_names()
+    ops = dict(choices._REGISTRY)
+    monkeypatch.setitem(choices._REGISTRY, "all_gather_matmul", {"reference": ops["all_gather_matmul"]["reference"]})
+    assert p.uuid() != before
+
+
 @pytest.mark.parametrize(
     ("var", "value", "accepted"),
     [
         ("FLUXCOMPILE_MIN_M", "abc", "expected an integer"),
         ("FLUXCOMPILE_IMPLEMENTATIONS", "cublas-pipelined", "valid: triton_ag, triton_rs, decode, gemv_peers"),
-        ("FLUXCOMPILE_EXPERIMENTAL_MOE", "maybe", "expected one of 1, true"),
-        ("FLUXCOMPILE_EXPERIMENTAL_DECODE", "maybe", "expected one of 1, true"),  # an old name: no warning first
+        ("FLUXCOMPILE_IMPLEMENTATIONS", "+moe,cutlass", "not both"),
         ("FLUXCOMPILE_WAIT_TIMEOUT_S", "soon", "expected a number"),
-        ("FLUXCOMPILE_SIGNAL_TIMEOUT_S", "-1", "expected a value >= 0"),
+        ("FLUXCOMPILE_WATCHDOG_TIMEOUT_S", "-1", "expected a value >= 0"),
         ("FLUXCOMPILE_LOG", "loud", "expected one of"),
     ],
 )
@@ -226,14 +238,13 @@ def test_unknown_variable_is_reported(caplog):
 
 
 def test_settings_that_change_choices_are_in_the_autotune_key():
-    """A winner tuned with an experimental family off must not be reused with it on (and so on for every
-    field marked tuning)."""
+    """A winner tuned with a family off must not be reused with it on (and so on for every field marked tuning)."""
     from fluxcompile.config import _TUNING
 
     names = {f.name for f in _TUNING}
-    assert {"implementations", "autotune", "experimental_triton_ag", "experimental_moe"} <= names
+    assert {"implementations", "autotune", "symm_mem_backend"} <= names
     before = fluxcompile.config.tuning_fingerprint()
-    with fluxcompile.config.patch(experimental_triton_ag=True):
+    with fluxcompile.config.patch(implementations=("+triton_ag",)):
         assert fluxcompile.config.tuning_fingerprint() != before
     with fluxcompile.config.patch(wait_timeout_s=1.0, watchdog_timeout_s=1.0):  # bounds, not choices
         assert fluxcompile.config.tuning_fingerprint() == before

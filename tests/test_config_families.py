@@ -1,6 +1,7 @@
-"""``config.implementations`` by family: every registered choice has one family, each switch of the previous release
-is one family, a family the config does not enable declines with what enables it; the one in-kernel wait bound
-``wait_timeout_s`` and the watchdog's ``watchdog_timeout_s``; the old names, still accepted with one warning."""
+"""``config.implementations`` by family: every registered choice has one family, the list alone says what runs (the
+families off by default left out of its default, ``+family`` / ``-family`` changing it), a family the config does
+not enable declines with what enables it; the one in-kernel wait bound ``wait_timeout_s`` and the watchdog's
+``watchdog_timeout_s``; the names that are gone end with one line naming what replaces them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import sys
 import pytest
 
 import fluxcompile  # registers the choices
-from fluxcompile.config import EXPERIMENTAL, IMPLEMENTATIONS, OLD_BOUNDS, OLD_FAMILIES, OLD_SWITCHES, Config, config
+from fluxcompile.config import (
+    DEFAULT_IMPLEMENTATIONS,
+    IMPLEMENTATIONS,
+    OFF_BY_DEFAULT,
+    REMOVED,
+    REMOVED_FAMILIES,
+    Config,
+    ConfigError,
+    config,
+)
 from fluxcompile.lowerings import choices_for
 from fluxcompile.lowerings.choices import _REGISTRY, Choice
 
@@ -39,12 +49,6 @@ FAMILY_OF = {
 }
 
 
-@pytest.fixture
-def warned(monkeypatch):
-    """A fresh record of the deprecation lines (each is logged once per process)."""
-    monkeypatch.setattr(config_module, "_warned", set())
-
-
 def _expected_family(op: str, name: str) -> str:
     for (o, prefix), family in FAMILY_OF.items():
         if o == op and name.startswith(prefix):
@@ -63,16 +67,29 @@ def test_every_registered_choice_has_one_listed_family():
             seen.add(choice.family)
     # Every family but the condition "gemv_peers" has choices (cutlass/triton ones only where their modules load).
     assert {"decode", "cublas_pipelined", "ag_stages", "rs_stages", "torch_symm_mem", "reference"} <= seen
-    assert set(EXPERIMENTAL) < set(IMPLEMENTATIONS) and not set(OLD_FAMILIES) & set(IMPLEMENTATIONS)
+    assert set(OFF_BY_DEFAULT) < set(IMPLEMENTATIONS) and not set(REMOVED_FAMILIES) & set(IMPLEMENTATIONS)
 
 
-def test_each_old_switch_is_one_family():
-    assert set(OLD_SWITCHES.values()) | set(EXPERIMENTAL) == {
-        "decode", "gemv_peers", "schedules", "cutlass", "dlrm", "triton_ag", "triton_rs", "ag_stages", "rs_stages",
-        "moe", "rs_ring",
-    }  # fmt: skip
-    fields = {f for f in Config.__dataclass_fields__ if f.startswith("experimental_")}
-    assert fields == {f"experimental_{family}" for family in EXPERIMENTAL}  # only the families off by default
+def test_one_switch_per_family():
+    """``implementations`` alone: no field but it switches a family, and its default is every family but those off
+    by default, in order."""
+    assert not [f for f in Config.__dataclass_fields__ if f.startswith("experimental_")]
+    assert config.implementations == DEFAULT_IMPLEMENTATIONS == tuple(f for f in IMPLEMENTATIONS if f not in OFF_BY_DEFAULT)
+    assert set(OFF_BY_DEFAULT) == {"triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe", "rs_ring"}
+
+
+def test_changes_to_the_default_list():
+    with config.patch(implementations=("+moe", "-cutlass", "+rs_ring")):
+        want = [f for f in IMPLEMENTATIONS if f not in OFF_BY_DEFAULT or f in ("moe", "rs_ring")]
+        assert config.implementations == tuple(f for f in want if f != "cutlass")  # each in its default place
+    assert config.implementations == DEFAULT_IMPLEMENTATIONS
+    cfg = Config()
+    cfg.load_env({"FLUXCOMPILE_IMPLEMENTATIONS": "+triton_ag"})
+    assert cfg.family_declines("triton_ag") is None and cfg.implementations.index("triton_ag") == 0
+    with pytest.raises(ConfigError, match="not both"):
+        cfg.implementations = ("+moe", "reference")
+    with pytest.raises(ConfigError, match="unknown 'nope'"):
+        cfg.implementations = ("+nope",)
 
 
 def test_default_order_is_the_order_of_the_previous_release():
@@ -82,7 +99,8 @@ def test_default_order_is_the_order_of_the_previous_release():
     assert kinds == sorted(kinds, key=["triton", "cuda", "torch_symm_mem", "schedules", "reference"].index)
     assert names.index("torch_symm_mem:one_shot") < names.index("torch_symm_mem:two_shot")
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
-        names = [c.name for c in choices_for(op)]
+        with config.patch(implementations=("+ag_stages", "+rs_stages")):
+            names = [c.name for c in choices_for(op)]
         stages = [i for i, n in enumerate(names) if ":stages" in n]
         pipelined = [i for i, n in enumerate(names) if n.startswith("cublas_pipelined")]
         assert stages == pipelined[-len(stages) :], names  # the stages right after the other pipelined choices
@@ -90,8 +108,10 @@ def test_default_order_is_the_order_of_the_previous_release():
 
 def test_a_family_not_enabled_declines_with_what_enables_it():
     assert config.family_declines("cutlass") is None and config.family_declines("reference") is None
-    assert config.family_declines("triton_ag") == "experimental: FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1 enables it"
-    with config.patch(experimental_triton_ag=True):
+    assert config.family_declines("triton_ag") == (
+        "off by default: adding 'triton_ag' to config.implementations (FLUXCOMPILE_IMPLEMENTATIONS=+triton_ag) enables it"
+    )
+    with config.patch(implementations=("+triton_ag",)):
         assert config.family_declines("triton_ag") is None
     left_out = tuple(f for f in IMPLEMENTATIONS if f != "cutlass")
     with config.patch(implementations=left_out):
@@ -104,48 +124,43 @@ def test_a_family_not_enabled_declines_with_what_enables_it():
         assert Choice("reference", print, symmetric_memory=False).declines() is None
 
 
-def test_old_family_names_expand(warned, caplog):
-    with caplog.at_level("WARNING", logger="fluxcompile.config"):
-        with config.patch(implementations=("cuda", "reference", "triton", "decode")):
-            expanded = ("decode", "gemv_peers", "reference", "triton_ag", "triton_rs", "moe", "dlrm")
-            assert config.implementations == expanded
-        cfg = Config()
-        cfg.load_env({"FLUXCOMPILE_IMPLEMENTATIONS": "triton,reference"})
-        assert cfg.implementations == ("triton_ag", "triton_rs", "decode", "moe", "dlrm", "reference")
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2, lines  # one line per old name
-    assert "'cuda' is deprecated" in lines[0] and "decode, gemv_peers" in lines[0]
-    with pytest.raises(ValueError, match="names old families"):
-        config_module.register_family("triton")
+def test_removed_family_names_say_what_they_stood_for():
+    for name, stood in REMOVED_FAMILIES.items():
+        with pytest.raises(ConfigError, match=f"the family {name!r} is no longer a name: .*{', '.join(stood)}"):
+            config.implementations = (name, "reference")
+        with pytest.raises(ConfigError, match="FLUXCOMPILE_IMPLEMENTATIONS='triton,reference'"):
+            Config().load_env({"FLUXCOMPILE_IMPLEMENTATIONS": "triton,reference"})
+        with pytest.raises(ValueError, match="cannot name a family"):
+            config_module.register_family(name)
+    assert config.implementations == DEFAULT_IMPLEMENTATIONS
 
 
-@pytest.mark.parametrize(("old", "family"), sorted(OLD_SWITCHES.items()))
-def test_old_switches_set_the_family(warned, caplog, old, family):
+@pytest.mark.parametrize("old", sorted(REMOVED))
+def test_removed_options_end_with_what_replaces_them(old):
+    """In the environment (the import's one line) and in code (set, read or patched): one line naming the
+    replacement."""
     var = "FLUXCOMPILE_" + old.upper()
-    cfg = Config()
-    with caplog.at_level("WARNING", logger="fluxcompile.config"):
-        cfg.load_env({var: "0"})
-    assert family not in cfg.implementations
-    assert caplog.text.count("deprecated") == 1 and f"{var} is deprecated" in caplog.text
-    assert f"{family!r} in FLUXCOMPILE_IMPLEMENTATIONS" in caplog.text
-    cfg.load_env({var: "1"})
-    assert cfg.implementations == IMPLEMENTATIONS  # back in its place
-    # In code: patch restores the field itself; reading answers from implementations.
-    with config.patch(**{old: False}):
-        assert family not in config.implementations and getattr(config, old) is False
-        assert config.family_declines(family).endswith(f"leaves out {family!r}")
-    assert config.implementations == IMPLEMENTATIONS and getattr(config, old) is True
-    with pytest.raises(ValueError, match="expected True or False"):
-        setattr(config, old, "no")
-
-
-def test_an_old_switch_on_puts_its_family_back_in_order():
-    cfg = Config()
-    cfg.implementations = ("reference", "cublas_pipelined")
-    cfg.experimental_cutlass = True
-    assert cfg.implementations == ("reference", "cublas_pipelined", "cutlass")
-    cfg.experimental_cutlass = True  # already there: unchanged
-    assert cfg.implementations == ("reference", "cublas_pipelined", "cutlass")
+    instead = REMOVED[old]
+    with pytest.raises(ConfigError) as env:
+        Config().load_env({var: "1"})
+    with pytest.raises(ConfigError) as code:
+        setattr(config, old, True)
+    with pytest.raises(AttributeError) as read:
+        getattr(config, old)
+    with pytest.raises(AttributeError):
+        with config.patch(**{old: True}):
+            pass
+    for e in (env, code, read):
+        assert "\n" not in str(e.value) and "is no longer an option" in str(e.value)
+    if instead.startswith("family:"):
+        family = instead.partition(":")[2]
+        sign = "+" if family in OFF_BY_DEFAULT else "-"
+        assert str(env.value).endswith(f"FLUXCOMPILE_IMPLEMENTATIONS={sign}{family}")
+        assert str(code.value).endswith(f"config.implementations = ({sign + family!r},)")
+    else:
+        assert f"FLUXCOMPILE_{instead.upper()} replaces it" in str(env.value)
+        assert f"config.{instead} replaces it" in str(code.value)
+    assert config.implementations == DEFAULT_IMPLEMENTATIONS
 
 
 def test_wait_bounds():
@@ -159,39 +174,9 @@ def test_wait_bounds():
         assert Watchdog().timeout_s == 7.0
 
 
-@pytest.mark.parametrize(("old", "field"), sorted(OLD_BOUNDS.items()))
-def test_old_bounds_set_the_new_field(warned, caplog, old, field):
-    var = "FLUXCOMPILE_" + old.upper()
-    cfg = Config()
-    with caplog.at_level("WARNING", logger="fluxcompile.config"):
-        cfg.load_env({var: "9"})
-    assert getattr(cfg, field) == 9.0
-    assert caplog.text.count("deprecated") == 1 and f"FLUXCOMPILE_{field.upper()} is the bound now" in caplog.text
-    with config.patch(**{old: 3}):
-        assert getattr(config, field) == 3.0 and getattr(config, old) == 3.0
-    assert getattr(config, field) == getattr(Config(), field)
-
-
-def test_old_bounds_in_the_environment_yield_to_the_new_one():
-    cfg = Config()
-    cfg.load_env({"FLUXCOMPILE_MOE_TIMEOUT_S": "5", "FLUXCOMPILE_DLRM_TIMEOUT_S": "7"})
-    assert cfg.wait_timeout_s == 7.0  # of several old bounds, the longest
-    cfg = Config()
-    cfg.load_env({"FLUXCOMPILE_MOE_TIMEOUT_S": "5", "FLUXCOMPILE_WAIT_TIMEOUT_S": "2"})
-    assert cfg.wait_timeout_s == 2.0
-
-
-def test_old_names_are_not_unknown_options(caplog):
-    with caplog.at_level("WARNING", logger="fluxcompile.config"):
-        Config().load_env({"FLUXCOMPILE_CUTLASS_TIMEOUT_S": "3", "FLUXCOMPILE_NO_SUCH": "1"})
-    assert "ignoring FLUXCOMPILE_NO_SUCH: no such option" in caplog.text
-    assert "ignoring FLUXCOMPILE_CUTLASS_TIMEOUT_S" not in caplog.text
-    assert "FLUXCOMPILE_CUTLASS_TIMEOUT_S" not in caplog.text.split("options:")[-1]  # the list names the new ones
-
-
-def test_old_names_stay_out_of_the_fingerprints():
+def test_the_fingerprints_name_no_removed_option():
     before = (config.fingerprint(), config.tuning_fingerprint())
-    assert "experimental_cutlass" not in before[0] and "signal_timeout_s" not in before[0]
-    with config.patch(experimental_cutlass=False):
+    assert not [old for old in REMOVED if old in before[0]]
+    with config.patch(implementations=("-cutlass",)):
         assert config.tuning_fingerprint() != before[1]  # a winner tuned with it is not reused without it
     assert (config.fingerprint(), config.tuning_fingerprint()) == before

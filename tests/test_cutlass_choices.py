@@ -65,7 +65,7 @@ def hopper(monkeypatch):
     checks after that one)."""
     monkeypatch.setattr(cutlass_gemm, "unavailable", lambda device=None: None)
     monkeypatch.setattr(sequencer, "unavailable", lambda: None)
-    with config.patch(implementations=IMPLEMENTATIONS, experimental_rs_ring=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         yield
 
 
@@ -84,19 +84,19 @@ def test_on_by_default_and_declined_when_switched_off():
     assert "cutlass" in IMPLEMENTATIONS and config.family_declines("cutlass") is None
     why = "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'cutlass'"
     left_out = tuple(f for f in config.implementations if f != "cutlass")
-    # The old switch (experimental_cutlass=False) still leaves the family out, for one release.
-    for off in ({"implementations": left_out}, {"experimental_cutlass": False}):
+    for off in ({"implementations": left_out}, {"implementations": ("-cutlass",)}):
         with config.patch(**off):
             for c in _cutlass("all_gather_matmul").values():
                 assert c.declines(*_ag_args()) == why, c.name
 
 
 def test_reduce_scatter_ring_is_experimental():
-    """The reduce-scatter's ring (family rs_ring) declines until switched on (its waits timed out between 4 GPUs)."""
-    assert "rs_ring" in IMPLEMENTATIONS and not config.experimental_rs_ring
+    """The reduce-scatter's ring (family rs_ring) is off by default until it passes between real GPUs at 4 and 8
+    (it hung between 4 GPUs: csrc/ring_deadlock_freedom.md) and declines while off."""
+    assert "rs_ring" in IMPLEMENTATIONS and "rs_ring" not in config.implementations
     for c in _cutlass("matmul_reduce_scatter").values():
         assert c.family == "rs_ring"
-        assert "FLUXCOMPILE_EXPERIMENTAL_RS_RING=1 enables it" in c.declines(*_rs_args()), c.name
+        assert "FLUXCOMPILE_IMPLEMENTATIONS=+rs_ring) enables it" in c.declines(*_rs_args()), c.name
 
 
 def test_declined_without_hopper():
@@ -104,7 +104,7 @@ def test_declined_without_hopper():
     why = cutlass_gemm.unavailable()
     if why is None:
         pytest.skip("the CUTLASS launcher runs here (a Hopper GPU and CUTLASS's headers)")
-    with config.patch(implementations=IMPLEMENTATIONS, experimental_rs_ring=True):
+    with config.patch(implementations=IMPLEMENTATIONS):
         for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
             for c in _cutlass(op).values():
                 assert c.declines(*args) == why, c.name

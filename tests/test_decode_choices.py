@@ -42,7 +42,7 @@ def test_decode_choices_decline_unless_enabled():
             assert not any(c.family == "decode" for c in choices_for(op))  # not offered
             two_shot = {c.name: c for c in choices_for(op)}["torch_symm_mem:two_shot"]
             assert two_shot.declines(*_args(op)) == f"the two-shot choice follows family 'decode': {why}"
-        with config.patch(experimental_decode=False):  # the old switch, for one release
+        with config.patch(implementations=("-decode",)):
             assert not any(c.family == "decode" for c in choices_for(op))
 
 

@@ -202,8 +202,7 @@ def test_declines(group_of_two, kwargs, why):
 def test_declines_while_off(monkeypatch):
     monkeypatch.setitem(lo._group_sizes, "g2", 2)
     why = "switched off: config.implementations (FLUXCOMPILE_IMPLEMENTATIONS) leaves out 'dlrm'"
-    # The old switch (experimental_dlrm=False) still leaves the family out, for one release.
-    for off in ({"implementations": tuple(f for f in IMPLEMENTATIONS if f != "dlrm")}, {"experimental_dlrm": False}):
+    for off in ({"implementations": tuple(f for f in IMPLEMENTATIONS if f != "dlrm")}, {"implementations": ("-dlrm",)}):
         with config.patch(**off):
             for name in eb.VARIANTS:
                 assert _REGISTRY[OP][f"triton:{name}"].family == "dlrm"

@@ -361,14 +361,14 @@ def _combine(As=None, Bs=None, bias=None, out_shape=(10, 512), **kw):
 @pytest.fixture
 def group4(monkeypatch):
     monkeypatch.setattr(moe, "_group_size", lambda name: 4 if name == "g" else f"no process group {name!r}")
-    with config.patch(experimental_moe=True):
+    with config.patch(implementations=("+moe",)):
         yield
 
 
 def test_declined_unless_enabled(monkeypatch):
     monkeypatch.setattr(moe, "_group_size", lambda name: 4)
-    assert not config.experimental_moe
-    off = "experimental: FLUXCOMPILE_EXPERIMENTAL_MOE=1 enables it"
+    assert "moe" not in config.implementations
+    off = "off by default: adding 'moe' to config.implementations (FLUXCOMPILE_IMPLEMENTATIONS=+moe) enables it"
     args, kw = _dispatch()  # positional, as the autotuner passes them: the op's arguments in schema order
     for c in _triton(OPS[0]).values():
         why = c.declines(*args, None, None, None, False, kw["offs"], kw["row_index"])
@@ -436,7 +436,7 @@ def test_combine_declines(group4, args, reason):
 
 
 def test_group_resolution_declines(monkeypatch):
-    with config.patch(experimental_moe=True):
+    with config.patch(implementations=("+moe",)):
         args, kw = _dispatch()
         why = moe.dispatch_supports(*args[:-1], "nope", **kw)
         assert why.startswith("no process group 'nope'"), why

@@ -200,9 +200,8 @@ def test_rs_stages_declines_unless_enabled():
     args = ([A], [B], None, [128, 16], 0, "sum", 2, "g")
     choice = _REGISTRY["matmul_reduce_scatter"]["cublas_pipelined:stages2"]
     assert choice.family == "rs_stages"
-    with config.patch(experimental_rs_stages=False):
-        assert choice.declines(*args) == "experimental: FLUXCOMPILE_EXPERIMENTAL_RS_STAGES=1 enables it"
-    with config.patch(experimental_rs_stages=True):
+    assert choice.declines(*args).startswith("off by default: adding 'rs_stages' to config.implementations")
+    with config.patch(implementations=("+rs_stages",)):
         assert "CUDA" in choice.declines(*args)
     assert "CUDA" in rs.stages_supports(2)(*args)  # the choice's own rules
 
@@ -215,9 +214,8 @@ def test_ag_stages_declines_unless_enabled():
     args = (A, [torch.empty(32, 8, dtype=torch.bfloat16)], [None], 0, 2, "g")
     choice = _REGISTRY["all_gather_matmul"]["cublas_pipelined:stages2"]
     assert choice.family == "ag_stages"
-    with config.patch(experimental_ag_stages=False):
-        assert choice.declines(*args) == "experimental: FLUXCOMPILE_EXPERIMENTAL_AG_STAGES=1 enables it"
-    with config.patch(experimental_ag_stages=True):
+    assert choice.declines(*args).startswith("off by default: adding 'ag_stages' to config.implementations")
+    with config.patch(implementations=("+ag_stages",)):
         assert "CUDA" in choice.declines(*args)  # CPU tensors: declined by the pipelined rules
     assert "CUDA" in ag.stages_supports(2)(*args)
 

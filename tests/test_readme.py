@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fluxcompile.config import IMPLEMENTATIONS, Config
+from fluxcompile.config import DEFAULT_IMPLEMENTATIONS, IMPLEMENTATIONS, OFF_BY_DEFAULT, Config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -38,6 +38,8 @@ def shown(value: Any) -> str:
         return f"{value:g}"
     if value == IMPLEMENTATIONS:
         return "all"
+    if value == DEFAULT_IMPLEMENTATIONS and DEFAULT_IMPLEMENTATIONS == tuple(f for f in IMPLEMENTATIONS if f not in OFF_BY_DEFAULT):
+        return "all but those off by default"
     if isinstance(value, tuple):
         return "`" + ",".join(map(str, value)) + "`"
     return f"`{value}`" if value else '`""`'
@@ -58,6 +60,12 @@ def test_readme_config_table_shows_the_defaults():
         assert len(cells) in (1, len(names)), (names, cells)
         for name, cell in zip(names, cells * len(names) if len(cells) == 1 else cells):
             assert cell == shown(getattr(defaults, name)), f"{name}: the README shows {cell}"
+
+
+def test_readme_names_the_families_off_by_default():
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| `implementations` |"))
+    named = re.search(r"Off by default: ([^.]*)\.", row).group(1)
+    assert re.findall(r"`(\w+)`", named) == list(OFF_BY_DEFAULT)
 
 
 @pytest.mark.parametrize("text, problem", [("| `min_q` | 1 | x |", "does not have"), ("", "misses")])

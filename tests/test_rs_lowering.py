@@ -25,7 +25,8 @@ def _args(m=8, k=16, n=12, products=1, bias=False, out_shape=None, dim=0, op="su
 
 
 def test_choices_registered_and_cuda_impl():
-    names = [c.name for c in choices_for("matmul_reduce_scatter")]
+    with config.patch(implementations=("+triton_rs",)):
+        names = [c.name for c in choices_for("matmul_reduce_scatter")]
     for want in ("cublas_pipelined", "cublas_pipelined:push", "torch_symm_mem", "reference"):
         assert want in names
     assert {f"triton:{v}" for v in rs_triton.VARIANTS} <= set(names)
@@ -74,10 +75,12 @@ def test_torch_symm_mem_declines():
 
 def test_triton_declines_unless_enabled():
     _, sup = rs_triton.make("128x256x64")
-    choice = {c.name: c for c in choices_for("matmul_reduce_scatter")}["triton:128x256x64"]
+    assert not any(c.family == "triton_rs" for c in choices_for("matmul_reduce_scatter"))  # off: not offered
+    with config.patch(implementations=("+triton_rs",)):
+        choice = {c.name: c for c in choices_for("matmul_reduce_scatter")}["triton:128x256x64"]
     assert choice.family == "triton_rs"
-    assert "FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1" in choice.declines(*_args())
-    with config.patch(experimental_triton_rs=True):
+    assert "FLUXCOMPILE_IMPLEMENTATIONS=+triton_rs) enables it" in choice.declines(*_args())
+    with config.patch(implementations=("+triton_rs",)):
         assert choice.declines(*_args()) == sup(*_args())
         _check_triton_rules(sup)
 

@@ -133,7 +133,9 @@ class FluxcompilePass(_PassBase):  # type: ignore[misc,valid-type]
             if u is None:
                 return None  # a user pass without a uuid: no cache, as Inductor does for it alone
             prev.append(repr(u))
-        extra = f"{__version__}|{config.fingerprint()}|{cuda_implementations()}|{'|'.join(prev)}"
+        from ..lowerings.choices import registered_names
+
+        extra = f"{__version__}|{config.fingerprint()}|{cuda_implementations()}|{registered_names()}|{'|'.join(prev)}"
         return custom_graph_pass.get_hash_for_files(_SOURCES, extra)
 
 

@@ -30,7 +30,7 @@ rows, contiguous ``[rows, N]``); flags = int32 ``[world, MAX_TILES]`` (source ra
 
 Checked on CPU in Triton's interpreter (tests/test_gemm_rs_kernel.py: ranks simulated with ordinary tensors)
 and on GPUs by tests/gpu/test_rs_matmul.py. Its ``triton:*`` choices (lowerings/matmul_reduce_scatter/triton.py)
-(family ``triton_rs``) run only with ``config.experimental_triton_rs`` (``FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1``).
+(family ``triton_rs``) run only where ``config.implementations`` has it (off by default: ``FLUXCOMPILE_IMPLEMENTATIONS=+triton_rs``).
 """
 
 from __future__ import annotations

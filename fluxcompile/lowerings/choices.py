@@ -100,6 +100,12 @@ def choices_for(op_name: str) -> list[Choice]:
     return sorted(allowed, key=lambda c: order.get(c.family, len(order)))
 
 
+def registered_names() -> str:
+    """Every registered choice of every op, by name (the rewrite pass's uuid covers it: a graph compiled against a
+    choice that is gone or renamed is never replayed from Inductor's cache)."""
+    return ";".join(f"{op}:{','.join(choices)}" for op, choices in sorted(_REGISTRY.items()))
+
+
 # op name -> a function that makes a site's materialized operands look like a real call's where zeros would not
 # (fx_passes/decide.py tunes on them): the DLRM ops' indices and offsets.
 _SAMPLES: dict[str, Callable[[tuple], tuple]] = {}

@@ -44,7 +44,7 @@ VARIANTS = {
     "unsplit": {"unsplit": True},
     "lead2": {"lead": 2},
     "lead4": {"lead": 4},
-    "stages2": {"groups": 2},  # experimental (config.experimental_ag_stages, enabled here)
+    "stages2": {"groups": 2},  # off by default (family ag_stages, added here)
     "stages3": {"groups": 3},
 }
 
@@ -77,7 +77,7 @@ def _check_gathered(got_A, ref_A, return_A: bool, what: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _stages_enabled():
-    with config.patch(experimental_ag_stages=True):
+    with config.patch(implementations=("+ag_stages",)):
         yield
 
 
@@ -164,14 +164,14 @@ def test_torch_symm_mem_return_A():
             assert_close(o, r, 1e-2, f"out {i} (return_A={return_A})")
 
 
-# The experimental Triton choice (kernels/ag_gemm.py): validated here before it may be enabled by default.
+# The Triton choice, off by default (kernels/ag_gemm.py): validated here before it may be enabled by default.
 TRITON_VARIANTS = sorted(triton_choice.VARIANTS)
 
 
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
 @pytest.mark.parametrize(("shape", "dim", "ns", "bias"), CASES)
 def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
-    monkeypatch.setattr(config, "experimental_triton_ag", True)
+    monkeypatch.setattr(config, "implementations", ("+triton_ag",))
     monkeypatch.setattr(config, "check_signals", True)  # a timed-out wait fails the test at once
     group = dist.group.WORLD
     A, Bs, biases = _inputs(shape, ns, bias, shared_seed())
@@ -190,7 +190,7 @@ def test_triton_matches_reference(monkeypatch, variant, shape, dim, ns, bias):
 
 
 def test_triton_in_cuda_graph(monkeypatch):
-    monkeypatch.setattr(config, "experimental_triton_ag", True)
+    monkeypatch.setattr(config, "implementations", ("+triton_ag",))
     group = dist.group.WORLD
     A, Bs, biases = _inputs((256, 512), (640, 128), True, shared_seed())
     args = (A, Bs, biases, 0, group.size(), group.group_name)

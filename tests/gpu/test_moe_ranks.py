@@ -393,7 +393,7 @@ def _choice_call(group, world: int, rank: int, g: torch.Generator, counts, dtype
         run_d, sup_d = moe.make_dispatch(variant)
         run_c, sup_c = moe.make_combine(moe.tile_variant(variant))
     dargs = (A, w, [None] * len(w), recv, send, name, None, None, None, False, offs, row_index)
-    with config.patch(experimental_moe=True):
+    with config.patch(implementations=("+moe",)):
         assert sup_d(*dargs) is None, sup_d(*dargs)
     A_ex, outs = run_d(*dargs)
     ref_A, ref_outs = ops.REFERENCES["all_to_all_matmul"](*dargs)
@@ -407,7 +407,7 @@ def _choice_call(group, world: int, rank: int, g: torch.Generator, counts, dtype
     h = (F.silu(outs[0].float()) * outs[1].float()).to(dtype)
     y_rows = sum(recv)
     cargs = ([h], [w2], None, [y_rows, D], send, recv, name, None, None, None, False, offs, row_index, False)
-    with config.patch(experimental_moe=True):
+    with config.patch(implementations=("+moe",)):
         assert sup_c(*cargs) is None, sup_c(*cargs)
     out = run_c(*cargs)
     ref = ops.REFERENCES["matmul_all_to_all"](*cargs)

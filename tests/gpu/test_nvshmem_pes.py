@@ -284,7 +284,7 @@ def test_moe_vdev_dispatch_and_combine():
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dispatch = torch.ops.fluxcompile.all_to_all_matmul.default
     combine = torch.ops.fluxcompile.matmul_all_to_all.default
-    with config.patch(implementations=IMPLEMENTATIONS, experimental_moe=True, check_signals=False):
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
         g = torch.Generator().manual_seed(_seed())
         w1 = torch.randn(2, 64, 32, generator=g).to(device="cuda", dtype=torch.bfloat16) / 8
         w2 = torch.randn(2, 32, 64, generator=g).to(device="cuda", dtype=torch.bfloat16) / 8
@@ -334,7 +334,6 @@ def test_moe_vdev_dispatch_and_combine():
 # here; the others are every registered choice.
 _BUILT = ("cublas_pipelined", "ag_stages", "rs_stages", "cutlass", "rs_ring")
 _BUILT_NAMES = ("cuda:",)  # the decode family's csrc/gemv_ar.cu choices
-_EXPERIMENTAL = dict(experimental_triton_ag=True, experimental_triton_rs=True)
 
 
 def _tp_cases(op: str, world: int, seed: int, group_name: str):
@@ -385,7 +384,7 @@ def test_tp_choices_on_nvshmem_workspaces(op):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     seed = _seed()
     outcomes: dict[str, str] = {}
-    with config.patch(implementations=IMPLEMENTATIONS, check_signals=True, wait_timeout_s=20.0, **_EXPERIMENTAL):
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=True, wait_timeout_s=20.0):
         for choice in choices_for(op):
             if choice.name == "reference" or choice.family in _BUILT or choice.name.startswith(_BUILT_NAMES):
                 continue
@@ -427,7 +426,7 @@ def test_moe_vdev_dispatch_in_cuda_graph():
     group = dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dispatch = torch.ops.fluxcompile.all_to_all_matmul.default
-    with config.patch(implementations=IMPLEMENTATIONS, experimental_moe=True, check_signals=False):
+    with config.patch(implementations=IMPLEMENTATIONS, check_signals=False):
         g = torch.Generator().manual_seed(_seed())
         w1 = torch.randn(2, 64, 32, generator=g).to(device="cuda", dtype=torch.bfloat16) / 8
         rows, splits = _moe_case(_seed(), world)

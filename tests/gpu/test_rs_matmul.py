@@ -20,7 +20,7 @@ pytestmark = pytest.mark.peers  # the choices under test decline a 1-rank group
 OP = "matmul_reduce_scatter"
 REF = ops.REFERENCES[OP]  # the oracle: cuBLAS + NCCL reduce-scatter
 
-# The experimental Triton choice (kernels/gemm_rs.py): validated here before it may be enabled by default.
+# The Triton choice, off by default (kernels/gemm_rs.py): validated here before it may be enabled by default.
 TRITON = [f"triton:{v}" for v in sorted(triton_choice.VARIANTS)]
 CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
            "cublas_pipelined:pushadd", "cublas_pipelined:tail2",
@@ -65,9 +65,9 @@ def _choice(name: str, monkeypatch):
     if name.startswith("cublas_pipelined"):
         require_sequencer()
     if ":stages" in name:
-        monkeypatch.setattr(config, "experimental_rs_stages", True)  # experimental: validated here
+        monkeypatch.setattr(config, "implementations", ("+rs_stages",))  # off by default: validated here
     if name.startswith("triton:"):
-        monkeypatch.setattr(config, "experimental_triton_rs", True)
+        monkeypatch.setattr(config, "implementations", ("+triton_rs",))
         monkeypatch.setattr(config, "check_signals", True)  # a timed-out wait fails the test at once
     return {c.name: c for c in choices_for(OP)}[name]
 

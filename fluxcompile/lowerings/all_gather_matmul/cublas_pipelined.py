@@ -23,7 +23,7 @@ the local GEMM, so one GEMM's last partial wave is filled by the next one's tile
 then one GEMM per weight over all rows (no overlap, no split: small M); ``:lead<d>`` runs a GEMM over 1/d of our
 rows while the shards fly (and, beside it on another stream, our other rows are copied into our slot), then one
 over all other rows read from the symmetric buffer, whose slots abut into the gathered ``[world * rows, k]``;
-``:stages<g>`` (experimental, family ``ag_stages``: ``config.experimental_ag_stages``) takes the peers in ``g``
+``:stages<g>`` (family ``ag_stages``, off by default) takes the peers in ``g``
 groups, one GEMM per group, instead of one GEMM per peer. Everything is a stream operation, so a call can be captured in a CUDA graph
 once its workspace and flags exist (first eager call). The GEMMs run at high stream priority, the copies at
 normal: a copy that becomes ready with a GEMM takes only the SMs the GEMM leaves.

@@ -12,8 +12,8 @@ A wait that times out records (source rank, chunk) in error words (``symm_mem.Er
 memory at the end of the call and checked at the start of the next one (no synchronization on the hot path),
 or after every call with ``config.check_signals``.
 
-Experimental (family ``triton_ag``): it declines every call unless ``config.experimental_triton_ag``
-(FLUXCOMPILE_EXPERIMENTAL_TRITON_AG=1).
+Off by default (family ``triton_ag``): it runs only where ``config.implementations`` has its family
+(FLUXCOMPILE_IMPLEMENTATIONS=+triton_ag).
 """
 
 from __future__ import annotations

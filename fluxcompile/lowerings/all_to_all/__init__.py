@@ -4,7 +4,7 @@ here, as the other ops' do in their folders; a call no fused choice takes runs t
 
 Choices, in registration order:
 * ``triton:<tile>`` and, for the dispatch, ``triton:<tile>-split`` (triton.py, family ``moe``,
-  experimental: ``FLUXCOMPILE_EXPERIMENTAL_MOE=1``): the persistent Triton grouped GEMM of kernels/grouped_gemm.py with the
+  off by default: ``FLUXCOMPILE_IMPLEMENTATIONS=+moe``): the persistent Triton grouped GEMM of kernels/grouped_gemm.py with the
   all-to-all built in; the dispatch pulls its rows from the peers' symmetric send buffers in the GEMM's launch
   (``-split``: in a launch of its own), the combine's epilogue stores every row at its final place in its
   destination's receive buffer. Expert weights (``[E, K, N]``, grouped by ``offs`` or equal groups) only: dense

@@ -21,7 +21,7 @@ epoch-valued like every other flag of the protocol, so nothing is reset between 
 A wait that times out writes the context's error words (``grouped_gemm.WAIT_KINDS`` kind 8 for the GEMM's block
 waits), reported as the Triton dispatch's are.
 
-Experimental (family ``moe``): its choices decline every call unless ``config.experimental_moe``. bf16 with expert
+Off by default (family ``moe``): its choices run only where ``config.implementations`` has ``moe``. bf16 with expert
 weights grouped by ``offs`` only (the CUTLASS kernel's operands); ``bmm`` (equal groups without ``offs``) and
 other dtypes are declined.
 """

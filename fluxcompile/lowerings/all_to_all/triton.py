@@ -61,8 +61,8 @@ buffer, address tables, SM count, flag initialization, the waits' bound); :func:
 ranks simulated on one GPU (fluxcompile/testing/one_gpu_ranks.py) and, on CPU tensors, under Triton's interpreter
 (tests/test_moe_kernels.py).
 
-Experimental (family ``moe``): its choices decline every call unless ``config.experimental_moe``
-(FLUXCOMPILE_EXPERIMENTAL_MOE=1).
+Off by default (family ``moe``): its choices run only where ``config.implementations`` has ``moe``
+(FLUXCOMPILE_IMPLEMENTATIONS=+moe).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Choices, in registration order (the autotuner's tie-break order within a family)
   and ``:pushadd`` (two ranks), ``:tail<d>`` and experimental ``:stages<g>`` variants (cublas_pipelined.py);
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
-* ``cutlass:<variant>`` (cutlass.py, experimental, family ``rs_ring``: ``config.experimental_rs_ring``): a ring in one Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py)
+* ``cutlass:<variant>`` (cutlass.py, family ``rs_ring``, off by default): a ring in one Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py)
   whose epilogue adds the running sums the next rank pushed, sub-chunk by sub-chunk (the variants built with
   the ring's source, ``cutlass_gemm.ring_variants()``);
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).

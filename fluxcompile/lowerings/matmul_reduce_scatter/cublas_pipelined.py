@@ -13,7 +13,7 @@ is also a reduce-scatter's send order: symm_mem/exchange.py):
                         copy it into p's slot r (copy engine) -> set ready_r on p;  then our own block
   :unsplit / :tail<d>:  one GEMM over all rows (with 1/d of our own rows computed last, beside the pushes),
                         then the copy engine pushes each peer's block
-  :stages<g>:           (experimental, family ``rs_stages``: ``config.experimental_rs_stages``) the peers' blocks
+  :stages<g>:           (family ``rs_stages``, off by default) the peers' blocks
                         in g groups, one GEMM per group, each group pushed beside the next group's GEMM
   all:                  for p: wait ready_p;  out = sum of the slots (fp32 accumulate, one rounding);
                         set done_r on every p (its slot r in our buffer is free again)

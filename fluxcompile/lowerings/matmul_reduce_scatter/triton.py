@@ -8,8 +8,8 @@ nothing is reset between calls. A wait that times out records (rank, peer, tile,
 (``symm_mem.ErrorWords``) copied to pinned host memory at the end of the call and checked at the start of the
 next one (no synchronization on the hot path), or after every call with ``config.check_signals``.
 
-Experimental (family ``triton_rs``): it declines every call unless ``config.experimental_triton_rs``
-(FLUXCOMPILE_EXPERIMENTAL_TRITON_RS=1).
+Off by default (family ``triton_rs``): it runs only where ``config.implementations`` has its family
+(FLUXCOMPILE_IMPLEMENTATIONS=+triton_rs).
 """
 
 from __future__ import annotations
