@@ -35,10 +35,10 @@ AG_CASES = {
     "large": ((2048, 1024), 0, (1536,), False),  # several chunks of several tiles each
 }
 # rows per rank (or all rows for "columns"), out form, N (per rank for "columns"), K, bias, reduce op; a rank's
-# chunk is whole tiles of every ring variant (256 rows, 256 columns)
+# chunk is whole clusters of tiles of every ring variant (512 rows, 256 columns: lowerings' rs.chunk_declines)
 RS_CASES = {
-    "rows-bias": (256, "2d", 264, 256, True, "sum"),
-    "sp-avg": (256, "sp", 128, 128, True, "avg"),
+    "rows-bias": (512, "2d", 264, 256, True, "sum"),
+    "sp-avg": (512, "sp", 128, 128, True, "avg"),
     "columns": (200, "cols", 256, 192, True, "sum"),  # last-dim reduce-scatter
     "large": (1024, "2d", 1536, 1024, False, "sum"),
 }
