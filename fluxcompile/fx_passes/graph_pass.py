@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -133,10 +134,15 @@ class FluxcompilePass(_PassBase):  # type: ignore[misc,valid-type]
             if u is None:
                 return None  # a user pass without a uuid: no cache, as Inductor does for it alone
             prev.append(repr(u))
-        from ..lowerings.choices import registered_names
-
-        extra = f"{__version__}|{config.fingerprint()}|{cuda_implementations()}|{registered_names()}|{'|'.join(prev)}"
+        extra = f"{__version__}|{config.fingerprint()}|{cuda_implementations()}|{registered_choices()}|{'|'.join(prev)}"
         return custom_graph_pass.get_hash_for_files(_SOURCES, extra)
+
+
+def registered_choices() -> str:
+    """Every registered choice by name (lowerings/choices.py, where the lowerings loaded; else none): a graph
+    compiled against a choice that is gone or renamed is never replayed from Inductor's cache."""
+    choices = sys.modules.get("fluxcompile.lowerings.choices")
+    return choices.registered_names() if choices is not None else ""
 
 
 def cuda_implementations() -> str:
