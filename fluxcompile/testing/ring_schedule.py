@@ -8,10 +8,11 @@ csrc/flux_gemm.cuh's RingEpilogue and csrc/sequences_flux.cpp's ``rs_ring`` issu
     outcome = simulate(world=4, calls=[RingCall("256x128x64_c2x1", 1024, 12288, 0)], sm_count=132)
     outcome.deadlock   # what every agent that cannot go on waits for, or [] when every rank finished
 
-Every step that can run runs until none can: the model's waits only ever become true until their waiter itself
-resets them (a counter, an arrival or done flag), so the order of the steps changes no outcome (``seed`` shuffles
-it to show so). It also checks the data: a tile adds the running sums pushed in the same call, and a push never
-lands in running sums that the receiver's GEMM of the previous call may still read (``hazards``).
+Every step that can run runs until none can. Once true, a wait stays true until its own waiter resets it (a
+counter, an arrival or done flag), so the order of the steps changes no outcome (``seed`` shuffles it to show so;
+``slow`` holds one rank back as far as the flags allow). A deadlock is reported with its wait-for cycle
+(``Outcome.cycle``). The model also checks the data: a tile adds the running sums pushed in the same call, and a
+push never lands in running sums that the receiver's GEMM of the previous call may still read (``hazards``).
 
 What it holds: the tile order (grid size, raster, clusters, the ring's rotation), the waits, the counts and
 flags. What it does not: memory ordering (the fences and release/acquire of the kernel), times, and residency:
