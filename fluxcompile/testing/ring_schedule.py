@@ -126,14 +126,11 @@ class _Tile:
 class _Plan:
     """A call's geometry at one rank, as the choice and the kernel make it."""
 
-    call: RingCall
-    chunk: int
     sub: int
     subs: int  # sub-chunks per chunk
     targets: list[int]  # per sub-chunk: its counter's value once every tile is stored (tiles_per_chunk)
-    ctas: list[list[_Tile]]
-    cluster_of: list[int]
-    clusters: int
+    ctas: list[list[_Tile]]  # a cluster's CTAs consecutive (cta_tiles' order)
+    cluster_size: int
 
 
 def _plan(call: RingCall, rank: int, world: int, sm_count: int) -> _Plan:
@@ -170,7 +167,7 @@ def _plan(call: RingCall, rank: int, world: int, sm_count: int) -> _Plan:
         ctas.append(tiles)
     size = cluster[0] * cluster[1]
     targets = cutlass_gemm.tiles_per_chunk(call.variant, m, n, sub, axis)
-    return _Plan(call, chunk, sub, chunk // sub, targets, ctas, [c // size for c in range(len(ctas))], clusters)
+    return _Plan(sub, chunk // sub, targets, ctas, size)
 
 
 # --- the model --------------------------------------------------------------------------------------------
@@ -221,7 +218,7 @@ class _Cta:
 
 class _Model:
     def __init__(self, world: int, calls: Sequence[RingCall], sm_count: int, coupled: bool, deferred: bool):
-        self.world, self.calls, self.sm_count = world, list(calls), sm_count
+        self.world = world
         self.coupled, self.deferred = coupled, deferred
         self.plans = [[_plan(c, r, world, sm_count) for c in calls] for r in range(world)]
         longest = max((c.m if c.axis == 0 else c.n) for c in calls)
@@ -306,8 +303,8 @@ class _Model:
     # a CTA: per tile, [mainloop: the cluster's pipeline] -> [count the last tile] -> epilogue: wait, load, store
     def _cta(self, r: int, k: int, plan: _Plan, c: int, epi: list[int]) -> Iterator[_Wait]:
         me = self.ctas[r][c]
-        size = len(plan.ctas) // plan.clusters
-        partners = range(plan.cluster_of[c] * size, plan.cluster_of[c] * size + size)
+        first = c - c % plan.cluster_size
+        partners = range(first, first + plan.cluster_size)
         nxt = (r + 1) % self.world
         for i, t in enumerate(me.tiles):
             where = f"tile ({t.m}, {t.n}) of step {t.step}"
