@@ -53,7 +53,7 @@ IMPLEMENTATIONS = (
     "torch_symm_mem",  # PyTorch's symm_mem fused ops and all-reduces
     "schedules",  # the schedule language's all-reduce choices (schedules/gpu_executor.py)
     "cutlass",  # the Flux-style CUTLASS GEMMs (csrc/flux_gemm.cuh; Hopper; built on first use)
-    "rs_ring",  # off by default: the reduce-scatter's ring in one CUTLASS GEMM ("cutlass:<variant>" of that op)
+    "rs_ring",  # off by default: the reduce-scatter's ring in one CUTLASS GEMM (that op's "cutlass" choice)
     "reference",  # the collective, then the matmuls (NCCL/gloo + cuBLAS): runs everywhere
 )
 # The families off by default: left out of ``implementations``' default, each runs once it is added.

@@ -28,6 +28,7 @@ from fluxcompile.lowerings import (
     register_choice,
 )
 from fluxcompile.lowerings import choices as registry
+from fluxcompile.lowerings.choices import Launches
 
 # Per-process call counts of the fake choices' fns and supports ("<name>" and "<name>.supports").
 CALLS: collections.Counter[str] = collections.Counter()
@@ -436,6 +437,32 @@ def test_no_tuning_under_cuda_graph_capture(ranks, tmp_path):
         assert hit == "fake:b"
 
 
+def launch_variants(cache: str) -> tuple[str, list[str], str, str, str]:
+    """A choice with launch variants as data: a call whose table gives two candidates times both as choices of
+    their own (``fake:<variant>``); one whose table has an entry runs it untimed against the others; a compiled
+    launch name resolves to that variant, an unknown one to the reference."""
+    speeds = {"slow": (40, 40), "fast": (5, 5)}
+
+    def make(variant: str):
+        if variant not in speeds:
+            raise ValueError(f"no launch {variant!r}")
+        return _fake(f"fake:{variant}", speeds[variant]).fn, lambda *a: None
+
+    def for_call(x, dim, group_name):
+        return ["slow", "fast"] if x.shape[0] == 4 else ["slow"]
+
+    base = Choice("fake", make("slow")[0], launches=Launches(for_call, make, "d1"))
+    _register("test_op_launches", base, _fake("reference", (90, 90)))
+    group = dist.group.WORLD.group_name
+    with _tuning(cache):
+        missed = pick("test_op_launches", _args(), group).name
+        timed = sorted(k for k in CALLS if not k.endswith(".supports"))
+        hit = pick("test_op_launches", (torch.ones(2, 8), 1, group), group).name
+        compiled = pick("test_op_launches", _args(), group, compiled="fake:fast").name
+        unknown = pick("test_op_launches", _args(), group, compiled="fake:gone").name
+    return missed, timed, hit, compiled, unknown
+
+
 def memo_fast_path(cache: str) -> tuple[str, int, int]:
     """The per-call path of a memoized signature builds no JSON key; a layout the fast path has not seen
     falls back to the memo without any collective (a rank alone there must not hang)."""
@@ -457,6 +484,12 @@ def memo_fast_path(cache: str) -> tuple[str, int, int]:
             assert pick("test_op_fast", (same_row, 1, group), group) is first
         CALLS.clear()
         return first.name, slow_keys, sum(CALLS.values())
+
+
+def test_launch_variants_are_timed_as_choices_and_resolve_by_name(ranks, tmp_path):
+    for missed, timed, hit, compiled, unknown in ranks(2).run(launch_variants, str(tmp_path)):
+        assert missed == "fake:fast" and timed == ["fake:fast", "fake:slow", "reference"]
+        assert hit == "fake:slow" and compiled == "fake:fast" and unknown == "reference"
 
 
 def test_memoized_calls_take_the_fast_path(ranks, tmp_path):

@@ -45,7 +45,7 @@ FAMILY_OF = {
     ("embedding_bag_all_to_all", "put:"): "dlrm",
     ("all_to_all_embedding_bag_backward", "triton"): "dlrm",
     ("all_to_all_embedding_bag_backward", "put"): "dlrm",
-    ("matmul_reduce_scatter", "cutlass:"): "rs_ring",
+    ("matmul_reduce_scatter", "cutlass"): "rs_ring",
 }
 
 

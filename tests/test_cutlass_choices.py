@@ -22,7 +22,7 @@ from fluxcompile import config
 from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import cutlass_build, cutlass_gemm, sequencer
 from fluxcompile.lowerings.all_gather_matmul import cutlass as ag
-from fluxcompile.lowerings.choices import _REGISTRY
+from fluxcompile.lowerings.choices import _REGISTRY, choice_named
 from fluxcompile.lowerings.matmul_reduce_scatter import cutlass as rs
 from fluxcompile.symm_mem import Comm, ErrorWords, FlagArray
 from fluxcompile.symm_mem.exchange import slot_bytes
@@ -44,6 +44,13 @@ def cuda(*shape, dtype=BF16, t: bool = False, view=None) -> torch.Tensor:
 
 def _cutlass(op: str):
     return {name: c for name, c in _REGISTRY[op].items() if c.family in ("cutlass", "rs_ring")}
+
+
+def _launches(op: str):
+    """Every launch variant of the op's CUTLASS choice as the choice the autotuner times (``cutlass:<launch>``)."""
+    (base,) = _cutlass(op).values()
+    names = cutlass_gemm.variants() if op == "all_gather_matmul" else cutlass_gemm.ring_variants()
+    return {f"cutlass:{v}": base.variant(v) for v in names}
 
 
 def _ag_args(A=None, Bs=None, biases=None, gather_dim=0, world=4):
@@ -72,12 +79,23 @@ def hopper(monkeypatch):
 # --- registration and the reasons to decline -------------------------------------------------------------
 
 
-def test_one_choice_per_variant_for_both_ops():
-    for op in OPS:
-        want = [f"cutlass:{v}" for v in (ag.NAMES if op == "all_gather_matmul" else cutlass_gemm.ring_variants())]
-        assert list(_cutlass(op)) == want, op
-    assert set(cutlass_gemm.variants()) < set(ag.NAMES)  # every 16-bit variant, then its launch options
-    assert not set(cutlass_gemm.variants(fp8=True)) & {n.partition(":")[0] for n in ag.NAMES}  # no fp8 choice yet
+def test_one_choice_per_family_its_launches_from_the_table():
+    """Each op registers one CUTLASS choice; its launches (``cutlass:<variant>[:<option>]...``) are data: every
+    launch the shipped table names parses, and a launch's name resolves as a compiled choice does."""
+    for op, lowering in (("all_gather_matmul", ag), ("matmul_reduce_scatter", rs)):
+        (base,) = _cutlass(op).values()
+        assert base.name == "cutlass" and base.launches is not None, op
+        table = lowering.table()
+        assert table.op == op and table.candidates
+        for launch in {*table.candidates, *table.entries.values()}:
+            lowering.parse(launch)  # raises for a launch the family does not have
+            assert base.variant(launch).name == f"cutlass:{launch}"
+    assert not set(cutlass_gemm.variants(fp8=True)) & set(_launches("all_gather_matmul"))  # no fp8 launch yet
+    with config.patch(implementations=IMPLEMENTATIONS):
+        got = choice_named("all_gather_matmul", "cutlass:128x256x64_c2x1:n:g8")
+        assert got is not None and got.family == "cutlass" and got.launches is None
+        assert choice_named("all_gather_matmul", "cutlass:128x256x64_c2x1:c9") is None
+        assert choice_named("matmul_reduce_scatter", "cutlass:128x256x64_c2x1").family == "rs_ring"
 
 
 def test_on_by_default_and_declined_when_switched_off():
@@ -86,7 +104,7 @@ def test_on_by_default_and_declined_when_switched_off():
     left_out = tuple(f for f in config.implementations if f != "cutlass")
     for off in ({"implementations": left_out}, {"implementations": ("-cutlass",)}):
         with config.patch(**off):
-            for c in _cutlass("all_gather_matmul").values():
+            for c in (*_cutlass("all_gather_matmul").values(), *_launches("all_gather_matmul").values()):
                 assert c.declines(*_ag_args()) == why, c.name
 
 
@@ -94,7 +112,7 @@ def test_reduce_scatter_ring_is_experimental():
     """The reduce-scatter's ring (family rs_ring) is off by default until it passes between real GPUs at 4 and 8
     (it hung between 4 GPUs: csrc/ring_deadlock_freedom.md) and declines while off."""
     assert "rs_ring" in IMPLEMENTATIONS and "rs_ring" not in config.implementations
-    for c in _cutlass("matmul_reduce_scatter").values():
+    for c in (*_cutlass("matmul_reduce_scatter").values(), *_launches("matmul_reduce_scatter").values()):
         assert c.family == "rs_ring"
         assert "FLUXCOMPILE_IMPLEMENTATIONS=+rs_ring) enables it" in c.declines(*_rs_args()), c.name
 
@@ -106,7 +124,7 @@ def test_declined_without_hopper():
         pytest.skip("the CUTLASS launcher runs here (a Hopper GPU and CUTLASS's headers)")
     with config.patch(implementations=IMPLEMENTATIONS):
         for op, args in (("all_gather_matmul", _ag_args()), ("matmul_reduce_scatter", _rs_args())):
-            for c in _cutlass(op).values():
+            for c in (*_cutlass(op).values(), *_launches(op).values()):
                 assert c.declines(*args) == why, c.name
 
 
@@ -195,8 +213,9 @@ def test_reduce_scatter_choices_are_the_ring_variants(hopper):
     """Only the variants built with the ring's source are reduce-scatter choices; they take chunks of whole
     clusters of tiles along the scatter axis and decline the rest with the reason (a chunk of one 256-row tile, half
     a 2x1 cluster: the hang between four GPUs, csrc/ring_deadlock_freedom.md)."""
-    choices = _cutlass("matmul_reduce_scatter")
-    assert sorted(n.partition(":")[2] for n in choices) == sorted(cutlass_gemm.ring_variants())
+    choices = _launches("matmul_reduce_scatter")
+    with pytest.raises(ValueError, match="no CUTLASS reduce-scatter launch"):
+        rs.parse("128x256x64_c2x1_sk")
     assert cutlass_gemm.ring_variants() and all(not cutlass_gemm.VARIANTS[v].stream_k for v in cutlass_gemm.ring_variants())
     rows = _rs_args(out_shape=(4 * 512, 768), As=[cuda(2048, 512)])  # 512 rows a rank
     cols = _rs_args(out_shape=(800, 4 * 256), Bs=[cuda(512, 1024)], scatter_dim=1)  # 256 columns a rank
@@ -211,7 +230,7 @@ def test_reduce_scatter_choices_are_the_ring_variants(hopper):
         tm = cutlass_gemm.VARIANTS[name.partition(":")[2]].tile[0]
         why = c.declines(*_rs_args())  # 200 rows a rank
         assert why == f"a rank's 200 rows are not whole {tm}-row tiles of {name.partition(':')[2]}", why
-    assert all(c.declines(*_ag_args()) is None for c in _cutlass("all_gather_matmul").values())
+    assert all(c.declines(*_ag_args()) is None for c in _launches("all_gather_matmul").values())
 
 
 def test_ring_sub_chunks():
@@ -286,11 +305,9 @@ def test_ag_launch_options():
     assert ag.parse("128x256x64_c2x1") == ("128x256x64_c2x1", ag.Launch())
     assert ag.parse("128x256x64_c2x1:c8") == ("128x256x64_c2x1", ag.Launch(chunks=8))
     assert ag.parse("256x128x64_c2x1:n")[1].raster == "n" and ag.Launch().raster in cutlass_gemm.RASTERS
-    for name in ag.NAMES:
-        _, launch = ag.parse(name)
-        assert launch.raster in cutlass_gemm.RASTERS and 1 <= launch.chunks <= ag.MAX_CHUNKS
-    for bad in ("128x256x64_c2x1:c3", "nope", "128x256x64_c2x1:"):
-        with pytest.raises(ValueError, match="no CUTLASS all-gather choice"):
+    assert ag.parse("128x256x64_c2x1:m:c2:g16")[1] == ag.Launch(raster="m", chunks=2, group_m=16)
+    for bad in ("128x256x64_c2x1:c9", "nope", "128x256x64_c2x1:", "128x256x64_c2x1:n:m", "128x256x64_c2x1:g5"):
+        with pytest.raises(ValueError, match="no CUTLASS all-gather launch"):
             ag.make(bad)
     assert ag.chunking(4096, 128, 8) == (512, 8) and ag.chunking(4096, 128, 2) == (2048, 2)
     assert ag.parse("128x256x64_c1x2:g8")[1] == ag.Launch(group_m=8)

@@ -9,7 +9,8 @@ on the group:
    winner and its timings. Ranks may see different disks, so every rank tells the others what it found
    (and which choices it supports, in the same message); the cached winner is used only if every rank
    has the same one and every rank supports it.
-3. **Tuning.** The candidates are the choices every rank supports. For each, in ``choices_for`` order,
+3. **Tuning.** The candidates are the choices every rank supports, a choice with launch variants standing for
+   those its tuning table gives the call (``choices.Launches``: its entry, or a few to time). For each, in ``choices_for`` order,
    the ranks meet at a barrier, then run it ``WARMUP`` times; then, in ``ROUNDS`` interleaved rounds over
    the candidates, time it ``ITERS`` times in all (CUDA events on GPU, ``perf_counter`` on CPU), so clock
    drift during tuning hits every candidate alike (each round with the GPU queued ``QUEUE_US`` ahead, so
@@ -157,7 +158,8 @@ def cache_key(
     op_name: str, args: tuple, group_name: str, key_extra: str = "", kwargs: dict[str, Any] | None = None
 ) -> str:
     """The call signature that a winner is valid for, as a JSON string (the memo key, hashed for the file)."""
-    return _key(op_name, args, group_name, _with_kwargs(key_extra, kwargs), choices_for(op_name))
+    candidates = [c for choice in choices_for(op_name) for c in choice.candidates(*args)]
+    return _key(op_name, args, group_name, _with_kwargs(key_extra, kwargs), candidates)
 
 
 def pick(
@@ -196,7 +198,7 @@ def pick(
         choice = _compiled.resolve(op_name, compiled, args)
         _fast[fast] = choice
         return choice
-    candidates = choices_for(op_name)
+    candidates = [c for choice in choices_for(op_name) for c in choice.candidates(*args)]
     if not candidates:
         raise RuntimeError(f"fluxcompile: no implementation of {op_name!r} is registered and allowed")
     if decomposed and op_name in decomposition.FUNCTIONS:

@@ -10,6 +10,11 @@ returned, last unless listed earlier, because it runs everywhere and is the fall
 A choice whose family the config does not enable (left out of ``implementations``, or off by default and not
 switched on) declines every call with the reason, which names what enables it (``Config.family_declines``).
 
+A choice may carry its launch variants as data (``Launches``: a kernel family's shipped tuning table): it is
+registered once, under its family's name, and a call's candidates are the variants its table gives that call,
+each a choice of its own named ``"<name>:<variant>"`` (one where the table has the call's entry, two or three
+timed at compile time where it has none). ``choice_named`` finds such a name as it finds a registered one.
+
 A choice must behave alike on every rank: ``supports`` may look only at what is equal on all ranks
 (shapes, dtypes, group, config), and ``fn`` must either fail before its first collective or not at all,
 since a rank that leaves a collective early makes the others wait in it (see ``autotune.pick``).
@@ -18,7 +23,7 @@ since a rank that leaves a collective early makes the others wait in it (see ``a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import ops
@@ -33,6 +38,18 @@ def _supports_all(*args: Any) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Launches:
+    """A choice's launch variants as data. ``for_call(*args)``: the variants to run the call with, the same on every
+    rank (a tuning table's entry for its arch, world size, shape bucket and dtype; where the table has none, the
+    few candidates the autotuner times); ``make(variant)``: that variant's ``(fn, supports)``, ``ValueError``
+    for a name it does not know; ``digest``: the table's content hash (the rewrite pass's uuid covers it)."""
+
+    for_call: Callable[..., Sequence[str]]
+    make: Callable[[str], tuple[Callable[..., Any], Callable[..., str | None]]]
+    digest: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Choice:
     """One implementation of a fused op.
 
@@ -42,7 +59,8 @@ class Choice:
     (symm_mem/topology.py); the reference (the collective, then the matmuls) does not. ``family``: its
     implementation family ("" = the name's kind, the part before ":"). ``remote_peers``: ``fn`` reaches its peers
     only through NVSHMEM (put-with-signal), never by their P2P addresses, so with the NVSHMEM backend it runs on a
-    group that spans hosts too (its ``supports`` says where it does not).
+    group that spans hosts too (its ``supports`` says where it does not). ``launches``: its launch variants as
+    data (``Launches``); ``fn`` and ``supports`` are then the family's default launch and its check.
     """
 
     name: str
@@ -51,6 +69,7 @@ class Choice:
     symmetric_memory: bool = True
     family: str = ""
     remote_peers: bool = False
+    launches: Launches | None = None
 
     def __post_init__(self) -> None:
         kind, _, variant = self.name.partition(":")
@@ -68,6 +87,20 @@ class Choice:
         if self.remote_peers and backend.wanted() == "NVSHMEM":
             return None
         return no_peers
+
+    def variant(self, name: str) -> Choice:
+        """The choice ``<name>:<variant>`` of this choice's launch variant ``name`` (``ValueError``: not one)."""
+        if self.launches is None:
+            raise ValueError(f"fluxcompile: {self.name} has no launch variants ({name!r} asked for)")
+        fn, supports = self.launches.make(name)
+        return dataclasses.replace(self, name=f"{self.name}:{name}", fn=fn, supports=supports, launches=None)
+
+    def candidates(self, *args: Any) -> list[Choice]:
+        """What the autotuner times for this call in this choice's place: the launch variants its table gives
+        the call, or the choice itself (no table, or it declines the call: it is then declined as itself)."""
+        if self.launches is None or self.declines(*args) is not None:
+            return [self]
+        return [self.variant(v) for v in self.launches.for_call(*args)]
 
     def declines(self, *args: Any) -> str | None:
         """Why this choice does not run these arguments: its family is not enabled (the config's reason), else
@@ -100,10 +133,29 @@ def choices_for(op_name: str) -> list[Choice]:
     return sorted(allowed, key=lambda c: order.get(c.family, len(order)))
 
 
+def choice_named(op_name: str, name: str, offered: list[Choice] | None = None) -> Choice | None:
+    """The choice called ``name`` among ``offered`` (default: ``choices_for(op_name)``): a registered one, or a
+    launch variant of one (``"<name>:<variant>"``); None where there is none."""
+    by_name = {c.name: c for c in (choices_for(op_name) if offered is None else offered)}
+    if name in by_name:
+        return by_name[name]
+    for base in by_name.values():
+        if base.launches is not None and name.startswith(f"{base.name}:"):
+            try:
+                return base.variant(name[len(base.name) + 1 :])
+            except ValueError:
+                return None
+    return None
+
+
 def registered_names() -> str:
-    """Every registered choice of every op, by name (the rewrite pass's uuid covers it: a graph compiled against a
-    choice that is gone or renamed is never replayed from Inductor's cache)."""
-    return ";".join(f"{op}:{','.join(choices)}" for op, choices in sorted(_REGISTRY.items()))
+    """Every registered choice of every op, by name, with the content hash of its launch table (the rewrite pass's
+    uuid covers it: a graph compiled against a choice or a launch variant that is gone or renamed is never
+    replayed from Inductor's cache)."""
+    def named(c: Choice) -> str:
+        return f"{c.name}@{c.launches.digest}" if c.launches is not None else c.name
+
+    return ";".join(f"{op}:{','.join(map(named, choices.values()))}" for op, choices in sorted(_REGISTRY.items()))
 
 
 # op name -> a function that makes a site's materialized operands look like a real call's where zeros would not

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from .choices import REFERENCE, SCALABLE_OPS, Choice, choices_for, scaled
+from .choices import REFERENCE, SCALABLE_OPS, Choice, choice_named, choices_for, scaled
 
 log = logging.getLogger("fluxcompile.compiled")
 
@@ -97,10 +97,10 @@ def resolve(op_name: str, spec: str, args: tuple) -> Choice:
     """The choice a call of ``op_name`` runs under ``spec`` (the reference where the named one is not offered
     here or declines the call)."""
     name = name_for(op_name, spec, args)
-    offered = {c.name: c for c in choices_for(op_name)}
-    choice = offered.get(name)
+    offered = choices_for(op_name)
+    choice = choice_named(op_name, name, offered)
     reason = "not offered in this process" if choice is None else choice.declines(*args)
     if reason is None:
         return choice
     log.warning("fluxcompile: %s: the compiled choice %s runs the reference instead: %s", op_name, name, reason)
-    return offered[REFERENCE]
+    return next(c for c in offered if c.name == REFERENCE)

@@ -8,8 +8,9 @@ Choices, in registration order (the autotuner's tie-break order within a family)
 * ``async_input_mm`` (async_input_mm.py): PyTorch's CUTLASS GEMM that waits on per-chunk signals, fed by
   copy-engine pulls;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/ag_gemm.py;
-* ``cutlass:<variant>[:<launch option>]`` (cutlass.py): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose
-  tiles wait for the chunks of the gathered rows, fed by copy-engine pushes;
+* ``cutlass`` (cutlass.py): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose tiles wait for the chunks
+  of the gathered rows, fed by copy-engine pushes; one choice whose launch (``cutlass:<variant>[:<option>]...``)
+  comes from its shipped tuning table (cutlass_tuning.json), a few candidates timed where the table has no entry;
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 
 Scaled calls (fp8, ``scaled(OP)``) choose among ``cublas_pipelined`` and its ``:concurrent`` and ``:unsplit``
@@ -54,7 +55,7 @@ _CHOICES = [
     Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_matmul, torch_symm_mem.supports),
     Choice(async_input_mm.NAME, async_input_mm.all_gather_matmul, async_input_mm.supports),
     *(Choice(f"triton:{name}", *triton.make(name), family="triton_ag") for name in triton.VARIANTS),
-    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name)) for name in cutlass.NAMES),
+    Choice(cutlass.NAME, *cutlass.make(cutlass.table().candidates[0]), launches=cutlass.launches()),
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)

@@ -33,7 +33,9 @@ Family ``cutlass``, on by default: its choices decline every call while ``config
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -42,6 +44,8 @@ from ...kernels import cutlass_gemm, sequencer
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
 from ...symm_mem.exchange import gather_send_order
 from ...symm_mem.watchdog import read_flags
+from .. import tuning_table
+from ..choices import Launches
 from .layout import layout_supports, shard_layout
 
 NAME = "cutlass"
@@ -116,28 +120,40 @@ class Launch:
     group_m: int = 0
 
 
-# Name suffixes of the launch options offered beside each variant's defaults (``cutlass:<variant>:<suffix>``),
-# and the variants they are offered for: the autotuner picks per (world, shape) among them.
-LAUNCHES = {
-    "n": Launch(raster="n"),
-    "c2": Launch(chunks=2),
-    "c8": Launch(chunks=8),
-    **{f"g{g}": Launch(group_m=g) for g in (4, 8, 16)},
-}
-TUNED_VARIANTS = ("128x256x64_c2x1", "256x128x64_c2x1", "128x256x64_c1x2")
-NAMES = [*cutlass_gemm.variants(), *(f"{v}:{o}" for v in TUNED_VARIANTS for o in LAUNCHES)]
+# A launch's name: ``<variant>[:<option>]...``, options ``n``/``m`` (raster along N or M), ``c<chunks>`` (chunks
+# per shard, 1 to MAX_CHUNKS) and ``g<rows>`` (the grouped tile order, GROUPS rows of tiles a group).
+GROUPS = (4, 8, 16)
+# The family's one choice runs the launch that its shipped tuning table (cutlass_tuning.json, written by
+# benchmarks/cutlass_tuning.py from the fused op's recorded times) gives the call's arch, world size, dtype and
+# GEMM shape; the table's candidates are timed where it has no entry.
+TABLE_PATH = Path(__file__).with_name("cutlass_tuning.json")
+
+
+def table() -> tuning_table.TuningTable:
+    return tuning_table.load(TABLE_PATH)
 
 
 def parse(name: str) -> tuple[str, Launch]:
-    """(variant, launch options) of a choice name's part after ``cutlass:``."""
-    variant, sep, option = name.partition(":")
-    if variant not in cutlass_gemm.variants() or ((sep or option) and option not in LAUNCHES):
-        raise ValueError(f"fluxcompile: no CUTLASS all-gather choice {name!r}")
-    return variant, LAUNCHES[option] if option else Launch()
+    """(variant, launch options) of a launch's name (the part after ``cutlass:``)."""
+    variant, *options = name.split(":")
+    launch = Launch()
+    for option in options:
+        digits = option[1:]
+        if option in ("n", "m") and launch.raster == "auto":
+            launch = dataclasses.replace(launch, raster=option)
+        elif option[:1] == "c" and digits.isdigit() and 1 <= int(digits) <= MAX_CHUNKS:
+            launch = dataclasses.replace(launch, chunks=int(digits))
+        elif option[:1] == "g" and digits.isdigit() and int(digits) in GROUPS:
+            launch = dataclasses.replace(launch, group_m=int(digits))
+        else:
+            variant = ""
+    if variant not in cutlass_gemm.variants():
+        raise ValueError(f"fluxcompile: no CUTLASS all-gather launch {name!r}")
+    return variant, launch
 
 
 def make(name: str) -> tuple[Callable[..., tuple[Tensor | None, list[Tensor]]], Callable[..., str | None]]:
-    """(fn, supports) of the choice ``cutlass:<name>`` (a variant, optionally ``:<launch option>``)."""
+    """(fn, supports) of the launch ``name`` (a variant, optionally with options: :func:`parse`)."""
     variant, launch = parse(name)
 
     def run(A, Bs, biases, gather_dim, group_size, group_name, return_A=True):
@@ -146,6 +162,25 @@ def make(name: str) -> tuple[Callable[..., tuple[Tensor | None, list[Tensor]]], 
         )
 
     return run, supports
+
+
+def launches_for(
+    A: Tensor, Bs: Sequence[Tensor], biases: Sequence[Tensor | None], gather_dim: int, group_size: int, group_name: str
+) -> list[str]:
+    """The launches a call runs with: its table entry, or the candidates to time (the same on every rank)."""
+    k = A.shape[-1]
+    rows = A.numel() // k
+    key = tuning_table.Key.of(tuning_table.arch_of(A.device), group_size, A.dtype, group_size * rows,
+                              max(b.shape[-1] for b in Bs), k)  # fmt: skip
+    args = (A, Bs, biases, gather_dim, group_size, group_name)
+    return table().launches(key, lambda launch: make(launch)[1](*args))
+
+
+def launches() -> Launches:
+    """The family's launch variants as data (``choices.Launches``)."""
+    names = ",".join(cutlass_gemm.variants())
+    digest = hashlib.sha256(f"{table().digest}|{names}|{GROUPS}|{MAX_CHUNKS}".encode()).hexdigest()[:16]
+    return Launches(launches_for, make, digest)
 
 
 # --- the protocol ---------------------------------------------------------------------------------------

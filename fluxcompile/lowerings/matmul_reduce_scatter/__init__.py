@@ -6,9 +6,9 @@ Choices, in registration order (the autotuner's tie-break order within a family)
   and ``:pushadd`` (two ranks), ``:tail<d>`` and experimental ``:stages<g>`` variants (cublas_pipelined.py);
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
 * ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
-* ``cutlass:<variant>`` (cutlass.py, family ``rs_ring``, off by default): a ring in one Flux-style CUTLASS GEMM (kernels/cutlass_gemm.py)
-  whose epilogue adds the running sums the next rank pushed, sub-chunk by sub-chunk (the variants built with
-  the ring's source, ``cutlass_gemm.ring_variants()``);
+* ``cutlass`` (cutlass.py, family ``rs_ring``, off by default): a ring in one Flux-style CUTLASS GEMM
+  (kernels/cutlass_gemm.py) whose epilogue adds the running sums the next rank pushed, sub-chunk by sub-chunk; its
+  launch (``cutlass:<variant>``, a variant built with the ring's source) from its shipped tuning table;
 * ``reference`` (NCCL + cuBLAS, registered by lowerings/choices.py).
 
 Scaled calls (fp8, ``scaled(OP)``) choose among ``cublas_pipelined`` and its ``:push``, ``:unsplit`` and ``:tail<d>``
@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from ... import ops
-from ...kernels import cutlass_gemm
 from ..autotune import pick
 from ..choices import Choice, register_choice, scaled
 from ..direct_calls import cuda_impl
@@ -50,7 +49,7 @@ _CHOICES = [
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.matmul_reduce_scatter, torch_symm_mem.supports),
     *(Choice(f"triton:{name}", *triton.make(name), family="triton_rs") for name in triton.VARIANTS),
-    *(Choice(f"{cutlass.NAME}:{name}", *cutlass.make(name), family="rs_ring") for name in cutlass_gemm.ring_variants()),
+    Choice(cutlass.NAME, *cutlass.make(cutlass.table().candidates[0]), family="rs_ring", launches=cutlass.launches()),
 ]  # fmt: skip
 for _choice in _CHOICES:
     register_choice(OP, _choice)

@@ -36,15 +36,19 @@ per call signature (:func:`plan`). Without the sequencer the choices decline. Th
 (:func:`chunk_declines`). Why the ring cannot deadlock then: csrc/ring_deadlock_freedom.md; a CPU model of its schedule,
 run in CI: fluxcompile/testing/ring_schedule.py.
 
-Family ``cutlass``, on by default: its choices decline every call while ``config.implementations`` leaves it out.
+One choice, ``cutlass`` (family ``rs_ring``, off by default: ``FLUXCOMPILE_IMPLEMENTATIONS=+rs_ring``), whose
+launch (``cutlass:<variant>``) comes from its shipped tuning table (cutlass_tuning.json, written by
+benchmarks/cutlass_tuning.py), a few candidates timed where the table has no entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -53,6 +57,8 @@ from ...kernels import cutlass_gemm, sequencer
 from ...symm_mem import Comm, ErrorSpec, FlagArray, comm_for
 from ...symm_mem.exchange import slot_bytes
 from ...symm_mem.watchdog import read_flags
+from .. import tuning_table
+from ..choices import Launches
 
 NAME = "cutlass"
 MAX_WORLD = cutlass_gemm.MAX_WORLD
@@ -132,8 +138,37 @@ def _supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size) -> st
     return sequencer.unavailable()  # the pipelined module issues the protocol (kernels/cutlass_gemm.rs_sequence)
 
 
+TABLE_PATH = Path(__file__).with_name("cutlass_tuning.json")
+
+
+def table() -> tuning_table.TuningTable:
+    return tuning_table.load(TABLE_PATH)
+
+
+def parse(name: str) -> str:
+    """The variant of a launch's name (one of ``cutlass_gemm.ring_variants()``: the ring's raster is its own)."""
+    if name not in cutlass_gemm.ring_variants():
+        raise ValueError(f"fluxcompile: no CUTLASS reduce-scatter launch {name!r}")
+    return name
+
+
+def launches_for(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> list[str]:
+    """The launches a call runs with: its table entry, or the candidates to time (the same on every rank)."""
+    A, B = As[0], Bs[0]
+    key = tuning_table.Key.of(tuning_table.arch_of(A.device), group_size, A.dtype, A.shape[0], B.shape[1], A.shape[1])
+    args = (As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
+    return table().launches(key, lambda launch: make(launch)[1](*args))
+
+
+def launches() -> Launches:
+    """The family's launch variants as data (``choices.Launches``)."""
+    names = ",".join(cutlass_gemm.ring_variants())
+    return Launches(launches_for, make, hashlib.sha256(f"{table().digest}|{names}".encode()).hexdigest()[:16])
+
+
 def make(variant: str) -> tuple[Callable[..., Tensor], Callable[..., str | None]]:
-    """(fn, supports) of the choice ``cutlass:<variant>`` (a variant of ``cutlass_gemm.ring_variants()``)."""
+    """(fn, supports) of the launch ``variant`` (one of ``cutlass_gemm.ring_variants()``)."""
+    parse(variant)
 
     def supports_variant(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name) -> str | None:
         why = supports(As, Bs, bias, out_shape, scatter_dim, reduce_op, group_size, group_name)
