@@ -146,6 +146,7 @@ def main() -> None:
     from fluxcompile.kernels.cutlass_build import VARIANTS as CUTLASS_VARIANTS
     from fluxcompile.lowerings import choices_for, direct_calls, pick
     from fluxcompile.lowerings.all_gather_matmul import cutlass as ag_cutlass
+    from fluxcompile.lowerings.choices import choice_named
 
     variant = args.cutlass_variant or next(iter(CUTLASS_VARIANTS))
     if variant not in CUTLASS_VARIANTS:
@@ -255,7 +256,7 @@ def main() -> None:
     # Inductor's generated code calls a site compiled to it (the direct entry, ``choice``).
     cutlass_runs: dict[str, Callable[[], object]] = {}  # "<op> <choice> (direct)" -> its call
     for op, op_args in (("all_gather_matmul", ag_args), ("matmul_reduce_scatter", rs_args)):
-        cutlass_choice = {c.name: c for c in choices_for(op)}.get(cutlass_name)
+        cutlass_choice = choice_named(op, cutlass_name)
         if args.loopback:
             cutlass_why = loopback_declines
         elif cutlass_choice is None:

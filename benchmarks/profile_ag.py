@@ -22,12 +22,11 @@ def _cutlass(op: str, variants: list[str], args: tuple) -> dict[str, Callable[[]
     """The registered ``cutlass:<variant>`` choices that take ``args`` (none where the kernels cannot run)."""
     from fluxcompile import config
     from fluxcompile.config import IMPLEMENTATIONS
-    from fluxcompile.lowerings import choices_for
+    from fluxcompile.lowerings.choices import choice_named
 
     name = "all_gather_matmul" if op == "ag" else "matmul_reduce_scatter"
     with config.patch(implementations=IMPLEMENTATIONS):  # every family, cutlass among them
-        registered = {c.name: c for c in choices_for(name)}
-        picked = [registered[f"cutlass:{v}"] for v in variants if f"cutlass:{v}" in registered]
+        picked = [c for v in variants if (c := choice_named(name, f"cutlass:{v}")) is not None]
         return {c.name: c.fn for c in picked if c.declines(*args) is None}
 
 

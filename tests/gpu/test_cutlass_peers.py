@@ -13,7 +13,7 @@ from gpu_helpers import assert_on_every_rank, poison_allocator, shared_seed
 from fluxcompile import config, ops
 from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import cutlass_gemm, sequencer
-from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.choices import choice_named
 from fluxcompile.testing.numerics import assert_close
 
 BF16 = torch.bfloat16
@@ -53,7 +53,9 @@ def _enabled():
 
 
 def _choice(op: str, variant: str):
-    return {c.name: c for c in choices_for(op)}[f"cutlass:{variant}"]
+    choice = choice_named(op, f"cutlass:{variant}")
+    assert choice is not None, f"no launch cutlass:{variant} of {op}"
+    return choice
 
 
 def _ag_args(case: str, group, seed: int):
