@@ -49,7 +49,6 @@ IMPLEMENTATIONS = (
     "cublas_pipelined",  # cuBLAS GEMMs behind copy-engine transfers (csrc/sequences.h's sequences)
     "ag_stages",  # off by default: all_gather_matmul's "cublas_pipelined:stages<g>" (one GEMM per group of peers)
     "rs_stages",  # off by default: matmul_reduce_scatter's "cublas_pipelined:stages<g>"
-    "async_input_mm",  # PyTorch's CUTLASS GEMM that waits on per-chunk signals
     "torch_symm_mem",  # PyTorch's symm_mem fused ops and all-reduces
     "schedules",  # the schedule language's all-reduce choices (schedules/gpu_executor.py)
     "cutlass",  # the Flux-style CUTLASS GEMMs (csrc/flux_gemm.cuh; Hopper; built on first use)
@@ -61,12 +60,17 @@ OFF_BY_DEFAULT = ("triton_ag", "triton_rs", "ag_stages", "rs_stages", "moe", "rs
 DEFAULT_IMPLEMENTATIONS = tuple(f for f in IMPLEMENTATIONS if f not in OFF_BY_DEFAULT)
 # Family names that are gone, and the families each stood for.
 REMOVED_FAMILIES = {"triton": ("triton_ag", "triton_rs", "decode", "moe", "dlrm"), "cuda": ("decode", "gemv_peers")}
+# Families retired because no benchmark table ever picked them (BENCHMARKS.md, benchmarks/choice_wins.py): why.
+RETIRED_FAMILIES = {
+    "async_input_mm": "no benchmark row picked it by more than noise; the all-gather's cublas_pipelined and cutlass "
+    "choices run instead",
+}
 _families = list(IMPLEMENTATIONS)
 
 
 def register_family(family: str) -> None:
     """Accept ``family`` in ``implementations`` (lowerings/choices.py calls this for every registered choice)."""
-    if family in REMOVED_FAMILIES or family.startswith(("+", "-")):
+    if family in REMOVED_FAMILIES or family in RETIRED_FAMILIES or family.startswith(("+", "-")):
         raise ValueError(f"fluxcompile: {family!r} cannot name a family")
     if family not in _families:
         _families.append(family)
@@ -141,8 +145,8 @@ class Config:
     # the schedule executor, the DLRM and the MoE kernels. The wait gives up, records the rank, the peer and the
     # signal in error words, and the call (or the next one) raises with them.
     wait_timeout_s: float = 60.0
-    # The bound (seconds) on the stream waits (cuStreamWaitValue32 of the cuBLAS-pipelined, async_input_mm and
-    # CUTLASS choices), which cannot time out themselves: symm_mem/watchdog.py's thread times each eager call from
+    # The bound (seconds) on the stream waits (cuStreamWaitValue32 of the cuBLAS-pipelined and CUTLASS
+    # choices), which cannot time out themselves: symm_mem/watchdog.py's thread times each eager call from
     # the host and ends the process past it (0 = off). A bound of its own, not wait_timeout_s, because it is
     # another kind of wait: its clock runs from when the host queued the call, so it also counts the work queued
     # ahead of it on the stream, and passing it ends the process (a blocked stream cannot be cancelled) where an
@@ -325,6 +329,8 @@ def _resolve_families(value: Any) -> Any:
         if n.lstrip("+-") in REMOVED_FAMILIES:
             stood = ", ".join(REMOVED_FAMILIES[n.lstrip("+-")])
             raise ConfigError(f"the family {n.lstrip('+-')!r} is no longer a name: name the families it stood for ({stood})")
+        if n.lstrip("+-") in RETIRED_FAMILIES:
+            raise ConfigError(f"the family {n.lstrip('+-')!r} is retired: {RETIRED_FAMILIES[n.lstrip('+-')]}")
     changes = [n.startswith(("+", "-")) for n in names]
     if not any(changes):
         return tuple(names)

@@ -16,6 +16,7 @@ from fluxcompile.config import (
     OFF_BY_DEFAULT,
     REMOVED,
     REMOVED_FAMILIES,
+    RETIRED_FAMILIES,
     Config,
     ConfigError,
     config,
@@ -132,6 +133,19 @@ def test_removed_family_names_say_what_they_stood_for():
             Config().load_env({"FLUXCOMPILE_IMPLEMENTATIONS": "triton,reference"})
         with pytest.raises(ValueError, match="cannot name a family"):
             config_module.register_family(name)
+    assert config.implementations == DEFAULT_IMPLEMENTATIONS
+
+
+def test_retired_families_say_why():
+    for name, why in RETIRED_FAMILIES.items():
+        for names in ((name, "reference"), (f"+{name}",)):
+            with pytest.raises(ConfigError, match=f"the family {name!r} is retired: no benchmark row picked it"):
+                config.implementations = names
+        with pytest.raises(ConfigError, match=f"FLUXCOMPILE_IMPLEMENTATIONS='{name}'"):
+            Config().load_env({"FLUXCOMPILE_IMPLEMENTATIONS": name})
+        with pytest.raises(ValueError, match="cannot name a family"):
+            config_module.register_family(name)
+        assert why and not any(c.family == name for op in ("all_gather_matmul",) for c in choices_for(op))
     assert config.implementations == DEFAULT_IMPLEMENTATIONS
 
 

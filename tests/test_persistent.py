@@ -264,16 +264,8 @@ def _cutlass_scratch(mp, mode) -> list[torch.Tensor]:
     return list(scratch._buffers.values())
 
 
-def _async_input_mm(mp, mode) -> list[torch.Tensor]:
-    from fluxcompile.lowerings.all_gather_matmul import async_input_mm as m
-
-    mp.setattr(m, "persistent", mode.persistent)
-    mp.setattr(m, "_signals", {})
-    return [m._signal_buffer("g", 2)]
-
-
 CREATORS = [
-    _decode_kernels, _schedules, _rs_triton, _comm_for, _moe, _dlrm, _cutlass_scratch, _async_input_mm,
+    _decode_kernels, _schedules, _rs_triton, _comm_for, _moe, _dlrm, _cutlass_scratch,
 ]  # fmt: skip
 
 

@@ -104,8 +104,6 @@ _SOURCES = tuple(
     [
         *sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py"))),
         os.path.join(os.path.dirname(os.path.dirname(__file__)), "ops.py"),
-        # The lowering that decides where the all-gather's shard is allocated.
-        os.path.join(os.path.dirname(os.path.dirname(__file__)), "lowerings", "comm_buffers.py"),
     ]
 )
 

@@ -6,7 +6,6 @@ from . import (  # noqa: F401  (register their choices and CUDA implementations)
     all_gather_matmul,
     all_to_all,
     all_to_all_embedding_bag_backward,
-    comm_buffers,
     embedding_bag_all_to_all,
     matmul_all_reduce,
     matmul_reduce_scatter,

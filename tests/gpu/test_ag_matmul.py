@@ -8,7 +8,6 @@ import torch.distributed as dist
 from gpu_helpers import poison_allocator, require_sequencer, shared_seed
 
 from fluxcompile import config, ops
-from fluxcompile.lowerings.all_gather_matmul import async_input_mm
 from fluxcompile.lowerings.all_gather_matmul import cublas_pipelined as pipelined
 from fluxcompile.lowerings.all_gather_matmul import triton as triton_choice
 from fluxcompile.testing.numerics import assert_close
@@ -207,57 +206,3 @@ def test_triton_in_cuda_graph(monkeypatch):
         assert_close(static_A, ref_A, 0.0, "gathered A (graph)")
         for i, (o, r) in enumerate(zip(static_outs, ref)):
             assert_close(o, r, 1e-2, f"out {i} (graph)")
-
-
-# PyTorch's CUTLASS GEMM with per-chunk input signals, fed by copy-engine pulls (all_gather_matmul/async_input_mm.py).
-ASYNC_MM_CASES = [
-    ((256, 512), 0, "kn"),
-    ((1, 384, 256), 1, "nk"),  # sequence-parallel, an nn.Linear weight transposed in the graph
-]
-
-
-def _weight(k: int, n: int, layout: str, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(k, n, device="cuda", dtype=BF16, generator=g) / k**0.5
-    return w if layout == "kn" else w.t().contiguous().t()
-
-
-@pytest.mark.parametrize(("shape", "dim", "layout"), ASYNC_MM_CASES)
-def test_async_input_mm_matches_reference(shape, dim, layout):
-    group = dist.group.WORLD
-    seed = shared_seed()
-    A, _, _ = _inputs(shape, (), False, seed)
-    Bs = [_weight(shape[-1], 640, layout, seed + 1 + dist.get_rank())]
-    args = (A, Bs, [None], dim, group.size(), group.group_name)
-    why = async_input_mm.supports(*args)
-    if why is not None and "not in this torch" in why:
-        pytest.skip(why)
-    assert why is None, why
-    for call in range(3):
-        poison_allocator()
-        return_A = call != 1  # the second call does not ask for the gathered operand
-        got_A, got = async_input_mm.all_gather_matmul(*args, return_A=return_A)
-        ref_A, ref = REF(*args)
-        _check_gathered(got_A, ref_A, return_A, "gathered A")
-        assert_close(got[0], ref[0], 1e-2, "out")
-        A.normal_()
-
-
-def test_async_input_mm_in_cuda_graph():
-    group = dist.group.WORLD
-    A, _, _ = _inputs((256, 256), (), False, shared_seed())
-    Bs = [_weight(256, 384, "kn", 5)]
-    args = (A, Bs, [None], 0, group.size(), group.group_name)
-    if async_input_mm.supports(*args) is not None:
-        pytest.skip(async_input_mm.supports(*args))
-    async_input_mm.all_gather_matmul(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_A, static_outs = async_input_mm.all_gather_matmul(*args)
-    for _ in range(5):
-        A.copy_(torch.randn_like(A))
-        graph.replay()
-        ref_A, ref = REF(*args)
-        assert_close(static_A, ref_A, 0.0, "gathered A (graph)")
-        assert_close(static_outs[0], ref[0], 1e-2, "out (graph)")

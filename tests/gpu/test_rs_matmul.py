@@ -21,10 +21,10 @@ OP = "matmul_reduce_scatter"
 REF = ops.REFERENCES[OP]  # the oracle: cuBLAS + NCCL reduce-scatter
 
 # The Triton choice, off by default (kernels/gemm_rs.py): validated here before it may be enabled by default.
-TRITON = [f"triton:{v}" for v in sorted(triton_choice.VARIANTS)]
+TRITON = [f"triton:{triton_choice.PORTABLE}"]  # the one registered
 CHOICES = ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
            "cublas_pipelined:pushadd", "cublas_pipelined:tail2",
-           "cublas_pipelined:tail4", "cublas_pipelined:stages2", "cublas_pipelined:stages3", "torch_symm_mem",
+           "cublas_pipelined:tail8", "cublas_pipelined:stages2", "cublas_pipelined:stages3", "torch_symm_mem",
            *TRITON]  # fmt: skip
 TAGS = {"cublas_pipelined": "matmul_reduce_scatter", "triton": "matmul_reduce_scatter.triton"}
 
@@ -115,7 +115,7 @@ def test_choice_matches_reference(monkeypatch, name, case):
 
 @pytest.mark.parametrize(
     "name", ["cublas_pipelined", "cublas_pipelined:push", "cublas_pipelined:unsplit", "cublas_pipelined:addmm",
-             "cublas_pipelined:pushadd", "cublas_pipelined:tail4", "cublas_pipelined:stages2", TRITON[0]]
+             "cublas_pipelined:pushadd", "cublas_pipelined:tail8", "cublas_pipelined:stages2", TRITON[0]]
 )  # fmt: skip
 def test_alternating_shapes_without_sync(monkeypatch, name):
     """Calls of different shapes back to back (other slot offsets), no host synchronization between them:

@@ -2,12 +2,12 @@
 autotuner for one choice per call signature (identically on every rank) and runs it.
 
 Choices, in registration order (the autotuner's tie-break order within a family):
-* ``cublas_pipelined`` and its ``:concurrent``, ``:unsplit``, ``:lead<d>`` and experimental ``:stages<g>``
-  variants (cublas_pipelined.py): cuBLAS GEMMs per block of rows behind copy-engine pushes;
+* ``cublas_pipelined`` and its ``:concurrent``, ``:lead<d>`` and experimental ``:stages<g>`` variants (``:unsplit``
+  for scaled calls only: no plain row picked it) (cublas_pipelined.py): cuBLAS GEMMs per block of rows behind
+  copy-engine pushes;
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_all_gather_matmul``;
-* ``async_input_mm`` (async_input_mm.py): PyTorch's CUTLASS GEMM that waits on per-chunk signals, fed by
-  copy-engine pulls;
-* ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/ag_gemm.py;
+* ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/ag_gemm.py, one tile
+  variant (``triton.PORTABLE``, the portable path);
 * ``cutlass`` (cutlass.py): the Flux-style CUTLASS GEMM of kernels/cutlass_gemm.py, whose tiles wait for the chunks
   of the gathered rows, fed by copy-engine pushes; one choice whose launch (``cutlass:<variant>[:<option>]...``)
   comes from its shipped tuning table (cutlass_tuning.json), a few candidates timed where the table has no entry;
@@ -35,7 +35,7 @@ from ... import ops
 from ..autotune import pick
 from ..choices import Choice, register_choice, scaled
 from ..direct_calls import cuda_impl
-from . import async_input_mm, cublas_pipelined, cutlass, torch_symm_mem, triton
+from . import cublas_pipelined, cutlass, torch_symm_mem, triton
 
 OP = "all_gather_matmul"
 
@@ -43,7 +43,6 @@ _pipelined = cublas_pipelined.all_gather_matmul
 _CHOICES = [
     Choice(cublas_pipelined.NAME, _pipelined, cublas_pipelined.supports),
     Choice(f"{cublas_pipelined.NAME}:concurrent", functools.partial(_pipelined, concurrent=True), cublas_pipelined.supports),
-    Choice(f"{cublas_pipelined.NAME}:unsplit", functools.partial(_pipelined, unsplit=True), cublas_pipelined.supports),
     *(
         Choice(f"{cublas_pipelined.NAME}:lead{d}", functools.partial(_pipelined, lead=d), cublas_pipelined.lead_supports(d))
         for d in cublas_pipelined.LEADS
@@ -53,8 +52,7 @@ _CHOICES = [
         for g in cublas_pipelined.STAGES
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.all_gather_matmul, torch_symm_mem.supports),
-    Choice(async_input_mm.NAME, async_input_mm.all_gather_matmul, async_input_mm.supports),
-    *(Choice(f"triton:{name}", *triton.make(name), family="triton_ag") for name in triton.VARIANTS),
+    *(Choice(f"triton:{name}", *triton.make(name), family="triton_ag") for name in [triton.PORTABLE] if name),
     Choice(cutlass.NAME, *cutlass.make(cutlass.table().candidates[0]), launches=cutlass.launches()),
 ]  # fmt: skip
 for _choice in _CHOICES:

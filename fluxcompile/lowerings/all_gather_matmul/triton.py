@@ -37,7 +37,9 @@ _ARRIVED_FLAGS = 1 << 17  # int32 flags for world * chunks; `done` flags follow 
 _FLAG_BYTES = 4 * _ARRIVED_FLAGS + 4096
 TAG = "ag_triton"
 _ERRORS = ErrorSpec(ag_gemm.ERR_WORDS if ag_gemm is not None else 0, "the Triton all_gather_matmul")  # per device
-VARIANTS = ag_gemm.VARIANTS if ag_gemm is not None else {}  # the kernel's tile variants, one choice each
+VARIANTS = ag_gemm.VARIANTS if ag_gemm is not None else {}  # the kernel's tile variants
+# The one registered as a choice (``triton:<variant>``): the portable path (HIP); no table timed the others.
+PORTABLE = next(iter(VARIANTS), None)
 
 
 def supports(A: Tensor, Bs: Sequence[Tensor], biases, gather_dim: int, group_size: int, group_name: str) -> str | None:

@@ -3,9 +3,11 @@ autotuner for one choice per call signature (identically on every rank) and runs
 
 Choices, in registration order (the autotuner's tie-break order within a family):
 * ``cublas_pipelined`` (zero-copy stores into the owners' slots) and its ``:push``, ``:unsplit``, ``:addmm``
-  and ``:pushadd`` (two ranks), ``:tail<d>`` and experimental ``:stages<g>`` variants (cublas_pipelined.py);
+  and ``:pushadd`` (two ranks), ``:tail<d>`` (``:tail4``: scaled calls only) and experimental ``:stages<g>`` variants
+  (cublas_pipelined.py);
 * ``torch_symm_mem`` (torch_symm_mem.py): PyTorch's ``symm_mem.fused_matmul_reduce_scatter``;
-* ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py;
+* ``triton:<variant>`` (triton.py, experimental): the persistent Triton kernel of kernels/gemm_rs.py, one tile
+  variant (``triton.PORTABLE``, the portable path);
 * ``cutlass`` (cutlass.py, family ``rs_ring``, off by default): a ring in one Flux-style CUTLASS GEMM
   (kernels/cutlass_gemm.py) whose epilogue adds the running sums the next rank pushed, sub-chunk by sub-chunk; its
   launch (``cutlass:<variant>``, a variant built with the ring's source) from its shipped tuning table;
@@ -31,6 +33,8 @@ from ..direct_calls import cuda_impl
 from . import cublas_pipelined, cutlass, torch_symm_mem, triton
 
 OP = "matmul_reduce_scatter"
+# ``:tail4`` is offered to scaled calls only: no plain row picked it (benchmarks/choice_wins.py).
+PLAIN_TAILS = tuple(d for d in cublas_pipelined.TAILS if d != 4)
 
 _pipelined = cublas_pipelined.matmul_reduce_scatter
 _CHOICES = [
@@ -41,14 +45,14 @@ _CHOICES = [
     Choice(f"{cublas_pipelined.NAME}:pushadd", functools.partial(_pipelined, push=True, addmm=True), cublas_pipelined.pushadd_supports),
     *(
         Choice(f"{cublas_pipelined.NAME}:tail{d}", functools.partial(_pipelined, tail=d), cublas_pipelined.tail_supports(d))
-        for d in cublas_pipelined.TAILS
+        for d in PLAIN_TAILS
     ),
     *(
         Choice(f"{cublas_pipelined.NAME}:stages{g}", functools.partial(_pipelined, groups=g), cublas_pipelined.stages_supports(g), family="rs_stages")
         for g in cublas_pipelined.STAGES
     ),
     Choice(torch_symm_mem.NAME, torch_symm_mem.matmul_reduce_scatter, torch_symm_mem.supports),
-    *(Choice(f"triton:{name}", *triton.make(name), family="triton_rs") for name in triton.VARIANTS),
+    *(Choice(f"triton:{name}", *triton.make(name), family="triton_rs") for name in [triton.PORTABLE] if name),
     Choice(cutlass.NAME, *cutlass.make(cutlass.table().candidates[0]), family="rs_ring", launches=cutlass.launches()),
 ]  # fmt: skip
 for _choice in _CHOICES:

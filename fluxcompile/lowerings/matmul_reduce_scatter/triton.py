@@ -29,7 +29,9 @@ try:
 except ImportError:  # no Triton: the choices are not registered (__init__.py)
     gemm_rs = None
 
-VARIANTS = gemm_rs.VARIANTS if gemm_rs is not None else {}  # the kernel's tile variants, one choice each
+VARIANTS = gemm_rs.VARIANTS if gemm_rs is not None else {}  # the kernel's tile variants
+# The one registered as a choice (``triton:<variant>``): the portable path (HIP); no table timed the others.
+PORTABLE = next(iter(VARIANTS), None)
 TAG = "matmul_reduce_scatter.triton"
 _ERRORS = ErrorSpec(8, "the Triton matmul_reduce_scatter", per_group=True)  # kernels/gemm_rs.py's layout
 _states: dict[Comm, Tensor] = {}  # the epoch counter of a context (int32 [2]), advanced by the kernel
