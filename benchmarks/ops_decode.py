@@ -161,7 +161,8 @@ def _shape(args: argparse.Namespace, model: str, proj: str, m: int, n: int, k: i
     # A bandwidth yardstick: one read of the weight (a reduction), what a memory-bound GEMV cannot beat by much.
     methods["read_weight"] = each_copy(lambda w: w.sum(dtype=torch.float32), [(w,) for w in Ws])
     declined = {}
-    for name, c in choices.items():
+    for c in [x for registered in choices.values() for x in registered.candidates(*op_args)]:  # launches apart
+        name = c.name
         why = c.declines(*op_args)
         if why is None:
             methods[name] = each_copy(c.fn, all_args)

@@ -10,6 +10,7 @@ import torch
 from fluxcompile import config
 from fluxcompile.kernels import gemv_ar
 from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.choices import choice_named
 from fluxcompile.lowerings.matmul_all_reduce import fused_kernels as decode_ar
 
 OPS = ("matmul_all_reduce", "all_reduce_rmsnorm")
@@ -27,7 +28,13 @@ def test_registered_for_both_ops():
         names = [c.name for c in choices_for(op)]
         assert {f"cuda:gemv-{mode}" for mode in gemv_ar.MODES} <= set(names)
         assert {"torch_symm_mem:one_shot", "reference"} <= set(names)
-        assert {f"triton:{v}" for v in decode_ar.TRITON_VARIANTS} <= set(names)
+        assert "triton" in names and not any(n.startswith("triton:") for n in names)  # one choice, its tiles as launches
+        triton = next(c for c in choices_for(op) if c.name == "triton")
+        for v in decode_ar.TRITON_VARIANTS:
+            assert choice_named(op, f"triton:{v}").family == "decode"
+        assert triton.launches.for_call(*_args(op)), "at least one launch, declined by its reason where none fits"
+        with pytest.raises(ValueError, match="no Triton decode launch"):
+            triton.variant("nope")
         assert names[-1] == "reference"
 
 

@@ -126,8 +126,9 @@ def _run(ranks, *args) -> dict:
     return results[0]
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+# Bias and dtype paired rather than crossed: each of the four combinations compiles the same sites (the bias adds
+# to the gathered matmuls' epilogue, the dtype changes only the unscaled tensors).
+@pytest.mark.parametrize(("bias", "dtype_name"), [(False, "float32"), (True, "bfloat16")], ids=["nobias-float32", "bias-bfloat16"])
 def test_tensorwise_float8_styles_sequence_parallel(ranks, bias, dtype_name):
     r = _run(ranks, "tensorwise", True, True, bias, dtype_name)
     # Forward: the fp8 gather (bytes, viewed back) into w1 and w3, w2's partial into the reduce-scatter; backward:

@@ -18,6 +18,7 @@ from fluxcompile import config, ops
 from fluxcompile.config import IMPLEMENTATIONS
 from fluxcompile.kernels import gemv_ar
 from fluxcompile.lowerings import choices_for
+from fluxcompile.lowerings.choices import choice_named
 from fluxcompile.lowerings.matmul_all_reduce import fused_kernels
 from fluxcompile.testing.numerics import assert_close
 
@@ -100,14 +101,18 @@ def _expected(name: str, m: int, n: int, layout: str = "nk") -> bool:
 
 
 def _choice_names(op: str) -> list[str]:
-    return [c.name for c in choices_for(op)]
+    """The op's choices by name, a choice with launch variants (the Triton kernel's tiles) as each of them."""
+    names = []
+    for c in choices_for(op):
+        names += [f"{c.name}:{v}" for v in fused_kernels.TRITON_VARIANTS] if c.launches is not None else [c.name]
+    return names
 
 
 @pytest.mark.parametrize("op", ["matmul_all_reduce", "all_reduce_rmsnorm"])
 @pytest.mark.parametrize("name", _choice_names("matmul_all_reduce"))
 def test_choice_matches_reference(op, name):
     group = dist.group.WORLD
-    choice = {c.name: c for c in choices_for(op)}[name]
+    choice = choice_named(op, name)
     ran = 0
     for m in MS:
         for n in NS:
@@ -134,7 +139,7 @@ def test_choice_matches_reference(op, name):
 @pytest.mark.parametrize("name", [n for n in _choice_names("matmul_all_reduce") if n.startswith("triton:")])
 def test_triton_weight_kn_layout(name):
     group = dist.group.WORLD
-    choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
+    choice = choice_named("matmul_all_reduce", name)
     m = 16 if "16x" in name else 128
     n = 64 * max(5, group.size() + 1)  # two-shot: at least a tile per rank (one row of tiles at m <= BLOCK_M)
     A, B, b, _ = _inputs(m, n, True, None, shared_seed(), layout="kn")
@@ -166,7 +171,7 @@ def test_cuda_graph_replays(name, m, tail):
     op = "matmul_all_reduce" if tail is None else "all_reduce_rmsnorm"
     group = dist.group.WORLD
     n = 8192
-    choice = {c.name: c for c in choices_for(op)}[name]
+    choice = choice_named(op, name)
     A, B, b, extra = _inputs(m, n, True, tail, shared_seed())
     args = _args(op, A, B, b, extra, m, n, group.group_name)
     if not _expected(name, m, n):
@@ -217,7 +222,7 @@ def test_second_group_has_its_own_state():
     other = dist.new_group(list(range(world.size())))
     op = "matmul_all_reduce"
     for name, m in (("cuda:gemv-oneshot", 4), ("triton:twoshot-16x64x128", 16), ("torch_symm_mem:one_shot", 4)):
-        choice = {c.name: c for c in choices_for(op)}[name]
+        choice = choice_named(op, name)
         for _ in range(2):
             for g in (world, other, world):  # interleaved: each group's epochs advance on their own
                 A, B, b, _ = _inputs(m, 512, True, None, shared_seed())
@@ -237,7 +242,7 @@ def test_first_call_keeps_nothing_in_the_callers_graph_pool():
     errors = []
     for name, m in (("cuda:gemv-oneshot", 4), ("triton:twoshot-16x64x128", 16), ("schedules:one_shot", 16)):
         group = dist.new_group(list(range(dist.get_world_size())))  # no choice has state on it yet
-        choice = {c.name: c for c in choices_for(op)}[name]
+        choice = choice_named(op, name)
         A, B, b, _ = _inputs(m, 512, True, None, shared_seed())
         args = _args(op, A, B, b, None, m, 512, group.group_name)
         assert choice.declines(*args) is None
@@ -303,7 +308,7 @@ def test_graph_timed_tuning_times_replays():
     group = dist.group.WORLD
     A, B, b, _ = _inputs(16, 8192, True, None, shared_seed())
     args = _args("matmul_all_reduce", A, B, b, None, 16, 8192, group.group_name)
-    cands = [c for c in choices_for("matmul_all_reduce") if c.declines(*args) is None]
+    cands = [x for c in choices_for("matmul_all_reduce") for x in c.candidates(*args) if x.declines(*args) is None]
     assert {"cuda:gemv-oneshot", "torch_symm_mem:one_shot", "reference"} <= {c.name for c in cands}
     times = autotune._benchmark(cands, args, group, torch.device("cuda"), graphs=True)
     assert all(0 < t < 10 for t in times), dict(zip([c.name for c in cands], times))
@@ -349,7 +354,7 @@ def test_missing_peer_is_a_bounded_error(monkeypatch, name):
         pytest.skip("needs a peer")
     monkeypatch.setattr(config, "check_signals", False)
     lonely = dist.new_group(list(range(dist.get_world_size())))
-    choice = {c.name: c for c in choices_for("matmul_all_reduce")}[name]
+    choice = choice_named("matmul_all_reduce", name)
     A, B, b, _ = _inputs(16, 256, False, None, shared_seed())
     args = _args("matmul_all_reduce", A, B, b, None, 16, 256, lonely.group_name)
     choice.fn(*args)  # together: creates the state and synchronizes the first call

@@ -3,8 +3,9 @@ decoder layer's tail after them): their choices, registered for both ops, and ea
 which asks the rank-synchronized autotuner for one choice per call signature and runs it.
 
 Choices (each capturable in a CUDA graph once a first eager call made its workspaces), in the autotuner's order:
-* ``triton:<oneshot|twoshot>-<tile>`` (family ``decode``): kernels/gemm_ar.py, a tiled GEMM for any m with the
-  CUDA kernel's protocol (next);
+* ``triton`` (family ``decode``): kernels/gemm_ar.py, a tiled GEMM for any m with the CUDA kernel's protocol
+  (next); one choice whose launches (``triton:<oneshot|twoshot>-<tile>``) are the tiles whose m range holds the
+  call's rows;
 * ``cuda:gemv-oneshot`` / ``:gemv-twoshot`` / ``:gemv-oneshot-ll`` / ``:gemv-oneshot-ll128``: csrc/gemv_ar.cu (kernels/gemv_ar.py), a GEMV kernel (m <= 64)
   whose epilogue stores each output tile into the peers' symmetric memory (fused_kernels.py; family ``decode``,
   and between GPUs ``gemv_peers`` too);
@@ -16,6 +17,7 @@ Choices (each capturable in a CUDA graph once a first eager call made its worksp
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -25,7 +27,7 @@ from torch import Tensor
 from ...kernels import gemv_ar
 from ...ops import check_scales
 from ..autotune import pick, time_in_cuda_graphs
-from ..choices import Choice, register_choice, scaled
+from ..choices import Choice, Launches, register_choice, scaled
 from ..direct_calls import cuda_impl
 from . import fused_kernels, schedules, torch_symm_mem
 from .pairs import fused_pair, unfused_pair
@@ -38,10 +40,30 @@ def _register(name: str, pair_mar, pair_arn, family: str = "") -> None:
     register_choice("all_reduce_rmsnorm", Choice(name, *pair_arn, family=family))
 
 
+def _triton_launches(op_index: int) -> Launches:
+    """The Triton kernel's tile variants as launch data (``choices.Launches``): a call times the one- and two-shot
+    variants whose m range holds its rows (no table picked any of them over the others: one choice, the portable
+    path, with the tile its rows need)."""
+    variants = list(fused_kernels.TRITON_VARIANTS)
+
+    def make(variant: str):
+        if variant not in fused_kernels.TRITON_VARIANTS:
+            raise ValueError(f"fluxcompile: no Triton decode launch {variant!r}")
+        return fused_pair(fused_kernels.run_triton, fused_kernels.triton_supports, variant)[op_index]
+
+    def for_call(*args) -> list[str]:
+        taken = [v for v in variants if make(v)[1](*args) is None]
+        return taken or variants[:1]
+
+    return Launches(for_call, make, hashlib.sha256(repr(sorted(fused_kernels.TRITON_VARIANTS.items())).encode()).hexdigest()[:16])
+
+
 # Both kernels are family "decode"; the Triton one first, the candidates' order within the family.
-for _variant in fused_kernels.TRITON_VARIANTS:
-    _pairs = fused_pair(fused_kernels.run_triton, fused_kernels.triton_supports, _variant)
-    _register(f"triton:{_variant}", *_pairs, family="decode")
+if fused_kernels.TRITON_VARIANTS:
+    _first = next(iter(fused_kernels.TRITON_VARIANTS))
+    for _i, _op in enumerate(OPS):
+        _fn, _supports = _triton_launches(_i).make(_first)
+        register_choice(_op, Choice("triton", _fn, _supports, family="decode", launches=_triton_launches(_i)))
 for _mode in gemv_ar.MODES:
     _pairs = fused_pair(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode)
     _register(f"cuda:gemv-{_mode}", *_pairs, family="decode")
