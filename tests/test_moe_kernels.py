@@ -25,7 +25,7 @@ from fluxcompile import config  # noqa: E402
 from fluxcompile.kernels import grouped_gemm as gg  # noqa: E402
 from fluxcompile.lowerings.all_to_all import OPS  # noqa: E402
 from fluxcompile.lowerings.all_to_all import triton as moe  # noqa: E402
-from fluxcompile.lowerings.choices import _REGISTRY  # noqa: E402
+from fluxcompile.lowerings.choices import _REGISTRY, choice_named  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -289,12 +289,20 @@ def _triton(op: str) -> dict:
 
 
 def test_choices_registered_for_both_ops():
+    """One Triton choice per op, its tiles as launches: a few timed per call, any variant resolvable by name."""
     assert OPS == ("all_to_all_matmul", "matmul_all_to_all")
     one = [name for name, v in gg.VARIANTS.items() if v.per_sm == 1]
     assert len(one) < len(gg.VARIANTS)
-    ordered = [f"triton:{v}-pull{n}" for v in one for n in moe.ORDERED_COPIERS]
-    assert list(_triton(OPS[0])) == [f"triton:{v}" for v in one] + [f"triton:{v}-split" for v in gg.VARIANTS] + ordered
-    assert list(_triton(OPS[1])) == [f"triton:{v}" for v in one]
+    assert not _triton(OPS[0]) and not _triton(OPS[1])  # no "triton:<variant>" registered
+    for op, timed in ((OPS[0], moe.DISPATCH_TIMED), (OPS[1], moe.COMBINE_TIMED)):
+        base = _REGISTRY[op]["triton"]
+        assert base.family == "moe" and base.launches is not None and 2 <= len(timed) <= 3
+    with config.patch(implementations=("+moe",)):
+        for v in [*one, *(f"{v}-split" for v in gg.VARIANTS), *(f"{v}-pull{n}" for v in one for n in moe.ORDERED_COPIERS)]:
+            assert choice_named(OPS[0], f"triton:{v}").name == f"triton:{v}"
+        for v in one:
+            assert choice_named(OPS[1], f"triton:{v}").name == f"triton:{v}"
+        assert choice_named(OPS[1], "triton:nope") is None
 
 
 def test_cutlass_dispatch_choices():
@@ -303,10 +311,11 @@ def test_cutlass_dispatch_choices():
     from fluxcompile.kernels import cutlass_grouped
     from fluxcompile.lowerings.all_to_all import cutlass as cm
 
-    names = [n for n, c in _REGISTRY[OPS[0]].items() if n.startswith("cutlass:")]
-    assert names == [f"cutlass:{n}" for n in cm.NAMES] and len(names) == 2 * len(cutlass_grouped.GROUPED_VARIANTS)
-    assert all(_REGISTRY[OPS[0]][n].family == "moe" for n in names)
-    assert not any(n.startswith("cutlass:") for n in _REGISTRY[OPS[1]]), "the combine has no CUTLASS choice yet"
+    base = _REGISTRY[OPS[0]]["cutlass"]
+    assert base.family == "moe" and base.launches is not None and all(cm.parse(n) for n in cm.TIMED)
+    assert [base.variant(n).name for n in cm.NAMES] == [f"cutlass:{n}" for n in cm.NAMES]
+    assert len(cm.NAMES) == 2 * len(cutlass_grouped.GROUPED_VARIANTS)
+    assert not any(n.startswith("cutlass") for n in _REGISTRY[OPS[1]]), "the combine has no CUTLASS choice yet"
     v = next(iter(cutlass_grouped.GROUPED_VARIANTS))
     assert cm.parse(f"{v}-pull8") == (v, 8)
     for bad in (v, f"{v}-pull0", f"{v}-pullx", "128x128x32-pull8"):

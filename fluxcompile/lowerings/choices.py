@@ -23,6 +23,7 @@ since a rank that leaves a collective early makes the others wait in it (see ``a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,21 @@ class Launches:
     for_call: Callable[..., Sequence[str]]
     make: Callable[[str], tuple[Callable[..., Any], Callable[..., str | None]]]
     digest: str = ""
+
+    @classmethod
+    def timed(
+        cls, names: Sequence[str], make: Callable[[str], tuple[Callable[..., Any], Callable[..., str | None]]]
+    ) -> Launches:
+        """Launches without a table: every call times those of ``names`` that take it (the first where none
+        does, declined by its reason)."""
+        names = list(names)
+        for name in names:
+            make(name)  # an unknown launch fails at registration, not at a call
+
+        def for_call(*args: Any) -> list[str]:
+            return [n for n in names if make(n)[1](*args) is None] or names[:1]
+
+        return cls(for_call, make, hashlib.sha256(",".join(names).encode()).hexdigest()[:16])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,13 +3,15 @@ here, as the other ops' do in their folders; a call no fused choice takes runs t
 (``all_to_all_single`` + matmuls, registered by lowerings/choices.py).
 
 Choices, in registration order:
-* ``triton:<tile>`` and, for the dispatch, ``triton:<tile>-split`` (triton.py, family ``moe``,
+* ``triton`` (one choice per op: its launches ``triton:<tile>`` and, for the dispatch, ``triton:<tile>-split`` and
+  ``triton:<tile>-pull<N>``, a few timed per call: ``DISPATCH_TIMED``, ``COMBINE_TIMED``) (triton.py, family ``moe``,
   off by default: ``FLUXCOMPILE_IMPLEMENTATIONS=+moe``): the persistent Triton grouped GEMM of kernels/grouped_gemm.py with the
   all-to-all built in; the dispatch pulls its rows from the peers' symmetric send buffers in the GEMM's launch
   (``-split``: in a launch of its own), the combine's epilogue stores every row at its final place in its
   destination's receive buffer. Expert weights (``[E, K, N]``, grouped by ``offs`` or equal groups) only: dense
   weights are declined;
-* ``cutlass:<variant>-pull<N>`` (cutlass.py, family ``moe``, experimental), the dispatch only: N programs on the
+* ``cutlass`` (its launches ``cutlass:<variant>-pull<N>``, ``cutlass.TIMED`` timed per call) (cutlass.py, family
+  ``moe``, experimental), the dispatch only: N programs on the
   side stream pull the experts' rows in their order (Flux's permuting copy), a flag per block of rows, while the
   experts' CUTLASS grouped GEMM (kernels/cutlass_grouped.py) waits per tile for its blocks; bf16, ``offs`` only;
 * ``vdev`` (vdev.py, family ``moe``, experimental), both ops: torch's NVSHMEM all-to-all
@@ -30,7 +32,7 @@ from typing import Any
 from torch import Tensor
 
 from ..autotune import pick
-from ..choices import Choice, register_choice
+from ..choices import Choice, Launches, register_choice
 from ..direct_calls import cuda_impl
 from . import triton, vdev
 
@@ -42,12 +44,12 @@ register_choice(OPS[1], Choice(vdev.NAME, *vdev.make_combine(), family="moe", re
 if triton.gg is not None:
     from . import cutlass
 
-    for _name in triton.DISPATCH_VARIANTS:
-        register_choice(OPS[0], Choice(f"{triton.NAME}:{_name}", *triton.make_dispatch(_name), family="moe"))
-    for _name in cutlass.NAMES:
-        register_choice(OPS[0], Choice(f"{cutlass.NAME}:{_name}", *cutlass.make(_name), family="moe"))
-    for _name in triton.COMBINE_VARIANTS:
-        register_choice(OPS[1], Choice(f"{triton.NAME}:{_name}", *triton.make_combine(_name), family="moe"))
+    _dispatch = Launches.timed(triton.DISPATCH_TIMED, triton.make_dispatch)
+    register_choice(OPS[0], Choice(triton.NAME, *triton.make_dispatch(triton.DISPATCH_TIMED[0]), family="moe", launches=_dispatch))
+    _cutlass = Launches.timed(cutlass.TIMED, cutlass.make)
+    register_choice(OPS[0], Choice(cutlass.NAME, *cutlass.make(cutlass.TIMED[0]), family="moe", launches=_cutlass))
+    _combine = Launches.timed(triton.COMBINE_TIMED, triton.make_combine)
+    register_choice(OPS[1], Choice(triton.NAME, *triton.make_combine(triton.COMBINE_TIMED[0]), family="moe", launches=_combine))
 
 
 # The dispatch choices' keyword arguments of a call that does not read the exchanged rows (its own signature).

@@ -43,6 +43,9 @@ NAME = "cutlass"
 COPIERS = (8, 32)  # the permuted pull's programs (one per SM), per choice
 PULL = "-pull"  # "<variant>-pull<N>"
 NAMES = [f"{v}{PULL}{n}" for v in cutlass_grouped.GROUPED_VARIANTS for n in COPIERS]
+# The launches timed per call (one choice, its variants as data): the best of the recorded one-GPU runs
+# (benchmarks/results/moe-peers-1xh200-2026-11-28-cutlass.json).
+TIMED = ("128x256x64_c2x1-pull8", "128x128x64_c1x2_pp-pull16")
 _BLOCK_FLAGS = "the MoE dispatch's block flags"
 
 

@@ -106,6 +106,11 @@ DISPATCH_VARIANTS = (
     else []
 )
 COMBINE_VARIANTS = list(_ONE_PER_SM)
+# The launches timed per call (one choice per op, its tiles as data): those within reach of the best in the
+# recorded runs between GPUs (benchmarks/results/moe-peers-{2,4}xh100-2026-11-27d.json: the dispatch's best were
+# the 128x256 tile pulling in 16 or 32 programs of its launch, the combine's the 256x128 and 128x128 tiles).
+DISPATCH_TIMED = ("128x256x64-w8s3-pull16", "128x256x64-w8s3-pull32", "128x256x64-w8s3")
+COMBINE_TIMED = ("256x128x64-w8s3", "128x128x64-w8s4", "128x128x64-w4s4")
 
 
 def timeout_s() -> float:
