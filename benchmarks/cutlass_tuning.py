@@ -43,7 +43,6 @@ _MACHINE = re.compile(r"(\d+)x(h100|h200)")
 
 
 def _op_shapes(op: str) -> list[tuple[int, int, int]]:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     if op == "all_gather_matmul":
         from ops import AG_SHAPES as shapes
     else:

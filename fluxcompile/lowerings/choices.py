@@ -51,10 +51,14 @@ class Launches:
 
     @classmethod
     def timed(
-        cls, names: Sequence[str], make: Callable[[str], tuple[Callable[..., Any], Callable[..., str | None]]]
+        cls,
+        names: Sequence[str],
+        make: Callable[[str], tuple[Callable[..., Any], Callable[..., str | None]]],
+        salt: str = "",
     ) -> Launches:
         """Launches without a table: every call times those of ``names`` that take it (the first where none
-        does, declined by its reason)."""
+        does, declined by its reason). The digest covers the names and ``salt`` (what else decides which take a
+        call, e.g. the tiles' row ranges)."""
         names = list(names)
         for name in names:
             make(name)  # an unknown launch fails at registration, not at a call
@@ -62,7 +66,7 @@ class Launches:
         def for_call(*args: Any) -> list[str]:
             return [n for n in names if make(n)[1](*args) is None] or names[:1]
 
-        return cls(for_call, make, hashlib.sha256(",".join(names).encode()).hexdigest()[:16])
+        return cls(for_call, make, hashlib.sha256(f"{','.join(names)}|{salt}".encode()).hexdigest()[:16])
 
 
 @dataclasses.dataclass(frozen=True)

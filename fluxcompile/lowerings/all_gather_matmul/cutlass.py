@@ -146,7 +146,7 @@ def parse(name: str) -> tuple[str, Launch]:
         elif option[:1] == "g" and digits.isdigit() and int(digits) in GROUPS:
             launch = dataclasses.replace(launch, group_m=int(digits))
         else:
-            variant = ""
+            raise ValueError(f"fluxcompile: no CUTLASS all-gather launch {name!r}")
     if variant not in cutlass_gemm.variants():
         raise ValueError(f"fluxcompile: no CUTLASS all-gather launch {name!r}")
     return variant, launch

@@ -17,7 +17,6 @@ Choices (each capturable in a CUDA graph once a first eager call made its worksp
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 
@@ -44,26 +43,22 @@ def _triton_launches(op_index: int) -> Launches:
     """The Triton kernel's tile variants as launch data (``choices.Launches``): a call times the one- and two-shot
     variants whose m range holds its rows (no table picked any of them over the others: one choice, the portable
     path, with the tile its rows need)."""
-    variants = list(fused_kernels.TRITON_VARIANTS)
 
     def make(variant: str):
         if variant not in fused_kernels.TRITON_VARIANTS:
             raise ValueError(f"fluxcompile: no Triton decode launch {variant!r}")
         return fused_pair(fused_kernels.run_triton, fused_kernels.triton_supports, variant)[op_index]
 
-    def for_call(*args) -> list[str]:
-        taken = [v for v in variants if make(v)[1](*args) is None]
-        return taken or variants[:1]
-
-    return Launches(for_call, make, hashlib.sha256(repr(sorted(fused_kernels.TRITON_VARIANTS.items())).encode()).hexdigest()[:16])
+    ranges = repr(sorted(fused_kernels.TRITON_VARIANTS.items()))
+    return Launches.timed(list(fused_kernels.TRITON_VARIANTS), make, salt=ranges)
 
 
 # Both kernels are family "decode"; the Triton one first, the candidates' order within the family.
 if fused_kernels.TRITON_VARIANTS:
     _first = next(iter(fused_kernels.TRITON_VARIANTS))
     for _i, _op in enumerate(OPS):
-        _fn, _supports = _triton_launches(_i).make(_first)
-        register_choice(_op, Choice("triton", _fn, _supports, family="decode", launches=_triton_launches(_i)))
+        _launches = _triton_launches(_i)
+        register_choice(_op, Choice("triton", *_launches.make(_first), family="decode", launches=_launches))
 for _mode in gemv_ar.MODES:
     _pairs = fused_pair(fused_kernels.run_cuda, fused_kernels.cuda_supports, _mode)
     _register(f"cuda:gemv-{_mode}", *_pairs, family="decode")
